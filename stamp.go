@@ -1,0 +1,193 @@
+package leasehold
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+)
+
+// Header names of the stamp every effect carries. W3C trace context
+// (traceparent, tracestate) travels beside them.
+const (
+	HeaderPartition = "Leasehold-Partition"
+	HeaderEpoch     = "Leasehold-Epoch"
+	HeaderKey       = "Leasehold-Key" // the effect's idempotency key
+	HeaderWorker    = "Leasehold-Worker"
+)
+
+// MaxKeyLen bounds an idempotency key so that it fits a KV key, a
+// Nats-Msg-Id and an indexed database column.
+const MaxKeyLen = 256
+
+// Stamp is what a sink needs to fence an effect: the partition it belongs
+// to, the epoch of the lease it was produced under, and its idempotency key.
+// Worker names the producing worker for logs and traces; it is informative
+// and never trusted for fencing.
+type Stamp struct {
+	Partition Partition
+	Epoch     Epoch
+	Key       string
+	Worker    string
+}
+
+// Admits reports whether a write stamped with epoch e may be applied when
+// the partition's recorded maximum is max. Equal epochs are admitted: one
+// holder writes many times.
+func Admits(max, e Epoch) bool { return e >= max }
+
+// Validate reports whether s can be written as headers and read back.
+func (s Stamp) Validate() error {
+	if s.Epoch == 0 || s.Epoch > MaxEpoch {
+		return &StampError{Header: HeaderEpoch, Value: s.Epoch.String(), Err: fmt.Errorf("epoch %d is outside 1..%d", s.Epoch, MaxEpoch)}
+	}
+	if s.Partition >= MaxPartitions {
+		return &StampError{Header: HeaderPartition, Value: s.Partition.String(), Err: fmt.Errorf("partition %d is not below %d", s.Partition, MaxPartitions)}
+	}
+	if err := validKey(s.Key); err != nil {
+		return &StampError{Header: HeaderKey, Value: s.Key, Err: err}
+	}
+	return nil
+}
+
+// SetHeader writes s into h under the leasehold header names, replacing any
+// values already there. nats.Header and http.Header convert to h's type.
+func (s Stamp) SetHeader(h map[string][]string) {
+	h[HeaderPartition] = []string{s.Partition.String()}
+	h[HeaderEpoch] = []string{s.Epoch.String()}
+	h[HeaderKey] = []string{s.Key}
+	if s.Worker != "" {
+		h[HeaderWorker] = []string{s.Worker}
+	} else {
+		delete(h, HeaderWorker)
+	}
+}
+
+// SetMetadata writes s into Watermill-style metadata.
+func (s Stamp) SetMetadata(m map[string]string) {
+	m[HeaderPartition] = s.Partition.String()
+	m[HeaderEpoch] = s.Epoch.String()
+	m[HeaderKey] = s.Key
+	if s.Worker != "" {
+		m[HeaderWorker] = s.Worker
+	}
+}
+
+// StampFromHeader reads a stamp from message headers. Names match without
+// regard to case, since proxies and other clients may lower-case them; a
+// header given twice with different values is an error.
+func StampFromHeader(h map[string][]string) (Stamp, error) {
+	return parseStamp(func(name string) (string, error) { return headerValue(h, name) })
+}
+
+// StampFromMetadata reads a stamp from Watermill-style metadata.
+func StampFromMetadata(m map[string]string) (Stamp, error) {
+	return parseStamp(func(name string) (string, error) {
+		if v, ok := m[name]; ok {
+			return v, nil
+		}
+		var found string
+		var n int
+		for k, v := range m {
+			if strings.EqualFold(k, name) {
+				if n > 0 && v != found {
+					return "", errConflict
+				}
+				found, n = v, n+1
+			}
+		}
+		if n == 0 {
+			return "", errMissing
+		}
+		return found, nil
+	})
+}
+
+var (
+	errMissing  = errors.New("is missing")
+	errConflict = errors.New("is given more than once with different values")
+)
+
+func parseStamp(get func(string) (string, error)) (Stamp, error) {
+	var s Stamp
+	v, err := get(HeaderPartition)
+	if err == nil {
+		s.Partition, err = ParsePartition(v)
+	}
+	if err != nil {
+		return Stamp{}, &StampError{Header: HeaderPartition, Value: v, Err: err}
+	}
+	v, err = get(HeaderEpoch)
+	if err == nil {
+		s.Epoch, err = ParseEpoch(v)
+	}
+	if err != nil {
+		return Stamp{}, &StampError{Header: HeaderEpoch, Value: v, Err: err}
+	}
+	v, err = get(HeaderKey)
+	if err == nil {
+		err = validKey(v)
+	}
+	if err != nil {
+		return Stamp{}, &StampError{Header: HeaderKey, Value: v, Err: err}
+	}
+	s.Key = v
+	if w, err := get(HeaderWorker); err == nil {
+		s.Worker = w
+	}
+	return s, nil
+}
+
+// headerValue looks a header up by exact name first (the common, cheap
+// case), then without regard to case.
+func headerValue(h map[string][]string, name string) (string, error) {
+	var vals []string
+	if vs, ok := h[name]; ok {
+		vals = vs
+	}
+	for k, vs := range h {
+		if k != name && strings.EqualFold(k, name) {
+			vals = append(vals[:len(vals):len(vals)], vs...)
+		}
+	}
+	if len(vals) == 0 {
+		return "", errMissing
+	}
+	for _, v := range vals[1:] {
+		if v != vals[0] {
+			return "", errConflict
+		}
+	}
+	return vals[0], nil
+}
+
+func validKey(k string) error {
+	switch {
+	case k == "":
+		return errors.New("idempotency key is empty")
+	case len(k) > MaxKeyLen:
+		return fmt.Errorf("idempotency key is %d bytes long; the limit is %d", len(k), MaxKeyLen)
+	}
+	for i := 0; i < len(k); i++ {
+		if c := k[i]; c <= ' ' || c == 0x7f {
+			return fmt.Errorf("idempotency key holds the control or space byte %s", strconv.QuoteRune(rune(c)))
+		}
+	}
+	return nil
+}
+
+// EffectKey derives the idempotency key of the index-th effect a handler
+// emits while handling the job at input sequence seq of partition p. The same
+// job re-run after a fail-over emits the same keys, so a deduping sink
+// applies each effect once. scope separates job streams that share a sink.
+func EffectKey(scope string, p Partition, seq uint64, index int) string {
+	b := make([]byte, 0, len(scope)+32)
+	b = append(b, scope...)
+	b = append(b, '.')
+	b = strconv.AppendUint(b, uint64(p), 10)
+	b = append(b, '.')
+	b = strconv.AppendUint(b, seq, 10)
+	b = append(b, '.')
+	b = strconv.AppendInt(b, int64(index), 10)
+	return string(b)
+}
