@@ -1,0 +1,253 @@
+package coordinator_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/testing/natstest"
+)
+
+// cycle acquires and releases partition p once and returns the epoch.
+func cycle(t *testing.T, c *coordinator.Coordinator, p leasehold.Partition) leasehold.Epoch {
+	t.Helper()
+	l := acquireEventually(t, c, p, 20*time.Second)
+	ctx := ctxFor(t, 10*time.Second)
+	// Retry the release across a fail-over.
+	for {
+		err := l.Release(ctx)
+		if err == nil {
+			break
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("release: %v", err)
+		}
+	}
+	return l.Epoch()
+}
+
+// I1: epochs strictly increase across a server restart.
+func TestEpochsIncreaseAcrossRestart(t *testing.T) {
+	s := natstest.Start(t, natstest.Listen())
+	b := provision(t, s.JetStream(t), 1)
+	c := newCoord(t, b, "a", 2*time.Second)
+	e1 := cycle(t, c, 0)
+	e2 := cycle(t, c, 0)
+	s.Restart(t)
+	b = provision(t, s.JetStream(t), 1)
+	c = newCoord(t, b, "a", 2*time.Second)
+	e3 := cycle(t, c, 0)
+	if !(e1 < e2 && e2 < e3) {
+		t.Fatalf("epochs %d, %d, %d do not increase", e1, e2, e3)
+	}
+}
+
+// I1: epochs strictly increase across the loss of the stream leader.
+func TestEpochsIncreaseAcrossLeaderKill(t *testing.T) {
+	cl := natstest.StartCluster(t)
+	js := cl.JetStream(t)
+	b := provision(t, js, 3)
+	c := newCoord(t, b, "a", 2*time.Second)
+	var last leasehold.Epoch
+	for round := range 3 {
+		for range 3 {
+			e := cycle(t, c, leasehold.Partition(round))
+			if e <= last {
+				t.Fatalf("round %d: epoch %d after %d", round, e, last)
+			}
+			last = e
+		}
+		leader := cl.StreamLeader(t, "KV_"+b.Name(), 10*time.Second)
+		cl.Kill(leader)
+		cl.StreamLeader(t, "KV_"+b.Name(), 20*time.Second)
+		e := cycle(t, c, leasehold.Partition(round))
+		if e <= last {
+			t.Fatalf("after killing node %d: epoch %d after %d", leader, e, last)
+		}
+		last = e
+		cl.Restart(t, leader)
+		cl.WaitStreamCurrent(t, "KV_"+b.Name(), 30*time.Second)
+	}
+}
+
+// I1: epochs strictly increase when the bucket is deleted and re-created,
+// even when the old bucket issued revisions faster than the clock moves.
+func TestEpochsIncreaseAcrossBucketRecreation(t *testing.T) {
+	js := natstest.Start(t).JetStream(t)
+	ctx := ctxFor(t, 20*time.Second)
+	b := provision(t, js, 1)
+	c := newCoord(t, b, "a", 2*time.Second)
+	before := cycle(t, c, 5)
+	if err := js.DeleteStream(ctx, "KV_"+b.Name()); err != nil {
+		t.Fatal(err)
+	}
+	b = provision(t, js, 1)
+	after := cycle(t, newCoord(t, b, "a", 2*time.Second), 5)
+	if after <= before {
+		t.Fatalf("epoch %d after re-creation is not above %d", after, before)
+	}
+
+	// A floor far ahead of the clock (a bucket that issued many revisions)
+	// carries over when passed as EpochFloor.
+	floor := after + 1<<40
+	if err := js.DeleteStream(ctx, "KV_"+b.Name()); err != nil {
+		t.Fatal(err)
+	}
+	b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{EpochFloor: floor})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e := cycle(t, newCoord(t, b, "a", 2*time.Second), 5); e <= floor {
+		t.Fatalf("epoch %d is not above the floor %d", e, floor)
+	}
+}
+
+// I2: racing acquirers on the cluster never hold one partition together,
+// whether the partition changes hands by release or by expiry. A holder
+// that abandons its lease counts as holding it until its local deadline
+// passes, which must come before the server lets anybody else in.
+func TestNeverTwoHolders(t *testing.T) {
+	cl := natstest.StartCluster(t)
+	b := provision(t, cl.JetStream(t), 3)
+	const racers, target = 8, 60
+	var holder atomic.Int32 // 0: nobody; i+1: racer i
+	var violations, wins atomic.Int32
+	var epochs sync.Map
+	ctx := ctxFor(t, 120*time.Second)
+	var wg sync.WaitGroup
+	for i := range racers {
+		js := cl.JetStream(t)
+		bi, err := coordinator.OpenBucket(ctx, js, b.Name())
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := newCoord(t, bi, "racer-"+string(rune('a'+i)), time.Second)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for wins.Load() < target && ctx.Err() == nil {
+				l, err := c.Acquire(ctx, 9, coordinator.ManualRenew())
+				if err != nil {
+					if !errors.Is(err, coordinator.ErrHeld) && ctx.Err() == nil {
+						t.Errorf("racer %d: %v", i, err)
+					}
+					time.Sleep(time.Duration(i) * time.Millisecond)
+					continue
+				}
+				n := wins.Add(1)
+				if _, dup := epochs.LoadOrStore(l.Epoch(), i); dup {
+					t.Errorf("epoch %d issued twice", l.Epoch())
+				}
+				if !holder.CompareAndSwap(0, int32(i+1)) {
+					violations.Add(1)
+				}
+				if n%10 == 9 {
+					<-l.Done() // abandoned: held until the local deadline
+					holder.Store(0)
+					continue
+				}
+				time.Sleep(2 * time.Millisecond)
+				holder.Store(0)
+				if err := l.Release(ctx); err != nil {
+					t.Errorf("racer %d release: %v", i, err)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if v := violations.Load(); v != 0 {
+		t.Fatalf("%d times two racers held the partition together", v)
+	}
+	if wins.Load() < target {
+		t.Fatalf("only %d acquisitions before the deadline", wins.Load())
+	}
+	t.Logf("%d acquisitions, no overlap", wins.Load())
+}
+
+func TestBucketWithWrongConfigIsRefused(t *testing.T) {
+	js := natstest.Start(t).JetStream(t)
+	ctx := ctxFor(t, 10*time.Second)
+	// A stock KV bucket: history 5, no per-key TTL, memory storage.
+	if _, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "stock", History: 5, Storage: jetstream.MemoryStorage}); err != nil {
+		t.Fatal(err)
+	}
+	_, err := coordinator.OpenBucket(ctx, js, "stock")
+	if !errors.Is(err, coordinator.ErrBucketConfig) {
+		t.Fatalf("OpenBucket: %v, want ErrBucketConfig", err)
+	}
+	for _, want := range []string{"history is 5", "per-key TTLs", "memory", "first-sequence floor", "leasehold init"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not mention %q", err, want)
+		}
+	}
+	if _, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: "stock"}); !errors.Is(err, coordinator.ErrBucketConfig) {
+		t.Fatalf("Provision over a stock bucket: %v", err)
+	}
+	// A good bucket asked for with more replicas than it has.
+	provision(t, js, 1)
+	if _, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Replicas: 3}); !errors.Is(err, coordinator.ErrBucketConfig) {
+		t.Fatalf("R1 bucket provisioned as R3: %v", err)
+	}
+	if _, err := coordinator.OpenBucket(ctx, js, "missing"); err == nil || !strings.Contains(err.Error(), "leasehold init") {
+		t.Fatalf("missing bucket: %v", err)
+	}
+	if err := (coordinator.BucketConfig{Bucket: "a.b", MarkerTTL: 1500 * time.Millisecond}).Validate(); err == nil {
+		t.Fatal("bad bucket config accepted")
+	}
+}
+
+func TestGarbledLeaseRecord(t *testing.T) {
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	ctx := ctxFor(t, 10*time.Second)
+	kv, _ := js.KeyValue(ctx, b.Name())
+	if _, err := kv.PutString(ctx, "partition.4", "not json"); err != nil {
+		t.Fatal(err)
+	}
+	_, err := newCoord(t, b, "a", 2*time.Second).Acquire(ctx, 4)
+	if err == nil || !strings.Contains(err.Error(), "nats kv del") {
+		t.Fatalf("acquire over garbage: %v", err)
+	}
+	if _, err := kv.PutString(ctx, "progress.6", "{garbage"); err != nil {
+		t.Fatal(err)
+	}
+	_, err = newCoord(t, b, "a", 2*time.Second).Acquire(ctx, 6)
+	if err == nil || !strings.Contains(err.Error(), "progress.6") {
+		t.Fatalf("acquire over a garbled progress record: %v", err)
+	}
+	// The failed acquisition did not leave the partition held.
+	if e, err := kv.Get(ctx, "partition.6"); !errors.Is(err, jetstream.ErrKeyNotFound) {
+		t.Fatalf("partition 6 after a failed acquisition: %v, %v", e, err)
+	}
+}
+
+func TestNATSUnreachable(t *testing.T) {
+	s := natstest.Start(t, natstest.Listen())
+	nc, err := nats.Connect(s.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	js, _ := jetstream.New(nc)
+	s.Shutdown()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	start := time.Now()
+	_, err = coordinator.Provision(ctx, js, coordinator.BucketConfig{})
+	if err == nil {
+		t.Fatal("Provision succeeded with no server")
+	}
+	if time.Since(start) > 5*time.Second {
+		t.Fatalf("Provision took %v to fail", time.Since(start))
+	}
+	t.Log(err)
+}

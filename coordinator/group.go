@@ -1,0 +1,470 @@
+package coordinator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+)
+
+// Run joins the worker group and balances partitions until ctx ends: it
+// registers this worker, watches the bucket, acquires the partitions the
+// shared assignment gives it (calling OnAcquire), and hands off the ones it
+// should no longer hold (OnRevoke, then Release). When ctx ends it
+// deregisters, drains and releases everything it holds, and returns nil;
+// it returns an error only if it cannot start.
+func (c *Coordinator) Run(ctx context.Context) error {
+	if c.cfg.Partitions <= 0 {
+		return errors.New("coordinator: Run needs Config.Partitions")
+	}
+	g := &group{
+		c:         c,
+		n:         c.cfg.Partitions,
+		held:      map[leasehold.Partition]*Lease{},
+		draining:  map[leasehold.Partition]bool{},
+		acquiring: map[leasehold.Partition]bool{},
+		watchCh:   make(chan watchEvent, 256),
+		lostCh:    make(chan *Lease, 16),
+		acqCh:     make(chan acquireResult, 16),
+		drainCh:   make(chan *Lease, 16),
+		done:      make(chan struct{}),
+		sem:       make(chan struct{}, 8),
+	}
+	c.setGroup(g)
+	defer c.setGroup(nil)
+	return g.run(ctx)
+}
+
+// Held returns the partition leases Run holds now, ordered by partition.
+func (c *Coordinator) Held() []*Lease {
+	c.mu.Lock()
+	g := c.group
+	c.mu.Unlock()
+	if g == nil {
+		return nil
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	out := make([]*Lease, 0, len(g.held))
+	for _, l := range g.held {
+		out = append(out, l)
+	}
+	slices.SortFunc(out, func(a, b *Lease) int { return int(a.info.Partition) - int(b.info.Partition) })
+	return out
+}
+
+func (c *Coordinator) setGroup(g *group) {
+	c.mu.Lock()
+	c.group = g
+	c.mu.Unlock()
+}
+
+type watchEvent struct {
+	gen   int
+	entry jetstream.KeyValueEntry // nil: the initial snapshot is complete
+	err   error                   // the watcher ended
+}
+
+type acquireResult struct {
+	p     leasehold.Partition
+	lease *Lease
+	err   error
+}
+
+type group struct {
+	c *Coordinator
+	n int
+
+	mu        sync.Mutex // guards held for Held
+	held      map[leasehold.Partition]*Lease
+	draining  map[leasehold.Partition]bool
+	acquiring map[leasehold.Partition]bool
+	member    *Lease
+
+	view, next    *view     // next: the snapshot being read after a rescan
+	ready         bool      // the first snapshot is complete
+	membersSince  time.Time // when membership last changed
+	revokePending bool      // revocations wait for membership to settle
+	gen           int       // watcher generation
+	stopWatch     context.CancelFunc
+	watchers      sync.WaitGroup
+
+	watchCh chan watchEvent
+	lostCh  chan *Lease
+	acqCh   chan acquireResult
+	drainCh chan *Lease
+	done    chan struct{}
+	sem     chan struct{} // bounds concurrent acquisitions
+	tasks   sync.WaitGroup
+}
+
+func (g *group) run(ctx context.Context) error {
+	log := g.c.cfg.Logger.With("worker", g.c.cfg.Worker)
+	defer close(g.done)
+	if err := g.register(ctx); err != nil {
+		return err
+	}
+	g.view = newView(g.n)
+	if err := g.watch(ctx); err != nil {
+		g.releaseMember()
+		return err
+	}
+	log.Info("joined worker group", "partitions", g.n, "bucket", g.c.b.name)
+
+	rescan := time.NewTicker(g.c.cfg.Rescan)
+	defer rescan.Stop()
+	tick := time.NewTicker(g.c.cfg.RenewEvery)
+	defer tick.Stop()
+	settle := time.NewTimer(time.Hour)
+	settle.Stop()
+	dirty := false
+	markDirty := func() {
+		if !dirty {
+			dirty = true
+			settle.Reset(5 * time.Millisecond)
+		}
+	}
+
+	for ctx.Err() == nil {
+		select {
+		case <-ctx.Done():
+		case ev := <-g.watchCh:
+			if g.onWatch(ctx, ev) {
+				markDirty()
+			}
+		case l := <-g.lostCh:
+			if l.member {
+				if g.member == l {
+					g.member = nil
+				}
+			} else if g.held[l.info.Partition] == l && !g.draining[l.info.Partition] {
+				g.drop(l)
+			}
+			markDirty()
+		case r := <-g.acqCh:
+			g.onAcquired(r)
+			markDirty()
+		case l := <-g.drainCh:
+			g.drop(l)
+			delete(g.draining, l.info.Partition)
+			markDirty()
+		case <-rescan.C:
+			if err := g.watch(ctx); err != nil {
+				log.Warn("rescan of the lease bucket failed; retrying at the next one", "err", err)
+			}
+		case <-tick.C:
+			markDirty()
+		case <-settle.C:
+			dirty = false
+			g.reconcile(ctx)
+			if g.revokePending {
+				dirty = true
+				settle.Reset(g.c.cfg.RebalanceDelay - time.Since(g.membersSince))
+			}
+		}
+	}
+	g.shutdown()
+	log.Info("left worker group")
+	return nil
+}
+
+// register takes this worker's member key, waiting out an earlier
+// incarnation's registration under the same ID.
+func (g *group) register(ctx context.Context) error {
+	for attempt := 0; ; attempt++ {
+		l, err := g.c.acquireKey(ctx, memberKey(g.c.cfg.Worker), 0, true)
+		if err == nil {
+			l.startKeepalive()
+			g.member = l
+			g.watchLoss(l)
+			return nil
+		}
+		var held *HeldError
+		if !errors.As(err, &held) && attempt > 3 {
+			return fmt.Errorf("coordinator: register worker %s: %w", g.c.cfg.Worker, err)
+		}
+		if attempt == 0 && held != nil {
+			g.c.cfg.Logger.Warn("another registration under this worker ID is live; waiting for it to expire", "worker", g.c.cfg.Worker)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("coordinator: register worker %s: %w", g.c.cfg.Worker, ctx.Err())
+		case <-time.After(min(g.c.cfg.RenewEvery, time.Second)):
+		}
+	}
+}
+
+// watch starts a new watcher on the partition and member keys; its initial
+// snapshot replaces the view once complete.
+func (g *group) watch(ctx context.Context) error {
+	wctx, cancel := context.WithCancel(ctx)
+	w, err := g.c.b.kv.WatchFiltered(wctx, []string{partitionKeyPrefix + ">", memberKeyPrefix + ">"})
+	if err != nil {
+		cancel()
+		return fmt.Errorf("coordinator: watch lease bucket %s: %w", g.c.b.name, err)
+	}
+	if g.stopWatch != nil {
+		g.stopWatch()
+	}
+	g.gen++
+	g.stopWatch = cancel
+	g.next = newView(g.n)
+	gen := g.gen
+	g.watchers.Add(1)
+	go func() {
+		defer g.watchers.Done()
+		defer w.Stop()
+		for {
+			select {
+			case e, ok := <-w.Updates():
+				if !ok {
+					g.send(wctx, watchEvent{gen: gen, err: errors.New("watcher closed")})
+					return
+				}
+				if !g.send(wctx, watchEvent{gen: gen, entry: e}) {
+					return
+				}
+			case <-wctx.Done():
+				return
+			}
+		}
+	}()
+	return nil
+}
+
+func (g *group) send(wctx context.Context, ev watchEvent) bool {
+	select {
+	case g.watchCh <- ev:
+		return true
+	case <-wctx.Done():
+		return false
+	}
+}
+
+// onWatch folds a watch event into the view; it reports whether the
+// assignment may have changed.
+func (g *group) onWatch(ctx context.Context, ev watchEvent) bool {
+	if ev.gen != g.gen {
+		return false // from a watcher a rescan replaced
+	}
+	if ev.err != nil {
+		if ctx.Err() == nil {
+			g.c.cfg.Logger.Warn("lease bucket watch ended; restarting it", "err", ev.err)
+			if err := g.watch(ctx); err != nil {
+				g.c.cfg.Logger.Warn("restart of the lease bucket watch failed; retrying at the next rescan", "err", err)
+			}
+		}
+		return false
+	}
+	if g.next != nil {
+		if ev.entry != nil {
+			g.next.apply(ev.entry)
+			return false
+		}
+		g.view, g.next, g.ready = g.next, nil, true
+		return true
+	}
+	if ev.entry == nil {
+		return false
+	}
+	changed, membership := g.view.applyKind(ev.entry)
+	if membership {
+		g.membersSince = time.Now()
+	}
+	return changed
+}
+
+// reconcile compares the shared assignment with what this worker holds:
+// it acquires free partitions assigned to it and revokes held partitions
+// assigned elsewhere.
+func (g *group) reconcile(ctx context.Context) {
+	if !g.ready {
+		return
+	}
+	me := g.c.cfg.Worker
+	if g.member == nil {
+		// Lost the registration (a pause, a partition from the server):
+		// register again before taking anything.
+		rctx, cancel := context.WithTimeout(ctx, 2*g.c.cfg.RequestTimeout)
+		l, err := g.c.acquireKey(rctx, memberKey(me), 0, true)
+		cancel()
+		if err == nil {
+			l.startKeepalive()
+			g.member = l
+			g.watchLoss(l)
+		}
+	}
+	members := make([]string, 0, len(g.view.members)+1)
+	for m := range g.view.members {
+		if m != me {
+			members = append(members, m)
+		}
+	}
+	if g.member != nil {
+		members = append(members, me)
+	}
+	owners := make([]string, g.n)
+	for p, s := range g.view.slots {
+		owners[p] = s.holder
+		if s.holder == me {
+			owners[p] = "" // ours on the server, but not (or no longer) held here
+		}
+	}
+	for p := range g.held {
+		owners[p] = me
+	}
+	target := Assign(g.n, members, owners)
+
+	settled := time.Since(g.membersSince) >= g.c.cfg.RebalanceDelay || g.member == nil
+	g.revokePending = false
+	for p, l := range g.held {
+		if target[p] != me && !g.draining[p] {
+			if !settled {
+				g.revokePending = true
+				continue
+			}
+			g.draining[p] = true
+			g.revoke(l)
+		}
+	}
+	for i, m := range target {
+		p := leasehold.Partition(i)
+		if m != me || g.held[p] != nil || g.acquiring[p] || g.view.slots[i].holder != "" {
+			continue
+		}
+		g.acquiring[p] = true
+		g.tasks.Add(1)
+		go func() {
+			defer g.tasks.Done()
+			g.sem <- struct{}{}
+			defer func() { <-g.sem }()
+			actx, cancel := context.WithTimeout(ctx, g.c.cfg.TTL)
+			defer cancel()
+			l, err := g.c.Acquire(actx, p)
+			g.acqCh <- acquireResult{p: p, lease: l, err: err}
+		}()
+	}
+}
+
+func (g *group) onAcquired(r acquireResult) {
+	delete(g.acquiring, r.p)
+	if r.err != nil {
+		var held *HeldError
+		if errors.As(r.err, &held) {
+			g.view.slots[r.p] = slot{holder: held.Lease.Holder, epoch: held.Lease.Epoch}
+		} else {
+			g.c.cfg.Logger.Warn("acquire failed; retrying", "partition", r.p, "err", r.err)
+		}
+		return
+	}
+	l := r.lease
+	g.mu.Lock()
+	g.held[r.p] = l
+	g.mu.Unlock()
+	g.view.slots[r.p] = slot{holder: l.info.Holder, epoch: l.info.Epoch}
+	g.watchLoss(l)
+	if g.c.cfg.OnAcquire != nil {
+		g.c.cfg.OnAcquire(l)
+	}
+}
+
+// watchLoss forwards l's loss to the loop. Released leases end the same
+// way; the loop tells them apart.
+func (g *group) watchLoss(l *Lease) {
+	context.AfterFunc(l.ctx, func() {
+		if errors.Is(context.Cause(l.ctx), ErrReleased) {
+			return
+		}
+		select {
+		case g.lostCh <- l:
+		case <-g.done:
+		}
+	})
+}
+
+func (g *group) drop(l *Lease) {
+	g.mu.Lock()
+	if g.held[l.info.Partition] == l {
+		delete(g.held, l.info.Partition)
+	}
+	g.mu.Unlock()
+}
+
+// revoke drains l through OnRevoke and releases it, in its own goroutine.
+func (g *group) revoke(l *Lease) {
+	g.tasks.Add(1)
+	go func() {
+		defer g.tasks.Done()
+		dctx, cancel := context.WithTimeout(l.ctx, g.c.cfg.ShutdownTimeout)
+		if g.c.cfg.OnRevoke != nil {
+			g.c.cfg.OnRevoke(dctx, l)
+		}
+		cancel()
+		rctx, rcancel := context.WithTimeout(context.Background(), g.c.cfg.RequestTimeout*2)
+		if err := l.Release(rctx); err != nil && !errors.Is(err, leasehold.ErrLeaseLost) {
+			g.c.cfg.Logger.Warn("release failed", "partition", l.info.Partition, "err", err)
+		}
+		rcancel()
+		select {
+		case g.drainCh <- l:
+		case <-g.done:
+		}
+	}()
+}
+
+// shutdown deregisters first, so the others start rebalancing at once,
+// then drains and releases every held partition.
+func (g *group) shutdown() {
+	if g.stopWatch != nil {
+		g.stopWatch()
+	}
+	g.releaseMember()
+	// Let running acquisitions finish; what they take is revoked below.
+	pending := len(g.acquiring)
+	for pending > 0 {
+		r := <-g.acqCh
+		pending--
+		delete(g.acquiring, r.p)
+		if r.err == nil {
+			g.mu.Lock()
+			g.held[r.p] = r.lease
+			g.mu.Unlock()
+			if g.c.cfg.OnAcquire != nil {
+				g.c.cfg.OnAcquire(r.lease)
+			}
+		}
+	}
+	for p, l := range g.held {
+		if !g.draining[p] {
+			g.draining[p] = true
+			g.revoke(l)
+		}
+	}
+	for len(g.draining) > 0 {
+		select {
+		case l := <-g.drainCh:
+			g.drop(l)
+			delete(g.draining, l.info.Partition)
+		case <-g.lostCh:
+		case <-g.watchCh:
+		}
+	}
+	g.tasks.Wait()
+	g.watchers.Wait()
+}
+
+func (g *group) releaseMember() {
+	if g.member == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), g.c.cfg.RequestTimeout*2)
+	defer cancel()
+	_ = g.member.Release(ctx)
+	g.member = nil
+}

@@ -1,0 +1,242 @@
+package coordinator_test
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/testing/natstest"
+)
+
+type member struct {
+	c        *coordinator.Coordinator
+	cancel   context.CancelFunc
+	done     chan error
+	acquired atomic.Int64
+	revoked  atomic.Int64
+}
+
+func startMember(t *testing.T, b *coordinator.Bucket, name string, n int) *member {
+	t.Helper()
+	m := &member{done: make(chan error, 1)}
+	c, err := coordinator.New(b, coordinator.Config{
+		Worker:     name,
+		Partitions: n,
+		TTL:        2 * time.Second,
+		OnAcquire:  func(*coordinator.Lease) { m.acquired.Add(1) },
+		OnRevoke:   func(context.Context, *coordinator.Lease) { m.revoked.Add(1) },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.c = c
+	ctx, cancel := context.WithCancel(context.Background())
+	m.cancel = cancel
+	go func() { m.done <- c.Run(ctx) }()
+	t.Cleanup(func() { m.stop(t) })
+	return m
+}
+
+func (m *member) stop(t *testing.T) {
+	if m.cancel == nil {
+		return
+	}
+	m.cancel()
+	m.cancel = nil
+	select {
+	case err := <-m.done:
+		if err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Error("Run did not return after its context ended")
+	}
+}
+
+// ownership returns the owner of every partition, as the members see their
+// own holdings, and whether it is balanced: every partition held exactly
+// once and the counts within one of each other.
+func ownership(ms map[string]*member, n int) ([]string, bool) {
+	owners := make([]string, n)
+	lo, hi := n, 0
+	for name, m := range ms {
+		held := m.c.Held()
+		lo, hi = min(lo, len(held)), max(hi, len(held))
+		for _, l := range held {
+			if owners[l.Partition()] != "" {
+				return nil, false
+			}
+			owners[l.Partition()] = name
+		}
+	}
+	for _, o := range owners {
+		if o == "" {
+			return nil, false
+		}
+	}
+	return owners, hi-lo <= 1
+}
+
+func waitBalanced(t *testing.T, ms map[string]*member, n int, within time.Duration) []string {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		if owners, ok := ownership(ms, n); ok {
+			// Hold still: a balanced moment in passing is not convergence.
+			time.Sleep(600 * time.Millisecond)
+			if again, ok := ownership(ms, n); ok && fmt.Sprint(again) == fmt.Sprint(owners) {
+				return owners
+			}
+		}
+		if time.Now().After(deadline) {
+			var counts []string
+			for name, m := range ms {
+				counts = append(counts, fmt.Sprintf("%s:%d", name, len(m.c.Held())))
+			}
+			t.Fatalf("not balanced after %v: %v", within, counts)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func acquisitions(ms map[string]*member) int64 {
+	var n int64
+	for _, m := range ms {
+		n += m.acquired.Load()
+	}
+	return n
+}
+
+func diff(a, b []string) int {
+	n := 0
+	for p := range a {
+		if a[p] != b[p] {
+			n++
+		}
+	}
+	return n
+}
+
+// Assignment: 3, then 5, then 2 workers over 64 partitions. Every phase ends
+// with every partition owned once, the counts within one, and only the
+// partitions that had to move moved.
+func TestGroupRebalancesMinimally(t *testing.T) {
+	for _, topo := range []string{"single", "cluster"} {
+		t.Run(topo, func(t *testing.T) {
+			const n = 64
+			var b *coordinator.Bucket
+			if topo == "cluster" {
+				b = provision(t, natstest.StartCluster(t).JetStream(t), 3)
+			} else {
+				b = provision(t, natstest.Start(t).JetStream(t), 1)
+			}
+			ms := map[string]*member{}
+			for _, name := range []string{"w0", "w1", "w2"} {
+				ms[name] = startMember(t, b, name, n)
+			}
+			o3 := waitBalanced(t, ms, n, 20*time.Second)
+			a3 := acquisitions(ms)
+			if a3 != n {
+				t.Errorf("3 workers took %d acquisitions to own %d partitions", a3, n)
+			}
+
+			var wg sync.WaitGroup
+			var mu sync.Mutex
+			for _, name := range []string{"w3", "w4"} {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					m := startMember(t, b, name, n)
+					mu.Lock()
+					ms[name] = m
+					mu.Unlock()
+				}()
+			}
+			wg.Wait()
+			o5 := waitBalanced(t, ms, n, 20*time.Second)
+			moved, handoffs := diff(o3, o5), acquisitions(ms)-a3
+			t.Logf("3 -> 5 workers: %d partitions moved in %d hand-offs", moved, handoffs)
+			// 22+21+21 -> 13+13+13+13+12: the two newcomers need 25.
+			if moved != 25 {
+				t.Errorf("3 -> 5 moved %d partitions, want 25", moved)
+			}
+			if handoffs != int64(moved) {
+				t.Errorf("3 -> 5 took %d acquisitions for %d moves", handoffs, moved)
+			}
+
+			a5 := ms["w0"].acquired.Load() + ms["w1"].acquired.Load()
+			for _, name := range []string{"w2", "w3", "w4"} {
+				wg.Add(1)
+				go func(m *member) { defer wg.Done(); m.stop(t) }(ms[name])
+			}
+			wg.Wait()
+			for _, name := range []string{"w2", "w3", "w4"} {
+				delete(ms, name)
+			}
+			o2 := waitBalanced(t, ms, n, 20*time.Second)
+			moved, handoffs = diff(o5, o2), acquisitions(ms)-a5
+			t.Logf("5 -> 2 workers: %d partitions moved in %d hand-offs", moved, handoffs)
+			if moved != 38 {
+				t.Errorf("5 -> 2 moved %d partitions, want 38", moved)
+			}
+			if handoffs != int64(moved) {
+				t.Errorf("5 -> 2 took %d acquisitions for %d moves", handoffs, moved)
+			}
+		})
+	}
+}
+
+// A worker cut off from the server (crashed, paused, partitioned) loses its
+// partitions to the others within about a TTL, with higher epochs, while
+// the partitions the survivor already held keep theirs.
+func TestGroupFailsOverWhenAWorkerIsCutOff(t *testing.T) {
+	const n = 8
+	s := natstest.Start(t)
+	b := provision(t, s.JetStream(t), 1)
+	ncB := s.Connect(t)
+	jsB, _ := jetstream.New(ncB)
+	bB, err := coordinator.OpenBucket(ctxFor(t, 5*time.Second), jsB, b.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ms := map[string]*member{"a": startMember(t, b, "a", n), "b": startMember(t, bB, "b", n)}
+	waitBalanced(t, ms, n, 20*time.Second)
+	kept := map[leasehold.Partition]leasehold.Epoch{}
+	for _, l := range ms["a"].c.Held() {
+		kept[l.Partition()] = l.Epoch()
+	}
+	var lost []*coordinator.Lease
+	lost = append(lost, ms["b"].c.Held()...)
+
+	cut := time.Now()
+	ncB.Close() // b can no longer renew, release or deregister
+	for _, l := range lost {
+		select {
+		case <-l.Done():
+		case <-time.After(5 * time.Second):
+			t.Fatalf("b's lease on %d outlived its deadline", l.Partition())
+		}
+	}
+	delete(ms, "b")
+	waitBalanced(t, ms, n, 10*time.Second)
+	t.Logf("fail-over of %d partitions completed %v after the cut (TTL 2s)", len(lost), time.Since(cut).Round(time.Millisecond))
+	for _, l := range ms["a"].c.Held() {
+		if e, ok := kept[l.Partition()]; ok && e != l.Epoch() {
+			t.Errorf("partition %d kept by a changed epoch %d -> %d", l.Partition(), e, l.Epoch())
+		}
+	}
+	for _, old := range lost {
+		for _, l := range ms["a"].c.Held() {
+			if l.Partition() == old.Partition() && l.Epoch() <= old.Epoch() {
+				t.Errorf("partition %d taken over at epoch %d, not above %d", l.Partition(), l.Epoch(), old.Epoch())
+			}
+		}
+	}
+}

@@ -1,0 +1,342 @@
+package coordinator
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/leasehold/leasehold"
+)
+
+// ErrReleased is the cause of a lease context's cancellation after Release.
+var ErrReleased = errors.New("coordinator: lease released")
+
+// LostError is the cause of a lost lease's cancellation. It matches
+// leasehold.ErrLeaseLost.
+type LostError struct {
+	Lease  leasehold.Lease
+	Reason LostReason
+	Holder string // who holds the partition now, when known
+	Err    error  // the refusal, when there was one
+}
+
+func (e *LostError) Error() string {
+	what := "partition " + e.Lease.Partition.String()
+	if e.Lease.Holder != "" && e.Lease.Partition == 0 && e.Lease.Epoch == 0 {
+		what = "membership"
+	}
+	msg := fmt.Sprintf("leasehold: lease lost: %s epoch %d held by %s", what, e.Lease.Epoch, e.Lease.Holder)
+	switch e.Reason {
+	case LostDeadline:
+		msg += ": no renewal succeeded before the local deadline; stop writing, sinks will refuse this epoch once a successor takes over"
+	case LostRefused:
+		msg += ": the server refused the write because another worker took the partition"
+		if e.Holder != "" {
+			msg += " (now held by " + e.Holder + ")"
+		}
+	}
+	if e.Err != nil {
+		msg += ": " + e.Err.Error()
+	}
+	return msg
+}
+
+// Is makes errors.Is(err, leasehold.ErrLeaseLost) true.
+func (e *LostError) Is(target error) bool { return target == leasehold.ErrLeaseLost }
+
+// Unwrap returns the server's refusal, if any.
+func (e *LostError) Unwrap() error { return e.Err }
+
+// Lease is a live lease on a partition (or a membership registration). It
+// renews itself until Release, or until it is lost; Context and Done report
+// the loss. Its methods are safe for concurrent use.
+type Lease struct {
+	c      *Coordinator
+	key    string
+	info   leasehold.Lease
+	member bool
+	value  []byte // the renewal value: the record with the epoch filled in
+	token  string
+
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+
+	mu  sync.Mutex // serialises writes to the lease key
+	rev uint64     // revision of the last write on the lease key
+
+	dmu      sync.Mutex // guards the deadline apart from mu, so a slow write cannot hold it back
+	deadline time.Time  // local deadline, with a monotonic reading
+	timer    *time.Timer
+
+	pmu      sync.Mutex // serialises writes to the progress key
+	progRev  uint64
+	progSeq  uint64
+	progRead bool // the progress record has been fenced
+
+	stopOnce sync.Once
+	stop     chan struct{} // closes to stop the keepalive
+	stopped  chan struct{} // closed when the keepalive has returned
+}
+
+// Partition is the leased partition.
+func (l *Lease) Partition() leasehold.Partition { return l.info.Partition }
+
+// Epoch is the lease's fencing token.
+func (l *Lease) Epoch() leasehold.Epoch { return l.info.Epoch }
+
+// Info describes the lease as a value.
+func (l *Lease) Info() leasehold.Lease { return l.info }
+
+// Context is cancelled when the lease is lost or released;
+// context.Cause tells which (a *LostError or ErrReleased).
+func (l *Lease) Context() context.Context { return l.ctx }
+
+// Done is closed when the lease is lost or released.
+func (l *Lease) Done() <-chan struct{} { return l.ctx.Done() }
+
+// Err is nil while the lease is held, and afterwards the reason it is not.
+func (l *Lease) Err() error {
+	if l.ctx.Err() == nil {
+		return nil
+	}
+	return context.Cause(l.ctx)
+}
+
+// Deadline is the local deadline: the send time of the last successful
+// renewal plus the TTL minus the margin.
+func (l *Lease) Deadline() time.Time {
+	l.dmu.Lock()
+	defer l.dmu.Unlock()
+	return l.deadline
+}
+
+// Progress is the input sequence committed for the partition, as of the
+// acquisition (fenced under this lease's epoch) or the last Commit.
+func (l *Lease) Progress() uint64 {
+	l.pmu.Lock()
+	defer l.pmu.Unlock()
+	return l.progSeq
+}
+
+func (l *Lease) String() string {
+	return fmt.Sprintf("partition %d epoch %d (%s)", l.info.Partition, l.info.Epoch, l.info.Holder)
+}
+
+func (c *Coordinator) newLease(key string, p leasehold.Partition, member bool, rec record, rev uint64, sent time.Time) *Lease {
+	rec.Epoch = rev
+	value, _ := json.Marshal(rec)
+	l := &Lease{
+		c:      c,
+		key:    key,
+		info:   leasehold.Lease{Partition: p, Epoch: leasehold.Epoch(rev), Holder: rec.Holder, Acquired: rec.Acquired},
+		member: member,
+		value:  value,
+		token:  rec.Token,
+		rev:    rev,
+		stop:   make(chan struct{}),
+	}
+	l.ctx, l.cancel = context.WithCancelCause(context.Background())
+	l.dmu.Lock()
+	l.deadline = sent.Add(c.cfg.TTL - c.cfg.Margin)
+	l.timer = time.AfterFunc(time.Until(l.deadline), l.deadlinePassed)
+	l.dmu.Unlock()
+	return l
+}
+
+func (l *Lease) deadlinePassed() {
+	l.dmu.Lock()
+	late := !time.Now().Before(l.deadline)
+	l.dmu.Unlock()
+	if late {
+		l.lose(LostDeadline, "", nil)
+	}
+}
+
+// lose cancels the lease with a *LostError; only the first call counts.
+func (l *Lease) lose(reason LostReason, holder string, err error) *LostError {
+	lerr := &LostError{Lease: l.info, Reason: reason, Holder: holder, Err: err}
+	if l.ctx.Err() != nil {
+		if prev, ok := context.Cause(l.ctx).(*LostError); ok {
+			return prev
+		}
+		return lerr
+	}
+	l.cancel(lerr)
+	l.dmu.Lock()
+	l.timer.Stop()
+	l.dmu.Unlock()
+	l.c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventLost, Lease: l.info, Member: l.member, Reason: reason, Err: err, Holder: holder, Time: time.Now()})
+	l.c.cfg.Logger.Warn("lease lost", "partition", l.info.Partition, "epoch", l.info.Epoch, "member", l.member, "reason", string(reason), "holder", holder, "err", err)
+	l.signalStop()
+	return lerr
+}
+
+// check reads the lease key from the stream leader to settle an ambiguous
+// or refused write: it returns true when the last write on the key is one of
+// this lease's, updating the revision, and otherwise marks the lease lost.
+func (l *Lease) check(ctx context.Context, cause error) (bool, error) {
+	e, err := l.c.b.last(ctx, l.key)
+	if err != nil {
+		return false, fmt.Errorf("%w (and reading the lease back failed: %w)", cause, err)
+	}
+	if e.kind == entryValue {
+		if r, derr := decodeRecord(e.data); derr == nil {
+			if r.Token == l.token {
+				l.rev = e.rev
+				return true, nil
+			}
+			return false, l.lose(LostRefused, r.Holder, cause)
+		}
+	}
+	return false, l.lose(LostRefused, "", cause)
+}
+
+// Renew extends the lease on the server by the TTL. It returns an error
+// matching leasehold.ErrLeaseLost when the lease is gone, and another error
+// when the outcome is not known yet (the lease may still be held; the
+// local deadline decides).
+func (l *Lease) Renew(ctx context.Context) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if err := l.Err(); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(ctx, l.c.cfg.RequestTimeout)
+	defer cancel()
+	sent := time.Now()
+	rev, err := l.c.b.put(ctx, l.key, l.value, l.rev, l.c.cfg.TTL)
+	if err == nil {
+		l.rev = rev
+		l.extend(sent)
+		l.c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventRenewed, Lease: l.info, Member: l.member, Latency: time.Since(sent), Time: time.Now()})
+		return nil
+	}
+	err = fmt.Errorf("renew %s: %w", l, err)
+	if isConflict(err) || !isRefusal(err) {
+		rctx, rcancel := context.WithTimeout(context.Background(), l.c.cfg.RequestTimeout)
+		defer rcancel()
+		ours, cerr := l.check(rctx, err)
+		if cerr != nil {
+			if !errors.Is(cerr, leasehold.ErrLeaseLost) {
+				l.c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventRenewFailed, Lease: l.info, Member: l.member, Err: cerr, Time: time.Now()})
+			}
+			return cerr
+		}
+		if ours {
+			// An earlier renewal landed after all; the next one will use
+			// its revision. The deadline stays where it is: when that
+			// renewal was stored is not known.
+			err = fmt.Errorf("%w (the lease is still held at revision %d; retrying)", err, l.rev)
+		}
+	}
+	l.c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventRenewFailed, Lease: l.info, Member: l.member, Err: err, Time: time.Now()})
+	return err
+}
+
+// extend moves the local deadline after a write sent at sent succeeded.
+func (l *Lease) extend(sent time.Time) {
+	d := sent.Add(l.c.cfg.TTL - l.c.cfg.Margin)
+	l.dmu.Lock()
+	defer l.dmu.Unlock()
+	if l.ctx.Err() == nil && d.After(l.deadline) {
+		l.deadline = d
+		l.timer.Reset(time.Until(d))
+	}
+}
+
+// Release gives the lease up so that the next holder need not wait for the
+// TTL: a purge of the key that succeeds only if the lease is still this
+// one. It returns an error matching leasehold.ErrLeaseLost when another
+// worker already holds the partition. Calling it again returns nil.
+func (l *Lease) Release(ctx context.Context) error {
+	l.signalStop()
+	if l.stopped != nil {
+		<-l.stopped
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if err := l.Err(); err != nil {
+		if errors.Is(err, ErrReleased) {
+			return nil
+		}
+		return err
+	}
+	ctx, cancel := context.WithTimeout(ctx, l.c.cfg.RequestTimeout)
+	defer cancel()
+	var err error
+	for range 3 {
+		err = l.c.b.purge(ctx, l.key, l.rev, l.c.b.markerTTL)
+		if err == nil {
+			break
+		}
+		if !isConflict(err) && isRefusal(err) {
+			break
+		}
+		// Refused by revision, or no answer: read the key to see whether the
+		// lease is still this one (a renewal landed unseen) or gone.
+		e, rerr := l.c.b.last(ctx, l.key)
+		if rerr != nil {
+			break
+		}
+		if e.kind == entryValue {
+			r, derr := decodeRecord(e.data)
+			if derr != nil || r.Token != l.token {
+				holder := ""
+				if derr == nil {
+					holder = r.Holder
+				}
+				return l.lose(LostRefused, holder, fmt.Errorf("release %s: %w", l, err))
+			}
+			l.rev = e.rev
+			continue
+		}
+		// A marker or nothing: the purge landed, or the lease expired.
+		err = nil
+		break
+	}
+	l.cancel(ErrReleased)
+	l.dmu.Lock()
+	l.timer.Stop()
+	l.dmu.Unlock()
+	if err != nil {
+		// The lease will expire on its own within the TTL.
+		err = fmt.Errorf("release %s: %w (it expires on its own within %v)", l, err, l.c.cfg.TTL)
+		l.c.cfg.Logger.Warn("lease release failed", "partition", l.info.Partition, "epoch", l.info.Epoch, "err", err)
+	}
+	l.c.cfg.Observer.LeaseEvent(context.Background(), Event{Kind: EventReleased, Lease: l.info, Member: l.member, Err: err, Time: time.Now()})
+	return err
+}
+
+func (l *Lease) signalStop() { l.stopOnce.Do(func() { close(l.stop) }) }
+
+// keepalive renews the lease every RenewEvery until it is lost or released;
+// after a failed renewal it retries sooner.
+func (l *Lease) keepalive() {
+	defer close(l.stopped)
+	every := l.c.cfg.RenewEvery
+	retry := max(every/4, 50*time.Millisecond)
+	t := time.NewTimer(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-l.stop:
+			return
+		case <-l.ctx.Done():
+			return
+		case <-t.C:
+		}
+		err := l.Renew(context.Background())
+		switch {
+		case err == nil:
+			t.Reset(every)
+		case errors.Is(err, leasehold.ErrLeaseLost) || errors.Is(err, ErrReleased):
+			return
+		default:
+			l.c.cfg.Logger.Debug("lease renewal failed; retrying", "partition", l.info.Partition, "epoch", l.info.Epoch, "err", err)
+			t.Reset(retry)
+		}
+	}
+}

@@ -1,0 +1,232 @@
+package coordinator_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/goleak"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/testing/natstest"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func ctxFor(t *testing.T, d time.Duration) context.Context {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func provision(t *testing.T, js jetstream.JetStream, replicas int) *coordinator.Bucket {
+	t.Helper()
+	b, err := coordinator.Provision(ctxFor(t, 20*time.Second), js, coordinator.BucketConfig{Replicas: replicas, MarkerTTL: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func newCoord(t *testing.T, b *coordinator.Bucket, worker string, ttl time.Duration) *coordinator.Coordinator {
+	t.Helper()
+	c, err := coordinator.New(b, coordinator.Config{Worker: worker, TTL: ttl, Partitions: 64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// acquireEventually retries until the partition is free, as a successor
+// does after a lease expires.
+func acquireEventually(t *testing.T, c *coordinator.Coordinator, p leasehold.Partition, within time.Duration, opts ...coordinator.AcquireOption) *coordinator.Lease {
+	t.Helper()
+	ctx := ctxFor(t, within)
+	for {
+		l, err := c.Acquire(ctx, p, opts...)
+		if err == nil {
+			return l
+		}
+		if !errors.Is(err, coordinator.ErrHeld) {
+			t.Fatalf("acquire partition %d: %v", p, err)
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("partition %d still held after %v: %v", p, within, err)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+func TestAcquireHeldRelease(t *testing.T) {
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	a, bw := newCoord(t, b, "a", 2*time.Second), newCoord(t, b, "b", 2*time.Second)
+	ctx := ctxFor(t, 10*time.Second)
+
+	la, err := a.Acquire(ctx, 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The epoch is the revision of the acquiring write.
+	kv, _ := js.KeyValue(ctx, b.Name())
+	if e, err := kv.Get(ctx, "partition.3"); err != nil || e.Revision() != uint64(la.Epoch()) {
+		t.Fatalf("epoch %d, key revision %v (%v)", la.Epoch(), e, err)
+	}
+	_, err = bw.Acquire(ctx, 3)
+	var held *coordinator.HeldError
+	if !errors.As(err, &held) || held.Lease.Holder != "a" || held.Lease.Epoch != la.Epoch() {
+		t.Fatalf("second acquire: %v, want HeldError naming a at epoch %d", err, la.Epoch())
+	}
+	// Renewals keep the epoch and outlive the TTL.
+	time.Sleep(3 * time.Second)
+	if la.Err() != nil {
+		t.Fatalf("lease lapsed while renewing itself: %v", la.Err())
+	}
+	if _, err := bw.Acquire(ctx, 3); !errors.Is(err, coordinator.ErrHeld) {
+		t.Fatalf("acquire of a renewed lease: %v", err)
+	}
+	// Release hands over at once, with a higher epoch.
+	if err := la.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := la.Release(ctx); err != nil {
+		t.Fatalf("second release: %v", err)
+	}
+	if !errors.Is(context.Cause(la.Context()), coordinator.ErrReleased) {
+		t.Fatalf("cause after release: %v", context.Cause(la.Context()))
+	}
+	lb, err := bw.Acquire(ctx, 3)
+	if err != nil {
+		t.Fatalf("acquire after release: %v", err)
+	}
+	defer lb.Release(ctx)
+	if lb.Epoch() <= la.Epoch() {
+		t.Fatalf("epoch went from %d to %d", la.Epoch(), lb.Epoch())
+	}
+}
+
+// The stale holder: A's renewals are held back, A's lease expires on the
+// server, B takes the partition; A's renew, release and progress commit all
+// fail with ErrLeaseLost, and A's context says so.
+func TestStaleHolder(t *testing.T) {
+	for _, topo := range []string{"single", "cluster"} {
+		t.Run(topo, func(t *testing.T) {
+			var js jetstream.JetStream
+			replicas := 1
+			if topo == "cluster" {
+				js, replicas = natstest.StartCluster(t).JetStream(t), 3
+			} else {
+				js = natstest.Start(t).JetStream(t)
+			}
+			b := provision(t, js, replicas)
+			a, bw := newCoord(t, b, "a", time.Second), newCoord(t, b, "b", time.Second)
+			ctx := ctxFor(t, 30*time.Second)
+
+			la, err := a.Acquire(ctx, 0, coordinator.ManualRenew())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := la.Commit(ctx, 10); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case <-la.Done():
+			case <-time.After(5 * time.Second):
+				t.Fatal("A's context outlived its local deadline")
+			}
+			var lost *coordinator.LostError
+			if cause := context.Cause(la.Context()); !errors.Is(cause, leasehold.ErrLeaseLost) || !errors.As(cause, &lost) || lost.Reason != coordinator.LostDeadline {
+				t.Fatalf("cause %v, want a deadline LostError", cause)
+			}
+			if time.Now().Before(la.Deadline()) {
+				t.Fatal("cancelled before the deadline")
+			}
+
+			lb := acquireEventually(t, bw, 0, 10*time.Second)
+			defer lb.Release(ctx)
+			if lb.Epoch() <= la.Epoch() {
+				t.Fatalf("successor epoch %d is not above %d", lb.Epoch(), la.Epoch())
+			}
+			if lb.Progress() != 10 {
+				t.Fatalf("successor resumes after %d, want 10", lb.Progress())
+			}
+			if err := la.Renew(ctx); !errors.Is(err, leasehold.ErrLeaseLost) {
+				t.Fatalf("stale renew: %v", err)
+			}
+			if err := la.Release(ctx); !errors.Is(err, leasehold.ErrLeaseLost) {
+				t.Fatalf("stale release: %v", err)
+			}
+			if err := la.Commit(ctx, 20); !errors.Is(err, leasehold.ErrLeaseLost) {
+				t.Fatalf("stale commit: %v", err)
+			}
+			if err := lb.Commit(ctx, 11); err != nil {
+				t.Fatalf("successor commit: %v", err)
+			}
+			if lb.Err() != nil {
+				t.Fatalf("successor lease: %v", lb.Err())
+			}
+		})
+	}
+}
+
+// A renewal refused by the server (the partition was fenced by an operator
+// while A still believed it held it) loses the lease at once.
+func TestRefusedRenew(t *testing.T) {
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	a, op := newCoord(t, b, "a", 5*time.Second), newCoord(t, b, "operator", 5*time.Second)
+	ctx := ctxFor(t, 20*time.Second)
+	la, err := a.Acquire(ctx, 1, coordinator.ManualRenew())
+	if err != nil {
+		t.Fatal(err)
+	}
+	kv, _ := js.KeyValue(ctx, b.Name())
+	if err := kv.Purge(ctx, "partition.1"); err != nil {
+		t.Fatal(err)
+	}
+	lo, err := op.Acquire(ctx, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lo.Release(ctx)
+	err = la.Renew(ctx)
+	var lost *coordinator.LostError
+	if !errors.As(err, &lost) || lost.Reason != coordinator.LostRefused || lost.Holder != "operator" {
+		t.Fatalf("renew: %v, want a refused LostError naming the operator", err)
+	}
+	select {
+	case <-la.Done():
+	default:
+		t.Fatal("context not cancelled after a refused renewal")
+	}
+	if err := la.Commit(ctx, 5); !errors.Is(err, leasehold.ErrLeaseLost) {
+		t.Fatalf("commit after fence: %v", err)
+	}
+}
+
+func TestConfigValidate(t *testing.T) {
+	bad := []coordinator.Config{
+		{Worker: "has space"},
+		{Worker: "w", TTL: 1500 * time.Millisecond},
+		{Worker: "w", TTL: 500 * time.Millisecond},
+		{Worker: "w", TTL: 3 * time.Second, RenewEvery: 2 * time.Second},
+		{Worker: "w", TTL: 3 * time.Second, Margin: 3 * time.Second},
+		{Worker: "w", Partitions: -1},
+	}
+	for _, c := range bad {
+		if err := c.Validate(); err == nil {
+			t.Errorf("%+v: want an error", c)
+		}
+	}
+	if err := (coordinator.Config{Worker: "w-1_a", Partitions: 16}).Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if err := (coordinator.Config{}).Validate(); err != nil {
+		t.Fatalf("defaults: %v", err)
+	}
+}
