@@ -14,6 +14,11 @@ const (
 	HeaderEpoch     = "Leasehold-Epoch"
 	HeaderKey       = "Leasehold-Key" // the effect's idempotency key
 	HeaderWorker    = "Leasehold-Worker"
+	// HeaderBarrier marks a barrier: a message with a stamp and no effect,
+	// which a worker publishes into an effect log when it acquires a
+	// partition, so that a sink consuming the log in order raises the
+	// partition's fence before any later write of the previous holder.
+	HeaderBarrier = "Leasehold-Barrier"
 )
 
 // MaxKeyLen bounds an idempotency key so that it fits a KV key, a
@@ -174,6 +179,12 @@ func validKey(k string) error {
 		}
 	}
 	return nil
+}
+
+// BarrierKey is the idempotency key of the barrier for epoch e of
+// partition p.
+func BarrierKey(scope string, p Partition, e Epoch) string {
+	return scope + "." + p.String() + ".barrier." + e.String()
 }
 
 // EffectKey derives the idempotency key of the index-th effect a handler
