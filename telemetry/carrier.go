@@ -1,0 +1,50 @@
+// Package telemetry carries W3C trace context through NATS headers and
+// holds the names leasehold's spans and metrics use.
+package telemetry
+
+import (
+	"strings"
+
+	"go.opentelemetry.io/otel/propagation"
+)
+
+// HeaderCarrier adapts NATS message headers (nats.Header converts to it)
+// to a propagation.TextMapCarrier. Unlike propagation.HeaderCarrier over the
+// same map, Get matches names without regard to case, so a lowercase
+// "traceparent" written by another client is read. Set writes the
+// lowercase W3C names.
+type HeaderCarrier map[string][]string
+
+var _ propagation.TextMapCarrier = HeaderCarrier(nil)
+
+// Get returns the first value of key, matching names case-insensitively.
+func (c HeaderCarrier) Get(key string) string {
+	if vs, ok := c[key]; ok && len(vs) > 0 {
+		return vs[0]
+	}
+	for k, vs := range c {
+		if len(vs) > 0 && strings.EqualFold(k, key) {
+			return vs[0]
+		}
+	}
+	return ""
+}
+
+// Set replaces key's values, dropping any spelling of it in another case.
+func (c HeaderCarrier) Set(key, value string) {
+	for k := range c {
+		if k != key && strings.EqualFold(k, key) {
+			delete(c, k)
+		}
+	}
+	c[key] = []string{value}
+}
+
+// Keys lists the header names.
+func (c HeaderCarrier) Keys() []string {
+	keys := make([]string, 0, len(c))
+	for k := range c {
+		keys = append(keys, k)
+	}
+	return keys
+}
