@@ -70,6 +70,7 @@ type Lease struct {
 	dmu      sync.Mutex // guards the deadline apart from mu, so a slow write cannot hold it back
 	deadline time.Time  // local deadline, with a monotonic reading
 	timer    *time.Timer
+	ended    error // why the lease ended (*LostError or ErrReleased); nil while held
 
 	pmu      sync.Mutex // serialises writes to the progress key
 	progRev  uint64
@@ -155,23 +156,40 @@ func (l *Lease) deadlinePassed() {
 	}
 }
 
-// lose cancels the lease with a *LostError; only the first call counts.
+// lose cancels the lease with a *LostError; only the first end (loss or
+// release) counts. Observers hear of the loss before the context is
+// cancelled, so whoever waits on Done finds it recorded.
 func (l *Lease) lose(reason LostReason, holder string, err error) *LostError {
 	lerr := &LostError{Lease: l.info, Reason: reason, Holder: holder, Err: err}
-	if l.ctx.Err() != nil {
-		if prev, ok := context.Cause(l.ctx).(*LostError); ok {
-			return prev
+	if prev := l.end(lerr); prev != nil {
+		if prevLost, ok := prev.(*LostError); ok {
+			return prevLost
 		}
 		return lerr
 	}
-	l.cancel(lerr)
-	l.dmu.Lock()
-	l.timer.Stop()
-	l.dmu.Unlock()
 	l.c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventLost, Lease: l.info, Member: l.member, Reason: reason, Err: err, Holder: holder, Time: time.Now()})
 	l.c.cfg.Logger.Warn("lease lost", "partition", l.info.Partition, "epoch", l.info.Epoch, "member", l.member, "reason", string(reason), "holder", holder, "err", err)
-	l.signalStop()
+	l.finish(lerr)
 	return lerr
+}
+
+// end records why the lease ended and returns nil, or returns the earlier
+// reason if it had already ended.
+func (l *Lease) end(cause error) error {
+	l.dmu.Lock()
+	defer l.dmu.Unlock()
+	if l.ended != nil {
+		return l.ended
+	}
+	l.ended = cause
+	l.timer.Stop()
+	return nil
+}
+
+// finish cancels the context with cause and stops the keepalive.
+func (l *Lease) finish(cause error) {
+	l.cancel(cause)
+	l.signalStop()
 }
 
 // check reads the lease key from the stream leader to settle an ambiguous
@@ -241,7 +259,7 @@ func (l *Lease) extend(sent time.Time) {
 	d := sent.Add(l.c.cfg.TTL - l.c.cfg.Margin)
 	l.dmu.Lock()
 	defer l.dmu.Unlock()
-	if l.ctx.Err() == nil && d.After(l.deadline) {
+	if l.ended == nil && d.After(l.deadline) {
 		l.deadline = d
 		l.timer.Reset(time.Until(d))
 	}
@@ -297,16 +315,15 @@ func (l *Lease) Release(ctx context.Context) error {
 		err = nil
 		break
 	}
-	l.cancel(ErrReleased)
-	l.dmu.Lock()
-	l.timer.Stop()
-	l.dmu.Unlock()
 	if err != nil {
 		// The lease will expire on its own within the TTL.
 		err = fmt.Errorf("release %s: %w (it expires on its own within %v)", l, err, l.c.cfg.TTL)
 		l.c.cfg.Logger.Warn("lease release failed", "partition", l.info.Partition, "epoch", l.info.Epoch, "err", err)
 	}
-	l.c.cfg.Observer.LeaseEvent(context.Background(), Event{Kind: EventReleased, Lease: l.info, Member: l.member, Err: err, Time: time.Now()})
+	if l.end(ErrReleased) == nil {
+		l.c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventReleased, Lease: l.info, Member: l.member, Err: err, Time: time.Now()})
+		l.finish(ErrReleased)
+	}
 	return err
 }
 
