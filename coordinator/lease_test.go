@@ -230,3 +230,39 @@ func TestConfigValidate(t *testing.T) {
 		t.Fatalf("defaults: %v", err)
 	}
 }
+
+func TestSnapshot(t *testing.T) {
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	ctx := ctxFor(t, 10*time.Second)
+	a := newCoord(t, b, "a", 5*time.Second)
+	l, err := a.Acquire(ctx, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Release(ctx)
+	if err := l.Commit(ctx, 41); err != nil {
+		t.Fatal(err)
+	}
+	l7, err := a.Acquire(ctx, 7)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l7.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	st, err := b.Snapshot(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(st.Partitions) != 2 {
+		t.Fatalf("partitions %+v", st.Partitions)
+	}
+	p2, p7 := st.Partitions[0], st.Partitions[1]
+	if p2.Partition != 2 || p2.Holder != "a" || p2.Epoch != l.Epoch() || p2.Progress != 41 || p2.FencedEpoch != l.Epoch() || p2.TTL != 5*time.Second {
+		t.Fatalf("partition 2: %+v", p2)
+	}
+	if p7.Partition != 7 || p7.Holder != "" || p7.FencedEpoch != l7.Epoch() {
+		t.Fatalf("partition 7 after release: %+v", p7)
+	}
+}
