@@ -266,3 +266,36 @@ func TestSnapshot(t *testing.T) {
 		t.Fatalf("partition 7 after release: %+v", p7)
 	}
 }
+
+// Fence takes a live lease away from its holder: the holder's renewal and
+// commit are refused, and the partition gets a higher epoch.
+func TestFenceRemovesALiveLease(t *testing.T) {
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	ctx := ctxFor(t, 10*time.Second)
+	a := newCoord(t, b, "a", 10*time.Second)
+	la, err := a.Acquire(ctx, 3, coordinator.ManualRenew())
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := newCoord(t, b, "operator", 10*time.Second).Fence(ctx, 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Previous.Holder != "a" || res.Previous.Epoch != la.Epoch() || res.Epoch <= la.Epoch() {
+		t.Fatalf("fence result %+v for a lease at %d", res, la.Epoch())
+	}
+	if err := la.Renew(ctx); !errors.Is(err, leasehold.ErrLeaseLost) {
+		t.Fatalf("renew after fence: %v", err)
+	}
+	if err := la.Commit(ctx, 9); !errors.Is(err, leasehold.ErrLeaseLost) {
+		t.Fatalf("commit after fence: %v", err)
+	}
+	if e, err := b.FencedEpoch(ctx, 3); err != nil || e != res.Epoch {
+		t.Fatalf("fenced epoch %d, %v; want %d", e, err, res.Epoch)
+	}
+	// A free partition is fenced too.
+	if res, err := newCoord(t, b, "operator", 10*time.Second).Fence(ctx, 4); err != nil || res.Previous.Holder != "" {
+		t.Fatalf("fence of a free partition: %+v, %v", res, err)
+	}
+}
