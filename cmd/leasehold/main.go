@@ -26,7 +26,11 @@ func newRoot() *cobra.Command {
 		Short:         "Partitioned workers with epoch fencing on NATS JetStream",
 		SilenceUsage:  true,
 		SilenceErrors: true,
+		PersistentPreRunE: func(cmd *cobra.Command, _ []string) error {
+			return applySettings(cmd)
+		},
 	}
-	root.AddCommand(newDemo())
+	root.PersistentFlags().String("config", "", "YAML file of settings (long flag names as keys); env LEASEHOLD_CONFIG")
+	root.AddCommand(newDemo(), newStatus(), newFence(), newInit())
 	return root
 }
