@@ -13,11 +13,30 @@
 // Advance raises a partition's maximum without applying anything: a worker
 // calls it when it acquires a partition, so that a former holder's writes
 // are refused from the moment of take-over, not from the new holder's first
-// write.
+// write. A sink that consumes an effect log in order learns the take-over
+// from the barrier the new holder publishes into the log
+// (leasehold.HeaderBarrier), and from nothing else: an earlier holder's
+// effect published before the barrier may be committed progress.
+//
+// Every decision (accepted, duplicate, stale, bad stamp, unverified epoch,
+// failure) goes to an Observer; drops are counted per partition, logged
+// with rate limiting, and returned to the caller.
+//
+// With verified epochs (an EpochCheck against the lease bucket), an epoch
+// above the recorded maximum raises it only if the lease bucket has fenced
+// the partition at that epoch or later, so a forged or garbled epoch cannot
+// fence out the legitimate holder.
+//
+// The sinks: Memory (the reference, in this package), kvsink (JetStream
+// KV), streamsink (a runner over a JetStream effect log), pgsink
+// (PostgreSQL) and wmsink (Watermill middleware). testing/sinktest is the
+// conformance suite they all pass.
 package sink
 
 import (
 	"context"
+	"errors"
+	"fmt"
 
 	"github.com/leasehold/leasehold"
 )
@@ -46,4 +65,39 @@ type Sink interface {
 	Advance(ctx context.Context, p leasehold.Partition, e leasehold.Epoch) error
 	// MaxEpoch returns partition p's recorded maximum, 0 if none.
 	MaxEpoch(ctx context.Context, p leasehold.Partition) (leasehold.Epoch, error)
+}
+
+// Fence is the part of a Sink that records the maxima, for consumers that
+// fence in a single-writer critical section of their own (see wmsink).
+type Fence interface {
+	Advance(ctx context.Context, p leasehold.Partition, e leasehold.Epoch) error
+	MaxEpoch(ctx context.Context, p leasehold.Partition) (leasehold.Epoch, error)
+}
+
+// ErrEmptyBatch is returned by Apply called with no effects.
+var ErrEmptyBatch = errors.New("sink: Apply needs at least one effect")
+
+// ValidateEffects checks every effect's stamp and returns the index of the
+// first invalid one and its error (matching leasehold.ErrBadStamp), or -1
+// and nil.
+func ValidateEffects(effects []Effect) (int, error) {
+	if len(effects) == 0 {
+		return -1, ErrEmptyBatch
+	}
+	for i := range effects {
+		if err := effects[i].Stamp.Validate(); err != nil {
+			return i, fmt.Errorf("sink: effect %d of %d (subject %q): %w", i+1, len(effects), effects[i].Subject, err)
+		}
+	}
+	return -1, nil
+}
+
+// StaleError builds the error for effect stamp s refused under max.
+func StaleError(s leasehold.Stamp, max leasehold.Epoch, holder string) *leasehold.StaleEpochError {
+	return &leasehold.StaleEpochError{Partition: s.Partition, Epoch: s.Epoch, Max: max, Key: s.Key, Worker: s.Worker, Holder: holder}
+}
+
+// ValidateAdvance checks the arguments of Advance.
+func ValidateAdvance(p leasehold.Partition, e leasehold.Epoch) error {
+	return leasehold.Stamp{Partition: p, Epoch: e, Key: "advance"}.Validate()
 }

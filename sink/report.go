@@ -1,0 +1,136 @@
+package sink
+
+import (
+	"context"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/leasehold/leasehold"
+)
+
+// DropCounter is implemented by sinks that count the effects they refused.
+type DropCounter interface {
+	// Dropped returns how many effects of partition p were refused for
+	// good (stale, bad stamp, unverified epoch).
+	Dropped(p leasehold.Partition) uint64
+}
+
+// Reporter is what every sink in this module reports its decisions
+// through: it passes each decision to the Observer, counts drops per
+// partition, and logs drops at most once per partition per LogEvery, with
+// the number of drops the limit held back. Sink implementations outside
+// this module can use it too. The zero value is not usable; use
+// NewReporter.
+type Reporter struct {
+	name     string
+	obs      Observer
+	log      *slog.Logger
+	logEvery time.Duration
+	now      func() time.Time
+
+	mu    sync.Mutex
+	parts map[leasehold.Partition]*dropState
+}
+
+type dropState struct {
+	n          atomic.Uint64
+	lastLog    time.Time // guarded by Reporter.mu
+	suppressed uint64    // guarded by Reporter.mu
+}
+
+// ReporterConfig configures a Reporter.
+type ReporterConfig struct {
+	// Name names the sink in decisions and logs. Default "sink".
+	Name string
+	// Observer receives every decision. Optional.
+	Observer Observer
+	// Logger receives drop lines. Default slog.Default().
+	Logger *slog.Logger
+	// LogEvery is the shortest interval between two drop lines of one
+	// partition. Default one second.
+	LogEvery time.Duration
+}
+
+// NewReporter returns a Reporter.
+func NewReporter(cfg ReporterConfig) *Reporter {
+	if cfg.Name == "" {
+		cfg.Name = "sink"
+	}
+	if cfg.Observer == nil {
+		cfg.Observer = nopObserver{}
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.LogEvery <= 0 {
+		cfg.LogEvery = time.Second
+	}
+	return &Reporter{
+		name: cfg.Name, obs: cfg.Observer, log: cfg.Logger, logEvery: cfg.LogEvery, now: time.Now,
+		parts: make(map[leasehold.Partition]*dropState),
+	}
+}
+
+// Name is the sink's name.
+func (r *Reporter) Name() string { return r.name }
+
+// Report passes d to the observer and, for a drop, counts and logs it.
+func (r *Reporter) Report(ctx context.Context, d Decision) {
+	d.Sink = r.name
+	r.obs.Decided(ctx, d)
+	if !d.Outcome.Dropped() {
+		return
+	}
+	r.mu.Lock()
+	st := r.parts[d.Stamp.Partition]
+	if st == nil {
+		st = &dropState{}
+		r.parts[d.Stamp.Partition] = st
+	}
+	st.n.Add(1)
+	now := r.now()
+	if !st.lastLog.IsZero() && now.Sub(st.lastLog) < r.logEvery {
+		st.suppressed++
+		r.mu.Unlock()
+		return
+	}
+	suppressed := st.suppressed
+	st.lastLog, st.suppressed = now, 0
+	r.mu.Unlock()
+	r.log.LogAttrs(ctx, slog.LevelWarn, "leasehold: effect dropped",
+		slog.String("sink", r.name),
+		slog.String("outcome", d.Outcome.String()),
+		slog.Uint64("partition", uint64(d.Stamp.Partition)),
+		slog.Uint64("epoch", uint64(d.Stamp.Epoch)),
+		slog.Uint64("max_epoch", uint64(d.Max)),
+		slog.String("key", d.Stamp.Key),
+		slog.String("worker", d.Stamp.Worker),
+		slog.String("holder", d.Holder),
+		slog.Uint64("suppressed", suppressed),
+		slog.Any("error", d.Err),
+	)
+}
+
+// Dropped returns how many effects of partition p were dropped.
+func (r *Reporter) Dropped(p leasehold.Partition) uint64 {
+	r.mu.Lock()
+	st := r.parts[p]
+	r.mu.Unlock()
+	if st == nil {
+		return 0
+	}
+	return st.n.Load()
+}
+
+// Drops returns the drop count of every partition that dropped anything.
+func (r *Reporter) Drops() map[leasehold.Partition]uint64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make(map[leasehold.Partition]uint64, len(r.parts))
+	for p, st := range r.parts {
+		out[p] = st.n.Load()
+	}
+	return out
+}

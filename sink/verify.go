@@ -1,0 +1,106 @@
+package sink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/leasehold/leasehold"
+)
+
+// Verifier tells the highest epoch the lease bucket has fenced for a
+// partition. *coordinator.Bucket satisfies it.
+type Verifier interface {
+	FencedEpoch(ctx context.Context, p leasehold.Partition) (leasehold.Epoch, error)
+}
+
+// ErrUnverifiedEpoch is matched by the error a sink with verified epochs
+// returns for an epoch the lease bucket never issued: it is above every
+// epoch under which the partition has been fenced. Nothing was applied and
+// the partition's maximum did not move. Match it with errors.Is; use
+// errors.As with *UnverifiedEpochError for the details.
+var ErrUnverifiedEpoch = errors.New("sink: epoch was never issued by the lease bucket")
+
+// UnverifiedEpochError reports an epoch above the partition's fenced epoch.
+type UnverifiedEpochError struct {
+	Partition leasehold.Partition
+	Epoch     leasehold.Epoch // the epoch the write carried
+	Fenced    leasehold.Epoch // the highest epoch the lease bucket fenced
+	Key       string
+}
+
+func (e *UnverifiedEpochError) Error() string {
+	return fmt.Sprintf("sink: partition %d: epoch %d was never issued by the lease bucket (the highest fenced epoch is %d): the stamp is forged or garbled, and the write was not applied; key %q",
+		e.Partition, e.Epoch, e.Fenced, e.Key)
+}
+
+// Is makes errors.Is(err, ErrUnverifiedEpoch) true.
+func (e *UnverifiedEpochError) Is(target error) bool { return target == ErrUnverifiedEpoch }
+
+// EpochCheck decides whether an epoch above a partition's recorded maximum
+// may raise it. It caches the fenced epoch of each partition and reads it
+// again only for an epoch above the cached value.
+//
+// The rule is: epoch E may raise the maximum only if E <= FencedEpoch(p).
+// It is not "E equals the current lease epoch", because a sink that
+// consumes an effect log in order may meet a former holder's effect after
+// the new holder fenced the partition, and refusing it would lose an
+// effect whose progress was committed. An epoch at or below the fenced one
+// cannot fence out the legitimate holder, whose epoch is the fenced one;
+// only an epoch above it can, and the lease bucket never issued such an
+// epoch for this partition, so it is a forgery or garbage.
+//
+// A nil *EpochCheck admits every epoch.
+type EpochCheck struct {
+	v Verifier
+
+	mu     sync.Mutex
+	fenced map[leasehold.Partition]leasehold.Epoch
+}
+
+// NewEpochCheck returns a check against v, or nil (no checking) when v is
+// nil.
+func NewEpochCheck(v Verifier) *EpochCheck {
+	if v == nil {
+		return nil
+	}
+	return &EpochCheck{v: v, fenced: make(map[leasehold.Partition]leasehold.Epoch)}
+}
+
+// Check returns nil if stamp s may raise its partition's maximum, an
+// *UnverifiedEpochError if its epoch was never issued, or the error that
+// kept the lease bucket from answering.
+func (c *EpochCheck) Check(ctx context.Context, s leasehold.Stamp) error {
+	if c == nil {
+		return nil
+	}
+	c.mu.Lock()
+	cached := c.fenced[s.Partition]
+	c.mu.Unlock()
+	if s.Epoch <= cached {
+		return nil
+	}
+	fenced, err := c.v.FencedEpoch(ctx, s.Partition)
+	if err != nil {
+		return fmt.Errorf("sink: verify epoch %d of partition %d against the lease bucket: %w", s.Epoch, s.Partition, err)
+	}
+	c.mu.Lock()
+	if fenced > c.fenced[s.Partition] {
+		c.fenced[s.Partition] = fenced
+	}
+	c.mu.Unlock()
+	if s.Epoch <= fenced {
+		return nil
+	}
+	return &UnverifiedEpochError{Partition: s.Partition, Epoch: s.Epoch, Fenced: fenced, Key: s.Key}
+}
+
+// CheckAbove runs Check only when s's epoch is above max: epochs at or
+// below the recorded maximum cannot raise it, so they need no check.
+func (c *EpochCheck) CheckAbove(ctx context.Context, s leasehold.Stamp, max leasehold.Epoch) error {
+	if c == nil || s.Epoch <= max {
+		return nil
+	}
+	return c.Check(ctx, s)
+}

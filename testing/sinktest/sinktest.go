@@ -1,0 +1,286 @@
+// Package sinktest is the conformance suite every leasehold sink must pass.
+//
+// A sink package calls Run from a test with the Features it supports and a
+// Constructor that builds a fresh sink for one case:
+//
+//	func TestConformance(t *testing.T) {
+//		sinktest.Run(t, sinktest.Features{Durable: true, AtomicBatch: true, Dedupe: true, VerifiedEpochs: true},
+//			func(t *testing.T, s sinktest.Setup) sinktest.Instance { ... })
+//	}
+//
+// Every case gets a unique Setup.Scope, to be used in every bucket, stream
+// or table name the sink needs, so that cases never see each other's data.
+// The cases are the fence contract of package sink: first epoch accepted,
+// equal epochs accepted, stale effects refused with no effect, partitions
+// independent, Advance fencing before the new holder writes, maxima that
+// survive a reopen, all-or-nothing batches, many goroutines racing with
+// mixed epochs, dedupe, cancelled contexts, bad stamps and headers, and
+// forged epochs under verification against a real lease bucket.
+//
+// Import it from tests only.
+package sinktest
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/sink"
+)
+
+// Features says which cases apply to a sink.
+type Features struct {
+	// Durable: Instance.Reopen opens the sink again on the same storage,
+	// and the maxima and applied effects survive.
+	Durable bool
+	// AtomicBatch: Apply with several effects applies all or none.
+	AtomicBatch bool
+	// Dedupe: an idempotency key is applied once; repeats succeed and are
+	// reported as Duplicate.
+	Dedupe bool
+	// VerifiedEpochs: the constructor passes Setup.Verifier to the sink.
+	VerifiedEpochs bool
+	// Headers: the sink reads stamps from message headers, and
+	// Instance.ApplyHeader feeds it raw ones.
+	Headers bool
+	// RaceGoroutines and RaceOps size the race case: goroutines, and
+	// effects per goroutine. Defaults 8 and 40.
+	RaceGoroutines, RaceOps int
+}
+
+// Setup is what the suite gives a Constructor.
+type Setup struct {
+	// Scope is unique per case: lowercase letters, digits and '_', starting
+	// with a letter. Use it in every resource name.
+	Scope string
+	// Observer must receive the sink's decisions.
+	Observer sink.Observer
+	// Verifier is the lease bucket to verify epochs against; nil except in
+	// the verified-epoch case.
+	Verifier sink.Verifier
+}
+
+// Instance is one sink under test.
+type Instance struct {
+	Sink sink.Sink
+	// Applied returns every effect the sink has applied so far, with at
+	// least the stamp's key, the subject and the data. Required.
+	Applied func(ctx context.Context) ([]sink.Effect, error)
+	// Reopen closes the sink and opens it again on the same storage.
+	// Required with Features.Durable.
+	Reopen func(ctx context.Context) (sink.Sink, error)
+	// ApplyHeader applies one effect whose stamp travels in raw headers.
+	// Required with Features.Headers.
+	ApplyHeader func(ctx context.Context, h map[string][]string, subject string, data []byte) error
+	// Subject maps a case's effect name (letters, digits and '-') to a
+	// subject the sink accepts. Default: the name itself.
+	Subject func(name string) string
+}
+
+// Constructor builds a fresh sink for one case. Cleanup goes through
+// t.Cleanup.
+type Constructor func(t *testing.T, s Setup) Instance
+
+// Run runs every case that features allow against sinks built by newSink.
+func Run(t *testing.T, features Features, newSink Constructor) {
+	t.Helper()
+	if features.RaceGoroutines == 0 {
+		features.RaceGoroutines = 8
+	}
+	if features.RaceOps == 0 {
+		features.RaceOps = 40
+	}
+	cases := []struct {
+		name string
+		run  func(t *testing.T, h *harness)
+		need bool
+	}{
+		{"FirstEpochAccepted", testFirstEpoch, true},
+		{"EqualEpochAccepted", testEqualEpoch, true},
+		{"StaleRejected", testStale, true},
+		{"PartitionsIndependent", testPartitions, true},
+		{"AdvanceFencesBeforeFirstWrite", testAdvance, true},
+		{"CancelledContext", testCancelled, true},
+		{"BadStamp", testBadStamp, true},
+		{"Race", testRace, true},
+		{"SurvivesReopen", testDurable, features.Durable},
+		{"BatchAllOrNothing", testBatch, features.AtomicBatch},
+		{"Dedupe", testDedupe, features.Dedupe},
+		{"BadHeaders", testHeaders, features.Headers},
+		{"ForgedEpochRefused", testForged, features.VerifiedEpochs},
+	}
+	for _, c := range cases {
+		if !c.need {
+			continue
+		}
+		t.Run(c.name, func(t *testing.T) {
+			h := &harness{t: t, f: features, rec: &recorder{}, newSink: newSink}
+			c.run(t, h)
+		})
+	}
+}
+
+// harness builds the case's sink and records its decisions.
+type harness struct {
+	t       *testing.T
+	f       Features
+	rec     *recorder
+	newSink Constructor
+	inst    Instance
+	scope   string
+}
+
+func (h *harness) start(v sink.Verifier) sink.Sink {
+	h.t.Helper()
+	h.scope = newScope(h.t.Name())
+	h.inst = h.newSink(h.t, Setup{Scope: h.scope, Observer: h.rec, Verifier: v})
+	if h.inst.Sink == nil || h.inst.Applied == nil {
+		h.t.Fatal("sinktest: the constructor must set Instance.Sink and Instance.Applied")
+	}
+	if h.inst.Subject == nil {
+		h.inst.Subject = func(n string) string { return n }
+	}
+	return h.inst.Sink
+}
+
+// effect builds an effect named name (also its subject and data).
+func (h *harness) effect(p leasehold.Partition, e leasehold.Epoch, name string) sink.Effect {
+	return sink.Effect{
+		Stamp:   leasehold.Stamp{Partition: p, Epoch: e, Key: h.scope + "." + name, Worker: "w" + e.String()},
+		Subject: h.inst.Subject(name),
+		Data:    []byte("data of " + name),
+	}
+}
+
+// applied returns the applied effects by key.
+func (h *harness) applied(ctx context.Context) map[string][]sink.Effect {
+	h.t.Helper()
+	es, err := h.inst.Applied(ctx)
+	if err != nil {
+		h.t.Fatalf("sinktest: read applied effects: %v", err)
+	}
+	out := make(map[string][]sink.Effect, len(es))
+	for _, e := range es {
+		out[e.Stamp.Key] = append(out[e.Stamp.Key], e)
+	}
+	return out
+}
+
+func (h *harness) mustApply(ctx context.Context, s sink.Sink, es ...sink.Effect) {
+	h.t.Helper()
+	if err := s.Apply(ctx, es...); err != nil {
+		h.t.Fatalf("Apply(%s) = %v, want nil", describe(es), err)
+	}
+}
+
+func (h *harness) wantMax(ctx context.Context, s sink.Sink, p leasehold.Partition, want leasehold.Epoch) {
+	h.t.Helper()
+	got, err := s.MaxEpoch(ctx, p)
+	if err != nil {
+		h.t.Fatalf("MaxEpoch(%d): %v", p, err)
+	}
+	if got != want {
+		h.t.Fatalf("MaxEpoch(%d) = %d, want %d", p, got, want)
+	}
+}
+
+// wantApplied checks that each named effect was applied exactly once
+// (present) or not at all.
+func (h *harness) wantApplied(ctx context.Context, present []sink.Effect, absent []sink.Effect) {
+	h.t.Helper()
+	got := h.applied(ctx)
+	for _, e := range present {
+		es := got[e.Stamp.Key]
+		if len(es) != 1 {
+			h.t.Fatalf("effect %s applied %d times, want once", e.Stamp.Key, len(es))
+		}
+		if string(es[0].Data) != string(e.Data) {
+			h.t.Fatalf("effect %s applied with data %q, want %q", e.Stamp.Key, es[0].Data, e.Data)
+		}
+	}
+	for _, e := range absent {
+		if n := len(got[e.Stamp.Key]); n != 0 {
+			h.t.Fatalf("effect %s (epoch %d) was applied %d times; it must have no effect", e.Stamp.Key, e.Stamp.Epoch, n)
+		}
+	}
+}
+
+func describe(es []sink.Effect) string {
+	var parts []string
+	for _, e := range es {
+		parts = append(parts, e.Stamp.Key+"@p"+e.Stamp.Partition.String()+"/e"+e.Stamp.Epoch.String())
+	}
+	return strings.Join(parts, ", ")
+}
+
+// recorder is the Observer the suite hands to every sink.
+type recorder struct {
+	mu sync.Mutex
+	ds []sink.Decision
+}
+
+func (r *recorder) Decided(_ context.Context, d sink.Decision) {
+	r.mu.Lock()
+	r.ds = append(r.ds, d)
+	r.mu.Unlock()
+}
+
+// find returns the decisions about key with outcome o.
+func (r *recorder) find(key string, o sink.Outcome) []sink.Decision {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []sink.Decision
+	for _, d := range r.ds {
+		if d.Stamp.Key == key && d.Outcome == o {
+			out = append(out, d)
+		}
+	}
+	return out
+}
+
+func (r *recorder) count(o sink.Outcome) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	n := 0
+	for _, d := range r.ds {
+		if d.Outcome == o {
+			n++
+		}
+	}
+	return n
+}
+
+func newScope(testName string) string {
+	name := testName
+	if i := strings.LastIndexByte(name, '/'); i >= 0 {
+		name = name[i+1:]
+	}
+	var b strings.Builder
+	b.WriteByte('s')
+	for _, c := range strings.ToLower(name) {
+		if c >= 'a' && c <= 'z' || c >= '0' && c <= '9' {
+			b.WriteRune(c)
+		}
+		if b.Len() >= 20 {
+			break
+		}
+	}
+	var rnd [4]byte
+	_, _ = rand.Read(rnd[:])
+	b.WriteByte('_')
+	b.WriteString(hex.EncodeToString(rnd[:]))
+	return b.String()
+}
+
+func isStale(err error) (*leasehold.StaleEpochError, bool) {
+	var se *leasehold.StaleEpochError
+	if errors.As(err, &se) && errors.Is(err, leasehold.ErrStaleEpoch) {
+		return se, true
+	}
+	return nil, false
+}

@@ -1,0 +1,91 @@
+package sinktest
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/testing/natstest"
+)
+
+// testForged runs a real lease bucket on an embedded server, acquires a
+// partition, and checks that an epoch the bucket never issued cannot raise
+// the partition's maximum, while the legitimate holder keeps writing.
+func testForged(t *testing.T, h *harness) {
+	ctx := caseCtx(t)
+	srv := natstest.Start(t)
+	js := srv.JetStream(t)
+	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: "leases", MarkerTTL: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	coord, err := coordinator.New(bucket, coordinator.Config{Worker: "holder", TTL: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const p = leasehold.Partition(17)
+	lease := acquire(ctx, t, coord, p)
+	epoch := lease.Epoch()
+
+	s := h.start(bucket)
+	legit := h.effect(p, epoch, "legit")
+	h.mustApply(ctx, s, legit)
+
+	forged := h.effect(p, epoch+1_000_000, "forged")
+	err = s.Apply(ctx, forged)
+	if !errors.Is(err, sink.ErrUnverifiedEpoch) {
+		t.Fatalf("Apply(forged epoch %d above the fenced %d) = %v, want an error matching sink.ErrUnverifiedEpoch", forged.Stamp.Epoch, epoch, err)
+	}
+	var ue *sink.UnverifiedEpochError
+	if !errors.As(err, &ue) || ue.Fenced != epoch || ue.Epoch != forged.Stamp.Epoch {
+		t.Fatalf("error %v does not carry the forged and the fenced epoch", err)
+	}
+	h.wantMax(ctx, s, p, epoch)
+	if err := s.Advance(ctx, p, leasehold.MaxEpoch); !errors.Is(err, sink.ErrUnverifiedEpoch) {
+		t.Fatalf("Advance(forged MaxEpoch) = %v, want an error matching sink.ErrUnverifiedEpoch", err)
+	}
+	h.wantMax(ctx, s, p, epoch)
+	// The legitimate holder is not fenced out.
+	again := h.effect(p, epoch, "legit-again")
+	h.mustApply(ctx, s, again)
+	if len(h.rec.find(forged.Stamp.Key, sink.Unverified)) != 1 {
+		t.Fatalf("the observer saw no Unverified decision for the forged effect")
+	}
+
+	// A later acquisition's epoch is above the cached fenced epoch: the
+	// sink must ask the bucket again and accept it.
+	if err := lease.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	next := acquire(ctx, t, coord, p)
+	defer func() { _ = next.Release(context.WithoutCancel(ctx)) }()
+	if next.Epoch() <= epoch {
+		t.Fatalf("re-acquisition epoch %d is not above %d", next.Epoch(), epoch)
+	}
+	successor := h.effect(p, next.Epoch(), "successor")
+	h.mustApply(ctx, s, successor)
+	h.wantMax(ctx, s, p, next.Epoch())
+	h.wantApplied(ctx, []sink.Effect{legit, again, successor}, []sink.Effect{forged})
+}
+
+func acquire(ctx context.Context, t *testing.T, c *coordinator.Coordinator, p leasehold.Partition) *coordinator.Lease {
+	t.Helper()
+	for {
+		l, err := c.Acquire(ctx, p)
+		if err == nil {
+			return l
+		}
+		if !errors.Is(err, coordinator.ErrHeld) {
+			t.Fatalf("acquire partition %d: %v", p, err)
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("partition %d still held: %v", p, err)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
