@@ -1,0 +1,73 @@
+package worker
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+)
+
+// writeBarriers fences the partition against its previous holder before
+// the first job: every Config.Fences sink is advanced to this epoch, and a
+// barrier is published to every barrier subject. A sink that consumes such
+// a subject in order raises the partition's fence when it reaches the
+// barrier, so the previous holder's effects after it are refused even
+// though they travel through the same log. It retries with backoff until
+// everything is written, and gives up (returning false) when the lease is
+// lost or the partition is revoked first: a partition is not handled
+// unfenced.
+func (r *runner) writeBarriers() bool {
+	fences := r.w.cfg.Fences
+	subjects := r.w.cfg.BarrierSubjects(r.p)
+	stamp := leasehold.Stamp{
+		Partition: r.p,
+		Epoch:     r.info.Epoch,
+		Key:       leasehold.BarrierKey(r.w.cfg.Prefix, r.p, r.info.Epoch),
+		Worker:    r.info.Holder,
+	}
+	for attempt := 1; ; attempt++ {
+		err := r.barrierRound(&fences, &subjects, stamp)
+		if err == nil {
+			return true
+		}
+		if r.ctx.Err() != nil {
+			return false
+		}
+		wait := min(50*time.Millisecond<<min(attempt-1, 6), 2*time.Second)
+		r.log.Warn("writing the partition's barriers failed; retrying before handling any job", "attempt", attempt, "backoff", wait, "err", err)
+		if out := r.sleep(wait); out != 0 {
+			return false
+		}
+	}
+}
+
+// barrierRound writes what is left, removing what succeeded.
+func (r *runner) barrierRound(fences *[]Fence, subjects *[]string, stamp leasehold.Stamp) error {
+	timeout := r.w.cfg.EffectTimeout
+	for len(*fences) > 0 {
+		ctx, cancel := context.WithTimeout(r.ctx, timeout)
+		err := (*fences)[0].Advance(ctx, r.p, r.info.Epoch)
+		cancel()
+		if err != nil {
+			return fmt.Errorf("advance fence %T to epoch %d: %w", (*fences)[0], r.info.Epoch, err)
+		}
+		r.event(r.ctx, Event{Kind: EventBarrierWritten, Stamp: stamp, Subject: "fence"})
+		*fences = (*fences)[1:]
+	}
+	for len(*subjects) > 0 {
+		subject := (*subjects)[0]
+		msg := &nats.Msg{Subject: subject, Header: nats.Header{leasehold.HeaderBarrier: []string{"1"}}}
+		stamp.SetHeader(msg.Header)
+		msg.Header[jetstream.MsgIDHeader] = []string{stamp.Key}
+		if err := r.publishSync(r.ctx, msg, timeout); err != nil {
+			return fmt.Errorf("publish barrier to %s: %w", subject, err)
+		}
+		r.event(r.ctx, Event{Kind: EventBarrierWritten, Stamp: stamp, Subject: subject})
+		*subjects = (*subjects)[1:]
+	}
+	return nil
+}

@@ -1,0 +1,247 @@
+package worker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/nats-io/nuid"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/propagation"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/coordinator"
+)
+
+// Fence is a sink that can be told about a take-over: on acquiring a
+// partition, a worker advances every fence to its epoch before handling the
+// first job, so that the previous holder's later writes are refused from
+// that moment on. Every sink in package sink is a Fence.
+type Fence interface {
+	Advance(ctx context.Context, p leasehold.Partition, e leasehold.Epoch) error
+}
+
+// Config configures a Worker.
+type Config struct {
+	// JetStream is the connection jobs are read and effects published
+	// through. The worker does not own (or close) it. Required.
+	JetStream jetstream.JetStream
+	// Prefix names the job stream (see ProvisionJobs). Required.
+	Prefix string
+	// Partitions is the job stream's partition count; Run refuses a stream
+	// provisioned with another. Required.
+	Partitions int
+	// Handler handles the jobs. Required.
+	Handler Handler
+	// Middleware wraps Handler, the first one outermost.
+	Middleware []Middleware
+
+	// Bucket is the lease bucket (coordinator.OpenBucket or Provision).
+	// Required unless ProvisionBucket is set.
+	Bucket *coordinator.Bucket
+	// ProvisionBucket, when Bucket is nil, makes Run create (or check) the
+	// lease bucket it describes through JetStream.
+	ProvisionBucket *coordinator.BucketConfig
+	// Coordinator holds the lease settings: the worker ID (Worker), TTL,
+	// renewal, rebalancing and shutdown timeouts. Partitions, OnAcquire and
+	// OnRevoke are the worker's own and must be left unset. Coordinator's
+	// defaults apply; the worker ID defaults to the host name and a random
+	// suffix.
+	Coordinator coordinator.Config
+
+	// MaxConcurrency bounds the handlers running at once across all
+	// partitions this worker holds. A partition runs one job at a time.
+	// Default 0: one handler per held partition, no other bound.
+	MaxConcurrency int
+	// MaxAttempts is how many failed attempts a job gets before it is
+	// dead-lettered. Default 5.
+	MaxAttempts int
+	// Backoff is the wait after failed attempt n (1, 2, ...) before the
+	// next. The partition waits with it: order is kept. Default:
+	// exponential from 100ms, doubling up to 30s, with jitter.
+	Backoff func(attempt int) time.Duration
+	// HandleTimeout bounds one attempt: its context ends after it. Default
+	// 0: the lease alone bounds it.
+	HandleTimeout time.Duration
+
+	// CommitEvery is how often a partition's progress is committed while
+	// jobs flow; it is always committed on hand-off. A crash re-runs at most
+	// this much work (with the same idempotency keys). Default 250ms.
+	CommitEvery time.Duration
+	// MaxInFlight bounds the jobs of a partition whose effects are
+	// published but not yet acknowledged. Handlers never wait for an
+	// acknowledgement; a job counts as done when all of its effects are
+	// acknowledged. With 1, a job's effects are acknowledged before the next
+	// job starts, which keeps the effect log in job order even when a
+	// publish is lost and retried. Default 128.
+	MaxInFlight int
+	// EffectTimeout is how long an effect publish may wait for its
+	// acknowledgement before it counts as failed and its job is run again.
+	// Default 10s.
+	EffectTimeout time.Duration
+	// FetchBatch is how many jobs one pull request asks for. Default 100.
+	FetchBatch int
+	// FetchWait is how long one pull request waits for jobs. Default 5s.
+	FetchWait time.Duration
+	// TrimCommitted purges a partition's jobs up to its committed progress
+	// after each commit, which keeps the job stream small. Committed
+	// progress never goes back, so no worker needs them again; keep them
+	// (the default) to be able to replay.
+	TrimCommitted bool
+
+	// Fences are advanced to a partition's epoch when this worker acquires
+	// it, before its first job.
+	Fences []Fence
+	// BarrierSubjects returns the subjects a barrier is published to when
+	// this worker acquires partition p, before its first job: sinks that
+	// consume those subjects in order refuse the previous holder's later
+	// effects from there on. Default: the default output,
+	// OutputSubject(Prefix, p). Return nil to publish none.
+	BarrierSubjects func(p leasehold.Partition) []string
+
+	// Propagator injects trace context into effects and extracts it from
+	// jobs. Default otel.GetTextMapPropagator().
+	Propagator propagation.TextMapPropagator
+	// Logger receives the worker's logs. Default slog.Default().
+	Logger *slog.Logger
+	// Observer receives worker events. Default: none.
+	Observer Observer
+}
+
+func (c *Config) setDefaults() {
+	if c.Coordinator.Worker == "" {
+		c.Coordinator.Worker = defaultWorkerID()
+	}
+	if c.MaxAttempts == 0 {
+		c.MaxAttempts = 5
+	}
+	if c.Backoff == nil {
+		c.Backoff = DefaultBackoff
+	}
+	if c.CommitEvery == 0 {
+		c.CommitEvery = 250 * time.Millisecond
+	}
+	if c.MaxInFlight == 0 {
+		c.MaxInFlight = 128
+	}
+	if c.EffectTimeout == 0 {
+		c.EffectTimeout = 10 * time.Second
+	}
+	if c.FetchBatch == 0 {
+		c.FetchBatch = 100
+	}
+	if c.FetchWait == 0 {
+		c.FetchWait = 5 * time.Second
+	}
+	if c.BarrierSubjects == nil {
+		prefix := c.Prefix
+		c.BarrierSubjects = func(p leasehold.Partition) []string { return []string{OutputSubject(prefix, p)} }
+	}
+	if c.Propagator == nil {
+		c.Propagator = otel.GetTextMapPropagator()
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	if c.Coordinator.Logger == nil {
+		c.Coordinator.Logger = c.Logger
+	}
+}
+
+// Validate reports every problem with c at once.
+func (c Config) Validate() error {
+	user := c.Coordinator
+	c.setDefaults()
+	var errs []error
+	if c.JetStream == nil {
+		errs = append(errs, errors.New("JetStream is nil: pass jetstream.New(nc) for the connection jobs are read through"))
+	}
+	if err := validPrefix(c.Prefix); err != nil {
+		errs = append(errs, err)
+	}
+	if c.Partitions < 1 || c.Partitions > leasehold.MaxPartitions {
+		errs = append(errs, fmt.Errorf("partitions %d: use the job stream's partition count (1 to %d)", c.Partitions, leasehold.MaxPartitions))
+	}
+	if c.Handler == nil {
+		errs = append(errs, errors.New("Handler is nil: give the worker something to run, for example worker.HandlerFunc(func(ctx, job) error {...})"))
+	}
+	for i, mw := range c.Middleware {
+		if mw == nil {
+			errs = append(errs, fmt.Errorf("Middleware[%d] is nil", i))
+		}
+	}
+	if c.Bucket == nil && c.ProvisionBucket == nil {
+		errs = append(errs, errors.New("no lease bucket: set Bucket (coordinator.OpenBucket) or ProvisionBucket"))
+	}
+	if c.Bucket != nil && c.ProvisionBucket != nil {
+		errs = append(errs, errors.New("both Bucket and ProvisionBucket are set: set one"))
+	}
+	if c.ProvisionBucket != nil {
+		if err := c.ProvisionBucket.Validate(); err != nil {
+			errs = append(errs, fmt.Errorf("ProvisionBucket: %w", err))
+		}
+	}
+	if user.Partitions != 0 || user.OnAcquire != nil || user.OnRevoke != nil {
+		errs = append(errs, errors.New("Coordinator.Partitions, OnAcquire and OnRevoke are set by the worker: leave them unset (use Partitions and Observer)"))
+	}
+	cc := c.Coordinator
+	cc.Partitions = c.Partitions
+	if err := cc.Validate(); err != nil {
+		errs = append(errs, fmt.Errorf("Coordinator: %w", err))
+	}
+	if c.MaxConcurrency < 0 {
+		errs = append(errs, fmt.Errorf("max concurrency %d must not be negative (0: one handler per partition)", c.MaxConcurrency))
+	}
+	if c.MaxAttempts < 1 {
+		errs = append(errs, fmt.Errorf("max attempts %d: use at least 1", c.MaxAttempts))
+	}
+	if c.HandleTimeout < 0 || c.CommitEvery < 0 || c.EffectTimeout < 0 || c.FetchWait < 0 {
+		errs = append(errs, errors.New("timeouts and intervals must not be negative"))
+	}
+	if c.FetchWait > 0 && c.FetchWait < 100*time.Millisecond {
+		errs = append(errs, fmt.Errorf("fetch wait %v: use at least 100ms", c.FetchWait))
+	}
+	if c.MaxInFlight < 1 {
+		errs = append(errs, fmt.Errorf("max in flight %d: use at least 1", c.MaxInFlight))
+	}
+	if c.FetchBatch < 1 || c.FetchBatch > 10000 {
+		errs = append(errs, fmt.Errorf("fetch batch %d: use 1 to 10000", c.FetchBatch))
+	}
+	for i, f := range c.Fences {
+		if f == nil {
+			errs = append(errs, fmt.Errorf("Fences[%d] is nil", i))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// DefaultBackoff waits 100ms after the first failed attempt, doubling up to
+// 30s, with up to 20% jitter either way so that failing partitions do not
+// retry in step.
+func DefaultBackoff(attempt int) time.Duration {
+	d := min(100*time.Millisecond<<min(max(attempt-1, 0), 10), 30*time.Second)
+	return d - d/5 + rand.N(2*d/5+1)
+}
+
+func defaultWorkerID() string {
+	host, _ := os.Hostname()
+	b := []byte(host)
+	for i, c := range b {
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_') {
+			b[i] = '-'
+		}
+	}
+	if len(b) == 0 {
+		b = []byte("worker")
+	}
+	if len(b) > 100 {
+		b = b[:100]
+	}
+	id := nuid.Next()
+	return string(b) + "-" + id[len(id)-6:]
+}

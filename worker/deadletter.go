@@ -1,0 +1,102 @@
+package worker
+
+import (
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/telemetry"
+)
+
+// Headers a dead letter carries beside the job's own headers and the stamp
+// of the lease it was dead-lettered under.
+const (
+	HeaderError    = "Leasehold-Error"    // the last failure, on one line
+	HeaderAttempts = "Leasehold-Attempts" // attempts run by the worker that gave up
+	HeaderSubject  = "Leasehold-Subject"  // the job's subject
+	HeaderSeq      = "Leasehold-Seq"      // the job's sequence in the job stream
+	HeaderJobID    = "Leasehold-Job-Id"   // the job's Nats-Msg-Id
+)
+
+// maxErrorHeader bounds the error text a dead letter carries.
+const maxErrorHeader = 2048
+
+// DeadLetterKey is the idempotency key of the dead letter of the job at
+// sequence seq of partition p: a re-run that dead-letters the job again is
+// stored once.
+func DeadLetterKey(scope string, p leasehold.Partition, seq uint64) string {
+	return scope + "." + p.String() + "." + strconv.FormatUint(seq, 10) + ".dlq"
+}
+
+// deadLetter publishes the job to the partition's dead-letter subject; its
+// acknowledgement is awaited like an effect's, so progress moves past the
+// job only once the dead letter is stored.
+func (r *runner) deadLetter(m jetstream.Msg, md *jetstream.MsgMetadata, st retryState) ([]jetstream.PubAckFuture, outcome) {
+	msg := &nats.Msg{Subject: DLQSubject(r.w.cfg.Prefix, r.p), Data: m.Data(), Header: nats.Header{}}
+	jobID := ""
+	for k, vs := range m.Headers() {
+		switch {
+		case strings.EqualFold(k, jetstream.MsgIDHeader):
+			if len(vs) > 0 {
+				jobID = vs[0]
+			}
+		case hasPrefixFold(k, "Nats-"), hasPrefixFold(k, "Leasehold-"):
+			// Server directives and an upstream stamp must not apply to
+			// the dead letter.
+		default:
+			msg.Header[k] = vs
+		}
+	}
+	errText := "unknown error"
+	if st.err != nil {
+		errText = oneLine(st.err.Error(), maxErrorHeader)
+	}
+	msg.Header.Set(HeaderError, errText)
+	msg.Header.Set(HeaderAttempts, strconv.Itoa(st.runs))
+	msg.Header.Set(HeaderSubject, m.Subject())
+	msg.Header.Set(HeaderSeq, strconv.FormatUint(md.Sequence.Stream, 10))
+	if jobID != "" {
+		msg.Header.Set(HeaderJobID, jobID)
+	}
+	stamp := leasehold.Stamp{
+		Partition: r.p,
+		Epoch:     r.info.Epoch,
+		Key:       DeadLetterKey(r.w.cfg.Prefix, r.p, md.Sequence.Stream),
+		Worker:    r.info.Holder,
+	}
+	ctx := r.w.cfg.Propagator.Extract(r.ctx, telemetry.HeaderCarrier(m.Headers()))
+	r.stampHeader(ctx, msg.Header, stamp)
+	for attempt := 1; ; attempt++ {
+		fut, err := r.publishAsync(r.ctx, msg)
+		if err == nil {
+			r.event(ctx, Event{Kind: EventJobDeadLettered, Seq: md.Sequence.Stream, Attempt: st.runs, Stamp: stamp, Subject: msg.Subject, Err: st.err})
+			r.log.Error("job dead-lettered", "seq", md.Sequence.Stream, "attempts", st.runs, "dlq", msg.Subject, "err", st.err)
+			return []jetstream.PubAckFuture{fut}, 0
+		}
+		if r.ctx.Err() != nil {
+			return nil, outLost
+		}
+		wait := min(50*time.Millisecond<<min(attempt-1, 6), 2*time.Second)
+		r.log.Warn("dead-lettering a job failed; retrying", "seq", md.Sequence.Stream, "err", err)
+		if out := r.sleep(wait); out != 0 {
+			return nil, out
+		}
+	}
+}
+
+func hasPrefixFold(s, prefix string) bool {
+	return len(s) >= len(prefix) && strings.EqualFold(s[:len(prefix)], prefix)
+}
+
+// oneLine makes s fit a header value: no line breaks, at most n bytes.
+func oneLine(s string, n int) string {
+	s = strings.NewReplacer("\r\n", " | ", "\n", " | ", "\r", " | ").Replace(s)
+	if len(s) > n {
+		s = s[:n-3] + "..."
+	}
+	return s
+}

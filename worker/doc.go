@@ -1,0 +1,41 @@
+// Package worker is the SDK leasehold users write job handlers with: a
+// producer that enqueues jobs on a partitioned JetStream stream, and a
+// Worker that takes its share of the partitions through epoch-numbered
+// leases, runs each partition's jobs in order, stamps everything the
+// handlers write with the lease's epoch, and records progress so that a
+// former holder can never make the partition skip work.
+//
+// The contract:
+//
+//   - Jobs live in the stream "<prefix>-jobs", partition p on the subject
+//     "<prefix>.jobs.<p>" (see ProvisionJobs). A Producer picks the
+//     partition from a key the way Kafka does (leasehold.PartitionFor), and
+//     sends every job with a Nats-Msg-Id, so its retries store a job once.
+//   - A partition's jobs run one at a time, in stream order, on the worker
+//     holding its lease. Before the first job, every Config.Fences sink is
+//     advanced to the new epoch and a barrier is published to every barrier
+//     subject, so the previous holder's later writes are refused.
+//   - Effects (Job.Publish, Job.Emit, Job.Apply, Job.NextStamp) carry the
+//     headers Leasehold-Partition, Leasehold-Epoch and Leasehold-Key, an
+//     idempotency key derived from (prefix, partition, job sequence, effect
+//     index), plus W3C trace context; published effects use the key as
+//     Nats-Msg-Id. A job re-run after a fail-over emits the same keys.
+//   - Progress is not the consumer's acks: it is a compare-and-set on the
+//     lease bucket (coordinator.Lease.Commit), and it moves past a job only
+//     once all of the job's effects (or its dead letter) are acknowledged.
+//     A worker that lost its lease cannot commit, so its successor resumes
+//     after the last job whose effects were stored under a live epoch.
+//     Processing is at least once; effects are exactly once where the
+//     destination dedupes by key.
+//   - A failed attempt is retried with backoff up to Config.MaxAttempts,
+//     then the job is dead-lettered to "<prefix>.dlq.<p>" with its data,
+//     headers and the error. Permanent errors and payloads that do not
+//     decode are dead-lettered at once; a panic counts as a failure.
+//   - A handler's context ends when its lease is lost or its local deadline
+//     passes, and emitting then fails with leasehold.ErrLeaseLost. That is
+//     a courtesy: a paused process cannot see its own pause, which is why
+//     sinks fence by epoch.
+//   - Run returns after a graceful shutdown: fetching stops, running
+//     handlers finish while the lease holds, effects are awaited, progress
+//     is committed and leases are released, so successors start at once.
+package worker

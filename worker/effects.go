@@ -1,0 +1,149 @@
+package worker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/telemetry"
+)
+
+// EmitOption adjusts one published effect.
+type EmitOption func(*emitOpts)
+
+type emitOpts struct {
+	header nats.Header
+}
+
+// EmitHeader adds headers to the effect. The stamp, trace context and
+// Nats-Msg-Id are set by the worker and win over these.
+func EmitHeader(h nats.Header) EmitOption { return func(o *emitOpts) { o.header = h } }
+
+// EffectError reports an effect that could not be published; the job's
+// attempt fails and is run again.
+type EffectError struct {
+	Subject string
+	Key     string // the effect's idempotency key
+	Err     error
+}
+
+func (e *EffectError) Error() string {
+	return fmt.Sprintf("worker: effect %s to %s: %v", e.Key, e.Subject, e.Err)
+}
+
+// Unwrap returns the publish error.
+func (e *EffectError) Unwrap() error { return e.Err }
+
+// Publish publishes an effect to subject, stamped with the job's partition,
+// epoch and the next idempotency key, with the context's trace and a
+// Nats-Msg-Id equal to the key, so that a re-run of the job within the
+// stream's duplicate window is stored once. It does not wait for the
+// stream's acknowledgement: the job counts as done once every effect is
+// acknowledged, and fails (and runs again) if one is not. After the lease
+// is lost it returns an error matching leasehold.ErrLeaseLost and publishes
+// nothing.
+func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...EmitOption) error {
+	var o emitOpts
+	for _, opt := range opts {
+		opt(&o)
+	}
+	j.mu.Lock()
+	stamp, err := j.reserve()
+	j.mu.Unlock()
+	if err != nil {
+		j.fail(err)
+		return err
+	}
+	msg := &nats.Msg{Subject: subject, Data: data, Header: make(nats.Header, len(o.header)+6)}
+	for k, vs := range o.header {
+		msg.Header[k] = vs
+	}
+	j.r.stampHeader(ctx, msg.Header, stamp)
+	fut, err := j.r.publishAsync(ctx, msg)
+	if err != nil {
+		err = &EffectError{Subject: subject, Key: stamp.Key, Err: err}
+		j.fail(err)
+		return err
+	}
+	j.mu.Lock()
+	j.futs = append(j.futs, fut)
+	j.mu.Unlock()
+	j.r.event(ctx, Event{Kind: EventEffectEmitted, Job: j, Seq: j.Seq, Attempt: j.Attempt, Stamp: stamp, Subject: subject})
+	return nil
+}
+
+// Emit publishes an effect to the partition's default output,
+// OutputSubject(prefix, partition). See Publish.
+func (j *Job) Emit(ctx context.Context, data []byte, opts ...EmitOption) error {
+	return j.Publish(ctx, j.r.output, data, opts...)
+}
+
+// Apply writes one effect to a sink, synchronously, stamped with the next
+// idempotency key and carrying the context's trace. The sink fences it:
+// an error matching leasehold.ErrStaleEpoch means another worker has taken
+// the partition over, and a handler that returns it stops the partition.
+func (j *Job) Apply(ctx context.Context, s sink.Sink, subject string, data []byte) error {
+	stamp, err := j.NextStamp()
+	if err != nil {
+		j.fail(err)
+		return err
+	}
+	h := make(map[string][]string, 2)
+	j.r.w.cfg.Propagator.Inject(ctx, telemetry.HeaderCarrier(h))
+	if err := s.Apply(ctx, sink.Effect{Stamp: stamp, Subject: subject, Data: data, Header: h}); err != nil {
+		err = fmt.Errorf("worker: apply effect %s to %s: %w", stamp.Key, subject, err)
+		j.fail(err)
+		return err
+	}
+	j.r.event(ctx, Event{Kind: EventEffectEmitted, Job: j, Seq: j.Seq, Attempt: j.Attempt, Stamp: stamp, Subject: subject})
+	return nil
+}
+
+// stampHeader writes the stamp, the trace context and the Nats-Msg-Id.
+func (r *runner) stampHeader(ctx context.Context, h nats.Header, s leasehold.Stamp) {
+	r.w.cfg.Propagator.Inject(ctx, telemetry.HeaderCarrier(h))
+	s.SetHeader(h)
+	h[jetstream.MsgIDHeader] = []string{s.Key}
+}
+
+// publishAsync sends msg without waiting for its acknowledgement, waiting
+// for room when too many are outstanding.
+func (r *runner) publishAsync(ctx context.Context, msg *nats.Msg) (jetstream.PubAckFuture, error) {
+	for {
+		fut, err := r.w.cfg.JetStream.PublishMsgAsync(msg, jetstream.WithStallWait(r.w.cfg.EffectTimeout))
+		if !errors.Is(err, jetstream.ErrTooManyStalledMsgs) {
+			return fut, err
+		}
+		if ctx.Err() != nil {
+			return nil, fmt.Errorf("%w: %w", err, context.Cause(ctx))
+		}
+		if r.lease.Err() != nil {
+			return nil, err
+		}
+	}
+}
+
+// effectTransient reports whether an effect failure is the transport's
+// (a timeout, a lost connection, a stream that is not answering): such a
+// failure retries the job without using up an attempt, since the handler
+// did nothing wrong and dead-lettering jobs through a NATS outage would
+// lose nothing but help nobody.
+func effectTransient(err error) bool {
+	var ee *EffectError
+	return errors.As(err, &ee) && transientPublish(ee.Err)
+}
+
+// publishSync publishes msg and waits for its acknowledgement, at most
+// timeout.
+func (r *runner) publishSync(ctx context.Context, msg *nats.Msg, timeout time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	_, err := r.w.cfg.JetStream.PublishMsg(ctx, msg)
+	return err
+}

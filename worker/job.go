@@ -1,0 +1,117 @@
+package worker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+)
+
+// Job is one job being handled: the message, where it sits, and the lease
+// it is handled under. Its methods emit effects stamped with that lease;
+// they are safe for concurrent use, but effects are numbered in the order
+// they are emitted, so a handler that wants the same idempotency keys on a
+// re-run emits in a deterministic order.
+type Job struct {
+	Data      []byte
+	Header    nats.Header
+	Subject   string
+	Seq       uint64 // the job's sequence in the job stream
+	Partition leasehold.Partition
+	// Attempt counts the runs of this job by this worker since it took the
+	// partition, from 1. A job re-run after a fail-over starts at 1 again.
+	Attempt int
+	Lease   leasehold.Lease // the lease the job is handled under
+	ID      string          // the job's Nats-Msg-Id
+	// Enqueued is when the job stream stored the job.
+	Enqueued time.Time
+
+	r *runner
+
+	mu     sync.Mutex
+	next   int // index of the next effect
+	futs   []jetstream.PubAckFuture
+	failed error // the first effect that could not be written
+	closed bool  // the attempt is over: nothing more may be emitted
+}
+
+type jobKey struct{}
+
+// JobFromContext returns the job a handler's context belongs to, or nil.
+// Publisher decorators use it to stamp what a handler writes.
+func JobFromContext(ctx context.Context) *Job {
+	j, _ := ctx.Value(jobKey{}).(*Job)
+	return j
+}
+
+// ErrJobDone is matched by the error of an emit after the handler returned.
+var ErrJobDone = errors.New("worker: the job's handler has returned")
+
+// NextStamp reserves the next effect index and returns its stamp, for
+// writes the worker does not make itself (a sink of your own, a database
+// row): write the stamp beside the effect and let the destination fence on
+// it. It fails with an error matching leasehold.ErrLeaseLost once the lease
+// is gone.
+func (j *Job) NextStamp() (leasehold.Stamp, error) {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	return j.reserve()
+}
+
+// reserve numbers the next effect; j.mu is held.
+func (j *Job) reserve() (leasehold.Stamp, error) {
+	if err := j.usable(); err != nil {
+		return leasehold.Stamp{}, err
+	}
+	idx := j.next
+	j.next++
+	return leasehold.Stamp{
+		Partition: j.Partition,
+		Epoch:     j.Lease.Epoch,
+		Key:       leasehold.EffectKey(j.r.w.cfg.Prefix, j.Partition, j.Seq, idx),
+		Worker:    j.Lease.Holder,
+	}, nil
+}
+
+// usable reports why nothing more may be emitted for j; j.mu is held.
+func (j *Job) usable() error {
+	if j.closed {
+		return fmt.Errorf("job %d of partition %d: %w: emit before returning from Handle", j.Seq, j.Partition, ErrJobDone)
+	}
+	if err := j.r.lease.Err(); err != nil {
+		return j.leaseLost(err)
+	}
+	return nil
+}
+
+func (j *Job) leaseLost(cause error) error {
+	if errors.Is(cause, leasehold.ErrLeaseLost) {
+		return fmt.Errorf("worker: job %d: %w", j.Seq, cause)
+	}
+	return fmt.Errorf("worker: job %d: partition %d epoch %d: %w (%w)", j.Seq, j.Partition, j.Lease.Epoch, leasehold.ErrLeaseLost, cause)
+}
+
+// fail records that an effect of j could not be written: the attempt fails
+// whatever the handler returns.
+func (j *Job) fail(err error) {
+	j.mu.Lock()
+	if j.failed == nil {
+		j.failed = err
+	}
+	j.mu.Unlock()
+}
+
+// close ends the attempt and returns its pending publishes and the first
+// effect failure.
+func (j *Job) close() ([]jetstream.PubAckFuture, error) {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	j.closed = true
+	return j.futs, j.failed
+}

@@ -1,0 +1,550 @@
+package worker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/telemetry"
+)
+
+// runner handles one partition under one lease: it writes the barriers,
+// then reads the partition's jobs from the committed progress on, runs them
+// one at a time in sequence order, tracks their effects' acknowledgements,
+// and commits progress through the lease. It ends on a drain (hand-off or
+// shutdown), or when the lease is lost.
+type runner struct {
+	w       *Worker
+	lease   *coordinator.Lease
+	info    leasehold.Lease
+	p       leasehold.Partition
+	subject string // the partition's job subject
+	output  string // its default output
+	log     *slog.Logger
+
+	// ctx is the lease's context, also cancelled when a drain runs out of
+	// time; handlers run under it.
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+
+	prev *runner       // the partition's previous runner in this worker, if any
+	done chan struct{} // closed when run returns
+
+	dmu       sync.Mutex
+	drainCtx  context.Context
+	drainAt   time.Time
+	draining  chan struct{} // closed when a drain is requested
+	drainOnce sync.Once
+
+	// Owned by the runner's goroutine.
+	committed  uint64 // progress committed through the lease
+	finished   uint64 // every job up to here is done: handled, effects acknowledged
+	handled    uint64 // the last job handled (its effects may be outstanding)
+	window     []inflight
+	retries    map[uint64]retryState
+	lastCommit time.Time
+	fetch      *fetcher
+}
+
+// inflight is a handled job whose effects are not all acknowledged.
+type inflight struct {
+	seq   uint64
+	futs  []jetstream.PubAckFuture
+	acked int // futs[:acked] are acknowledged
+	sent  time.Time
+}
+
+// retryState follows a job across attempts and re-reads.
+type retryState struct {
+	runs     int   // attempts run
+	failures int   // attempts that count towards MaxAttempts
+	err      error // the last failure
+	dead     bool  // the job is to be dead-lettered
+}
+
+type outcome int
+
+const (
+	outDrain  outcome = iota + 1 // a drain was requested
+	outLost                      // the lease is gone (or the drain ran out of time)
+	outStale                     // a sink refused this worker's epoch
+	outRewind                    // an effect failed: read again from the first job not done
+)
+
+var errRunnerDone = errors.New("worker: partition runner ended")
+
+func newRunner(w *Worker, l *coordinator.Lease, prev *runner) *runner {
+	ctx, cancel := context.WithCancelCause(l.Context())
+	p := l.Partition()
+	return &runner{
+		w:        w,
+		lease:    l,
+		info:     l.Info(),
+		p:        p,
+		subject:  JobSubject(w.cfg.Prefix, p),
+		output:   OutputSubject(w.cfg.Prefix, p),
+		log:      w.log.With("partition", p, "epoch", l.Epoch()),
+		ctx:      ctx,
+		cancel:   cancel,
+		prev:     prev,
+		done:     make(chan struct{}),
+		draining: make(chan struct{}),
+		retries:  map[uint64]retryState{},
+	}
+}
+
+func (r *runner) event(ctx context.Context, e Event) {
+	if r.w.cfg.Observer == nil {
+		return
+	}
+	e.Lease = r.info
+	e.Time = time.Now()
+	r.w.cfg.Observer.WorkerEvent(ctx, e)
+}
+
+// drain asks the runner to stop taking jobs, finish the one in flight,
+// wait for its effects and commit, and waits until it has, or until ctx
+// ends: then the handlers are cancelled and drain returns at once.
+func (r *runner) drain(ctx context.Context) {
+	r.drainOnce.Do(func() {
+		r.dmu.Lock()
+		r.drainCtx, r.drainAt = ctx, time.Now()
+		r.dmu.Unlock()
+		r.event(r.ctx, Event{Kind: EventPartitionRevoked})
+		close(r.draining)
+	})
+	select {
+	case <-r.done:
+	case <-ctx.Done():
+		r.cancel(fmt.Errorf("worker: partition %d: the drain ran out of time: %w", r.p, context.Cause(ctx)))
+	}
+}
+
+func (r *runner) drainContext() (context.Context, time.Time) {
+	r.dmu.Lock()
+	defer r.dmu.Unlock()
+	return r.drainCtx, r.drainAt
+}
+
+func (r *runner) run() {
+	defer close(r.done)
+	defer r.cancel(errRunnerDone)
+	if r.prev != nil {
+		// The previous lease on this partition is gone; its runner only
+		// settles what it started.
+		<-r.prev.done
+		r.prev = nil
+	}
+	r.committed = r.lease.Progress()
+	r.finished, r.handled = r.committed, r.committed
+	r.lastCommit = time.Now()
+	if !r.writeBarriers() {
+		r.end(outLost)
+		return
+	}
+	r.event(r.ctx, Event{Kind: EventPartitionReady, Seq: r.committed})
+	r.log.Debug("partition ready", "progress", r.committed)
+	for {
+		out := r.consume()
+		switch out {
+		case outRewind:
+			continue
+		case outStale:
+			if out = r.stopped(); out == outRewind {
+				continue
+			}
+		}
+		r.end(out)
+		return
+	}
+}
+
+// consume handles jobs from the first one not done until the runner must
+// stop or read again.
+func (r *runner) consume() outcome {
+	r.fetch = r.startFetch(r.finished + 1)
+	defer func() {
+		r.fetch.stop()
+		r.fetch = nil
+	}()
+	r.handled = r.finished
+	tick := time.NewTicker(r.w.cfg.CommitEvery)
+	defer tick.Stop()
+	for {
+		select {
+		case <-r.ctx.Done():
+			return outLost
+		case <-r.draining:
+			return outDrain
+		default:
+		}
+		select {
+		case <-r.ctx.Done():
+			return outLost
+		case <-r.draining:
+			return outDrain
+		case <-tick.C:
+			if out := r.progress(); out != 0 {
+				return out
+			}
+		case m := <-r.fetch.out:
+			if out := r.handle(m); out != 0 {
+				return out
+			}
+		}
+	}
+}
+
+// progress reaps acknowledged effects and commits when it is time.
+func (r *runner) progress() outcome {
+	if seq, err := r.reap(r.ctx, false); err != nil {
+		return r.rewind(seq, err)
+	}
+	if time.Since(r.lastCommit) >= r.w.cfg.CommitEvery {
+		if err := r.commit(r.ctx); errors.Is(err, leasehold.ErrLeaseLost) {
+			return outLost
+		}
+	}
+	return 0
+}
+
+// handle runs one job; a zero outcome means: carry on.
+func (r *runner) handle(m jetstream.Msg) outcome {
+	md, err := m.Metadata()
+	if err != nil {
+		r.log.Error("job without JetStream metadata; skipping it", "subject", m.Subject(), "err", err)
+		return 0
+	}
+	seq := md.Sequence.Stream
+	if seq <= r.handled {
+		return 0
+	}
+	futs, out := r.runJob(m, md)
+	if out != 0 {
+		return out
+	}
+	r.handled = seq
+	if len(futs) == 0 && len(r.window) == 0 {
+		r.finished = seq
+	} else {
+		r.window = append(r.window, inflight{seq: seq, futs: futs, sent: time.Now()})
+	}
+	if seq, err := r.reap(r.ctx, len(r.window) >= r.w.cfg.MaxInFlight); err != nil {
+		if r.ctx.Err() != nil {
+			return outLost
+		}
+		return r.rewind(seq, err)
+	}
+	return r.progress()
+}
+
+// runJob runs the attempts of one job until it succeeds or is
+// dead-lettered, and returns the publishes to wait for.
+func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream.PubAckFuture, outcome) {
+	seq := md.Sequence.Stream
+	st := r.retries[seq]
+	for !st.dead {
+		if out := r.acquireSlot(); out != 0 {
+			return nil, out
+		}
+		st.runs++
+		job := r.newJob(m, md, st.runs)
+		ctx := context.WithValue(r.ctx, jobKey{}, job)
+		ctx = r.w.cfg.Propagator.Extract(ctx, telemetry.HeaderCarrier(job.Header))
+		var cancel context.CancelFunc = func() {}
+		if r.w.cfg.HandleTimeout > 0 {
+			ctx, cancel = context.WithTimeout(ctx, r.w.cfg.HandleTimeout)
+		}
+		r.event(ctx, Event{Kind: EventJobStarted, Job: job, Seq: seq, Attempt: st.runs})
+		start := time.Now()
+		err := call(ctx, r.w.handler, job)
+		took := time.Since(start)
+		cancel()
+		r.releaseSlot()
+		futs, effErr := job.close()
+		if r.ctx.Err() != nil {
+			// The lease is gone (or the drain ran out of time): the job is
+			// not done, whatever the handler returned.
+			return nil, outLost
+		}
+		if err == nil {
+			err = effErr
+		}
+		if err == nil {
+			delete(r.retries, seq)
+			r.event(ctx, Event{Kind: EventJobFinished, Job: job, Seq: seq, Attempt: st.runs, Duration: took})
+			return futs, 0
+		}
+		if errors.Is(err, leasehold.ErrStaleEpoch) || errors.Is(err, leasehold.ErrLeaseLost) {
+			r.event(ctx, Event{Kind: EventJobFailed, Job: job, Seq: seq, Attempt: st.runs, Err: err, Duration: took})
+			r.log.Error("a sink refused this worker's epoch: another worker has taken the partition over; stopping it", "seq", seq, "err", err)
+			return nil, outStale
+		}
+		if !effectTransient(err) {
+			st.failures++
+		}
+		st.err = err
+		st.dead = IsPermanent(err) || st.failures >= r.w.cfg.MaxAttempts
+		var wait time.Duration
+		if !st.dead {
+			wait = r.w.cfg.Backoff(st.runs)
+		}
+		r.retries[seq] = st
+		r.event(ctx, Event{Kind: EventJobFailed, Job: job, Seq: seq, Attempt: st.runs, Err: err, Duration: took, Backoff: wait})
+		if !st.dead {
+			r.log.Warn("job failed; retrying", "seq", seq, "attempt", st.runs, "backoff", wait, "err", err)
+			if out := r.sleep(wait); out != 0 {
+				return nil, out
+			}
+		}
+	}
+	return r.deadLetter(m, md, st)
+}
+
+func (r *runner) newJob(m jetstream.Msg, md *jetstream.MsgMetadata, attempt int) *Job {
+	h := m.Headers()
+	return &Job{
+		Data:      m.Data(),
+		Header:    h,
+		Subject:   m.Subject(),
+		Seq:       md.Sequence.Stream,
+		Partition: r.p,
+		Attempt:   attempt,
+		Lease:     r.info,
+		ID:        h.Get(jetstream.MsgIDHeader),
+		Enqueued:  md.Timestamp,
+		r:         r,
+	}
+}
+
+func (r *runner) acquireSlot() outcome {
+	if r.w.sem == nil {
+		return 0
+	}
+	select {
+	case r.w.sem <- struct{}{}:
+		return 0
+	case <-r.ctx.Done():
+		return outLost
+	case <-r.draining:
+		return outDrain
+	}
+}
+
+func (r *runner) releaseSlot() {
+	if r.w.sem != nil {
+		<-r.w.sem
+	}
+}
+
+// sleep waits d, unless the runner must stop first.
+func (r *runner) sleep(d time.Duration) outcome {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return 0
+	case <-r.ctx.Done():
+		return outLost
+	case <-r.draining:
+		return outDrain
+	}
+}
+
+// reap moves the finished mark past jobs whose effects are all
+// acknowledged. With block, it waits until the oldest outstanding job is
+// settled. It returns the first job with a failed effect.
+func (r *runner) reap(ctx context.Context, block bool) (uint64, error) {
+	for len(r.window) > 0 {
+		e := &r.window[0]
+		for e.acked < len(e.futs) {
+			err, settled := r.await(ctx, e, block)
+			if !settled {
+				return 0, nil
+			}
+			if err != nil {
+				return e.seq, err
+			}
+			e.acked++
+		}
+		r.finished = e.seq
+		if len(r.retries) > 0 {
+			delete(r.retries, e.seq)
+		}
+		r.window[0] = inflight{}
+		r.window = r.window[1:]
+		block = false
+	}
+	return 0, nil
+}
+
+// await checks the next unacknowledged publish of e; with block it waits
+// for it, at most until the effect timeout.
+func (r *runner) await(ctx context.Context, e *inflight, block bool) (error, bool) {
+	fut := e.futs[e.acked]
+	select {
+	case <-fut.Ok():
+		return nil, true
+	case err := <-fut.Err():
+		return &EffectError{Subject: fut.Msg().Subject, Key: fut.Msg().Header.Get(jetstream.MsgIDHeader), Err: err}, true
+	default:
+	}
+	left := r.w.cfg.EffectTimeout - time.Since(e.sent)
+	if left > 0 && !block {
+		return nil, false
+	}
+	if left > 0 {
+		t := time.NewTimer(left)
+		defer t.Stop()
+		select {
+		case <-fut.Ok():
+			return nil, true
+		case err := <-fut.Err():
+			return &EffectError{Subject: fut.Msg().Subject, Key: fut.Msg().Header.Get(jetstream.MsgIDHeader), Err: err}, true
+		case <-ctx.Done():
+			return context.Cause(ctx), true
+		case <-t.C:
+		}
+	}
+	return &EffectError{Subject: fut.Msg().Subject, Key: fut.Msg().Header.Get(jetstream.MsgIDHeader),
+		Err: fmt.Errorf("no acknowledgement within %v: %w", r.w.cfg.EffectTimeout, jetstream.ErrAsyncPublishTimeout)}, true
+}
+
+// rewind handles a failed effect of job seq: every job from seq on is read
+// and run again (their effects keep their idempotency keys, so what was
+// stored is not stored twice).
+func (r *runner) rewind(seq uint64, err error) outcome {
+	r.fetch.stop()
+	st := r.retries[seq]
+	if !effectTransient(err) {
+		st.failures++
+		st.dead = st.dead || st.failures >= r.w.cfg.MaxAttempts
+	}
+	st.err = err
+	r.retries[seq] = st
+	// Let the other publishes settle, so the re-run starts from a quiet
+	// state; their outcome no longer matters.
+	ctx, cancel := context.WithTimeout(r.ctx, r.w.cfg.EffectTimeout)
+	for i := range r.window {
+		for _, f := range r.window[i].futs {
+			select {
+			case <-f.Ok():
+			case <-f.Err():
+			case <-ctx.Done():
+			}
+		}
+	}
+	cancel()
+	r.window = nil
+	wait := r.w.cfg.Backoff(max(st.runs, 1))
+	r.log.Warn("an effect was not stored; running the partition again from its job", "seq", seq, "backoff", wait, "err", err)
+	if out := r.sleep(wait); out != 0 {
+		return out
+	}
+	return outRewind
+}
+
+// commit records progress through the lease when jobs finished since the
+// last commit.
+func (r *runner) commit(ctx context.Context) error {
+	r.lastCommit = time.Now()
+	seq := r.finished
+	if seq <= r.committed {
+		return nil
+	}
+	if err := r.lease.Commit(ctx, seq); err != nil {
+		r.event(ctx, Event{Kind: EventCommitFailed, Seq: seq, Err: err})
+		if errors.Is(err, leasehold.ErrLeaseLost) {
+			r.log.Warn("progress commit refused: another worker has fenced the partition", "seq", seq, "err", err)
+		} else {
+			r.log.Warn("progress commit failed; retrying at the next one", "seq", seq, "err", err)
+		}
+		return err
+	}
+	r.committed = seq
+	r.event(ctx, Event{Kind: EventProgressCommitted, Seq: seq})
+	if r.w.cfg.TrimCommitted && r.w.jobs != nil {
+		if err := r.w.jobs.Purge(ctx, jetstream.WithPurgeSubject(r.subject), jetstream.WithPurgeSequence(seq+1)); err != nil {
+			r.log.Debug("trimming committed jobs failed", "seq", seq, "err", err)
+		}
+	}
+	return nil
+}
+
+// stopped waits, after a sink refused this worker's epoch, for the lease to
+// end. Should it outlive two TTLs (the refusal came from something other
+// than a successor), the partition is read again from its progress.
+func (r *runner) stopped() outcome {
+	r.event(r.ctx, Event{Kind: EventPartitionStopped, Seq: r.handled})
+	r.window = nil
+	t := time.NewTimer(2 * r.w.ttl)
+	defer t.Stop()
+	select {
+	case <-r.ctx.Done():
+		return outLost
+	case <-r.draining:
+		return outStale
+	case <-t.C:
+	}
+	r.log.Warn("partition refused as stale but its lease is still held; reading it again from its progress", "progress", r.committed)
+	r.finished = r.committed
+	clear(r.retries)
+	return outRewind
+}
+
+// end settles and commits what is done, then reports how the partition
+// ended. After a stale refusal nothing is committed.
+func (r *runner) end(out outcome) {
+	dctx, drainAt := r.drainContext()
+	switch {
+	case out == outStale:
+		r.event(r.ctx, Event{Kind: EventPartitionDrained, Seq: r.committed, Duration: since(drainAt)})
+		return
+	case out == outDrain && r.ctx.Err() == nil && dctx != nil:
+		if seq, err := r.reap(dctx, true); err != nil {
+			r.log.Warn("an effect was not stored; committing only the jobs before it", "seq", seq, "err", err)
+		} else {
+			r.settle(dctx)
+		}
+		_ = r.commit(dctx)
+		r.event(r.ctx, Event{Kind: EventPartitionDrained, Seq: r.committed, Duration: since(drainAt)})
+		r.log.Debug("partition drained", "progress", r.committed, "took", since(drainAt))
+		return
+	}
+	cause := context.Cause(r.ctx)
+	r.event(context.Background(), Event{Kind: EventPartitionLost, Seq: r.committed, Err: cause})
+	r.log.Warn("partition lost; its handlers are cancelled", "cause", cause)
+	// Jobs finished before the loss may still be committed: the commit is
+	// a compare-and-set that fails if a successor has fenced the partition.
+	ctx, cancel := context.WithTimeout(context.Background(), r.w.cfg.EffectTimeout)
+	defer cancel()
+	r.settle(ctx)
+	_ = r.commit(ctx)
+}
+
+// settle waits for the outstanding effects, stopping at the first failure.
+func (r *runner) settle(ctx context.Context) {
+	for len(r.window) > 0 {
+		if seq, err := r.reap(ctx, true); err != nil {
+			r.log.Debug("an effect was not stored before the partition ended", "seq", seq, "err", err)
+			return
+		}
+		if ctx.Err() != nil {
+			return
+		}
+	}
+}
+
+func since(t time.Time) time.Duration {
+	if t.IsZero() {
+		return 0
+	}
+	return time.Since(t)
+}

@@ -1,0 +1,369 @@
+package worker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/nats-io/nuid"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/propagation"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/telemetry"
+)
+
+// ProducerConfig configures a Producer.
+type ProducerConfig struct {
+	// Prefix names the job stream (see ProvisionJobs). Required.
+	Prefix string
+	// Partitions is the job stream's partition count. Required; the first
+	// enqueue checks it against the count recorded on the stream.
+	Partitions int
+	// Retries is how many times an enqueue whose outcome is unknown (a
+	// timeout, a lost connection, no responders) is sent again, under the
+	// same Nats-Msg-Id so that the stream stores it once. Default 5.
+	Retries int
+	// RetryWait is the first wait between retries; it doubles each time.
+	// Default 50ms.
+	RetryWait time.Duration
+	// AckTimeout bounds the wait for one publish acknowledgement. Default 5s.
+	AckTimeout time.Duration
+	// Propagator injects the enqueuing context's trace into the job's
+	// headers. Default otel.GetTextMapPropagator().
+	Propagator propagation.TextMapPropagator
+}
+
+func (c *ProducerConfig) setDefaults() {
+	if c.Retries == 0 {
+		c.Retries = 5
+	}
+	if c.RetryWait == 0 {
+		c.RetryWait = 50 * time.Millisecond
+	}
+	if c.AckTimeout == 0 {
+		c.AckTimeout = 5 * time.Second
+	}
+	if c.Propagator == nil {
+		c.Propagator = otel.GetTextMapPropagator()
+	}
+}
+
+// Validate reports every problem with c at once.
+func (c ProducerConfig) Validate() error {
+	c.setDefaults()
+	var errs []error
+	if err := validPrefix(c.Prefix); err != nil {
+		errs = append(errs, err)
+	}
+	if c.Partitions < 1 || c.Partitions > leasehold.MaxPartitions {
+		errs = append(errs, fmt.Errorf("partitions %d: use the job stream's partition count (1 to %d)", c.Partitions, leasehold.MaxPartitions))
+	}
+	if c.Retries < 0 {
+		errs = append(errs, fmt.Errorf("retries %d must not be negative", c.Retries))
+	}
+	if c.RetryWait < 0 || c.AckTimeout < 0 {
+		errs = append(errs, errors.New("retry wait and ack timeout must not be negative"))
+	}
+	return errors.Join(errs...)
+}
+
+// Producer enqueues jobs. Its methods are safe for concurrent use.
+type Producer struct {
+	js  jetstream.JetStream
+	cfg ProducerConfig
+
+	mu      sync.Mutex
+	checked bool // the stream's partition count matched
+}
+
+// NewProducer returns a Producer that enqueues through js.
+func NewProducer(js jetstream.JetStream, cfg ProducerConfig) (*Producer, error) {
+	if js == nil {
+		return nil, errors.New("worker: NewProducer needs a jetstream.JetStream")
+	}
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("worker: invalid producer config: %w", err)
+	}
+	cfg.setDefaults()
+	return &Producer{js: js, cfg: cfg}, nil
+}
+
+// Enqueued describes a stored job.
+type Enqueued struct {
+	Partition leasehold.Partition
+	Seq       uint64 // the job's sequence in the job stream
+	ID        string // its Nats-Msg-Id
+	// Duplicate is set when the stream already held a job with this ID
+	// (within its duplicate window) and dropped this one.
+	Duplicate bool
+}
+
+// EnqueueOption adjusts one enqueue.
+type EnqueueOption func(*enqueueOpts)
+
+type enqueueOpts struct {
+	id     string
+	header nats.Header
+}
+
+// JobID sets the job's ID, its Nats-Msg-Id: a job enqueued twice with the
+// same ID within the stream's duplicate window is stored once. Without it,
+// each enqueue gets a random ID that its own retries reuse.
+func JobID(id string) EnqueueOption { return func(o *enqueueOpts) { o.id = id } }
+
+// WithHeader adds headers to the job. Handlers see them in Job.Header.
+func WithHeader(h nats.Header) EnqueueOption { return func(o *enqueueOpts) { o.header = h } }
+
+// Enqueue stores a job on the partition its key hashes to (Kafka's key
+// partitioner: leasehold.PartitionFor) and waits for the stream's ack.
+func (p *Producer) Enqueue(ctx context.Context, key, data []byte, opts ...EnqueueOption) (Enqueued, error) {
+	return p.EnqueueTo(ctx, leasehold.PartitionFor(key, p.cfg.Partitions), data, opts...)
+}
+
+// EnqueueTo stores a job on partition part and waits for the stream's ack.
+func (p *Producer) EnqueueTo(ctx context.Context, part leasehold.Partition, data []byte, opts ...EnqueueOption) (Enqueued, error) {
+	msg, err := p.message(ctx, part, data, opts)
+	if err != nil {
+		return Enqueued{}, err
+	}
+	var last error
+	for attempt := 0; attempt <= p.cfg.Retries; attempt++ {
+		if attempt > 0 {
+			if err := sleep(ctx, p.retryWait(attempt)); err != nil {
+				return Enqueued{}, p.fail(msg, fmt.Errorf("%w (last error: %v)", err, last))
+			}
+		}
+		actx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
+		ack, err := p.js.PublishMsg(actx, msg)
+		cancel()
+		if err == nil {
+			return enqueued(part, msg, ack), nil
+		}
+		last = err
+		if ctx.Err() != nil || !transientPublish(err) {
+			break
+		}
+	}
+	return Enqueued{}, p.fail(msg, last)
+}
+
+func (p *Producer) fail(msg *nats.Msg, err error) error {
+	return fmt.Errorf("worker: enqueue job %s on %s: %w", msg.Header.Get(jetstream.MsgIDHeader), msg.Subject, err)
+}
+
+func (p *Producer) retryWait(attempt int) time.Duration {
+	return min(p.cfg.RetryWait<<min(attempt-1, 10), 5*time.Second)
+}
+
+// message builds the job message, checking the partition and, the first
+// time, the stream's partition count.
+func (p *Producer) message(ctx context.Context, part leasehold.Partition, data []byte, opts []EnqueueOption) (*nats.Msg, error) {
+	if int(part) >= p.cfg.Partitions {
+		return nil, fmt.Errorf("worker: enqueue: partition %d does not exist: the job stream has %d partitions (0 to %d)", part, p.cfg.Partitions, p.cfg.Partitions-1)
+	}
+	if err := p.check(ctx); err != nil {
+		return nil, err
+	}
+	var o enqueueOpts
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if o.id == "" {
+		o.id = nuid.Next()
+	} else if err := validID(o.id); err != nil {
+		return nil, err
+	}
+	msg := &nats.Msg{Subject: JobSubject(p.cfg.Prefix, part), Data: data, Header: make(nats.Header, len(o.header)+2)}
+	for k, vs := range o.header {
+		msg.Header[k] = vs
+	}
+	p.cfg.Propagator.Inject(ctx, telemetry.HeaderCarrier(msg.Header))
+	msg.Header[jetstream.MsgIDHeader] = []string{o.id}
+	return msg, nil
+}
+
+func (p *Producer) check(ctx context.Context) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.checked {
+		return nil
+	}
+	if err := streamPartitions(ctx, p.js, p.cfg.Prefix, p.cfg.Partitions); err != nil {
+		return err
+	}
+	p.checked = true
+	return nil
+}
+
+func validID(id string) error {
+	if len(id) > leasehold.MaxKeyLen {
+		return fmt.Errorf("worker: job ID is %d bytes long; the limit is %d", len(id), leasehold.MaxKeyLen)
+	}
+	for i := 0; i < len(id); i++ {
+		if c := id[i]; c <= ' ' || c == 0x7f {
+			return fmt.Errorf("worker: job ID %q holds a space or control byte, which a header cannot carry", id)
+		}
+	}
+	return nil
+}
+
+func enqueued(part leasehold.Partition, msg *nats.Msg, ack *jetstream.PubAck) Enqueued {
+	return Enqueued{Partition: part, Seq: ack.Sequence, ID: msg.Header.Get(jetstream.MsgIDHeader), Duplicate: ack.Duplicate}
+}
+
+// Batch enqueues many jobs without waiting for each ack: Enqueue and
+// EnqueueTo send, Wait collects the acks and resends what failed. A Batch
+// is safe for concurrent use; start a new one after Wait.
+type Batch struct {
+	p       *Producer
+	mu      sync.Mutex
+	pending []pendingJob
+}
+
+type pendingJob struct {
+	part leasehold.Partition
+	msg  *nats.Msg
+	fut  jetstream.PubAckFuture
+	err  error // the send failed
+}
+
+// Batch starts a batch of asynchronous enqueues.
+func (p *Producer) Batch() *Batch { return &Batch{p: p} }
+
+// Enqueue sends a job to the partition its key hashes to.
+func (b *Batch) Enqueue(ctx context.Context, key, data []byte, opts ...EnqueueOption) error {
+	return b.EnqueueTo(ctx, leasehold.PartitionFor(key, b.p.cfg.Partitions), data, opts...)
+}
+
+// EnqueueTo sends a job to partition part. An error means the job could not
+// be sent and is not part of the batch.
+func (b *Batch) EnqueueTo(ctx context.Context, part leasehold.Partition, data []byte, opts ...EnqueueOption) error {
+	msg, err := b.p.message(ctx, part, data, opts)
+	if err != nil {
+		return err
+	}
+	pj := pendingJob{part: part, msg: msg}
+	pj.fut, pj.err = b.p.publishAsync(ctx, msg)
+	b.mu.Lock()
+	b.pending = append(b.pending, pj)
+	b.mu.Unlock()
+	return nil
+}
+
+// Len is the number of jobs in the batch.
+func (b *Batch) Len() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return len(b.pending)
+}
+
+// Wait waits for every job of the batch to be stored, sending again (under
+// the same ID) those whose outcome is unknown, and returns their positions
+// in the order they were enqueued. The batch is empty afterwards. On error,
+// the jobs before the first failure in the result were stored; the others
+// may have been.
+func (b *Batch) Wait(ctx context.Context) ([]Enqueued, error) {
+	b.mu.Lock()
+	pending := b.pending
+	b.pending = nil
+	b.mu.Unlock()
+	out := make([]Enqueued, 0, len(pending))
+	for i := range pending {
+		e, err := b.p.await(ctx, &pending[i])
+		if err != nil {
+			return out, err
+		}
+		out = append(out, e)
+	}
+	return out, nil
+}
+
+func (p *Producer) publishAsync(ctx context.Context, msg *nats.Msg) (jetstream.PubAckFuture, error) {
+	for {
+		fut, err := p.js.PublishMsgAsync(msg, jetstream.WithStallWait(p.cfg.AckTimeout))
+		if !errors.Is(err, jetstream.ErrTooManyStalledMsgs) || ctx.Err() != nil {
+			return fut, err
+		}
+	}
+}
+
+// await waits for one job's ack, resending on an unknown outcome.
+func (p *Producer) await(ctx context.Context, pj *pendingJob) (Enqueued, error) {
+	for attempt := 0; ; attempt++ {
+		var err error
+		if pj.err != nil {
+			err = pj.err
+		} else {
+			var ack *jetstream.PubAck
+			ack, err = awaitAck(ctx, pj.fut, p.cfg.AckTimeout)
+			if err == nil {
+				return enqueued(pj.part, pj.msg, ack), nil
+			}
+		}
+		if ctx.Err() != nil || !transientPublish(err) || attempt >= p.cfg.Retries {
+			return Enqueued{}, p.fail(pj.msg, err)
+		}
+		if err := sleep(ctx, p.retryWait(attempt+1)); err != nil {
+			return Enqueued{}, p.fail(pj.msg, err)
+		}
+		pj.fut, pj.err = p.publishAsync(ctx, pj.msg)
+	}
+}
+
+// awaitAck waits for a publish future, at most timeout.
+func awaitAck(ctx context.Context, fut jetstream.PubAckFuture, timeout time.Duration) (*jetstream.PubAck, error) {
+	select {
+	case ack := <-fut.Ok():
+		return ack, nil
+	case err := <-fut.Err():
+		return nil, err
+	default:
+	}
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	select {
+	case ack := <-fut.Ok():
+		return ack, nil
+	case err := <-fut.Err():
+		return nil, err
+	case <-t.C:
+		return nil, fmt.Errorf("no ack within %v: %w", timeout, nats.ErrTimeout)
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// transientPublish reports whether a publish failed without a definite
+// answer from the stream, so that sending it again (under the same
+// Nats-Msg-Id) may succeed and cannot store it twice.
+func transientPublish(err error) bool {
+	var apiErr *jetstream.APIError
+	if errors.As(err, &apiErr) {
+		return false
+	}
+	return errors.Is(err, nats.ErrTimeout) || errors.Is(err, context.DeadlineExceeded) ||
+		errors.Is(err, nats.ErrNoResponders) || errors.Is(err, jetstream.ErrNoStreamResponse) ||
+		errors.Is(err, jetstream.ErrAsyncPublishTimeout) || errors.Is(err, nats.ErrDisconnected) ||
+		errors.Is(err, nats.ErrConnectionReconnecting) || errors.Is(err, jetstream.ErrTooManyStalledMsgs) ||
+		errors.Is(err, nats.ErrSlowConsumer) || errors.Is(err, nats.ErrStaleConnection)
+}
+
+// sleep waits d or until ctx ends.
+func sleep(ctx context.Context, d time.Duration) error {
+	if d <= 0 {
+		return ctx.Err()
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}

@@ -1,0 +1,215 @@
+package worker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/coordinator"
+)
+
+// Worker takes its share of a job stream's partitions through the lease
+// bucket and runs the jobs of each partition it holds.
+type Worker struct {
+	cfg     Config
+	handler Handler
+	sem     chan struct{} // bounds running handlers; nil when unbounded
+	log     *slog.Logger
+	ttl     time.Duration
+	jobs    jetstream.Stream // set by Run, for trimming
+
+	mu      sync.Mutex
+	runners map[leasehold.Partition]*runner
+	tasks   sync.WaitGroup // runner goroutines
+	state   runState
+	stop    context.CancelFunc
+	stopped chan struct{} // closed when Run returns
+
+	stalls atomic.Int64 // pull requests that expired while jobs waited
+}
+
+type runState int
+
+const (
+	stateNew runState = iota
+	stateRunning
+	stateDone
+)
+
+// New checks cfg and returns a Worker; Run starts it. Every problem with
+// cfg is reported at once.
+func New(cfg Config) (*Worker, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("worker: invalid config: %w", err)
+	}
+	cfg.setDefaults()
+	w := &Worker{
+		cfg:     cfg,
+		handler: Chain(cfg.Handler, cfg.Middleware...),
+		log:     cfg.Logger.With("worker", cfg.Coordinator.Worker, "prefix", cfg.Prefix),
+		runners: map[leasehold.Partition]*runner{},
+		stopped: make(chan struct{}),
+	}
+	if cfg.MaxConcurrency > 0 {
+		w.sem = make(chan struct{}, cfg.MaxConcurrency)
+	}
+	return w, nil
+}
+
+// ID is the worker's ID, as its leases and stamps carry it.
+func (w *Worker) ID() string { return w.cfg.Coordinator.Worker }
+
+// Run joins the worker group and handles the partitions it is given until
+// ctx ends or Stop is called. Then it shuts down gracefully: it stops
+// fetching, lets the running handlers finish while their leases hold,
+// waits for their effects, commits progress and releases every lease, so
+// that other workers take the partitions over at once. Run returns nil
+// after a shutdown, and an error when it cannot start: a lease bucket or
+// job stream that is missing or does not match the configuration.
+func (w *Worker) Run(ctx context.Context) error {
+	w.mu.Lock()
+	switch w.state {
+	case stateRunning:
+		w.mu.Unlock()
+		return errors.New("worker: Run is already running")
+	case stateDone:
+		w.mu.Unlock()
+		return errors.New("worker: Run has returned (or Stop was called) already: create a new Worker")
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	w.state, w.stop = stateRunning, cancel
+	w.mu.Unlock()
+	defer func() {
+		cancel()
+		w.mu.Lock()
+		w.state = stateDone
+		w.mu.Unlock()
+		close(w.stopped)
+	}()
+
+	c, err := w.start(ctx)
+	if err != nil {
+		return err
+	}
+	w.log.Info("worker starting", "partitions", w.cfg.Partitions)
+	err = c.Run(ctx)
+	w.tasks.Wait()
+	w.log.Info("worker stopped")
+	return err
+}
+
+// start binds the lease bucket and the job stream.
+func (w *Worker) start(ctx context.Context) (*coordinator.Coordinator, error) {
+	b := w.cfg.Bucket
+	if b == nil {
+		var err error
+		if b, err = coordinator.Provision(ctx, w.cfg.JetStream, *w.cfg.ProvisionBucket); err != nil {
+			return nil, fmt.Errorf("worker: %w", err)
+		}
+	}
+	if err := streamPartitions(ctx, w.cfg.JetStream, w.cfg.Prefix, w.cfg.Partitions); err != nil {
+		return nil, err
+	}
+	s, err := w.cfg.JetStream.Stream(ctx, JobsStream(w.cfg.Prefix))
+	if err != nil {
+		return nil, fmt.Errorf("worker: bind job stream %s: %w", JobsStream(w.cfg.Prefix), err)
+	}
+	w.jobs = s
+	cc := w.cfg.Coordinator
+	cc.Partitions = w.cfg.Partitions
+	cc.OnAcquire = w.onAcquire
+	cc.OnRevoke = w.onRevoke
+	c, err := coordinator.New(b, cc)
+	if err != nil {
+		return nil, fmt.Errorf("worker: %w", err)
+	}
+	w.ttl = c.Config().TTL
+	return c, nil
+}
+
+// Stop shuts the worker down as Run does when its context ends, and waits
+// until Run has returned or ctx ends. It is safe to call more than once
+// and from any goroutine; before Run it keeps Run from starting.
+func (w *Worker) Stop(ctx context.Context) error {
+	w.mu.Lock()
+	switch w.state {
+	case stateNew:
+		w.state = stateDone
+		close(w.stopped)
+		w.mu.Unlock()
+		return nil
+	case stateRunning:
+		w.stop()
+	}
+	w.mu.Unlock()
+	select {
+	case <-w.stopped:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("worker: stop: %w (the shutdown goes on)", ctx.Err())
+	}
+}
+
+// Stopped is closed when Run has returned.
+func (w *Worker) Stopped() <-chan struct{} { return w.stopped }
+
+// Held returns the leases of the partitions this worker runs now, ordered
+// by partition.
+func (w *Worker) Held() []leasehold.Lease {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	out := make([]leasehold.Lease, 0, len(w.runners))
+	for _, r := range w.runners {
+		if r.lease.Err() == nil {
+			out = append(out, r.info)
+		}
+	}
+	slices.SortFunc(out, func(a, b leasehold.Lease) int { return int(a.Partition) - int(b.Partition) })
+	return out
+}
+
+// onAcquire starts a runner for a newly acquired partition. It must not
+// block: the runner waits for the partition's previous runner, if one is
+// still settling, in its own goroutine.
+func (w *Worker) onAcquire(l *coordinator.Lease) {
+	w.mu.Lock()
+	prev := w.runners[l.Partition()]
+	r := newRunner(w, l, prev)
+	w.runners[l.Partition()] = r
+	w.tasks.Add(1)
+	w.mu.Unlock()
+	r.event(r.ctx, Event{Kind: EventPartitionAcquired, Seq: l.Progress()})
+	go func() {
+		defer w.tasks.Done()
+		defer w.forget(r)
+		r.run()
+	}()
+}
+
+// onRevoke drains the partition's runner before the coordinator releases
+// the lease.
+func (w *Worker) onRevoke(ctx context.Context, l *coordinator.Lease) {
+	w.mu.Lock()
+	r := w.runners[l.Partition()]
+	w.mu.Unlock()
+	if r == nil || r.lease != l {
+		return
+	}
+	r.drain(ctx)
+}
+
+func (w *Worker) forget(r *runner) {
+	w.mu.Lock()
+	if w.runners[r.p] == r {
+		delete(w.runners, r.p)
+	}
+	w.mu.Unlock()
+}
