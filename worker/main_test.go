@@ -79,32 +79,41 @@ func (e *env) producer(t testing.TB) *worker.Producer {
 	return p
 }
 
-// enqueue stores count jobs with keys key-0, key-1, ... and bodies equal to
-// the keys, and returns where each went.
+// enqueue stores count jobs with keys key-<from>, key-<from+1>, ... and
+// bodies equal to the keys, and returns where each went.
 func (e *env) enqueue(t testing.TB, from, count int) []worker.Enqueued {
 	t.Helper()
-	p := e.producer(t)
-	ctx := ctxFor(t, time.Minute)
+	out, err := e.tryEnqueue(from, count)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// tryEnqueue is enqueue for goroutines other than the test's.
+func (e *env) tryEnqueue(from, count int) ([]worker.Enqueued, error) {
+	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n})
+	if err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
 	b := p.Batch()
 	var out []worker.Enqueued
 	for i := from; i < from+count; i++ {
 		key := fmt.Sprintf("key-%d", i)
 		if err := b.Enqueue(ctx, []byte(key), []byte(key)); err != nil {
-			t.Fatal(err)
+			return out, err
 		}
-		if b.Len() == 1000 {
+		if b.Len() == 1000 || i == from+count-1 {
 			res, err := b.Wait(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
 			out = append(out, res...)
+			if err != nil {
+				return out, err
+			}
 		}
 	}
-	res, err := b.Wait(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return append(out, res...)
+	return out, nil
 }
 
 func (e *env) config(name string, h worker.Handler) worker.Config {
@@ -193,7 +202,8 @@ func (r *recorder) all() []worker.Event {
 	return append([]worker.Event(nil), r.events...)
 }
 
-// waitFor waits until cond holds, re-checking after every event.
+// waitFor waits until cond holds, re-checking after events (at most every
+// 10ms, since conditions may be costly and events come by the thousand).
 func (r *recorder) waitFor(t testing.TB, within time.Duration, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.NewTimer(within)
@@ -207,6 +217,7 @@ func (r *recorder) waitFor(t testing.TB, within time.Duration, what string, cond
 		}
 		select {
 		case <-ch:
+			time.Sleep(10 * time.Millisecond)
 		case <-time.After(100 * time.Millisecond):
 		case <-deadline.C:
 			t.Fatalf("after %v still waiting for %s", within, what)
@@ -298,3 +309,5 @@ func stampOf(t testing.TB, m jetstream.Msg) leasehold.Stamp {
 func isBarrier(m jetstream.Msg) bool { return m.Headers().Get(leasehold.HeaderBarrier) == "1" }
 
 var _ = nats.Header{}
+
+func natstestListen() []natstest.Option { return []natstest.Option{natstest.Listen()} }

@@ -142,6 +142,15 @@ func (r *runner) run() {
 		<-r.prev.done
 		r.prev = nil
 	}
+	// Report a loss when it happens, not when the runner gets to it: a
+	// handler may keep the runner busy long after.
+	stop := context.AfterFunc(r.lease.Context(), func() {
+		if cause := context.Cause(r.lease.Context()); !errors.Is(cause, coordinator.ErrReleased) {
+			r.event(context.Background(), Event{Kind: EventPartitionLost, Err: cause})
+			r.log.Warn("partition lost; its handlers are cancelled", "cause", cause)
+		}
+	})
+	defer stop()
 	r.committed = r.lease.Progress()
 	r.finished, r.handled = r.committed, r.committed
 	r.lastCommit = time.Now()
@@ -508,32 +517,31 @@ func (r *runner) end(out outcome) {
 		r.event(r.ctx, Event{Kind: EventPartitionDrained, Seq: r.committed, Duration: since(drainAt)})
 		return
 	case out == outDrain && r.ctx.Err() == nil && dctx != nil:
-		if seq, err := r.reap(dctx, true); err != nil {
-			r.log.Warn("an effect was not stored; committing only the jobs before it", "seq", seq, "err", err)
-		} else {
-			r.settle(dctx)
-		}
+		r.settle(dctx)
 		_ = r.commit(dctx)
 		r.event(r.ctx, Event{Kind: EventPartitionDrained, Seq: r.committed, Duration: since(drainAt)})
 		r.log.Debug("partition drained", "progress", r.committed, "took", since(drainAt))
 		return
 	}
-	cause := context.Cause(r.ctx)
-	r.event(context.Background(), Event{Kind: EventPartitionLost, Seq: r.committed, Err: cause})
-	r.log.Warn("partition lost; its handlers are cancelled", "cause", cause)
+	if r.lease.Err() == nil {
+		r.log.Warn("the drain ran out of time; its handlers are cancelled", "cause", context.Cause(r.ctx))
+	}
 	// Jobs finished before the loss may still be committed: the commit is
 	// a compare-and-set that fails if a successor has fenced the partition.
 	ctx, cancel := context.WithTimeout(context.Background(), r.w.cfg.EffectTimeout)
 	defer cancel()
 	r.settle(ctx)
 	_ = r.commit(ctx)
+	if !drainAt.IsZero() {
+		r.event(context.Background(), Event{Kind: EventPartitionDrained, Seq: r.committed, Duration: since(drainAt), Err: context.Cause(r.ctx)})
+	}
 }
 
 // settle waits for the outstanding effects, stopping at the first failure.
 func (r *runner) settle(ctx context.Context) {
 	for len(r.window) > 0 {
 		if seq, err := r.reap(ctx, true); err != nil {
-			r.log.Debug("an effect was not stored before the partition ended", "seq", seq, "err", err)
+			r.log.Warn("an effect was not stored; progress stops before its job", "seq", seq, "err", err)
 			return
 		}
 		if ctx.Err() != nil {

@@ -1,0 +1,207 @@
+package worker_test
+
+import (
+	"context"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/worker"
+)
+
+// 10,000 jobs over 16 partitions and 3 workers; a 4th joins and one
+// leaves while jobs flow. Every job runs, in order within each epoch, every
+// effect carries the epoch of the lease its job ran under (as the
+// coordinator handed it out), and no job is lost.
+func TestTenThousandJobsWhileWorkersComeAndGo(t *testing.T) {
+	const (
+		n     = 16
+		total = 10000
+	)
+	e := newEnv(t, n)
+	var runs log
+	rec := newRecorder()
+	h := worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
+		runs.add(j)
+		return j.Emit(ctx, j.Data)
+	})
+	workers := map[string]*running{}
+	startWorker := func(name string) {
+		cfg := e.config(name, h)
+		cfg.Coordinator.TTL = 5 * time.Second
+		cfg.Observer = rec
+		workers[name] = start(t, cfg)
+	}
+	for _, name := range []string{"w1", "w2", "w3"} {
+		startWorker(name)
+	}
+
+	// Enqueue at a steady pace for the whole run, so that hand-offs happen
+	// with jobs in flight.
+	var wg sync.WaitGroup
+	var enq []worker.Enqueued
+	var enqErr error
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for i := 0; i < total && enqErr == nil; i += 250 {
+			var got []worker.Enqueued
+			got, enqErr = e.tryEnqueue(i, 250)
+			enq = append(enq, got...)
+			time.Sleep(25 * time.Millisecond)
+		}
+	}()
+
+	rec.waitFor(t, time.Minute, "a third of the jobs", func() bool { return runs.n.Load() >= total/3 })
+	startWorker("w4")
+	rec.waitFor(t, time.Minute, "w4 to take partitions", func() bool { return len(workers["w4"].w.Held()) >= n/4 })
+	rec.waitFor(t, time.Minute, "two thirds of the jobs", func() bool { return runs.n.Load() >= 2*total/3 })
+	workers["w2"].stop(t)
+	wg.Wait()
+	if enqErr != nil {
+		t.Fatal(enqErr)
+	}
+	if len(enq) != total {
+		t.Fatalf("enqueued %d jobs, want %d", len(enq), total)
+	}
+	type job struct {
+		p   leasehold.Partition
+		seq uint64
+	}
+	done := func() bool {
+		seen := map[job]bool{}
+		for _, r := range runs.all() {
+			seen[job{r.P, r.Seq}] = true
+		}
+		for _, q := range enq {
+			if !seen[job{q.Partition, q.Seq}] {
+				return false
+			}
+		}
+		return true
+	}
+	rec.waitFor(t, time.Minute, "every job to run", done)
+	for name, w := range workers {
+		if name != "w2" {
+			w.stop(t)
+		}
+	}
+
+	// The epochs the coordinator handed out, per partition, and who got
+	// them.
+	holder := map[leasehold.Partition]map[leasehold.Epoch]string{}
+	for _, ev := range rec.all() {
+		if ev.Kind == worker.EventPartitionAcquired {
+			if holder[ev.Lease.Partition] == nil {
+				holder[ev.Lease.Partition] = map[leasehold.Epoch]string{}
+			}
+			holder[ev.Lease.Partition][ev.Lease.Epoch] = ev.Lease.Holder
+		}
+	}
+	lost := rec.count(kind(worker.EventPartitionLost))
+	if lost > 0 {
+		t.Logf("%d leases were lost during the run (a slow machine); jobs may have run twice", lost)
+	}
+
+	// Order within each epoch, and each run under an epoch handed out to
+	// the worker that ran it.
+	type pe struct {
+		p leasehold.Partition
+		e leasehold.Epoch
+	}
+	last := map[pe]uint64{}
+	ranUnder := map[job]map[leasehold.Epoch]bool{}
+	count := map[job]int{}
+	for _, r := range runs.all() {
+		if got := holder[r.P][r.Epoch]; got != r.Worker {
+			t.Fatalf("job %d of partition %d ran on %s under epoch %d, which was handed to %q", r.Seq, r.P, r.Worker, r.Epoch, got)
+		}
+		k := pe{r.P, r.Epoch}
+		if r.Seq <= last[k] {
+			t.Fatalf("partition %d epoch %d: job %d ran after job %d", r.P, r.Epoch, r.Seq, last[k])
+		}
+		last[k] = r.Seq
+		j := job{r.P, r.Seq}
+		if ranUnder[j] == nil {
+			ranUnder[j] = map[leasehold.Epoch]bool{}
+		}
+		ranUnder[j][r.Epoch] = true
+		count[j]++
+	}
+	if lost == 0 {
+		for j, c := range count {
+			if c != 1 {
+				t.Errorf("job %d of partition %d ran %d times, though every hand-off was graceful", j.seq, j.p, c)
+			}
+		}
+	}
+
+	data := map[job]string{}
+	for _, r := range runs.all() {
+		data[job{r.P, r.Seq}] = r.Data
+	}
+	// Every effect: stamped with an epoch its job ran under, on its
+	// partition's output, and never behind a barrier of a later epoch.
+	effects := map[job]bool{}
+	maxEpoch := map[leasehold.Partition]leasehold.Epoch{}
+	barriers := 0
+	for _, m := range readStream(t, e.js, worker.EffectsStream(e.prefix)) {
+		s := stampOf(t, m)
+		if m.Subject() != worker.OutputSubject(e.prefix, s.Partition) {
+			t.Fatalf("effect %s of partition %d on subject %s", s.Key, s.Partition, m.Subject())
+		}
+		if holder[s.Partition][s.Epoch] == "" {
+			t.Fatalf("message %s carries epoch %d, which was never handed out for partition %d", s.Key, s.Epoch, s.Partition)
+		}
+		if s.Epoch < maxEpoch[s.Partition] {
+			t.Errorf("effect %s of epoch %d follows a message of epoch %d: a graceful hand-off let the old holder write late", s.Key, s.Epoch, maxEpoch[s.Partition])
+		}
+		maxEpoch[s.Partition] = max(maxEpoch[s.Partition], s.Epoch)
+		if isBarrier(m) {
+			barriers++
+			if s.Key != leasehold.BarrierKey(e.prefix, s.Partition, s.Epoch) {
+				t.Fatalf("barrier key %s", s.Key)
+			}
+			continue
+		}
+		seq := seqOfKey(t, e.prefix, s)
+		j := job{s.Partition, seq}
+		if !ranUnder[j][s.Epoch] {
+			t.Fatalf("effect %s carries epoch %d, but its job never ran under that epoch", s.Key, s.Epoch)
+		}
+		if effects[j] {
+			t.Fatalf("effect %s stored twice", s.Key)
+		}
+		effects[j] = true
+		if string(m.Data()) != data[j] {
+			t.Fatalf("effect %s holds %q", s.Key, m.Data())
+		}
+	}
+	for _, q := range enq {
+		if !effects[job{q.Partition, q.Seq}] {
+			t.Fatalf("job %d of partition %d has no effect", q.Seq, q.Partition)
+		}
+	}
+	acquisitions := rec.count(kind(worker.EventPartitionAcquired))
+	if barriers != acquisitions {
+		t.Errorf("%d barriers for %d acquisitions", barriers, acquisitions)
+	}
+	t.Logf("%d jobs, %d effects, %d acquisitions, %d leases lost", len(enq), len(effects), acquisitions, lost)
+}
+
+// seqOfKey reads the job sequence out of an effect's idempotency key.
+func seqOfKey(t testing.TB, prefix string, s leasehold.Stamp) uint64 {
+	t.Helper()
+	parts := strings.Split(strings.TrimPrefix(s.Key, prefix+"."), ".")
+	if len(parts) != 3 || parts[0] != s.Partition.String() {
+		t.Fatalf("effect key %q is not %s.<partition>.<seq>.<index>", s.Key, prefix)
+	}
+	seq, err := strconv.ParseUint(parts[1], 10, 64)
+	if err != nil {
+		t.Fatalf("effect key %q: %v", s.Key, err)
+	}
+	return seq
+}
