@@ -1,0 +1,239 @@
+package worker_test
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/worker"
+)
+
+// A handler that panics is recovered; the panic, with its stack, counts as
+// a failed attempt and the job runs again.
+func TestPanicCountsAsFailedAttempt(t *testing.T) {
+	e := newEnv(t, 1)
+	enq := e.enqueue(t, 0, 5)
+	target := enq[2].Seq
+	var runs log
+	rec := newRecorder()
+	cfg := e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
+		runs.add(j)
+		if j.Seq == target && j.Attempt == 1 {
+			panic("boom")
+		}
+		return j.Emit(ctx, j.Data)
+	}))
+	cfg.Observer = rec
+	start(t, cfg)
+	rec.waitFor(t, 30*time.Second, "every job", func() bool { return rec.count(kind(worker.EventJobFinished)) == len(enq) })
+
+	var pe *worker.PanicError
+	for _, ev := range rec.all() {
+		if ev.Kind == worker.EventJobFailed {
+			if ev.Seq != target || ev.Attempt != 1 || !errors.As(ev.Err, &pe) {
+				t.Fatalf("failure event %+v", ev)
+			}
+		}
+	}
+	if pe == nil || pe.Value != "boom" || !strings.Contains(string(pe.Stack), "failure_test.go") {
+		t.Fatalf("panic error %v does not carry the value and the stack", pe)
+	}
+	var order []uint64
+	for _, r := range runs.all() {
+		order = append(order, r.Seq)
+	}
+	want := []uint64{enq[0].Seq, enq[1].Seq, target, target, enq[3].Seq, enq[4].Seq}
+	if !equal(order, want) {
+		t.Fatalf("ran %v, want %v", order, want)
+	}
+}
+
+// A job that keeps failing is retried MaxAttempts times, then dead-lettered
+// with its data, its headers and the error; the partition carries on after
+// it, and progress moves past it.
+func TestFailingJobIsRetriedThenDeadLettered(t *testing.T) {
+	e := newEnv(t, 1)
+	p := e.producer(t)
+	ctx := ctxFor(t, 30*time.Second)
+	var enq []worker.Enqueued
+	for i := range 4 {
+		q, err := p.EnqueueTo(ctx, 0, []byte("job-"+strconv.Itoa(i)), worker.JobID("id-"+strconv.Itoa(i)),
+			worker.WithHeader(nats.Header{"X-Order": []string{strconv.Itoa(i)}}))
+		if err != nil {
+			t.Fatal(err)
+		}
+		enq = append(enq, q)
+	}
+	var attempts atomic.Int64
+	rec := newRecorder()
+	cfg := e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
+		if string(j.Data) == "job-1" {
+			attempts.Add(1)
+			return errors.New("the payment service said no")
+		}
+		return j.Emit(ctx, j.Data)
+	}))
+	cfg.MaxAttempts = 3
+	cfg.Observer = rec
+	start(t, cfg)
+	rec.waitFor(t, 30*time.Second, "progress past every job", func() bool {
+		return rec.count(func(ev worker.Event) bool {
+			return ev.Kind == worker.EventProgressCommitted && ev.Seq == enq[3].Seq
+		}) > 0
+	})
+	if n := attempts.Load(); n != 3 {
+		t.Fatalf("the failing job ran %d times, want 3", n)
+	}
+	if n := rec.count(kind(worker.EventJobFailed)); n != 3 {
+		t.Fatalf("%d failure events, want 3", n)
+	}
+	if n := rec.count(kind(worker.EventJobDeadLettered)); n != 1 {
+		t.Fatalf("%d dead-letter events, want 1", n)
+	}
+	dlq := readStream(t, e.js, worker.DLQStream(e.prefix))
+	if len(dlq) != 1 {
+		t.Fatalf("%d dead letters, want 1", len(dlq))
+	}
+	m := dlq[0]
+	h := m.Headers()
+	lease := rec.all()[0].Lease
+	checks := map[string]string{
+		"subject":               m.Subject(),
+		"data":                  string(m.Data()),
+		worker.HeaderAttempts:   h.Get(worker.HeaderAttempts),
+		worker.HeaderSubject:    h.Get(worker.HeaderSubject),
+		worker.HeaderSeq:        h.Get(worker.HeaderSeq),
+		worker.HeaderJobID:      h.Get(worker.HeaderJobID),
+		"X-Order":               h.Get("X-Order"),
+		leasehold.HeaderEpoch:   h.Get(leasehold.HeaderEpoch),
+		leasehold.HeaderKey:     h.Get(leasehold.HeaderKey),
+		leasehold.HeaderWorker:  h.Get(leasehold.HeaderWorker),
+		"Nats-Msg-Id":           h.Get("Nats-Msg-Id"),
+		"error mentions reason": strconv.FormatBool(strings.Contains(h.Get(worker.HeaderError), "the payment service said no")),
+	}
+	want := map[string]string{
+		"subject":               worker.DLQSubject(e.prefix, 0),
+		"data":                  "job-1",
+		worker.HeaderAttempts:   "3",
+		worker.HeaderSubject:    worker.JobSubject(e.prefix, 0),
+		worker.HeaderSeq:        strconv.FormatUint(enq[1].Seq, 10),
+		worker.HeaderJobID:      "id-1",
+		"X-Order":               "1",
+		leasehold.HeaderEpoch:   lease.Epoch.String(),
+		leasehold.HeaderKey:     worker.DeadLetterKey(e.prefix, 0, enq[1].Seq),
+		leasehold.HeaderWorker:  "w",
+		"Nats-Msg-Id":           worker.DeadLetterKey(e.prefix, 0, enq[1].Seq),
+		"error mentions reason": "true",
+	}
+	for k, v := range want {
+		if checks[k] != v {
+			t.Errorf("dead letter %s = %q, want %q", k, checks[k], v)
+		}
+	}
+	if got := len(readStream(t, e.js, worker.EffectsStream(e.prefix))); got != 1+3 {
+		t.Errorf("%d messages on the output, want a barrier and 3 effects", got)
+	}
+}
+
+type order struct {
+	ID    string `json:"id"`
+	Total int    `json:"total"`
+}
+
+// A payload that does not decode is dead-lettered on its first attempt,
+// not retried: no retry can fix it.
+func TestMalformedJobIsDeadLetteredAtOnce(t *testing.T) {
+	e := newEnv(t, 1)
+	p := e.producer(t)
+	ctx := ctxFor(t, 30*time.Second)
+	for _, body := range []string{`{"id":"a","total":3}`, `{"id":"b","total":`, `{"id":"c","total":5}`} {
+		if _, err := p.EnqueueTo(ctx, 0, []byte(body)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var got []string
+	var runs atomic.Int64
+	rec := newRecorder()
+	cfg := e.config("w", worker.JSON(func(ctx context.Context, j *worker.Job, o order) error {
+		runs.Add(1)
+		got = append(got, o.ID)
+		return nil
+	}))
+	cfg.Observer = rec
+	start(t, cfg)
+	rec.waitFor(t, 30*time.Second, "the dead letter and the good jobs", func() bool {
+		return rec.count(kind(worker.EventJobDeadLettered)) == 1 && runs.Load() == 2
+	})
+	if n := rec.count(kind(worker.EventJobFailed)); n != 1 {
+		t.Fatalf("%d failed attempts, want 1", n)
+	}
+	dlq := readStream(t, e.js, worker.DLQStream(e.prefix))
+	if len(dlq) != 1 {
+		t.Fatalf("%d dead letters", len(dlq))
+	}
+	h := dlq[0].Headers()
+	if h.Get(worker.HeaderAttempts) != "1" || !strings.Contains(h.Get(worker.HeaderError), "is not a JSON") {
+		t.Fatalf("dead letter headers %v", h)
+	}
+	if strings.Join(got, ",") != "a,c" {
+		t.Fatalf("decoded %v", got)
+	}
+}
+
+// A handler error matching ErrStaleEpoch stops the partition: the job is
+// not retried and nothing is committed. When the lease outlives the
+// refusal (here nobody took over), the partition is read again from its
+// progress.
+func TestStaleEpochStopsThePartition(t *testing.T) {
+	e := newEnv(t, 1)
+	enq := e.enqueue(t, 0, 3)
+	var refused atomic.Bool
+	var runs log
+	rec := newRecorder()
+	cfg := e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
+		runs.add(j)
+		if j.Seq == enq[1].Seq && refused.CompareAndSwap(false, true) {
+			return &leasehold.StaleEpochError{Partition: j.Partition, Epoch: j.Lease.Epoch, Max: j.Lease.Epoch + 1}
+		}
+		return nil
+	}))
+	cfg.CommitEvery = time.Hour
+	cfg.Coordinator.TTL = time.Second
+	cfg.Observer = rec
+	start(t, cfg)
+	rec.waitFor(t, 30*time.Second, "the partition to resume and finish", func() bool {
+		return rec.count(kind(worker.EventPartitionStopped)) == 1 && rec.count(kind(worker.EventJobFinished)) >= 4
+	})
+	if n := rec.count(kind(worker.EventProgressCommitted)); n != 0 {
+		t.Fatalf("%d commits while the partition was stopped", n)
+	}
+	var order []uint64
+	for _, r := range runs.all() {
+		order = append(order, r.Seq)
+	}
+	// Job 0 ran, job 1 was refused; on resuming from the committed
+	// progress (none), all three ran.
+	want := []uint64{enq[0].Seq, enq[1].Seq, enq[0].Seq, enq[1].Seq, enq[2].Seq}
+	if !equal(order, want) {
+		t.Fatalf("ran %v, want %v", order, want)
+	}
+}
+
+func equal(a, b []uint64) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}

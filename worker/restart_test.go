@@ -1,0 +1,82 @@
+package worker_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/worker"
+)
+
+// NATS goes away and comes back while two workers run jobs: consumers are
+// re-created, lost effects are published again, leases are kept or taken
+// again, and every job ends up with its effect. Nothing is lost.
+func TestNATSRestartLosesNothing(t *testing.T) {
+	const n = 4
+	e := newEnv(t, n, natstestListen()...)
+	var runs log
+	rec := newRecorder()
+	h := worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
+		runs.add(j)
+		time.Sleep(500 * time.Microsecond) // keep jobs in flight across the restart
+		return j.Emit(ctx, j.Data)
+	})
+	for _, name := range []string{"a", "b"} {
+		cfg := e.config(name, h)
+		cfg.JetStream = e.srv.JetStream(t) // over TCP, reconnecting
+		cfg.EffectTimeout = 2 * time.Second
+		cfg.FetchWait = time.Second
+		cfg.Observer = rec
+		start(t, cfg)
+	}
+	enq := e.enqueue(t, 0, 2000)
+	rec.waitFor(t, time.Minute, "jobs to flow", func() bool { return runs.n.Load() > 300 })
+	e.srv.Restart(t)
+	// A fresh connection: the test's own was in-process and did not survive.
+	e.js = e.srv.JetStream(t)
+	enq = append(enq, e.enqueue(t, 2000, 1000)...)
+
+	want := map[[2]uint64]bool{}
+	for _, q := range enq {
+		want[[2]uint64{uint64(q.Partition), q.Seq}] = true
+	}
+	rec.waitFor(t, 2*time.Minute, "every job to run after the restart", func() bool {
+		ran := distinct(runs.all())
+		for k := range want {
+			if ran[k] == 0 {
+				return false
+			}
+		}
+		return true
+	})
+	rec.waitFor(t, time.Minute, "every effect to be stored", func() bool {
+		return len(effectKeys(t, e.js, e.prefix)) >= len(want)
+	})
+	got := effectKeys(t, e.js, e.prefix)
+	for k := range want {
+		if !got[k] {
+			t.Errorf("job %d of partition %d has no effect", k[1], k[0])
+		}
+	}
+	t.Logf("%d jobs, %d runs, %d leases lost, %d acquisitions", len(want), len(runs.all()),
+		rec.count(kind(worker.EventPartitionLost)), rec.count(kind(worker.EventPartitionAcquired)))
+}
+
+// effectKeys returns the (partition, job sequence) of every effect stored.
+func effectKeys(t testing.TB, js jetstream.JetStream, prefix string) map[[2]uint64]bool {
+	t.Helper()
+	out := map[[2]uint64]bool{}
+	for _, m := range readStream(t, js, worker.EffectsStream(prefix)) {
+		if isBarrier(m) {
+			continue
+		}
+		s := stampOf(t, m)
+		out[[2]uint64{uint64(s.Partition), seqOfKey(t, prefix, s)}] = true
+	}
+	return out
+}
+
+var _ leasehold.Epoch
