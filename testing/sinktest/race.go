@@ -27,6 +27,9 @@ type op struct {
 //   - no effect was accepted after an effect of a higher epoch had been
 //     accepted and returned (the fence never goes back);
 //   - accepted effects were applied once, refused ones not at all;
+//   - no effect below an epoch appeared among the applied effects after
+//     an effect of that epoch had been accepted (checked against snapshots
+//     of the applied effects taken when the highest accepted epoch rose);
 //   - the final maximum is the highest accepted epoch.
 //
 // A sink that checks and then writes in two steps fails the second check.
@@ -37,6 +40,9 @@ func testRace(t *testing.T, h *harness) {
 	g, n := h.f.RaceGoroutines, h.f.RaceOps
 	var clock atomic.Int64
 	ops := make([][]op, g)
+	var snapMu sync.Mutex
+	var highest leasehold.Epoch
+	var snaps []snapshot
 	var wg sync.WaitGroup
 	for gi := range g {
 		wg.Add(1)
@@ -52,6 +58,25 @@ func testRace(t *testing.T, h *harness) {
 				o.err = s.Apply(ctx, o.e)
 				o.end = clock.Add(1)
 				ops[gi] = append(ops[gi], o)
+				if o.err == nil {
+					snapMu.Lock()
+					rose := e > highest
+					if rose {
+						highest = e
+					}
+					snapMu.Unlock()
+					if rose {
+						if es, err := h.inst.Applied(ctx); err == nil {
+							sn := snapshot{epoch: e, keys: map[string]bool{}}
+							for _, a := range es {
+								sn.keys[a.Stamp.Key] = true
+							}
+							snapMu.Lock()
+							snaps = append(snaps, sn)
+							snapMu.Unlock()
+						}
+					}
+				}
 				if ctx.Err() != nil {
 					return
 				}
@@ -65,7 +90,7 @@ func testRace(t *testing.T, h *harness) {
 	}
 	checkHistory(t, all)
 
-	var highest leasehold.Epoch
+	highest = 0
 	var present, absent []sink.Effect
 	for _, o := range all {
 		if o.err == nil {
@@ -77,6 +102,24 @@ func testRace(t *testing.T, h *harness) {
 	}
 	h.wantMax(ctx, s, p, highest)
 	h.wantApplied(ctx, present, absent)
+	for _, o := range all {
+		if o.err != nil {
+			continue
+		}
+		for _, sn := range snaps {
+			if o.e.Stamp.Epoch < sn.epoch && !sn.keys[o.e.Stamp.Key] {
+				t.Fatalf("effect %s (epoch %d) was applied after an effect of epoch %d had been accepted: a stale write landed after the fence rose",
+					o.e.Stamp.Key, o.e.Stamp.Epoch, sn.epoch)
+			}
+		}
+	}
+}
+
+// snapshot is the set of applied keys seen right after an accepted effect
+// raised the highest accepted epoch to epoch.
+type snapshot struct {
+	epoch leasehold.Epoch
+	keys  map[string]bool
 }
 
 // checkHistory checks the real-time order of accepted and refused effects.

@@ -1,0 +1,258 @@
+package pgsink_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"go.uber.org/goleak"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/sink/pgsink"
+	"github.com/leasehold/leasehold/testing/pgtest"
+	"github.com/leasehold/leasehold/testing/sinktest"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
+
+func ctxFor(t testing.TB, d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func pool(t testing.TB, dsn string) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 16
+	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Close)
+	return p
+}
+
+func newSink(t testing.TB, db pgsink.DB, cfg pgsink.Config) *pgsink.Sink {
+	t.Helper()
+	cfg.DB = db
+	if cfg.Logger == nil {
+		cfg.Logger = quiet()
+	}
+	if err := pgsink.CreateSchema(ctxFor(t, time.Minute), db, cfg); err != nil {
+		t.Fatal(err)
+	}
+	s, err := pgsink.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func applied(ctx context.Context, db pgsink.DB, s *pgsink.Sink) ([]sink.Effect, error) {
+	rows, err := db.Query(ctx, "SELECT key, partition, epoch, subject, data FROM "+s.Tables().Effects)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []sink.Effect
+	for rows.Next() {
+		var e sink.Effect
+		var p int32
+		var ep int64
+		if err := rows.Scan(&e.Stamp.Key, &p, &ep, &e.Subject, &e.Data); err != nil {
+			return nil, err
+		}
+		e.Stamp.Partition, e.Stamp.Epoch = leasehold.Partition(p), leasehold.Epoch(ep)
+		out = append(out, e)
+	}
+	return out, rows.Err()
+}
+
+func TestConformance(t *testing.T) {
+	srv := pgtest.Start(t)
+	db := pool(t, srv.DSN())
+	sinktest.Run(t, sinktest.Features{Durable: true, AtomicBatch: true, Dedupe: true, VerifiedEpochs: true},
+		func(t *testing.T, st sinktest.Setup) sinktest.Instance {
+			cfg := pgsink.Config{Prefix: st.Scope + "_", Observer: st.Observer, Verifier: st.Verifier}
+			s := newSink(t, db, cfg)
+			inst := sinktest.Instance{Sink: s}
+			inst.Applied = func(ctx context.Context) ([]sink.Effect, error) { return applied(ctx, db, s) }
+			inst.Reopen = func(ctx context.Context) (sink.Sink, error) {
+				// A new pool and a new sink: nothing survives but the tables.
+				db2 := pool(t, srv.DSN())
+				cfg.DB, cfg.Logger = db2, quiet()
+				s2, err := pgsink.New(cfg)
+				if err != nil {
+					return nil, err
+				}
+				s = s2
+				return s2, nil
+			}
+			return inst
+		})
+}
+
+// ApplyTx runs the handler's SQL in the fenced transaction: a stale stamp
+// never calls it, a duplicate key calls it once, and its error rolls the
+// fence and key back too.
+func TestApplyTx(t *testing.T) {
+	srv := pgtest.Start(t)
+	db := pool(t, srv.DSN())
+	ctx := ctxFor(t, time.Minute)
+	s := newSink(t, db, pgsink.Config{Prefix: "tx_"})
+	if _, err := db.Exec(ctx, "CREATE TABLE orders (id text PRIMARY KEY, total int)"); err != nil {
+		t.Fatal(err)
+	}
+	calls := 0
+	insert := func(id string, total int) func(context.Context, pgx.Tx) error {
+		return func(ctx context.Context, tx pgx.Tx) error {
+			calls++
+			_, err := tx.Exec(ctx, "INSERT INTO orders VALUES ($1, $2)", id, total)
+			return err
+		}
+	}
+	st := leasehold.Stamp{Partition: 1, Epoch: 5, Key: "order-1"}
+	if err := s.ApplyTx(ctx, st, insert("o1", 10)); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.ApplyTx(ctx, st, insert("o1", 10)); err != nil {
+		t.Fatalf("duplicate: %v", err)
+	}
+	if calls != 1 {
+		t.Fatalf("handler called %d times for one key, want once", calls)
+	}
+	if err := s.Advance(ctx, 1, 9); err != nil {
+		t.Fatal(err)
+	}
+	stale := leasehold.Stamp{Partition: 1, Epoch: 8, Key: "order-2"}
+	if err := s.ApplyTx(ctx, stale, insert("o2", 20)); !errors.Is(err, leasehold.ErrStaleEpoch) {
+		t.Fatalf("stale ApplyTx = %v, want ErrStaleEpoch", err)
+	}
+	if calls != 1 {
+		t.Fatal("the handler ran under a stale stamp")
+	}
+	boom := errors.New("handler failed")
+	st3 := leasehold.Stamp{Partition: 2, Epoch: 3, Key: "order-3"}
+	if err := s.ApplyTx(ctx, st3, func(ctx context.Context, tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, "INSERT INTO orders VALUES ('o3', 30)"); err != nil {
+			return err
+		}
+		return boom
+	}); !errors.Is(err, boom) {
+		t.Fatalf("ApplyTx = %v, want the handler's error", err)
+	}
+	if m, _ := s.MaxEpoch(ctx, 2); m != 0 {
+		t.Fatalf("a failed handler left the fence at %d", m)
+	}
+	// The key was rolled back with the handler's writes, so a retry runs.
+	if err := s.ApplyTx(ctx, st3, insert("o3", 30)); err != nil {
+		t.Fatal(err)
+	}
+	var n int
+	if err := db.QueryRow(ctx, "SELECT count(*) FROM orders").Scan(&n); err != nil || n != 2 {
+		t.Fatalf("orders: %d, %v; want 2", n, err)
+	}
+}
+
+// A sink whose tables are missing says what to run.
+func TestMissingSchema(t *testing.T) {
+	srv := pgtest.Start(t)
+	db := pool(t, srv.DSN())
+	s, err := pgsink.New(pgsink.Config{DB: db, Prefix: "absent_", Logger: quiet()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = s.Apply(ctxFor(t, time.Minute), sink.Effect{Stamp: leasehold.Stamp{Partition: 1, Epoch: 1, Key: "k"}, Subject: "s"})
+	if err == nil || !strings.Contains(err.Error(), "pgsink.CreateSchema") {
+		t.Fatalf("Apply without tables = %v, want an error that names pgsink.CreateSchema", err)
+	}
+	if _, err := pgsink.New(pgsink.Config{DB: db, Prefix: "Bad-Prefix"}); err == nil {
+		t.Fatal("New accepted a prefix that is not a plain identifier")
+	}
+	if _, err := pgsink.New(pgsink.Config{}); err == nil || !strings.Contains(err.Error(), "DB is required") {
+		t.Fatalf("New without DB = %v", err)
+	}
+}
+
+// PostgreSQL stops under a running sink and comes back: while it is down
+// the sink returns clear errors, and afterwards every effect is applied
+// exactly once.
+func TestPostgresRestart(t *testing.T) {
+	srv := pgtest.Start(t)
+	db := pool(t, srv.DSN())
+	ctx := ctxFor(t, 3*time.Minute)
+	s := newSink(t, db, pgsink.Config{Prefix: "restart_"})
+	const total = 300
+	progress := make(chan int, total)
+	downErr := make(chan error, 1)
+	var mu sync.Mutex
+	var errs []error
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		defer close(progress)
+		for i := range total {
+			e := sink.Effect{Stamp: leasehold.Stamp{Partition: 3, Epoch: 7, Key: fmt.Sprintf("restart-%d", i)}, Subject: "s", Data: []byte{byte(i)}}
+			// Retry each effect until it is applied, as a worker does.
+			for {
+				err := s.Apply(ctx, e)
+				if err == nil {
+					break
+				}
+				if ctx.Err() != nil {
+					return
+				}
+				mu.Lock()
+				errs = append(errs, err)
+				mu.Unlock()
+				select {
+				case downErr <- err:
+				default:
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			progress <- i
+		}
+	}()
+	for i := range progress {
+		if i == 50 {
+			srv.Stop()
+			<-downErr
+			// Let the writer meet the refused connections too.
+			for range 2 {
+				<-downErr
+			}
+			srv.Start(t)
+		}
+	}
+	wg.Wait()
+	mu.Lock()
+	for _, err := range errs {
+		if !strings.Contains(err.Error(), "PostgreSQL") || !strings.Contains(err.Error(), "retry") {
+			t.Errorf("error while PostgreSQL is down: %q does not say what happened and what to do", err)
+		}
+	}
+	mu.Unlock()
+	var n, distinct int
+	if err := db.QueryRow(ctx, "SELECT count(*), count(DISTINCT key) FROM "+s.Tables().Effects).Scan(&n, &distinct); err != nil {
+		t.Fatal(err)
+	}
+	if n != total || distinct != total {
+		t.Fatalf("%d rows, %d distinct keys, want %d of each", n, distinct, total)
+	}
+}
