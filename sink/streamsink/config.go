@@ -1,0 +1,170 @@
+package streamsink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+
+	"github.com/leasehold/leasehold/sink"
+)
+
+// Config configures a Runner. Every name derives from Prefix by default.
+type Config struct {
+	// Prefix names the deployment. Default "leasehold".
+	Prefix string
+	// Stream is the effect log the runner consumes. Default
+	// "<prefix>-effects"; New creates it on Subjects when it is missing.
+	Stream string
+	// Subjects of the effect log when New creates it. Default
+	// ["<prefix>.out.>"].
+	Subjects []string
+	// FilterSubject limits the runner to part of the log. Default: all of
+	// it.
+	FilterSubject string
+	// Consumer is the durable consumer's name. Default "<prefix>-sink".
+	Consumer string
+	// StateBucket is the KV bucket holding the runner's progress: the
+	// fence maxima and the last log position handled. Default
+	// "<prefix>-sink-state".
+	StateBucket string
+
+	// Handler, when set, receives each accepted effect, in log order,
+	// instead of the republish. It must be idempotent by the effect's
+	// idempotency key: after a crash, effects handled since the last
+	// saved position are handed over again.
+	Handler func(ctx context.Context, e sink.Effect) error
+	// Downstream is the stream accepted effects are republished into, with
+	// Nats-Msg-Id set to the idempotency key. Default "<prefix>-fenced";
+	// New creates it on "<prefix>.fenced.>" when it is missing. Its
+	// duplicate window must be longer than AckWait plus the longest outage
+	// you plan for, since a runner that crashes republishes what it had
+	// not saved.
+	Downstream string
+	// Subject maps an effect's log subject to its republish subject.
+	// Default: "<prefix>.out.X" becomes "<prefix>.fenced.X".
+	Subject func(logSubject string) string
+
+	// Batch is how many messages one fetch asks for. Default 100.
+	Batch int
+	// FetchWait is how long a fetch waits for messages. Default 500ms.
+	FetchWait time.Duration
+	// AckWait is how long the server waits for an ack before it redelivers
+	// a message. Default 30s.
+	AckWait time.Duration
+	// MaxBackoff caps the wait between retries while NATS is away.
+	// Default 2s.
+	MaxBackoff time.Duration
+	// Replicas of the streams and bucket New creates. Default 1.
+	Replicas int
+	// RequestTimeout bounds one request. Default 5s.
+	RequestTimeout time.Duration
+
+	// Name names the sink in decisions and logs. Default "stream".
+	Name string
+	// Verifier, when set, turns on verified epochs (see sink.EpochCheck).
+	Verifier sink.Verifier
+	// Observer receives every decision, after it is saved. Optional.
+	Observer sink.Observer
+	// Logger receives drop lines and retries. Default slog.Default().
+	Logger *slog.Logger
+}
+
+func (c *Config) setDefaults() {
+	if c.Prefix == "" {
+		c.Prefix = "leasehold"
+	}
+	if c.Stream == "" {
+		c.Stream = c.Prefix + "-effects"
+	}
+	if len(c.Subjects) == 0 {
+		c.Subjects = []string{c.Prefix + ".out.>"}
+	}
+	if c.Consumer == "" {
+		c.Consumer = c.Prefix + "-sink"
+	}
+	if c.StateBucket == "" {
+		c.StateBucket = c.Prefix + "-sink-state"
+	}
+	if c.Downstream == "" {
+		c.Downstream = c.Prefix + "-fenced"
+	}
+	if c.Subject == nil {
+		from, to := c.Prefix+".out.", c.Prefix+".fenced."
+		c.Subject = func(s string) string {
+			if rest, ok := strings.CutPrefix(s, from); ok {
+				return to + rest
+			}
+			return to + s
+		}
+	}
+	if c.Batch == 0 {
+		c.Batch = 100
+	}
+	if c.FetchWait == 0 {
+		c.FetchWait = 500 * time.Millisecond
+	}
+	if c.AckWait == 0 {
+		c.AckWait = 30 * time.Second
+	}
+	if c.MaxBackoff == 0 {
+		c.MaxBackoff = 2 * time.Second
+	}
+	if c.Replicas == 0 {
+		c.Replicas = 1
+	}
+	if c.RequestTimeout == 0 {
+		c.RequestTimeout = 5 * time.Second
+	}
+	if c.Name == "" {
+		c.Name = "stream"
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+}
+
+// Validate reports every problem with c.
+func (c Config) Validate() error {
+	c.setDefaults()
+	var errs []error
+	for what, name := range map[string]string{"stream": c.Stream, "consumer": c.Consumer, "state bucket": c.StateBucket, "downstream stream": c.Downstream} {
+		if !validName(name) {
+			errs = append(errs, fmt.Errorf("%s name %q: use letters, digits, '-' and '_'", what, name))
+		}
+	}
+	if c.Handler == nil && c.Downstream == c.Stream {
+		errs = append(errs, errors.New("the downstream stream is the effect log itself: republished effects would be consumed again"))
+	}
+	if c.Batch < 1 || c.Batch > 1000 {
+		errs = append(errs, fmt.Errorf("batch %d: use 1 to 1000", c.Batch))
+	}
+	if c.FetchWait < 10*time.Millisecond {
+		errs = append(errs, fmt.Errorf("fetch wait %v: use at least 10ms", c.FetchWait))
+	}
+	if c.AckWait < time.Second {
+		errs = append(errs, fmt.Errorf("ack wait %v: use at least 1s", c.AckWait))
+	}
+	if c.MaxBackoff <= 0 || c.RequestTimeout <= 0 {
+		errs = append(errs, errors.New("max backoff and request timeout must be positive"))
+	}
+	if c.Replicas < 1 || c.Replicas > 5 {
+		errs = append(errs, fmt.Errorf("replicas %d: use 1, 3 or 5", c.Replicas))
+	}
+	return errors.Join(errs...)
+}
+
+func validName(s string) bool {
+	if s == "" || len(s) > 200 {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_') {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,285 @@
+// Package streamsink is a leasehold sink over a JetStream effect log.
+//
+// Workers publish their effects, stamped, into a stream (by default
+// "<prefix>-effects" on "<prefix>.out.>"). A Runner consumes that log in
+// order with a durable consumer, fences each effect against its
+// partition's maximum, and either republishes the accepted ones into a
+// downstream stream (Nats-Msg-Id = the idempotency key, so a repeat is
+// dropped by the server) or hands them to a function. A stale effect, a
+// bad stamp and an unverified epoch are terminated (Term): never
+// redelivered, never applied, counted and reported.
+//
+// A barrier (a message with the leasehold.HeaderBarrier header, published
+// by a worker when it acquires a partition) raises the partition's maximum
+// at its place in the log. The runner learns take-overs from barriers and
+// from nothing else: an earlier holder's effect published before the
+// barrier may be committed progress, and refusing it would lose it.
+//
+// Progress is crash-safe. After each batch the runner saves, in one KV
+// write, the fence maxima and the last log position it handled, and only
+// then acks. A runner that dies mid-batch leaves the batch unsaved and
+// unacked; the next one redecides it from the saved state, reaching the
+// same decisions, and its republishes are dropped as duplicates. Messages
+// at or below the saved position are acked without a second decision, and
+// messages that arrive out of order (redeliveries after a crash) are put
+// back in order by reading the log. Nothing is applied twice or lost.
+package streamsink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/sink"
+)
+
+// Runner consumes an effect log and applies it under the fence.
+type Runner struct {
+	js      jetstream.JetStream
+	cfg     Config
+	cons    jetstream.Consumer
+	stateKV jetstream.KeyValue
+	filter  string
+	api     string
+	rep     *sink.Reporter
+	check   *sink.EpochCheck
+	log     *slog.Logger
+
+	// hook, when set by tests, runs at named points of a batch; an error
+	// stops Run there, as a crash would.
+	hook func(point string) error
+
+	mu       sync.Mutex
+	st       state
+	rev      uint64
+	progress chan struct{} // closed and replaced when st advances
+	running  bool
+}
+
+// New prepares a runner: it creates the effect log, the downstream stream,
+// the state bucket and the durable consumer when they are missing, and
+// loads the saved progress.
+func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Runner, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("streamsink: invalid config: %w", err)
+	}
+	cfg.setDefaults()
+	r := &Runner{
+		js: js, cfg: cfg, api: apiPrefix(js.Options()), log: cfg.Logger,
+		rep:      sink.NewReporter(sink.ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger}),
+		check:    sink.NewEpochCheck(cfg.Verifier),
+		progress: make(chan struct{}),
+		filter:   cfg.FilterSubject,
+	}
+	if r.filter == "" {
+		r.filter = ">"
+	}
+	if err := r.provision(ctx); err != nil {
+		return nil, err
+	}
+	st, rev, err := r.loadState(ctx)
+	if err != nil {
+		return nil, err
+	}
+	r.st, r.rev = st, rev
+	return r, nil
+}
+
+func (r *Runner) provision(ctx context.Context) error {
+	cfg := r.cfg
+	if _, err := r.js.Stream(ctx, cfg.Stream); errors.Is(err, jetstream.ErrStreamNotFound) {
+		_, err = r.js.CreateStream(ctx, jetstream.StreamConfig{
+			Name: cfg.Stream, Subjects: cfg.Subjects, Storage: jetstream.FileStorage, Replicas: cfg.Replicas,
+			Description: "leasehold effect log",
+		})
+		if err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+			return fmt.Errorf("streamsink: create the effect log %s: %w", cfg.Stream, err)
+		}
+	} else if err != nil {
+		return fmt.Errorf("streamsink: look up the effect log %s: %w", cfg.Stream, err)
+	}
+	if cfg.Handler == nil {
+		if _, err := r.js.Stream(ctx, cfg.Downstream); errors.Is(err, jetstream.ErrStreamNotFound) {
+			_, err = r.js.CreateStream(ctx, jetstream.StreamConfig{
+				Name: cfg.Downstream, Subjects: []string{cfg.Prefix + ".fenced.>"}, Storage: jetstream.FileStorage,
+				Replicas: cfg.Replicas, Duplicates: 10 * time.Minute, Description: "leasehold fenced effects",
+			})
+			if err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+				return fmt.Errorf("streamsink: create the downstream stream %s: %w", cfg.Downstream, err)
+			}
+		} else if err != nil {
+			return fmt.Errorf("streamsink: look up the downstream stream %s: %w", cfg.Downstream, err)
+		}
+	}
+	kv, err := r.js.KeyValue(ctx, cfg.StateBucket)
+	if errors.Is(err, jetstream.ErrBucketNotFound) {
+		kv, err = r.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
+			Bucket: cfg.StateBucket, History: 1, Storage: jetstream.FileStorage, Replicas: cfg.Replicas,
+			Description: "leasehold stream sink progress",
+		})
+		if errors.Is(err, jetstream.ErrBucketExists) {
+			kv, err = r.js.KeyValue(ctx, cfg.StateBucket)
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("streamsink: state bucket %s: %w", cfg.StateBucket, err)
+	}
+	r.stateKV = kv
+	cons, err := r.js.CreateOrUpdateConsumer(ctx, cfg.Stream, jetstream.ConsumerConfig{
+		Durable:       cfg.Consumer,
+		Description:   "leasehold stream sink",
+		AckPolicy:     jetstream.AckExplicitPolicy,
+		AckWait:       cfg.AckWait,
+		MaxDeliver:    -1,
+		MaxAckPending: 4 * cfg.Batch,
+		FilterSubject: cfg.FilterSubject,
+		DeliverPolicy: jetstream.DeliverAllPolicy,
+	})
+	if err != nil {
+		return fmt.Errorf("streamsink: consumer %s on %s: %w", cfg.Consumer, cfg.Stream, err)
+	}
+	r.cons = cons
+	return nil
+}
+
+// MaxEpoch returns partition p's maximum as of the handled position.
+func (r *Runner) MaxEpoch(p leasehold.Partition) leasehold.Epoch {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.st.Fences[p].Epoch
+}
+
+// Position returns the last log position handled and saved.
+func (r *Runner) Position() uint64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.st.Seq
+}
+
+// WaitPosition waits until the runner has handled and saved log position
+// seq.
+func (r *Runner) WaitPosition(ctx context.Context, seq uint64) error {
+	for {
+		r.mu.Lock()
+		done, ch := r.st.Seq >= seq, r.progress
+		r.mu.Unlock()
+		if done {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("streamsink: wait for log position %d: %w", seq, ctx.Err())
+		case <-ch:
+		}
+	}
+}
+
+// Dropped returns how many effects of partition p were refused.
+func (r *Runner) Dropped(p leasehold.Partition) uint64 { return r.rep.Dropped(p) }
+
+// Run consumes the log until ctx ends, retrying with backoff while NATS is
+// away. It returns nil when ctx ends and ErrStateConflict when another
+// runner saves progress under the same consumer name. One Run at a time.
+func (r *Runner) Run(ctx context.Context) error {
+	r.mu.Lock()
+	if r.running {
+		r.mu.Unlock()
+		return errors.New("streamsink: Run is already running")
+	}
+	r.running = true
+	r.mu.Unlock()
+	defer func() {
+		r.mu.Lock()
+		r.running = false
+		r.mu.Unlock()
+	}()
+	failures := 0
+	for ctx.Err() == nil {
+		err := r.step(ctx)
+		if err == nil {
+			failures = 0
+			continue
+		}
+		if ctx.Err() != nil {
+			return nil
+		}
+		if errors.Is(err, ErrStateConflict) || errors.Is(err, errStop) {
+			return err
+		}
+		failures++
+		wait := min(r.cfg.MaxBackoff, 10*time.Millisecond<<min(failures, 10))
+		r.log.LogAttrs(ctx, slog.LevelWarn, "streamsink: retrying", slog.String("sink", r.cfg.Name),
+			slog.Int("failures", failures), slog.Duration("wait", wait), slog.Any("error", err))
+		select {
+		case <-ctx.Done():
+		case <-time.After(wait):
+		}
+	}
+	return nil
+}
+
+// errStop wraps a test hook's error.
+var errStop = errors.New("streamsink: stopped")
+
+// step fetches one batch and handles it. It asks for what is there
+// without waiting; when nothing is, it waits for one message and then takes
+// whatever else has arrived, so that a quiet log is handled at once and a
+// busy one in full batches. (A Fetch loop rather than Consume: Consume can
+// stall a consumer with a backlog until its heartbeat check fires.)
+func (r *Runner) step(ctx context.Context) error {
+	msgs, err := r.fetch(ctx, r.cfg.Batch, false)
+	if err != nil {
+		return err
+	}
+	if len(msgs) == 0 {
+		if msgs, err = r.fetch(ctx, 1, true); err != nil {
+			return err
+		}
+		if len(msgs) == 1 && r.cfg.Batch > 1 {
+			more, err := r.fetch(ctx, r.cfg.Batch-1, false)
+			if err != nil {
+				return err
+			}
+			msgs = append(msgs, more...)
+		}
+	}
+	if len(msgs) == 0 {
+		return nil
+	}
+	return r.handle(ctx, msgs)
+}
+
+func (r *Runner) fetch(ctx context.Context, n int, wait bool) ([]*logMsg, error) {
+	var batch jetstream.MessageBatch
+	var err error
+	if wait {
+		fctx, cancel := context.WithTimeout(ctx, r.cfg.FetchWait)
+		defer cancel()
+		batch, err = r.cons.Fetch(n, jetstream.FetchContext(fctx))
+	} else {
+		batch, err = r.cons.FetchNoWait(n)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("fetch from %s: %w", r.cfg.Stream, err)
+	}
+	var msgs []*logMsg
+	for m := range batch.Messages() {
+		meta, err := m.Metadata()
+		if err != nil {
+			continue
+		}
+		msgs = append(msgs, &logMsg{seq: meta.Sequence.Stream, subject: m.Subject(), header: m.Headers(), data: m.Data(), msg: m})
+	}
+	if err := batch.Error(); err != nil && len(msgs) == 0 &&
+		!errors.Is(err, nats.ErrTimeout) && !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, jetstream.ErrNoMessages) {
+		return nil, fmt.Errorf("fetch from %s: %w", r.cfg.Stream, err)
+	}
+	return msgs, nil
+}
