@@ -45,7 +45,9 @@ type Config struct {
 	// Required unless ProvisionBucket is set.
 	Bucket *coordinator.Bucket
 	// ProvisionBucket, when Bucket is nil, makes Run create (or check) the
-	// lease bucket it describes through JetStream.
+	// lease bucket it describes through JetStream; its name defaults to
+	// "<prefix>-leases". A lease bucket serves one job stream: Run refuses
+	// a bucket another job stream uses.
 	ProvisionBucket *coordinator.BucketConfig
 	// Coordinator holds the lease settings: the worker ID (Worker), TTL,
 	// renewal, rebalancing and shutdown timeouts. Partitions, OnAcquire and

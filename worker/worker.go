@@ -111,11 +111,18 @@ func (w *Worker) start(ctx context.Context) (*coordinator.Coordinator, error) {
 	b := w.cfg.Bucket
 	if b == nil {
 		var err error
-		if b, err = coordinator.Provision(ctx, w.cfg.JetStream, *w.cfg.ProvisionBucket); err != nil {
+		bc := *w.cfg.ProvisionBucket
+		if bc.Bucket == "" {
+			bc.Bucket = w.cfg.Prefix + "-leases"
+		}
+		if b, err = coordinator.Provision(ctx, w.cfg.JetStream, bc); err != nil {
 			return nil, fmt.Errorf("worker: %w", err)
 		}
 	}
 	if err := streamPartitions(ctx, w.cfg.JetStream, w.cfg.Prefix, w.cfg.Partitions); err != nil {
+		return nil, err
+	}
+	if err := claimBucket(ctx, b, w.cfg.Prefix); err != nil {
 		return nil, err
 	}
 	s, err := w.cfg.JetStream.Stream(ctx, JobsStream(w.cfg.Prefix))
@@ -212,4 +219,28 @@ func (w *Worker) forget(r *runner) {
 		delete(w.runners, r.p)
 	}
 	w.mu.Unlock()
+}
+
+// bucketOwnerKey names the job stream a lease bucket serves. Lease and
+// progress keys are per partition number, so a bucket serves one job
+// stream: two streams sharing one would share leases and, worse, resume
+// each other's progress.
+const bucketOwnerKey = "jobstream"
+
+// claimBucket records prefix as the job stream of b, or checks that it is.
+func claimBucket(ctx context.Context, b *coordinator.Bucket, prefix string) error {
+	kv := b.KeyValue()
+	_, err := kv.Create(ctx, bucketOwnerKey, []byte(prefix))
+	if err == nil {
+		return nil
+	}
+	e, gerr := kv.Get(ctx, bucketOwnerKey)
+	if gerr != nil {
+		return fmt.Errorf("worker: record the job stream of lease bucket %s: %w (reading it back: %v)", b.Name(), err, gerr)
+	}
+	if got := string(e.Value()); got != prefix {
+		return fmt.Errorf("%w: lease bucket %s serves job stream %q, not %q: give each job stream its own lease bucket, since progress is kept per partition number",
+			ErrStreamConfig, b.Name(), got, prefix)
+	}
+	return nil
 }
