@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/goleak"
 
@@ -307,7 +306,5 @@ func stampOf(t testing.TB, m jetstream.Msg) leasehold.Stamp {
 }
 
 func isBarrier(m jetstream.Msg) bool { return m.Headers().Get(leasehold.HeaderBarrier) == "1" }
-
-var _ = nats.Header{}
 
 func natstestListen() []natstest.Option { return []natstest.Option{natstest.Listen()} }

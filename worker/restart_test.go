@@ -7,7 +7,6 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -78,5 +77,3 @@ func effectKeys(t testing.TB, js jetstream.JetStream, prefix string) map[[2]uint
 	}
 	return out
 }
-
-var _ leasehold.Epoch
