@@ -1,0 +1,173 @@
+package wmstamp_test
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+	"go.uber.org/goleak"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/testing/natstest"
+	"github.com/leasehold/leasehold/worker"
+	"github.com/leasehold/leasehold/worker/wmstamp"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// runJobs runs a worker with handler h over count jobs on one partition
+// and waits until they are handled.
+func runJobs(t *testing.T, count int, prop propagation.TextMapPropagator, h worker.HandlerFunc) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	js := natstest.Start(t).JetStream(t)
+	b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{MarkerTTL: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: "wm", Partitions: 1}); err != nil {
+		t.Fatal(err)
+	}
+	p, err := worker.NewProducer(js, worker.ProducerConfig{Prefix: "wm", Partitions: 1, Propagator: prop})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range count {
+		if _, err := p.EnqueueTo(ctx, 0, []byte("job")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var wg sync.WaitGroup
+	wg.Add(count)
+	w, err := worker.New(worker.Config{
+		JetStream:   js,
+		Prefix:      "wm",
+		Partitions:  1,
+		Bucket:      b,
+		Coordinator: coordinator.Config{Worker: "w"},
+		Propagator:  prop,
+		Logger:      slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Handler: worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
+			defer wg.Done()
+			return h(ctx, j)
+		}),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	rctx, stop := context.WithCancel(context.Background())
+	go func() { done <- w.Run(rctx) }()
+	wg.Wait()
+	stop()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Messages published from a handler through a stamping publisher carry
+// the job's stamp and trace context in their metadata; the keys continue
+// the job's effect numbering.
+func TestPublisherStampsMessages(t *testing.T) {
+	pubsub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, nil)
+	defer pubsub.Close()
+	prop := propagation.TraceContext{}
+	pub, err := wmstamp.Decorator(wmstamp.Config{Propagator: prop})(pubsub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var want []leasehold.Stamp
+	var traceIDs []trace.TraceID
+	runJobs(t, 2, prop, func(ctx context.Context, j *worker.Job) error {
+		tid, _ := trace.TraceIDFromHex("4bf92f3577b34da6a3ce929d0e0e4736")
+		sid, _ := trace.SpanIDFromHex("00f067aa0ba902b7")
+		ctx = trace.ContextWithSpanContext(ctx, trace.NewSpanContext(trace.SpanContextConfig{TraceID: tid, SpanID: sid, TraceFlags: trace.FlagsSampled}))
+		if err := pub.Publish("out",
+			message.NewMessageWithContext(ctx, "a", []byte("1")),
+			message.NewMessageWithContext(ctx, "b", []byte("2"))); err != nil {
+			return err
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		for i := range 2 {
+			want = append(want, leasehold.Stamp{Partition: j.Partition, Epoch: j.Lease.Epoch, Key: leasehold.EffectKey("wm", j.Partition, j.Seq, i), Worker: "w"})
+		}
+		traceIDs = append(traceIDs, tid, tid)
+		return nil
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	msgs, err := pubsub.Subscribe(ctx, "out")
+	if err != nil {
+		t.Fatal(err)
+	}
+	byKey := map[string]leasehold.Stamp{}
+	for _, s := range want {
+		byKey[s.Key] = s
+	}
+	for i := range want {
+		var m *message.Message
+		select {
+		case m = <-msgs:
+		case <-ctx.Done():
+			t.Fatalf("message %d never arrived", i)
+		}
+		m.Ack()
+		got, err := leasehold.StampFromMetadata(m.Metadata)
+		if err != nil || got != byKey[got.Key] {
+			t.Fatalf("message %s: stamp %+v (%v), want one of %v", m.UUID, got, err, want)
+		}
+		delete(byKey, got.Key)
+		if idx := map[string]string{"a": ".0", "b": ".1"}[m.UUID]; !strings.HasSuffix(got.Key, idx) {
+			t.Fatalf("message %s got key %s: stamps are numbered in publishing order", m.UUID, got.Key)
+		}
+		if tp := m.Metadata.Get("traceparent"); !strings.Contains(tp, traceIDs[i].String()) {
+			t.Fatalf("message %s: traceparent %q", m.UUID, tp)
+		}
+	}
+}
+
+// A message without a job in its context, or published after its handler
+// returned, is refused and nothing of the call is published.
+func TestPublisherRefusesUnstampableMessages(t *testing.T) {
+	pubsub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, nil)
+	defer pubsub.Close()
+	pub := wmstamp.NewPublisher(pubsub, wmstamp.Config{})
+	var late context.Context
+	var noJob error
+	runJobs(t, 1, nil, func(ctx context.Context, j *worker.Job) error {
+		late = ctx
+		noJob = pub.Publish("out",
+			message.NewMessageWithContext(ctx, "ok", nil),
+			message.NewMessage("bare", nil))
+		return nil
+	})
+	if !errors.Is(noJob, wmstamp.ErrNoJob) || !strings.Contains(noJob.Error(), "NewMessageWithContext") {
+		t.Fatalf("publishing a message without a job: %v", noJob)
+	}
+	err := pub.Publish("out", message.NewMessageWithContext(late, "late", nil))
+	if !errors.Is(err, worker.ErrJobDone) {
+		t.Fatalf("publishing after the handler returned: %v", err)
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	msgs, err := pubsub.Subscribe(sctx, "out")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for m := range msgs {
+		t.Fatalf("message %s was published", m.UUID)
+	}
+}
