@@ -18,9 +18,9 @@ import (
 // barrier, so the previous holder's effects after it are refused even
 // though they travel through the same log. It retries with backoff until
 // everything is written, and gives up (returning false) when the lease is
-// lost or the partition is revoked first: a partition is not handled
-// unfenced.
-func (r *runner) writeBarriers() bool {
+// lost or the partition is revoked first (returning how it ended): a
+// partition is not handled unfenced.
+func (r *runner) writeBarriers() outcome {
 	fences := r.w.cfg.Fences
 	subjects := r.w.cfg.BarrierSubjects(r.p)
 	stamp := leasehold.Stamp{
@@ -32,15 +32,15 @@ func (r *runner) writeBarriers() bool {
 	for attempt := 1; ; attempt++ {
 		err := r.barrierRound(&fences, &subjects, stamp)
 		if err == nil {
-			return true
+			return 0
 		}
 		if r.ctx.Err() != nil {
-			return false
+			return outLost
 		}
 		wait := min(50*time.Millisecond<<min(attempt-1, 6), 2*time.Second)
 		r.log.Warn("writing the partition's barriers failed; retrying before handling any job", "attempt", attempt, "backoff", wait, "err", err)
 		if out := r.sleep(wait); out != 0 {
-			return false
+			return out
 		}
 	}
 }

@@ -154,8 +154,8 @@ func (r *runner) run() {
 	r.committed = r.lease.Progress()
 	r.finished, r.handled = r.committed, r.committed
 	r.lastCommit = time.Now()
-	if !r.writeBarriers() {
-		r.end(outLost)
+	if out := r.writeBarriers(); out != 0 {
+		r.end(out)
 		return
 	}
 	r.event(r.ctx, Event{Kind: EventPartitionReady, Seq: r.committed})
