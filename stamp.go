@@ -88,9 +88,8 @@ func StampFromHeader(h map[string][]string) (Stamp, error) {
 // StampFromMetadata reads a stamp from Watermill-style metadata.
 func StampFromMetadata(m map[string]string) (Stamp, error) {
 	return parseStamp(func(name string) (string, error) {
-		if v, ok := m[name]; ok {
-			return v, nil
-		}
+		// Scan every name, even after an exact match: a second spelling
+		// with another value is a conflict, as it is in headers.
 		var found string
 		var n int
 		for k, v := range m {

@@ -74,6 +74,15 @@ func TestStampRoundTrip(t *testing.T) {
 	}
 }
 
+func TestStampMetadataConflictAcrossCase(t *testing.T) {
+	md := map[string]string{}
+	leasehold.Stamp{Partition: 3, Epoch: 4, Key: "k"}.SetMetadata(md)
+	md["leasehold-epoch"] = "9"
+	if _, err := leasehold.StampFromMetadata(md); !errors.Is(err, leasehold.ErrBadStamp) {
+		t.Fatalf("two spellings of the epoch with different values: %v, want ErrBadStamp", err)
+	}
+}
+
 func TestStampHeaderNamesIgnoreCase(t *testing.T) {
 	h := map[string][]string{
 		"leasehold-partition": {"3"},
