@@ -1,0 +1,234 @@
+package wmsink_test
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"go.uber.org/goleak"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/sink/wmsink"
+	"github.com/leasehold/leasehold/testing/sinktest"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
+
+// fenced presents a Fencer and the store its handler writes to as a
+// sink.Sink, for the conformance suite.
+type fenced struct {
+	f     *wmsink.Fencer
+	fence sink.Fence
+	scope string
+
+	mu      sync.Mutex
+	applied []sink.Effect
+}
+
+func (x *fenced) handle(ctx context.Context, md map[string]string, e sink.Effect) error {
+	return x.f.Fence(ctx, md, func() error {
+		x.mu.Lock()
+		x.applied = append(x.applied, e)
+		x.mu.Unlock()
+		return nil
+	})
+}
+
+func (x *fenced) Apply(ctx context.Context, effects ...sink.Effect) error {
+	for _, e := range effects {
+		md := map[string]string{}
+		e.Stamp.SetMetadata(md)
+		if err := x.handle(ctx, md, e); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (x *fenced) Advance(ctx context.Context, p leasehold.Partition, e leasehold.Epoch) error {
+	if err := sink.ValidateAdvance(p, e); err != nil {
+		return err
+	}
+	md := map[string]string{leasehold.HeaderBarrier: "1"}
+	leasehold.Stamp{Partition: p, Epoch: e, Key: leasehold.BarrierKey(x.scope, p, e)}.SetMetadata(md)
+	return x.handle(ctx, md, sink.Effect{})
+}
+
+func (x *fenced) MaxEpoch(ctx context.Context, p leasehold.Partition) (leasehold.Epoch, error) {
+	return x.fence.MaxEpoch(ctx, p)
+}
+
+func (x *fenced) Dropped(p leasehold.Partition) uint64 { return x.f.Dropped(p) }
+
+func TestConformance(t *testing.T) {
+	sinktest.Run(t, sinktest.Features{VerifiedEpochs: true, Headers: true}, func(t *testing.T, st sinktest.Setup) sinktest.Instance {
+		fence := sink.NewMemory(sink.MemoryConfig{Logger: quiet()})
+		f, err := wmsink.New(wmsink.Config{Fence: fence, Observer: st.Observer, Verifier: st.Verifier, Logger: quiet()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		x := &fenced{f: f, fence: fence, scope: st.Scope}
+		return sinktest.Instance{
+			Sink: x,
+			Applied: func(context.Context) ([]sink.Effect, error) {
+				x.mu.Lock()
+				defer x.mu.Unlock()
+				return append([]sink.Effect(nil), x.applied...), nil
+			},
+			ApplyHeader: func(ctx context.Context, h map[string][]string, subject string, data []byte) error {
+				md := map[string]string{}
+				for k, v := range h {
+					md[k] = v[0]
+				}
+				st, _ := leasehold.StampFromHeader(h)
+				return x.handle(ctx, md, sink.Effect{Stamp: st, Subject: subject, Data: data})
+			},
+		}
+	})
+}
+
+// Through a Watermill router: the handler sees the admitted messages only,
+// a stale one is acked (never redelivered) and reported, a barrier raises
+// the fence, and bad metadata is a clear error.
+func TestRouter(t *testing.T) {
+	for _, decorate := range []bool{false, true} {
+		name := "middleware"
+		if decorate {
+			name = "middleware+subscriber"
+		}
+		t.Run(name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			logger := watermill.NopLogger{}
+			pubsub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, logger)
+			defer pubsub.Close()
+			var mu sync.Mutex
+			var seen []string
+			decided := make(chan sink.Decision, 100)
+			f, err := wmsink.New(wmsink.Config{
+				Fence:    sink.NewMemory(sink.MemoryConfig{Logger: quiet()}),
+				Logger:   quiet(),
+				Observer: sink.ObserverFunc(func(_ context.Context, d sink.Decision) { decided <- d }),
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			router, err := message.NewRouter(message.RouterConfig{}, logger)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// The poison queue, outside the fence, moves aside messages
+			// with bad metadata, which would otherwise come back forever.
+			// (Watermill's middleware.PoisonQueue does this in production.)
+			poison := func(h message.HandlerFunc) message.HandlerFunc {
+				return func(msg *message.Message) ([]*message.Message, error) {
+					out, err := h(msg)
+					if errors.Is(err, leasehold.ErrBadStamp) {
+						bad := msg.Copy()
+						bad.Metadata.Set("reason_poisoned", err.Error())
+						return nil, pubsub.Publish("poison", bad)
+					}
+					return out, err
+				}
+			}
+			poisoned, err := pubsub.Subscribe(ctx, "poison")
+			if err != nil {
+				t.Fatal(err)
+			}
+			router.AddMiddleware(poison, f.Middleware)
+			if decorate {
+				router.AddSubscriberDecorators(f.Subscriber())
+			}
+			router.AddConsumerHandler("h", "effects", pubsub, func(msg *message.Message) error {
+				mu.Lock()
+				seen = append(seen, msg.Metadata.Get(leasehold.HeaderKey))
+				mu.Unlock()
+				return nil
+			})
+			done := make(chan error, 1)
+			go func() { done <- router.Run(ctx) }()
+			<-router.Running()
+
+			pub := func(e leasehold.Epoch, key string, barrier bool) {
+				m := message.NewMessage(watermill.NewUUID(), []byte(key))
+				leasehold.Stamp{Partition: 1, Epoch: e, Key: key}.SetMetadata(m.Metadata)
+				if barrier {
+					m.Metadata.Set(leasehold.HeaderBarrier, "1")
+				}
+				if err := pubsub.Publish("effects", m); err != nil {
+					t.Fatal(err)
+				}
+			}
+			wait := func(o sink.Outcome, key string) sink.Decision {
+				t.Helper()
+				for {
+					select {
+					case d := <-decided:
+						if d.Outcome == o && d.Stamp.Key == key {
+							return d
+						}
+					case <-ctx.Done():
+						t.Fatalf("no %s decision for %s", o, key)
+					}
+				}
+			}
+			// gochannel does not keep order between messages: publish
+			// each after the previous one was decided.
+			pub(5, "a", false)
+			wait(sink.Accepted, "a")
+			pub(7, "barrier", true)
+			wait(sink.Advanced, "barrier")
+			pub(5, "zombie", false)
+			d := wait(sink.Stale, "zombie")
+			if !errors.Is(d.Err, leasehold.ErrStaleEpoch) || d.Max != 7 {
+				t.Fatalf("stale decision %+v", d)
+			}
+			pub(7, "b", false)
+			wait(sink.Accepted, "b")
+			bad := message.NewMessage(watermill.NewUUID(), nil)
+			bad.Metadata.Set(leasehold.HeaderPartition, "1")
+			bad.Metadata.Set(leasehold.HeaderEpoch, "007")
+			bad.Metadata.Set(leasehold.HeaderKey, "bad")
+			if err := pubsub.Publish("effects", bad); err != nil {
+				t.Fatal(err)
+			}
+			d = wait(sink.BadStamp, "")
+			if !errors.Is(d.Err, leasehold.ErrBadStamp) {
+				t.Fatalf("bad metadata: %v", d.Err)
+			}
+			select {
+			case m := <-poisoned:
+				m.Ack()
+				if m.UUID != bad.UUID || !strings.Contains(m.Metadata.Get("reason_poisoned"), "Leasehold-Epoch") {
+					t.Fatalf("poisoned message %s, reason %q", m.UUID, m.Metadata.Get("reason_poisoned"))
+				}
+			case <-ctx.Done():
+				t.Fatal("the message with bad metadata did not reach the poison queue")
+			}
+			if err := router.Close(); err != nil {
+				t.Fatal(err)
+			}
+			if err := <-done; err != nil {
+				t.Fatal(err)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if len(seen) != 2 || seen[0] != "a" || seen[1] != "b" {
+				t.Fatalf("the handler saw %v, want [a b]", seen)
+			}
+			if n := f.Dropped(1); n != 1 {
+				t.Fatalf("Dropped(1) = %d, want 1: the stale message was redelivered", n)
+			}
+		})
+	}
+}
