@@ -1,9 +1,12 @@
 package streamsink_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -158,29 +161,76 @@ func (rr *running) waitDone(ctx context.Context) error {
 	}
 }
 
-// NATS restarts under a running runner: it backs off, reconnects and
-// finishes the log.
+// NATS restarts under a running runner, in the middle of the log: it
+// backs off, reconnects and finishes the log.
 func TestNATSRestart(t *testing.T) {
 	srv := natstest.Start(t, natstest.Listen())
 	ctx := ctxFor(t, 2*time.Minute)
 	js := srv.JetStream(t)
-	r := start(t, srv.JetStream(t), streamsink.Config{Prefix: "restart", Batch: 8, AckWait: time.Second, MaxBackoff: 200 * time.Millisecond})
-	h := nats.Header{}
-	leasehold.Stamp{Partition: 0, Epoch: 3, Key: "restart.first"}.SetHeader(h)
-	ack, err := js.PublishMsg(ctx, &nats.Msg{Subject: "restart.out.x", Header: h})
+	logs := &lockedBuffer{retry: make(chan struct{}, 1)}
+	cfg := streamsink.Config{Prefix: "restart", Batch: 4, AckWait: time.Second, MaxBackoff: 200 * time.Millisecond, RequestTimeout: 500 * time.Millisecond,
+		Logger: slog.New(slog.NewTextHandler(logs, nil))}
+	r, err := streamsink.New(ctx, srv.JetStream(t), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := r.WaitPosition(ctx, ack.Sequence); err != nil {
-		t.Fatal(err)
+	want, stale, last := history(t, ctx, js, "restart")
+	// Hold the runner at its fifth batch until the server is down.
+	var batches atomic.Int32
+	reached, resume := make(chan struct{}), make(chan struct{})
+	r.SetHook(func(point string) error {
+		if point == "delivered" && batches.Add(1) == 5 {
+			close(reached)
+			<-resume
+		}
+		return nil
+	})
+	run(t, r)
+	select {
+	case <-reached:
+	case <-ctx.Done():
+		t.Fatal("the runner did not reach its fifth batch")
+	}
+	srv.Shutdown()
+	close(resume) // it now saves progress against a server that is down
+	select {
+	case <-logs.retry:
+	case <-ctx.Done():
+		t.Fatal("the runner did not notice the server was down")
 	}
 	srv.Restart(t)
-	want, stale, last := history(t, ctx, js, "restart")
-	want["restart.first"] = true
 	if err := r.WaitPosition(ctx, last); err != nil {
 		t.Fatal(err)
 	}
 	checkApplied(t, ctx, js, "restart-fenced", want, stale)
+	if !strings.Contains(logs.String(), "save progress") {
+		t.Fatalf("the runner met the outage elsewhere than saving its progress:\n%s", logs.String())
+	}
+}
+
+// lockedBuffer collects log lines and signals the first retry.
+type lockedBuffer struct {
+	mu    sync.Mutex
+	b     bytes.Buffer
+	retry chan struct{}
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if bytes.Contains(p, []byte("retrying")) {
+		select {
+		case l.retry <- struct{}{}:
+		default:
+		}
+	}
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
 
 // With a Handler, accepted effects are handed over in log order and stale
