@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/worker"
@@ -236,4 +237,66 @@ func equal(a, b []uint64) bool {
 		}
 	}
 	return true
+}
+
+// An effect the stream refuses fails its job: the partition is read again
+// from that job (later jobs run again with the same keys, stored once), and
+// after MaxAttempts the job is dead-lettered.
+func TestRefusedEffectFailsTheJob(t *testing.T) {
+	e := newEnv(t, 1)
+	if _, err := e.js.CreateStream(ctxFor(t, 10*time.Second), jetstream.StreamConfig{
+		Name: "small", Subjects: []string{"small.>"}, MaxMsgSize: 64,
+	}); err != nil {
+		t.Fatal(err)
+	}
+	enq := e.enqueue(t, 0, 6)
+	bad := enq[2].Seq
+	var runs log
+	rec := newRecorder()
+	cfg := e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
+		runs.add(j)
+		if j.Seq == bad {
+			if err := j.Publish(ctx, "small.x", make([]byte, 1000)); err != nil {
+				return err
+			}
+		}
+		return j.Emit(ctx, j.Data)
+	}))
+	cfg.MaxAttempts = 3
+	cfg.Observer = rec
+	start(t, cfg)
+	rec.waitFor(t, 30*time.Second, "progress past every job", func() bool {
+		return rec.count(func(ev worker.Event) bool {
+			return ev.Kind == worker.EventProgressCommitted && ev.Seq == enq[5].Seq
+		}) > 0
+	})
+	n := 0
+	for _, r := range runs.all() {
+		if r.Seq == bad {
+			n++
+			if r.Attempt != n {
+				t.Errorf("run %d of the failing job was attempt %d", n, r.Attempt)
+			}
+		}
+	}
+	if n != 3 {
+		t.Fatalf("the job with the refused effect ran %d times, want 3", n)
+	}
+	dlq := readStream(t, e.js, worker.DLQStream(e.prefix))
+	if len(dlq) != 1 || !strings.Contains(dlq[0].Headers().Get(worker.HeaderError), "small.x") || dlq[0].Headers().Get(worker.HeaderAttempts) != "3" {
+		t.Fatalf("dead letters: %d, first %v", len(dlq), dlq)
+	}
+	keys := map[string]bool{}
+	for _, m := range readStream(t, e.js, worker.EffectsStream(e.prefix)) {
+		k := m.Headers().Get(leasehold.HeaderKey)
+		if keys[k] {
+			t.Fatalf("effect %s stored twice", k)
+		}
+		keys[k] = true
+	}
+	for _, q := range enq {
+		if q.Seq != bad && !keys[leasehold.EffectKey(e.prefix, 0, q.Seq, 0)] {
+			t.Errorf("job %d has no effect", q.Seq)
+		}
+	}
 }

@@ -56,6 +56,7 @@ type runner struct {
 // inflight is a handled job whose effects are not all acknowledged.
 type inflight struct {
 	seq   uint64
+	runs  int // attempts run, for a re-run after a failed effect
 	futs  []jetstream.PubAckFuture
 	acked int // futs[:acked] are acknowledged
 	sent  time.Time
@@ -154,6 +155,12 @@ func (r *runner) run() {
 	r.committed = r.lease.Progress()
 	r.finished, r.handled = r.committed, r.committed
 	r.lastCommit = time.Now()
+	select {
+	case <-r.draining:
+		r.end(outDrain) // revoked before it started
+		return
+	default:
+	}
 	if out := r.writeBarriers(); out != 0 {
 		r.end(out)
 		return
@@ -235,15 +242,18 @@ func (r *runner) handle(m jetstream.Msg) outcome {
 	if seq <= r.handled {
 		return 0
 	}
-	futs, out := r.runJob(m, md)
+	futs, runs, out := r.runJob(m, md)
 	if out != 0 {
 		return out
 	}
 	r.handled = seq
 	if len(futs) == 0 && len(r.window) == 0 {
 		r.finished = seq
+		if len(r.retries) > 0 {
+			delete(r.retries, seq)
+		}
 	} else {
-		r.window = append(r.window, inflight{seq: seq, futs: futs, sent: time.Now()})
+		r.window = append(r.window, inflight{seq: seq, runs: runs, futs: futs, sent: time.Now()})
 	}
 	if seq, err := r.reap(r.ctx, len(r.window) >= r.w.cfg.MaxInFlight); err != nil {
 		if r.ctx.Err() != nil {
@@ -255,13 +265,14 @@ func (r *runner) handle(m jetstream.Msg) outcome {
 }
 
 // runJob runs the attempts of one job until it succeeds or is
-// dead-lettered, and returns the publishes to wait for.
-func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream.PubAckFuture, outcome) {
+// dead-lettered, and returns the publishes to wait for and the attempts
+// run.
+func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream.PubAckFuture, int, outcome) {
 	seq := md.Sequence.Stream
 	st := r.retries[seq]
 	for !st.dead {
 		if out := r.acquireSlot(); out != 0 {
-			return nil, out
+			return nil, 0, out
 		}
 		st.runs++
 		job := r.newJob(m, md, st.runs)
@@ -281,20 +292,21 @@ func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream
 		if r.ctx.Err() != nil {
 			// The lease is gone (or the drain ran out of time): the job is
 			// not done, whatever the handler returned.
-			return nil, outLost
+			return nil, 0, outLost
 		}
 		if err == nil {
 			err = effErr
 		}
 		if err == nil {
-			delete(r.retries, seq)
+			// The job's failure count stays until its effects are
+			// acknowledged: an effect can still fail it.
 			r.event(ctx, Event{Kind: EventJobFinished, Job: job, Seq: seq, Attempt: st.runs, Duration: took})
-			return futs, 0
+			return futs, st.runs, 0
 		}
 		if errors.Is(err, leasehold.ErrStaleEpoch) || errors.Is(err, leasehold.ErrLeaseLost) {
 			r.event(ctx, Event{Kind: EventJobFailed, Job: job, Seq: seq, Attempt: st.runs, Err: err, Duration: took})
 			r.log.Error("a sink refused this worker's epoch: another worker has taken the partition over; stopping it", "seq", seq, "err", err)
-			return nil, outStale
+			return nil, 0, outStale
 		}
 		if !effectTransient(err) {
 			st.failures++
@@ -310,11 +322,12 @@ func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream
 		if !st.dead {
 			r.log.Warn("job failed; retrying", "seq", seq, "attempt", st.runs, "backoff", wait, "err", err)
 			if out := r.sleep(wait); out != 0 {
-				return nil, out
+				return nil, 0, out
 			}
 		}
 	}
-	return r.deadLetter(m, md, st)
+	futs, out := r.deadLetter(m, md, st)
+	return futs, st.runs, out
 }
 
 func (r *runner) newJob(m jetstream.Msg, md *jetstream.MsgMetadata, attempt int) *Job {
@@ -432,6 +445,9 @@ func (r *runner) await(ctx context.Context, e *inflight, block bool) (error, boo
 func (r *runner) rewind(seq uint64, err error) outcome {
 	r.fetch.stop()
 	st := r.retries[seq]
+	if len(r.window) > 0 && r.window[0].seq == seq {
+		st.runs = max(st.runs, r.window[0].runs)
+	}
 	if !effectTransient(err) {
 		st.failures++
 		st.dead = st.dead || st.failures >= r.w.cfg.MaxAttempts
@@ -440,9 +456,15 @@ func (r *runner) rewind(seq uint64, err error) outcome {
 	r.retries[seq] = st
 	// Let the other publishes settle, so the re-run starts from a quiet
 	// state; their outcome no longer matters.
+	// The failed publish is the head's next one; those before it were
+	// acknowledged (and their outcome consumed).
 	ctx, cancel := context.WithTimeout(r.ctx, r.w.cfg.EffectTimeout)
 	for i := range r.window {
-		for _, f := range r.window[i].futs {
+		from := r.window[i].acked
+		if i == 0 {
+			from++
+		}
+		for _, f := range r.window[i].futs[min(from, len(r.window[i].futs)):] {
 			select {
 			case <-f.Ok():
 			case <-f.Err():
@@ -453,6 +475,7 @@ func (r *runner) rewind(seq uint64, err error) outcome {
 	cancel()
 	r.window = nil
 	wait := r.w.cfg.Backoff(max(st.runs, 1))
+	r.event(r.ctx, Event{Kind: EventJobFailed, Seq: seq, Attempt: st.runs, Err: err, Backoff: wait})
 	r.log.Warn("an effect was not stored; running the partition again from its job", "seq", seq, "backoff", wait, "err", err)
 	if out := r.sleep(wait); out != 0 {
 		return out
