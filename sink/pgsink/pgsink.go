@@ -9,14 +9,15 @@
 // the check and the write, and a stale effect writes nothing.
 //
 // Most effects carry the epoch already recorded, and for them the sink
-// takes a cheaper path: a FOR KEY SHARE lock on the fence row where
-// epoch = the effect's, feeding the insert. It is atomic because epoch is
-// a key column (a unique index covers (partition, epoch)): every statement
-// that changes it takes the row's exclusive lock, which waits for the
-// shared lock's transaction to end, and a shared lock taken after a change
-// re-reads the row and no longer matches. So an effect written under the
-// shared lock commits before any raise, and none lands after one. A fenced
-// write costs about what a plain upsert does (see BenchmarkFencedVsPlain).
+// takes a cheaper path: a FOR SHARE lock on the fence row where epoch =
+// the effect's, feeding the insert. A raise (the upsert's DO UPDATE, or
+// Advance) needs the row's update lock, which waits for every share lock's
+// transaction to end; and a share lock taken after a raise committed
+// re-reads the row (READ COMMITTED re-checks a locked row's newest
+// version) and no longer matches. So an effect written under the share
+// lock commits before any raise, and none lands after one. Writers of the
+// same epoch share the lock and do not wait for each other. A fenced write
+// costs about what a plain upsert does (see BenchmarkFencedVsPlain).
 //
 // A batch is one transaction.
 //
@@ -112,8 +113,8 @@ type Sink struct {
 	rep      *sink.Reporter
 	check    *sink.EpochCheck
 	sqlOne   string // fence + effect, reporting both outcomes
-	sqlFast  string // shared fence lock + effect, failing on a duplicate key
-	sqlTxKey string // shared fence lock + key, for ApplyTx
+	sqlFast  string // share-locked fence + effect, failing on a duplicate key
+	sqlTxKey string // share-locked fence + key, for ApplyTx
 	sqlFen   string // fence alone
 	pkey     string // the effects table's primary key constraint
 	sqlKey   string // fence + key, for ApplyTx
@@ -139,10 +140,10 @@ func New(cfg Config) (*Sink, error) {
 		t:     t,
 		rep:   sink.NewReporter(sink.ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger}),
 		check: sink.NewEpochCheck(cfg.Verifier),
-		sqlFast: fmt.Sprintf(`WITH f AS (SELECT 1 FROM %s WHERE partition = $1 AND epoch = $2 AND $3::text IS NOT NULL FOR KEY SHARE)
+		sqlFast: fmt.Sprintf(`WITH f AS (SELECT 1 FROM %s WHERE partition = $1 AND epoch = $2 AND $3::text IS NOT NULL FOR SHARE)
 			INSERT INTO %s (key, partition, epoch, subject, data, header)
 			SELECT $4, $1, $2, $5, $6, $7 FROM f`, t.Fence, t.Effects),
-		sqlTxKey: fmt.Sprintf(`WITH f AS (SELECT 1 FROM %s WHERE partition = $1 AND epoch = $2 AND $3::text IS NOT NULL FOR KEY SHARE),
+		sqlTxKey: fmt.Sprintf(`WITH f AS (SELECT 1 FROM %s WHERE partition = $1 AND epoch = $2 AND $3::text IS NOT NULL FOR SHARE),
 			k AS (INSERT INTO %s (key, partition, epoch) SELECT $4, $1, $2 FROM f ON CONFLICT (key) DO NOTHING RETURNING 1)
 			SELECT (SELECT count(*) FROM f), (SELECT count(*) FROM k)`, t.Fence, t.Keys),
 		sqlFen: fence,
@@ -193,8 +194,8 @@ func (s *Sink) Apply(ctx context.Context, effects ...sink.Effect) error {
 	return s.applyBatch(ctx, effects)
 }
 
-// applyOne is the common case: one statement that locks the fence row in
-// share mode where it holds the effect's epoch, and inserts the effect.
+// applyOne is the common case: one statement that share-locks the fence
+// row where it holds the effect's epoch, and inserts the effect.
 // Its insert has no ON CONFLICT clause, so that the command tag alone says
 // what happened: one row is an applied effect; no row means the fence does
 // not hold this epoch (none yet, a lower one to raise, or a higher one);

@@ -256,3 +256,56 @@ func TestPostgresRestart(t *testing.T) {
 		t.Fatalf("%d rows, %d distinct keys, want %d of each", n, distinct, total)
 	}
 }
+
+// A raise waits for a transaction writing under the current epoch: the
+// take-over's Advance blocks on the fence row until the former holder's
+// ApplyTx commits, so the former holder's writes land before the raise and
+// never after it.
+func TestRaiseWaitsForWriter(t *testing.T) {
+	srv := pgtest.Start(t)
+	db := pool(t, srv.DSN())
+	ctx := ctxFor(t, time.Minute)
+	s := newSink(t, db, pgsink.Config{Prefix: "wait_"})
+	if err := s.Advance(ctx, 5, 10); err != nil {
+		t.Fatal(err)
+	}
+	inside, release := make(chan struct{}), make(chan struct{})
+	txDone := make(chan error, 1)
+	go func() {
+		txDone <- s.ApplyTx(ctx, leasehold.Stamp{Partition: 5, Epoch: 10, Key: "slow"}, func(ctx context.Context, tx pgx.Tx) error {
+			close(inside)
+			<-release
+			return nil
+		})
+	}()
+	<-inside
+	advDone := make(chan error, 1)
+	go func() { advDone <- s.Advance(ctx, 5, 11) }()
+	// Wait until PostgreSQL reports a session waiting for a lock.
+	for {
+		var waiting int
+		if err := db.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'").Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if waiting > 0 {
+			break
+		}
+		select {
+		case err := <-advDone:
+			t.Fatalf("Advance returned (%v) while a writer under the previous epoch held the fence", err)
+		case <-ctx.Done():
+			t.Fatal("Advance never waited for the fence row")
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	close(release)
+	if err := <-txDone; err != nil {
+		t.Fatal(err)
+	}
+	if err := <-advDone; err != nil {
+		t.Fatal(err)
+	}
+	if m, _ := s.MaxEpoch(ctx, 5); m != 11 {
+		t.Fatalf("max %d, want 11", m)
+	}
+}

@@ -46,8 +46,6 @@ CREATE TABLE IF NOT EXISTS %[1]s (
 	holder     text        NOT NULL DEFAULT '',
 	updated_at timestamptz NOT NULL DEFAULT now()
 );
--- Makes epoch a key column: see the package comment.
-CREATE UNIQUE INDEX IF NOT EXISTS %[4]s ON %[1]s (partition, epoch);
 CREATE TABLE IF NOT EXISTS %[2]s (
 	key        text        PRIMARY KEY,
 	partition  integer     NOT NULL,
@@ -62,7 +60,7 @@ CREATE TABLE IF NOT EXISTS %[3]s (
 	partition  integer     NOT NULL,
 	epoch      bigint      NOT NULL,
 	applied_at timestamptz NOT NULL DEFAULT now()
-);`, t.Fence, t.Effects, t.Keys, pgx.Identifier{cfg.Prefix + "fence_epoch_key"}.Sanitize())
+);`, t.Fence, t.Effects, t.Keys)
 	// Concurrent CREATE ... IF NOT EXISTS can still collide in the
 	// catalog; a transaction-level advisory lock serialises them.
 	tx, err := db.Begin(ctx)
