@@ -257,43 +257,54 @@ func (l *log) all() []handled {
 	return append([]handled(nil), l.runs...)
 }
 
-// effects reads every message on the output stream.
+// readStream reads every message of a stream.
 func readStream(t testing.TB, js jetstream.JetStream, stream string) []jetstream.Msg {
 	t.Helper()
-	ctx := ctxFor(t, time.Minute)
-	s, err := js.Stream(ctx, stream)
+	out, err := tryReadStream(js, stream)
 	if err != nil {
 		t.Fatal(err)
+	}
+	return out
+}
+
+// tryReadStream is readStream for conditions that may run while the
+// server is failing over.
+func tryReadStream(js jetstream.JetStream, stream string) ([]jetstream.Msg, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	s, err := js.Stream(ctx, stream)
+	if err != nil {
+		return nil, err
 	}
 	info, err := s.Info(ctx)
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	want := info.State.Msgs
 	if want == 0 {
-		return nil
+		return nil, nil
 	}
 	c, err := js.OrderedConsumer(ctx, stream, jetstream.OrderedConsumerConfig{})
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	out := make([]jetstream.Msg, 0, want)
 	for uint64(len(out)) < want {
 		batch, err := c.Fetch(int(min(want-uint64(len(out)), 1000)), jetstream.FetchMaxWait(2*time.Second))
 		if err != nil {
-			t.Fatal(err)
+			return nil, err
 		}
 		for m := range batch.Messages() {
 			out = append(out, m)
 		}
 		if err := batch.Error(); err != nil {
-			t.Fatal(err)
+			return nil, err
 		}
 		if ctx.Err() != nil {
-			t.Fatalf("read %d of %d messages of %s", len(out), want, stream)
+			return nil, fmt.Errorf("read %d of %d messages of %s", len(out), want, stream)
 		}
 	}
-	return out
+	return out, nil
 }
 
 func stampOf(t testing.TB, m jetstream.Msg) leasehold.Stamp {

@@ -187,17 +187,33 @@ func (p *Producer) message(ctx context.Context, part leasehold.Partition, data [
 	return msg, nil
 }
 
+// check reads the stream's partition count once, retrying a request that
+// got no answer (a node failing over, a connection reconnecting).
 func (p *Producer) check(ctx context.Context) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.checked {
 		return nil
 	}
-	if err := streamPartitions(ctx, p.js, p.cfg.Prefix, p.cfg.Partitions); err != nil {
-		return err
+	var err error
+	for attempt := 0; attempt <= p.cfg.Retries; attempt++ {
+		if attempt > 0 {
+			if serr := sleep(ctx, p.retryWait(attempt)); serr != nil {
+				return fmt.Errorf("%w (last error: %v)", serr, err)
+			}
+		}
+		cctx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
+		err = streamPartitions(cctx, p.js, p.cfg.Prefix, p.cfg.Partitions)
+		cancel()
+		if err == nil {
+			p.checked = true
+			return nil
+		}
+		if ctx.Err() != nil || !transientPublish(err) {
+			return err
+		}
 	}
-	p.checked = true
-	return nil
+	return err
 }
 
 func validID(id string) error {

@@ -2,11 +2,15 @@ package worker_test
 
 import (
 	"context"
+	"fmt"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -52,7 +56,8 @@ func TestNATSRestartLosesNothing(t *testing.T) {
 		return true
 	})
 	rec.waitFor(t, time.Minute, "every effect to be stored", func() bool {
-		return len(effectKeys(t, e.js, e.prefix)) >= len(want)
+		got, err := tryEffectKeys(e.js, e.prefix)
+		return err == nil && len(got) >= len(want)
 	})
 	got := effectKeys(t, e.js, e.prefix)
 	for k := range want {
@@ -67,13 +72,35 @@ func TestNATSRestartLosesNothing(t *testing.T) {
 // effectKeys returns the (partition, job sequence) of every effect stored.
 func effectKeys(t testing.TB, js jetstream.JetStream, prefix string) map[[2]uint64]bool {
 	t.Helper()
+	out, err := tryEffectKeys(js, prefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// tryEffectKeys is effectKeys for conditions that may run while the server
+// is failing over.
+func tryEffectKeys(js jetstream.JetStream, prefix string) (map[[2]uint64]bool, error) {
+	msgs, err := tryReadStream(js, worker.EffectsStream(prefix))
+	if err != nil {
+		return nil, err
+	}
 	out := map[[2]uint64]bool{}
-	for _, m := range readStream(t, js, worker.EffectsStream(prefix)) {
+	for _, m := range msgs {
 		if isBarrier(m) {
 			continue
 		}
-		s := stampOf(t, m)
-		out[[2]uint64{uint64(s.Partition), seqOfKey(t, prefix, s)}] = true
+		s, err := leasehold.StampFromHeader(m.Headers())
+		if err != nil {
+			return nil, err
+		}
+		parts := strings.Split(s.Key, ".")
+		seq, err := strconv.ParseUint(parts[len(parts)-2], 10, 64)
+		if err != nil {
+			return nil, fmt.Errorf("effect key %q: %w", s.Key, err)
+		}
+		out[[2]uint64{uint64(s.Partition), seq}] = true
 	}
-	return out
+	return out, nil
 }
