@@ -26,6 +26,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sort"
 	"strings"
 	"sync"
 	"time"
@@ -228,18 +229,25 @@ func (s *Sink) Get(ctx context.Context, subject string) (sink.Effect, bool, erro
 }
 
 // Effects reads every applied effect in the bucket. It is meant for
-// tests and tools; it reads one key at a time.
+// tests and tools: it lists the keys through the stream leader (a KV key
+// listing may be served by a replica that is behind) and reads them one at
+// a time.
 func (s *Sink) Effects(ctx context.Context) ([]sink.Effect, error) {
-	lister, err := s.kv.ListKeys(ctx)
+	str, err := s.js.Stream(ctx, s.stream)
+	if err != nil {
+		return nil, fmt.Errorf("kvsink: list keys: %w", err)
+	}
+	info, err := str.Info(ctx, jetstream.WithSubjectFilter(s.prefix+">"))
 	if err != nil {
 		return nil, fmt.Errorf("kvsink: list keys: %w", err)
 	}
 	var keys []string
-	for k := range lister.Keys() {
-		if !strings.HasPrefix(k, internalPrefix) {
+	for subj := range info.State.Subjects {
+		if k := strings.TrimPrefix(subj, s.prefix); !strings.HasPrefix(k, internalPrefix) {
 			keys = append(keys, k)
 		}
 	}
+	sort.Strings(keys)
 	var out []sink.Effect
 	for _, k := range keys {
 		e, ok, err := s.Get(ctx, k)
