@@ -68,7 +68,11 @@ func (f *fetcher) run(ctx context.Context, from uint64) {
 		if err != nil {
 			if ctx.Err() == nil {
 				failures++
-				f.r.log.Debug("create job consumer failed; retrying", "from", next, "err", err)
+				log := f.r.log.Debug
+				if failures%20 == 5 {
+					log = f.r.log.Warn // not a blip: say so, now and then
+				}
+				log("create job consumer failed; retrying", "from", next, "attempt", failures, "err", err)
 			}
 			continue
 		}

@@ -60,7 +60,7 @@ type Event struct {
 	Kind    EventKind
 	Lease   leasehold.Lease // the partition's lease
 	Job     *Job            // job and effect events
-	Seq     uint64          // the job's sequence; for Ready and commits, the progress
+	Seq     uint64          // the job's sequence; for partition and commit events, the progress
 	Attempt int
 	Stamp   leasehold.Stamp // effects and barriers
 	Subject string          // effects and barriers; for fences, "fence"
