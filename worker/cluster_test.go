@@ -29,7 +29,7 @@ func TestClusterLeaderKill(t *testing.T) {
 		t.Fatal(err)
 	}
 	e := &env{js: js, bucket: b, prefix: "jobs", n: n}
-	var runs log
+	var runs runLog
 	rec := newRecorder()
 	h := worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
 		runs.add(j)

@@ -22,7 +22,7 @@ func TestPanicCountsAsFailedAttempt(t *testing.T) {
 	e := newEnv(t, 1)
 	enq := e.enqueue(t, 0, 5)
 	target := enq[2].Seq
-	var runs log
+	var runs runLog
 	rec := newRecorder()
 	cfg := e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
 		runs.add(j)
@@ -196,7 +196,7 @@ func TestStaleEpochStopsThePartition(t *testing.T) {
 	e := newEnv(t, 1)
 	enq := e.enqueue(t, 0, 3)
 	var refused atomic.Bool
-	var runs log
+	var runs runLog
 	rec := newRecorder()
 	cfg := e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
 		runs.add(j)
@@ -251,7 +251,7 @@ func TestRefusedEffectFailsTheJob(t *testing.T) {
 	}
 	enq := e.enqueue(t, 0, 6)
 	bad := enq[2].Seq
-	var runs log
+	var runs runLog
 	rec := newRecorder()
 	cfg := e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
 		runs.add(j)

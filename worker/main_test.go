@@ -238,20 +238,20 @@ type handled struct {
 	Data    string
 }
 
-type log struct {
+type runLog struct {
 	mu   sync.Mutex
 	runs []handled
 	n    atomic.Int64
 }
 
-func (l *log) add(j *worker.Job) {
+func (l *runLog) add(j *worker.Job) {
 	l.mu.Lock()
 	l.runs = append(l.runs, handled{j.Lease.Holder, j.Partition, j.Seq, j.Lease.Epoch, j.Attempt, string(j.Data)})
 	l.mu.Unlock()
 	l.n.Add(1)
 }
 
-func (l *log) all() []handled {
+func (l *runLog) all() []handled {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return append([]handled(nil), l.runs...)

@@ -22,7 +22,7 @@ func TestTenThousandJobsWhileWorkersComeAndGo(t *testing.T) {
 		total = 10000
 	)
 	e := newEnv(t, n)
-	var runs log
+	var runs runLog
 	rec := newRecorder()
 	h := worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
 		runs.add(j)

@@ -20,7 +20,7 @@ import (
 func TestNATSRestartLosesNothing(t *testing.T) {
 	const n = 4
 	e := newEnv(t, n, natstestListen()...)
-	var runs log
+	var runs runLog
 	rec := newRecorder()
 	h := worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
 		runs.add(j)

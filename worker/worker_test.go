@@ -12,7 +12,7 @@ import (
 // one stamped effect.
 func TestWorkerHandlesEveryJobInOrder(t *testing.T) {
 	e := newEnv(t, 4)
-	var runs log
+	var runs runLog
 	rec := newRecorder()
 	cfg := e.config("w1", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
 		runs.add(j)

@@ -48,7 +48,7 @@ func TestZombieCannotSkipWork(t *testing.T) {
 		release  = make(chan struct{})
 		mu       sync.Mutex
 		zombie   struct{ ctxErr, emitErr, rawErr error }
-		runsB    log
+		runsB    runLog
 		recA     = newRecorder()
 		recB     = newRecorder()
 		stampOld leasehold.Stamp
