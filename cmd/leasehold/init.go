@@ -1,12 +1,20 @@
 package main
 
 import (
+	"context"
+	"encoding/json"
 	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strings"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/spf13/cobra"
 
 	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/worker"
 )
 
 func newInit() *cobra.Command {
@@ -15,11 +23,19 @@ func newInit() *cobra.Command {
 		partitions int
 		replicas   int
 		markerTTL  time.Duration
+		monitor    string
 	)
 	cmd := &cobra.Command{
 		Use:   "init",
 		Short: "Provision the lease bucket and streams on a NATS server",
-		Args:  cobra.NoArgs,
+		Long: `init creates (or checks) everything a deployment needs, with the recommended
+settings: the lease bucket (per-key TTLs, history 1, file storage, an epoch
+floor), the job stream <prefix>-jobs on <prefix>.jobs.<partition>, the
+dead-letter stream <prefix>-dlq and the effect log <prefix>-effects. Running it
+again is safe: existing resources are checked, and a mismatch is reported with
+what to change. It also reads the servers' settings and says which ones a
+production deployment lacks (sync_interval: always, replicas).`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
 			nc, js, err := conn.connect(ctx, "leasehold init")
@@ -32,7 +48,15 @@ func newInit() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			fmt.Fprintf(out, "lease bucket %s: ready (%d replicas)\n", b.Name(), replicas)
+			fmt.Fprintf(out, "lease bucket %s: ready\n", b.Name())
+			if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: conn.prefix, Partitions: partitions, Replicas: replicas}); err != nil {
+				return err
+			}
+			fmt.Fprintf(out, "streams %s, %s and %s: ready (%d partitions, %d replicas)\n",
+				worker.JobsStream(conn.prefix), worker.DLQStream(conn.prefix), worker.EffectsStream(conn.prefix), partitions, replicas)
+			for _, w := range serverAdvice(ctx, nc, monitor, replicas) {
+				fmt.Fprintln(out, "note:", w)
+			}
 			return nil
 		},
 	}
@@ -40,5 +64,89 @@ func newInit() *cobra.Command {
 	cmd.Flags().IntVar(&partitions, "partitions", 16, "partitions of the job stream")
 	cmd.Flags().IntVar(&replicas, "replicas", 1, "replicas of every stream and of the lease bucket (3 in production)")
 	cmd.Flags().DurationVar(&markerTTL, "marker-ttl", time.Minute, "how long release and expiry markers stay in the lease bucket")
+	cmd.Flags().StringVar(&monitor, "monitor", "", "NATS monitoring URL to read server settings from (default: the server's host, port 8222)")
 	return cmd
+}
+
+// varz is the part of a server's /varz that init reads.
+type varz struct {
+	Name      string `json:"server_name"`
+	JetStream struct {
+		Config *struct {
+			SyncInterval time.Duration `json:"sync_interval"`
+			SyncAlways   bool          `json:"sync_always"`
+		} `json:"config"`
+	} `json:"jetstream"`
+}
+
+// serverAdvice reads every server's settings, through the system account
+// when this user may, else from the monitoring port, and returns what a
+// production deployment should change.
+func serverAdvice(ctx context.Context, nc *nats.Conn, monitor string, replicas int) []string {
+	servers, how := readVarz(ctx, nc, monitor)
+	if len(servers) == 0 {
+		return []string{"could not read the servers' settings (" + how + "); make sure every server runs JetStream with `sync_interval: always`, or acknowledged writes can be lost on power failure"}
+	}
+	var notes []string
+	for _, v := range servers {
+		if c := v.JetStream.Config; c != nil && !c.SyncAlways {
+			notes = append(notes, fmt.Sprintf("server %s syncs to disk every %v but acknowledges writes at once: a power failure can lose acknowledged leases, jobs and effects; set `jetstream { sync_interval: always }`", v.Name, c.SyncInterval))
+		}
+	}
+	if replicas < 3 {
+		notes = append(notes, fmt.Sprintf("replicas is %d: a lost disk loses the lease bucket and the streams; use --replicas 3 on a 3-node cluster in production", replicas))
+	}
+	return notes
+}
+
+func readVarz(ctx context.Context, nc *nats.Conn, monitor string) ([]varz, string) {
+	// The system account answers for every server in the cluster.
+	inbox := nats.NewInbox()
+	sub, err := nc.SubscribeSync(inbox)
+	if err == nil {
+		defer sub.Unsubscribe()
+		if err = nc.PublishRequest("$SYS.REQ.SERVER.PING.VARZ", inbox, nil); err == nil {
+			var out []varz
+			deadline := time.Now().Add(500 * time.Millisecond)
+			for {
+				msg, err := sub.NextMsg(time.Until(deadline))
+				if err != nil {
+					break
+				}
+				var resp struct {
+					Data varz `json:"data"`
+				}
+				if json.Unmarshal(msg.Data, &resp) == nil && resp.Data.Name != "" {
+					out = append(out, resp.Data)
+				}
+			}
+			if len(out) > 0 {
+				return out, ""
+			}
+		}
+	}
+	if monitor == "" {
+		u, err := url.Parse(nc.ConnectedUrl())
+		if err != nil || u.Hostname() == "" {
+			return nil, "no system account access and no monitoring URL"
+		}
+		monitor = "http://" + u.Hostname() + ":8222"
+	}
+	rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(rctx, http.MethodGet, strings.TrimSuffix(monitor, "/")+"/varz", nil)
+	if err != nil {
+		return nil, err.Error()
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return nil, "no system account access, and " + monitor + " does not answer; pass --monitor"
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	var v varz
+	if err := json.Unmarshal(body, &v); err != nil || v.Name == "" {
+		return nil, monitor + "/varz is not a NATS monitoring endpoint"
+	}
+	return []varz{v}, ""
 }

@@ -1,0 +1,119 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/history"
+	"github.com/leasehold/leasehold/worker"
+)
+
+// exampleEffect is what the example handler writes for each job.
+type exampleEffect struct {
+	Job       string `json:"job"`
+	Partition uint32 `json:"partition"`
+	Seq       uint64 `json:"seq"`
+	Worker    string `json:"worker"`
+	Epoch     uint64 `json:"epoch"`
+	Input     string `json:"input"`
+}
+
+// exampleHandler is the handler `leasehold worker` runs: it spends
+// workTime on each job and emits one effect to the partition's default
+// output, where `leasehold sink` picks it up.
+//
+// With writeBehind it takes its stamp before the work and publishes the
+// effect itself afterwards, as code that does its own I/O with a stamp it
+// took earlier does. A process paused during the work wakes up and writes
+// with its old epoch before it can notice the lease is gone: that is the
+// zombie write the sinks exist to refuse, and the demo and the chaos
+// harness use this mode to make one.
+type exampleHandler struct {
+	js          jetstream.JetStream
+	prefix      string
+	workTime    time.Duration
+	writeBehind bool
+	hist        *history.Writer
+}
+
+func (h *exampleHandler) Handle(ctx context.Context, job *worker.Job) error {
+	if !h.writeBehind {
+		if err := h.work(ctx); err != nil {
+			return err
+		}
+		return job.Emit(ctx, h.effect(job, job.Lease.Epoch))
+	}
+	stamp, err := job.NextStamp()
+	if err != nil {
+		return err
+	}
+	_ = h.work(ctx) // a paused process does not see its context end
+	msg := nats.NewMsg(worker.OutputSubject(h.prefix, job.Partition))
+	stamp.SetHeader(msg.Header)
+	msg.Data = h.effect(job, stamp.Epoch)
+	h.hist.Record(history.Event{Kind: history.Effect, Partition: uint32(stamp.Partition), Epoch: uint64(stamp.Epoch), Key: stamp.Key, Seq: job.Seq})
+	pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	if _, err := h.js.PublishMsg(pctx, msg, jetstream.WithMsgID(stamp.Key)); err != nil {
+		return fmt.Errorf("publish effect %s: %w", stamp.Key, err)
+	}
+	return nil
+}
+
+func (h *exampleHandler) work(ctx context.Context) error {
+	if h.workTime <= 0 {
+		return nil
+	}
+	select {
+	case <-time.After(h.workTime):
+		return nil
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	}
+}
+
+func (h *exampleHandler) effect(job *worker.Job, e leasehold.Epoch) []byte {
+	b, _ := json.Marshal(exampleEffect{
+		Job:       job.ID,
+		Partition: uint32(job.Partition),
+		Seq:       job.Seq,
+		Worker:    job.Lease.Holder,
+		Epoch:     uint64(e),
+		Input:     string(job.Data),
+	})
+	return b
+}
+
+// historyObserver records worker events for the chaos checker.
+func historyObserver(w *history.Writer) worker.Observer {
+	return worker.ObserverFunc(func(_ context.Context, e worker.Event) {
+		ev := history.Event{Partition: uint32(e.Lease.Partition), Epoch: uint64(e.Lease.Epoch), Time: e.Time}
+		switch e.Kind {
+		case worker.EventPartitionAcquired:
+			ev.Kind = history.Acquire
+		case worker.EventPartitionLost:
+			ev.Kind = history.Lose
+			if e.Err != nil {
+				ev.Reason = e.Err.Error()
+			}
+		case worker.EventPartitionDrained:
+			ev.Kind = history.Release
+		case worker.EventEffectEmitted:
+			ev.Kind, ev.Key, ev.Epoch = history.Effect, e.Stamp.Key, uint64(e.Stamp.Epoch)
+			if e.Job != nil {
+				ev.Seq = e.Job.Seq
+			}
+		case worker.EventProgressCommitted:
+			ev.Kind, ev.Seq = history.Commit, e.Seq
+		default:
+			return
+		}
+		w.Record(ev)
+	})
+}

@@ -1,0 +1,221 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/spf13/cobra"
+
+	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/internal/history"
+	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/sink/kvsink"
+	"github.com/leasehold/leasehold/sink/pgsink"
+	"github.com/leasehold/leasehold/sink/streamsink"
+	"github.com/leasehold/leasehold/telemetry"
+)
+
+type sinkFlags struct {
+	conn         natsFlags
+	kind         string
+	postgresURL  string
+	kvBucket     string
+	downstream   string
+	verifyEpochs bool
+	httpAddr     string
+	historyDir   string
+	name         string
+	logLevel     string
+}
+
+func newSinkCmd() *cobra.Command {
+	var f sinkFlags
+	cmd := &cobra.Command{
+		Use:   "sink",
+		Short: "Run a sink runner: apply the workers' effects under the fence",
+		Long: `sink consumes the effect log (<prefix>-effects, on <prefix>.out.>) in order with a
+durable consumer, refuses every effect whose epoch is below its partition's
+recorded maximum (barriers raise it at the moment of take-over), and applies the
+rest to a KV bucket (--kind kv), a PostgreSQL database (--kind postgres) or a
+downstream stream (--kind stream). Refused effects are terminated, counted,
+logged and traced. Its progress is crash-safe: a runner killed at any point
+resumes with nothing applied twice or lost. Run one runner per effect log.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error { return runSink(cmd.Context(), f) },
+	}
+	fs := cmd.Flags()
+	f.conn.register(fs)
+	fs.StringVar(&f.kind, "kind", "kv", "where accepted effects go: kv, postgres or stream")
+	fs.StringVar(&f.postgresURL, "postgres-url", "", "PostgreSQL connection URL for --kind postgres (env DATABASE_URL too)")
+	fs.StringVar(&f.kvBucket, "kv-bucket", "leasehold-sink", "KV bucket for --kind kv")
+	fs.StringVar(&f.downstream, "downstream", "", "stream accepted effects are republished into, for --kind stream (default <prefix>-fenced)")
+	fs.BoolVar(&f.verifyEpochs, "verify-epochs", false, "check every new epoch against the lease bucket before it may raise a fence (refuses forged epochs)")
+	fs.StringVar(&f.httpAddr, "http", ":8081", "address for /metrics, /livez and /readyz ('' to serve nothing)")
+	fs.StringVar(&f.historyDir, "history", "", "directory to append this process's decision history to (for the chaos checker)")
+	fs.StringVar(&f.name, "name", "sink", "name of this runner in logs, history and its durable consumer")
+	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
+	_ = fs.MarkHidden("history")
+	return cmd
+}
+
+// applier applies accepted effects to the chosen destination.
+type applier struct {
+	apply func(ctx context.Context, e sink.Effect) error
+	ready telemetry.ReadyFunc
+	close func()
+}
+
+func runSink(ctx context.Context, f sinkFlags) error {
+	log, err := newLogger(f.logLevel)
+	if err != nil {
+		return err
+	}
+	if f.postgresURL == "" {
+		f.postgresURL = os.Getenv("DATABASE_URL")
+	}
+	nc, js, err := f.conn.connect(ctx, "leasehold sink "+f.name)
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	var hist *history.Writer
+	if f.historyDir != "" {
+		if hist, err = history.Create(f.historyDir, f.name); err != nil {
+			return err
+		}
+		defer hist.Close()
+	}
+	observers := sink.Observers{}
+	if hist != nil {
+		observers = append(observers, historyDecisions(hist))
+	}
+	cfg := streamsink.Config{
+		Prefix:   f.conn.prefix,
+		Consumer: f.conn.prefix + "-" + f.name,
+		Name:     f.name,
+		Observer: observers,
+		Logger:   log,
+	}
+	if f.verifyEpochs {
+		b, err := coordinator.OpenBucket(ctx, js, f.conn.bucket)
+		if err != nil {
+			return fmt.Errorf("--verify-epochs needs the lease bucket: %w", err)
+		}
+		cfg.Verifier = b
+	}
+	checks := []telemetry.ReadyFunc{telemetry.NATSReady(nc, js)}
+	switch f.kind {
+	case "stream":
+		cfg.Downstream = f.downstream
+	case "kv", "postgres":
+		a, err := newApplier(ctx, js, f, log)
+		if err != nil {
+			return err
+		}
+		defer a.close()
+		cfg.Handler = a.apply
+		if a.ready != nil {
+			checks = append(checks, a.ready)
+		}
+	default:
+		return fmt.Errorf("--kind %q: use kv, postgres or stream", f.kind)
+	}
+	r, err := streamsink.New(ctx, js, cfg)
+	if err != nil {
+		return err
+	}
+	mp, metrics, err := telemetry.NewPrometheus()
+	if err != nil {
+		return err
+	}
+	defer mp.Shutdown(context.Background())
+	httpCtx, stopHTTP := context.WithCancel(context.Background())
+	wait, err := serveHTTP(httpCtx, f.httpAddr, telemetry.Mux(metrics, checks...), log)
+	if err != nil {
+		stopHTTP()
+		return err
+	}
+	defer wait()
+	defer stopHTTP()
+	log.Info("sink starting", "kind", f.kind, "name", f.name, "prefix", f.conn.prefix, "verify_epochs", f.verifyEpochs)
+	if err := r.Run(ctx); err != nil && ctx.Err() == nil {
+		return fmt.Errorf("sink %s: %w", f.name, err)
+	}
+	log.Info("sink stopped", "name", f.name, "position", r.Position())
+	return nil
+}
+
+func newApplier(ctx context.Context, js jetstream.JetStream, f sinkFlags, log *slog.Logger) (*applier, error) {
+	switch f.kind {
+	case "kv":
+		s, err := kvsink.New(ctx, js, kvsink.Config{Bucket: f.kvBucket, Name: f.name, Logger: log})
+		if err != nil {
+			return nil, err
+		}
+		// The runner has fenced the effect in log order; the KV sink keys
+		// it by its idempotency key, so a redelivery is applied once.
+		return &applier{
+			apply: func(ctx context.Context, e sink.Effect) error {
+				e.Subject = e.Stamp.Key
+				return s.Apply(ctx, e)
+			},
+			close: func() {},
+		}, nil
+	case "postgres":
+		if f.postgresURL == "" {
+			return nil, fmt.Errorf("--kind postgres needs --postgres-url or DATABASE_URL (for example postgres://user:pass@host:5432/db)")
+		}
+		pool, err := pgxpool.New(ctx, f.postgresURL)
+		if err != nil {
+			return nil, fmt.Errorf("--postgres-url: %w", err)
+		}
+		pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		if err := pool.Ping(pctx); err != nil {
+			pool.Close()
+			return nil, fmt.Errorf("PostgreSQL does not answer: %w (check --postgres-url)", err)
+		}
+		pcfg := pgsink.Config{DB: pool, Name: f.name, Logger: log}
+		if err := pgsink.CreateSchema(pctx, pool, pcfg); err != nil {
+			pool.Close()
+			return nil, err
+		}
+		s, err := pgsink.New(pcfg)
+		if err != nil {
+			pool.Close()
+			return nil, err
+		}
+		return &applier{
+			apply: func(ctx context.Context, e sink.Effect) error { return s.Apply(ctx, e) },
+			ready: func(ctx context.Context) error {
+				if err := pool.Ping(ctx); err != nil {
+					return fmt.Errorf("PostgreSQL does not answer: %w", err)
+				}
+				return nil
+			},
+			close: pool.Close,
+		}, nil
+	}
+	return nil, fmt.Errorf("--kind %q: use kv, postgres or stream", f.kind)
+}
+
+// historyDecisions records sink decisions for the chaos checker.
+func historyDecisions(w *history.Writer) sink.Observer {
+	return sink.ObserverFunc(func(_ context.Context, d sink.Decision) {
+		w.Record(history.Event{
+			Kind:      history.Decision,
+			Partition: uint32(d.Stamp.Partition),
+			Epoch:     uint64(d.Stamp.Epoch),
+			Key:       d.Stamp.Key,
+			Outcome:   d.Outcome.String(),
+			Max:       uint64(d.Max),
+			Holder:    d.Holder,
+			Position:  d.Position,
+		})
+	})
+}

@@ -1,0 +1,141 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/internal/history"
+	"github.com/leasehold/leasehold/telemetry"
+	"github.com/leasehold/leasehold/worker"
+)
+
+type workerFlags struct {
+	conn         natsFlags
+	partitions   int
+	id           string
+	ttl          time.Duration
+	drainTimeout time.Duration
+	concurrency  int
+	httpAddr     string
+	workTime     time.Duration
+	writeBehind  bool
+	historyDir   string
+	logLevel     string
+}
+
+func newWorkerCmd() *cobra.Command {
+	var f workerFlags
+	cmd := &cobra.Command{
+		Use:   "worker",
+		Short: "Run a worker with the example handler against a NATS server",
+		Long: `worker joins the worker group in the lease bucket, takes its share of the job
+stream's partitions and runs the example handler on each job: it emits one
+stamped effect per job to <prefix>.out.<partition>, which ` + "`leasehold sink`" + ` applies.
+It serves /metrics, /livez and /readyz on --http, and on SIGTERM stops taking
+jobs, finishes what it has, commits progress and releases its partitions
+within --drain-timeout. Run ` + "`leasehold init`" + ` once first.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error { return runWorker(cmd.Context(), f) },
+	}
+	fs := cmd.Flags()
+	f.conn.register(fs)
+	fs.IntVar(&f.partitions, "partitions", 16, "partitions of the job stream (as given to leasehold init)")
+	fs.StringVar(&f.id, "worker-id", "", "this worker's ID, unique among live workers (default: the host name); in Kubernetes pass the pod name")
+	fs.DurationVar(&f.ttl, "ttl", 10*time.Second, "lease TTL: how long a crashed worker's partitions wait before others take them (whole seconds)")
+	fs.DurationVar(&f.drainTimeout, "drain-timeout", 20*time.Second, "how long a shutdown may take to finish in-flight jobs and release partitions")
+	fs.IntVar(&f.concurrency, "concurrency", 0, "handlers running at once across partitions (0: one per held partition)")
+	fs.StringVar(&f.httpAddr, "http", ":8080", "address for /metrics, /livez and /readyz ('' to serve nothing)")
+	fs.DurationVar(&f.workTime, "work-time", 0, "time the example handler spends on each job")
+	fs.BoolVar(&f.writeBehind, "write-behind", false, "example handler takes its stamp before the work and publishes afterwards (makes zombie writes when paused)")
+	fs.StringVar(&f.historyDir, "history", "", "directory to append this process's event history to (for the chaos checker)")
+	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
+	_ = fs.MarkHidden("history")
+	return cmd
+}
+
+func runWorker(ctx context.Context, f workerFlags) error {
+	log, err := newLogger(f.logLevel)
+	if err != nil {
+		return err
+	}
+	if f.id == "" {
+		host, _ := os.Hostname()
+		f.id = sanitize(host)
+	}
+	nc, js, err := f.conn.connect(ctx, "leasehold worker "+f.id)
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	bucket, err := coordinator.OpenBucket(ctx, js, f.conn.bucket)
+	if err != nil {
+		return err
+	}
+	var hist *history.Writer
+	if f.historyDir != "" {
+		if hist, err = history.Create(f.historyDir, f.id); err != nil {
+			return err
+		}
+		defer hist.Close()
+	}
+
+	mp, metrics, err := telemetry.NewPrometheus()
+	if err != nil {
+		return err
+	}
+	defer mp.Shutdown(context.Background())
+	tel := telemetry.New(telemetry.Config{MeterProvider: mp})
+
+	var observer worker.Observer
+	if hist != nil {
+		observer = historyObserver(hist)
+	}
+	w, err := worker.New(worker.Config{
+		JetStream:  js,
+		Prefix:     f.conn.prefix,
+		Partitions: f.partitions,
+		Bucket:     bucket,
+		Handler:    &exampleHandler{js: js, prefix: f.conn.prefix, workTime: f.workTime, writeBehind: f.writeBehind, hist: hist},
+		Coordinator: coordinator.Config{
+			Worker:          f.id,
+			TTL:             f.ttl,
+			ShutdownTimeout: f.drainTimeout,
+			Logger:          log,
+			Observer:        tel.LeaseObserver(),
+		},
+		MaxConcurrency: f.concurrency,
+		Logger:         log,
+		Observer:       observer,
+	})
+	if err != nil {
+		return err
+	}
+	httpCtx, stopHTTP := context.WithCancel(context.Background())
+	wait, err := serveHTTP(httpCtx, f.httpAddr, telemetry.Mux(metrics, telemetry.NATSReady(nc, js)), log)
+	if err != nil {
+		stopHTTP()
+		return err
+	}
+	defer wait()
+	defer stopHTTP()
+	log.Info("worker starting", "worker", f.id, "prefix", f.conn.prefix, "partitions", f.partitions, "ttl", f.ttl)
+	if err := w.Run(ctx); err != nil {
+		return fmt.Errorf("worker %s: %w", f.id, err)
+	}
+	log.Info("worker stopped", "worker", f.id)
+	return nil
+}
+
+func newLogger(level string) (*slog.Logger, error) {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(level)); err != nil {
+		return nil, fmt.Errorf("--log-level %q: use debug, info, warn or error", level)
+	}
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: l})), nil
+}
