@@ -15,10 +15,19 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/internal/fleet"
 	"github.com/leasehold/leasehold/testing/natstest"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) {
+	if fleet.IsChild() {
+		// Started by the demo, the chaos harness or a benchmark as the
+		// leasehold command: be it.
+		main()
+		os.Exit(0)
+	}
+	goleak.VerifyTestMain(m)
+}
 
 // run executes the command line args and returns what it printed.
 func run(t *testing.T, ctx context.Context, args ...string) (string, error) {
