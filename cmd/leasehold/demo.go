@@ -1,157 +1,587 @@
 package main
 
 import (
+	"bufio"
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"os"
-	"strings"
+	"path/filepath"
 	"sync"
-	"text/tabwriter"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 
+	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/embedded"
+	"github.com/leasehold/leasehold/internal/fleet"
+	"github.com/leasehold/leasehold/internal/history"
+	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/sink/kvsink"
+	"github.com/leasehold/leasehold/sink/streamsink"
+	"github.com/leasehold/leasehold/worker"
 )
 
+type demoConfig struct {
+	duration   time.Duration
+	workers    int
+	partitions int
+	jobs       int
+	otlp       string
+	json       bool
+	ttl        time.Duration
+	workTime   time.Duration
+	live       bool // refresh a table on a terminal; plain lines otherwise
+}
+
 func newDemo() *cobra.Command {
-	var (
-		workers    int
-		partitions int
-		step       time.Duration
-	)
+	var c demoConfig
 	cmd := &cobra.Command{
 		Use:   "demo",
-		Short: "Run workers on an embedded NATS server and watch them share partitions",
-		Long: `demo starts a NATS server with JetStream inside this process, starts workers
-that claim partitions through leases, then adds a worker and stops one, printing
-who owns which partition at which epoch after each change.`,
+		Short: "Watch workers share partitions, a worker freeze and come back as a zombie, and the fence refuse it",
+		Long: `demo needs no setup: it starts a NATS server with JetStream inside this process,
+a producer, several worker processes and a fenced KV sink. Mid-run it freezes
+one worker (SIGSTOP) for longer than its lease TTL, so the others take its
+partitions with higher epochs, then resumes it (SIGCONT): the frozen worker
+wakes up in the middle of a job and writes with its old epoch, and the sink
+refuses the write. A live view shows the partitions, the job progress and the
+refused zombie writes; a summary follows. Nothing is lost and nothing stale
+is applied.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if workers < 1 || partitions < 1 || partitions > 4096 {
-				return fmt.Errorf("use --workers >= 1 and --partitions between 1 and 4096")
+			if err := c.validate(); err != nil {
+				return err
 			}
-			return runDemo(cmd.Context(), cmd.OutOrStdout(), workers, partitions, step)
+			c.live = isTerminal(cmd.OutOrStdout()) && !c.json
+			if c.workTime == 0 {
+				// Busy partitions make the freeze land in the middle of
+				// jobs, where a paused process writes when it wakes up.
+				perPartition := float64(c.jobs) / (c.duration / 2).Seconds() / float64(c.partitions)
+				c.workTime = min(time.Duration(0.6/perPartition*float64(time.Second)), time.Second).Round(time.Millisecond)
+			}
+			sum, err := runDemo(cmd.Context(), cmd.OutOrStdout(), c)
+			if err != nil {
+				return err
+			}
+			if c.json {
+				enc := json.NewEncoder(cmd.OutOrStdout())
+				enc.SetIndent("", "  ")
+				return enc.Encode(sum)
+			}
+			printSummary(cmd.OutOrStdout(), sum)
+			if sum.JobsLost > 0 || sum.StaleApplied > 0 {
+				return fmt.Errorf("the run broke an invariant: %d jobs lost, %d stale effects applied", sum.JobsLost, sum.StaleApplied)
+			}
+			return nil
 		},
 	}
-	cmd.Flags().IntVar(&workers, "workers", 3, "workers to start with")
-	cmd.Flags().IntVar(&partitions, "partitions", 16, "partitions to share")
-	cmd.Flags().DurationVar(&step, "step", 3*time.Second, "time between changes")
+	fs := cmd.Flags()
+	fs.DurationVar(&c.duration, "duration", 30*time.Second, "how long to run at most")
+	fs.IntVar(&c.workers, "workers", 3, "worker processes")
+	fs.IntVar(&c.partitions, "partitions", 8, "partitions of the job stream")
+	fs.IntVar(&c.jobs, "jobs", 2000, "jobs to enqueue, spread over the first half of the run")
+	fs.StringVar(&c.otlp, "otlp", "", "send traces to this OTLP/HTTP endpoint (for example http://127.0.0.1:4318)")
+	fs.BoolVar(&c.json, "json", false, "print only the summary, as one JSON object")
+	fs.DurationVar(&c.ttl, "ttl", 2*time.Second, "lease TTL of the workers (whole seconds)")
+	fs.DurationVar(&c.workTime, "work-time", 0, "time each job takes (default: enough to keep the partitions about 60% busy)")
+	_ = fs.MarkHidden("work-time")
 	return cmd
 }
 
-type demoWorker struct {
-	c      *coordinator.Coordinator
-	cancel context.CancelFunc
-	done   chan struct{}
+func (c demoConfig) validate() error {
+	var errs []error
+	if c.workers < 2 || c.workers > 16 {
+		errs = append(errs, errors.New("--workers: use 2 to 16 (one of them is frozen mid-run)"))
+	}
+	if c.partitions < 1 || c.partitions > 256 {
+		errs = append(errs, errors.New("--partitions: use 1 to 256"))
+	}
+	if c.jobs < 1 {
+		errs = append(errs, errors.New("--jobs: use at least 1"))
+	}
+	if c.ttl < time.Second || c.ttl%time.Second != 0 {
+		errs = append(errs, errors.New("--ttl: whole seconds, at least 1s"))
+	}
+	if min := 4*c.ttl + 10*time.Second; c.duration < min {
+		errs = append(errs, fmt.Errorf("--duration: at least %v with a %v TTL, so the frozen worker can lose its lease and come back", min, c.ttl))
+	}
+	return errors.Join(errs...)
 }
 
-func runDemo(ctx context.Context, out io.Writer, workers, partitions int, step time.Duration) error {
+// demoSummary is what --json prints.
+type demoSummary struct {
+	JobsEnqueued         int         `json:"jobs_enqueued"`
+	JobsProcessed        int         `json:"jobs_processed"`
+	JobsLost             int         `json:"jobs_lost"`
+	EffectsAccepted      int         `json:"effects_accepted"`
+	EffectsDuplicate     int         `json:"effects_duplicate"`
+	EffectsRejectedStale int         `json:"effects_rejected_stale"`
+	StaleApplied         int         `json:"stale_applied"`
+	ZombiePauses         int         `json:"zombie_pauses"`
+	ZombieWorker         string      `json:"zombie_worker"`
+	FailoverMillis       float64     `json:"failover_ms"`
+	Elapsed              string      `json:"elapsed"`
+	Workers              int         `json:"workers"`
+	Partitions           int         `json:"partitions"`
+	Rejected             []rejection `json:"rejected"`
+}
+
+// rejection is one refused zombie write.
+type rejection struct {
+	At        string `json:"at"`
+	Partition uint32 `json:"partition"`
+	Epoch     uint64 `json:"epoch"`
+	Max       uint64 `json:"max_epoch"`
+	Worker    string `json:"worker"`
+	Key       string `json:"key"`
+}
+
+// demo holds the run's shared state.
+type demo struct {
+	cfg   demoConfig
+	start time.Time
+	out   io.Writer
+
+	mu           sync.Mutex
+	enqueued     map[string]leasehold.Partition // effect key -> partition
+	perPart      map[leasehold.Partition][]uint64
+	accepted     int
+	duplicates   int
+	stale        []rejection
+	staleApplied int
+	maxSeen      map[leasehold.Partition]leasehold.Epoch // in log order: barriers and accepted effects
+	applied      map[string]bool
+	events       []string
+	paused       string
+	pauses       int
+	pausedAt     time.Time
+	pausedParts  []leasehold.Partition
+	pausedEpoch  map[leasehold.Partition]leasehold.Epoch
+	recovered    map[leasehold.Partition]time.Time
+	failover     time.Duration
+}
+
+func (d *demo) since() string { return time.Since(d.start).Round(100 * time.Millisecond).String() }
+
+func (d *demo) note(format string, args ...any) {
+	line := fmt.Sprintf("%7s  ", d.since()) + fmt.Sprintf(format, args...)
+	d.mu.Lock()
+	d.events = append(d.events, line)
+	if len(d.events) > 8 {
+		d.events = d.events[len(d.events)-8:]
+	}
+	d.mu.Unlock()
+	if !d.cfg.live && !d.cfg.json {
+		fmt.Fprintln(d.out, line)
+	}
+}
+
+// Decided sees every decision of the sink runner, in log order.
+func (d *demo) Decided(_ context.Context, dec sink.Decision) {
+	p, e := dec.Stamp.Partition, dec.Stamp.Epoch
+	d.mu.Lock()
+	switch dec.Outcome {
+	case sink.Advanced:
+		if e > d.maxSeen[p] {
+			d.maxSeen[p] = e
+		}
+	case sink.Accepted:
+		// Checked here independently of the sink: nothing below the
+		// partition's maximum may be applied.
+		if e < d.maxSeen[p] {
+			d.staleApplied++
+		}
+		if e > d.maxSeen[p] {
+			d.maxSeen[p] = e
+		}
+		d.accepted++
+		d.applied[dec.Stamp.Key] = true
+		d.noteRecovery(p, e)
+	case sink.Duplicate:
+		d.duplicates++
+	case sink.Stale:
+		r := rejection{At: d.since(), Partition: uint32(p), Epoch: uint64(e), Max: uint64(dec.Max), Worker: dec.Stamp.Worker, Key: dec.Stamp.Key}
+		d.stale = append(d.stale, r)
+		d.mu.Unlock()
+		d.note("REFUSED zombie write from %s: partition %d epoch %d is below %d (key %s)", r.Worker, p, e, dec.Max, r.Key)
+		return
+	}
+	d.mu.Unlock()
+}
+
+func runDemo(ctx context.Context, out io.Writer, cfg demoConfig) (demoSummary, error) {
+	d := &demo{
+		cfg: cfg, start: time.Now(), out: out,
+		enqueued: map[string]leasehold.Partition{}, perPart: map[leasehold.Partition][]uint64{},
+		maxSeen: map[leasehold.Partition]leasehold.Epoch{}, applied: map[string]bool{},
+		pausedEpoch: map[leasehold.Partition]leasehold.Epoch{}, recovered: map[leasehold.Partition]time.Time{},
+	}
+	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
 	dir, err := os.MkdirTemp("", "leasehold-demo-")
 	if err != nil {
-		return err
+		return demoSummary{}, err
 	}
 	defer os.RemoveAll(dir)
-	srv, err := embedded.Start(embedded.Config{Name: "demo", StoreDir: dir})
+	var stops stack
+	defer stops.run()
+
+	srv, err := embedded.Start(embedded.Config{Name: "demo", StoreDir: filepath.Join(dir, "nats"), Listen: true})
 	if err != nil {
-		return err
+		return demoSummary{}, err
 	}
-	defer srv.WaitForShutdown()
-	defer srv.Shutdown()
-	nc, err := nats.Connect("", nats.InProcessServer(srv))
+	stops.push(func() { srv.Shutdown(); srv.WaitForShutdown() })
+	url := srv.ClientURL()
+	nc, err := nats.Connect(url, nats.MaxReconnects(-1))
 	if err != nil {
-		return fmt.Errorf("connect to the embedded server: %w", err)
+		return demoSummary{}, fmt.Errorf("connect to the embedded server: %w", err)
 	}
-	defer nc.Close()
+	stops.push(nc.Close)
 	js, err := jetstream.New(nc)
 	if err != nil {
-		return err
+		return demoSummary{}, err
 	}
+	const prefix = "leasehold"
 	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{MarkerTTL: 5 * time.Second})
 	if err != nil {
-		return err
+		return demoSummary{}, err
 	}
-	fmt.Fprintf(out, "embedded NATS server up; lease bucket %q ready\n", bucket.Name())
+	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: prefix, Partitions: cfg.partitions}); err != nil {
+		return demoSummary{}, err
+	}
+	kv, err := kvsink.New(ctx, js, kvsink.Config{Bucket: "leasehold-sink", Logger: quiet})
+	if err != nil {
+		return demoSummary{}, err
+	}
+	runner, err := streamsink.New(ctx, js, streamsink.Config{
+		Prefix:   prefix,
+		Name:     "kv",
+		Verifier: bucket,
+		Observer: d,
+		Logger:   quiet,
+		Handler: func(ctx context.Context, e sink.Effect) error {
+			e.Subject = e.Stamp.Key // the KV sink keys effects by idempotency key
+			return kv.Apply(ctx, e)
+		},
+	})
+	if err != nil {
+		return demoSummary{}, err
+	}
+	stops.goUntil(func(ctx context.Context) { _ = runner.Run(ctx) })
+	d.note("NATS with JetStream up at %s; lease bucket, job stream (%d partitions) and the fenced KV sink ready", url, cfg.partitions)
 
-	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
-	var mu sync.Mutex
-	running := map[string]*demoWorker{}
-	start := func(name string) error {
-		c, err := coordinator.New(bucket, coordinator.Config{Worker: name, Partitions: partitions, TTL: 3 * time.Second, Logger: quiet})
+	// The workers are processes, so that one can really be frozen.
+	procs := map[string]*fleet.Proc{}
+	var env []string
+	if cfg.otlp != "" {
+		env = append(env, "OTEL_EXPORTER_OTLP_ENDPOINT="+cfg.otlp)
+	}
+	for i := range cfg.workers {
+		name := fmt.Sprintf("worker-%d", i+1)
+		p, err := fleet.Start(name, []string{"worker", "--nats", url, "--partitions", fmt.Sprint(cfg.partitions),
+			"--worker-id", name, "--ttl", cfg.ttl.String(), "--work-time", cfg.workTime.String(), "--write-behind",
+			"--http", "", "--log-level", "error", "--history", filepath.Join(dir, "history")}, fleet.Options{LogDir: filepath.Join(dir, "logs"), Env: env})
 		if err != nil {
-			return err
+			return demoSummary{}, err
 		}
-		wctx, cancel := context.WithCancel(ctx)
-		w := &demoWorker{c: c, cancel: cancel, done: make(chan struct{})}
-		go func() { defer close(w.done); _ = c.Run(wctx) }()
-		mu.Lock()
-		running[name] = w
-		mu.Unlock()
-		return nil
+		procs[name] = p
+		stops.push(func() { _ = p.Stop(30 * time.Second) })
 	}
-	stopW := func(name string) {
-		mu.Lock()
-		w := running[name]
-		delete(running, name)
-		mu.Unlock()
-		w.cancel()
-		<-w.done
-	}
-	defer func() {
-		for name := range running {
-			stopW(name)
-		}
-	}()
+	d.note("started %d worker processes; they share the partitions through leases", cfg.workers)
 
-	show := func(title string) bool {
+	stopProducer := stops.goUntil(func(ctx context.Context) { d.produce(ctx, js, prefix) })
+	stopView := stops.goUntil(func(ctx context.Context) { d.view(ctx, bucket) })
+
+	// The freeze: a quarter into the run, the worker holding the most
+	// partitions stops for TTL + 2s.
+	deadline := d.start.Add(cfg.duration)
+	if sleepCtx(ctx, cfg.duration/4) == nil {
+		if err := d.freeze(ctx, bucket, procs, filepath.Join(dir, "history")); err != nil {
+			return demoSummary{}, err
+		}
+	}
+	// Run until every job's effect is applied (and the frozen worker's
+	// partitions have recovered), or until the duration is up.
+	for ctx.Err() == nil && time.Now().Before(deadline) {
+		if d.finished() {
+			d.note("every job's effect is applied; stopping the workers (SIGTERM: they drain and release)")
+			break
+		}
+		sleepCtx(ctx, 200*time.Millisecond)
+	}
+	stopProducer()
+	for _, p := range procs {
+		_ = p.Term()
+	}
+	for _, p := range procs {
+		_ = p.Stop(30 * time.Second)
+	}
+	// Let the runner apply what the workers flushed while draining.
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	for wctx.Err() == nil && !d.allApplied() {
+		sleepCtx(wctx, 100*time.Millisecond)
+	}
+	stopView()
+	return d.summary(context.WithoutCancel(ctx), kv), nil
+}
+
+// stack runs cleanup functions in reverse order, once.
+type stack struct{ fns []func() }
+
+func (s *stack) push(f func()) { s.fns = append(s.fns, sync.OnceFunc(f)) }
+
+func (s *stack) run() {
+	for i := len(s.fns) - 1; i >= 0; i-- {
+		s.fns[i]()
+	}
+}
+
+// goUntil runs f in a goroutine until the returned stop is called (or the
+// stack runs), and waits for it to return.
+func (s *stack) goUntil(f func(ctx context.Context)) (stop func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); f(ctx) }()
+	stop = sync.OnceFunc(func() { cancel(); <-done })
+	s.push(stop)
+	return stop
+}
+
+func (d *demo) finished() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return len(d.enqueued) == d.cfg.jobs && len(d.applied) >= d.cfg.jobs && (d.pauses == 0 || d.failover > 0)
+}
+
+func (d *demo) allApplied() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for k := range d.enqueued {
+		if !d.applied[k] {
+			return false
+		}
+	}
+	return true
+}
+
+// noteRecovery records when a partition the frozen worker held first
+// applies an effect under a newer epoch. Called with d.mu held.
+func (d *demo) noteRecovery(p leasehold.Partition, e leasehold.Epoch) {
+	old, ok := d.pausedEpoch[p]
+	if !ok || e <= old || !d.recovered[p].IsZero() {
+		return
+	}
+	d.recovered[p] = time.Now()
+	if len(d.recovered) == len(d.pausedEpoch) {
+		d.failover = time.Since(d.pausedAt)
+	}
+}
+
+// produce enqueues the jobs evenly over the first half of the run.
+func (d *demo) produce(ctx context.Context, js jetstream.JetStream, prefix string) {
+	p, err := worker.NewProducer(js, worker.ProducerConfig{Prefix: prefix, Partitions: d.cfg.partitions})
+	if err != nil {
+		d.note("producer: %v", err)
+		return
+	}
+	every := d.cfg.duration / 2 / time.Duration(d.cfg.jobs)
+	tick := time.NewTicker(max(every, time.Millisecond))
+	defer tick.Stop()
+	for i := range d.cfg.jobs {
 		select {
 		case <-ctx.Done():
-			return false
-		case <-time.After(step):
+			return
+		case <-tick.C:
 		}
-		fmt.Fprintf(out, "\n== %s\n", title)
-		tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
-		fmt.Fprintln(tw, "WORKER\tPARTITIONS\tEPOCHS")
-		mu.Lock()
-		for i := range workers + 1 {
-			name := fmt.Sprintf("worker-%d", i+1)
-			w := running[name]
-			if w == nil {
-				continue
+		e, err := p.Enqueue(ctx, []byte(fmt.Sprintf("order-%d", i)), []byte(fmt.Sprintf(`{"order":%d}`, i)))
+		if err != nil {
+			if ctx.Err() != nil {
+				return
 			}
-			var ps, es []string
-			for _, l := range w.c.Held() {
-				ps = append(ps, l.Partition().String())
-				es = append(es, l.Epoch().String())
-			}
-			fmt.Fprintf(tw, "%s\t%d: %s\t%s\n", name, len(ps), strings.Join(ps, ","), strings.Join(es, ","))
+			d.note("enqueue failed: %v", err)
+			continue
 		}
-		mu.Unlock()
-		tw.Flush()
-		return true
+		d.mu.Lock()
+		d.enqueued[leasehold.EffectKey(prefix, e.Partition, e.Seq, 0)] = e.Partition
+		d.perPart[e.Partition] = append(d.perPart[e.Partition], e.Seq)
+		d.mu.Unlock()
 	}
+}
 
-	for i := range workers {
-		if err := start(fmt.Sprintf("worker-%d", i+1)); err != nil {
+// freeze pauses the worker that holds the most partitions for TTL + 2s,
+// then resumes it. It picks the moment: a pause that lands between jobs
+// makes no zombie write, so it pauses, reads the worker's history, and
+// keeps the pause only if some handler of the worker is in the middle of
+// a job (it took its stamp and has not written yet).
+func (d *demo) freeze(ctx context.Context, b *coordinator.Bucket, procs map[string]*fleet.Proc, histDir string) error {
+	var victim string
+	var st coordinator.Status
+	for try := 0; ; try++ {
+		var err error
+		if st, err = b.Snapshot(ctx); err != nil {
 			return err
 		}
+		victim = mostPartitions(st, procs)
+		if err := procs[victim].Pause(); err != nil {
+			return err
+		}
+		if try >= 100 || midJob(filepath.Join(histDir, victim+".jsonl")) {
+			break
+		}
+		_ = procs[victim].Resume()
+		if err := sleepCtx(ctx, 50*time.Millisecond); err != nil {
+			return nil
+		}
 	}
-	if !show(fmt.Sprintf("%d workers share %d partitions", workers, partitions)) {
-		return nil
+	var held []leasehold.Partition
+	pause := d.cfg.ttl + 2*time.Second
+	d.mu.Lock()
+	for _, p := range st.Partitions {
+		if p.Holder == victim {
+			d.pausedEpoch[p.Partition] = p.Epoch
+			held = append(held, p.Partition)
+		}
 	}
-	joiner := fmt.Sprintf("worker-%d", workers+1)
-	if err := start(joiner); err != nil {
+	d.paused, d.pauses, d.pausedAt, d.pausedParts = victim, d.pauses+1, time.Now(), held
+	d.mu.Unlock()
+	d.note("FROZE %s (SIGSTOP) in the middle of a job; it holds partitions %v and cannot renew for %v", victim, held, pause)
+	sleepCtx(ctx, pause)
+	if err := procs[victim].Resume(); err != nil {
 		return err
 	}
-	if !show(joiner + " joined: only the partitions it needs moved to it") {
+	d.mu.Lock()
+	d.paused = ""
+	d.mu.Unlock()
+	d.note("RESUMED %s (SIGCONT): it wakes up mid-job, not knowing its leases expired, and writes with its old epochs", victim)
+	return nil
+}
+
+func mostPartitions(st coordinator.Status, procs map[string]*fleet.Proc) string {
+	held := map[string]int{}
+	for _, p := range st.Partitions {
+		held[p.Holder]++
+	}
+	victim := ""
+	for name := range procs {
+		if victim == "" || held[name] > held[victim] || (held[name] == held[victim] && name < victim) {
+			victim = name
+		}
+	}
+	return victim
+}
+
+// midJob reports whether the worker's history ends, for some partition,
+// with a handler that took its stamp and has not written yet.
+func midJob(path string) bool {
+	f, err := os.Open(path)
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	open := map[string]bool{}
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		var e history.Event
+		if json.Unmarshal(sc.Bytes(), &e) != nil {
+			continue
+		}
+		switch e.Kind {
+		case history.Start:
+			open[e.Key] = true
+		case history.Effect:
+			delete(open, e.Key)
+		case history.Lose, history.Release:
+			clear(open)
+		}
+	}
+	return len(open) > 0
+}
+
+func (d *demo) summary(ctx context.Context, kv *kvsink.Sink) demoSummary {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	s := demoSummary{
+		JobsEnqueued:         len(d.enqueued),
+		EffectsAccepted:      d.accepted,
+		EffectsDuplicate:     d.duplicates + d.accepted - len(d.applied),
+		EffectsRejectedStale: len(d.stale),
+		StaleApplied:         d.staleApplied,
+		ZombiePauses:         d.pauses,
+		FailoverMillis:       float64(d.failover.Milliseconds()),
+		Elapsed:              time.Since(d.start).Round(100 * time.Millisecond).String(),
+		Workers:              d.cfg.workers,
+		Partitions:           d.cfg.partitions,
+		Rejected:             d.stale,
+	}
+	if s.Rejected == nil {
+		s.Rejected = []rejection{}
+	}
+	// A job is processed when its effect is in the sink's bucket; the
+	// bucket, not the runner's bookkeeping, is the proof.
+	rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	for key := range d.enqueued {
+		if _, ok, err := kv.Get(rctx, key); err == nil && ok {
+			s.JobsProcessed++
+		} else {
+			s.JobsLost++
+		}
+	}
+	for _, r := range d.stale {
+		if s.ZombieWorker == "" {
+			s.ZombieWorker = r.Worker
+		}
+	}
+	return s
+}
+
+func printSummary(out io.Writer, s demoSummary) {
+	fmt.Fprintf(out, `
+== summary (%s, %d workers, %d partitions)
+jobs enqueued            %d
+jobs processed           %d
+jobs lost                %d
+effects accepted         %d
+  of them repeats        %d (jobs re-run after the take-over; the sink keyed them once)
+zombie writes refused    %d
+stale effects applied    %d
+worker freezes           %d
+fail-over                %.0f ms (from the freeze to the last of the frozen worker's partitions handling a job again)
+`, s.Elapsed, s.Workers, s.Partitions, s.JobsEnqueued, s.JobsProcessed, s.JobsLost, s.EffectsAccepted, s.EffectsDuplicate,
+		s.EffectsRejectedStale, s.StaleApplied, s.ZombiePauses, s.FailoverMillis)
+	if len(s.Rejected) > 0 {
+		fmt.Fprintf(out, "\nThe frozen worker woke up and wrote with epochs it no longer held; the sink refused %s.\n", plural(len(s.Rejected), "that write", "all %d of those writes"))
+		fmt.Fprintln(out, "Every job it did not finish was done by the new holders: nothing lost, nothing stale applied.")
+	}
+}
+
+func plural(n int, one, many string) string {
+	if n == 1 {
+		return one
+	}
+	return fmt.Sprintf(many, n)
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-time.After(d):
 		return nil
 	}
-	stopW("worker-1")
-	show("worker-1 left gracefully: its partitions were released and taken at once, with new epochs")
-	return nil
+}
+
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	if !ok {
+		return false
+	}
+	st, err := f.Stat()
+	return err == nil && st.Mode()&os.ModeCharDevice != 0
 }

@@ -53,6 +53,7 @@ func (h *exampleHandler) Handle(ctx context.Context, job *worker.Job) error {
 	if err != nil {
 		return err
 	}
+	h.hist.Record(history.Event{Kind: history.Start, Partition: uint32(stamp.Partition), Epoch: uint64(stamp.Epoch), Key: stamp.Key, Seq: job.Seq})
 	_ = h.work(ctx) // a paused process does not see its context end
 	msg := nats.NewMsg(worker.OutputSubject(h.prefix, job.Partition))
 	stamp.SetHeader(msg.Header)
@@ -60,7 +61,10 @@ func (h *exampleHandler) Handle(ctx context.Context, job *worker.Job) error {
 	h.hist.Record(history.Event{Kind: history.Effect, Partition: uint32(stamp.Partition), Epoch: uint64(stamp.Epoch), Key: stamp.Key, Seq: job.Seq})
 	pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
-	if _, err := h.js.PublishMsg(pctx, msg, jetstream.WithMsgID(stamp.Key)); err != nil {
+	// No Nats-Msg-Id: code doing its own I/O rarely sets one, and the
+	// stream would then drop a zombie's write as a duplicate of its
+	// successor's before any sink could see it. The sink dedupes by key.
+	if _, err := h.js.PublishMsg(pctx, msg); err != nil {
 		return fmt.Errorf("publish effect %s: %w", stamp.Key, err)
 	}
 	return nil

@@ -23,6 +23,7 @@ const (
 	Acquire  = "acquire"  // a worker acquired a partition (Partition, Epoch)
 	Lose     = "lose"     // a worker lost a partition (Partition, Epoch, Reason, Holder)
 	Release  = "release"  // a worker released a partition (Partition, Epoch)
+	Start    = "start"    // a handler took a stamp and began its work (Partition, Epoch, Key, Seq)
 	Effect   = "effect"   // a worker sent an effect (Partition, Epoch, Key, Seq)
 	Decision = "decision" // a sink decided on an effect (Partition, Epoch, Key, Outcome, Max, Position)
 	Commit   = "commit"   // a worker committed progress (Partition, Epoch, Seq)

@@ -1,0 +1,59 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+)
+
+// The demo, as a newcomer runs it but with --json: a worker is frozen past
+// its TTL and really writes when it wakes up; the sink refuses it; nothing
+// is lost and nothing stale is applied.
+func TestDemoJSON(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	out, err := run(t, ctx, "demo", "--json", "--duration", "20s", "--jobs", "600", "--workers", "3", "--partitions", "6")
+	if err != nil {
+		t.Fatalf("demo: %v\n%s", err, out)
+	}
+	var sum demoSummary
+	if err := json.Unmarshal([]byte(out), &sum); err != nil {
+		t.Fatalf("demo --json printed something that is not one JSON object: %v\n%s", err, out)
+	}
+	t.Logf("%+v", sum)
+	if sum.JobsEnqueued != 600 || sum.JobsProcessed != 600 || sum.JobsLost != 0 {
+		t.Errorf("jobs: %d enqueued, %d processed, %d lost", sum.JobsEnqueued, sum.JobsProcessed, sum.JobsLost)
+	}
+	if sum.StaleApplied != 0 {
+		t.Errorf("%d stale effects applied", sum.StaleApplied)
+	}
+	if sum.ZombiePauses != 1 || sum.EffectsRejectedStale == 0 {
+		t.Errorf("zombie: %d pauses, %d writes refused; want 1 pause and a refused write", sum.ZombiePauses, sum.EffectsRejectedStale)
+	}
+	for _, r := range sum.Rejected {
+		if r.Epoch >= r.Max || r.Worker != sum.ZombieWorker {
+			t.Errorf("rejection %+v is not a stale write of the frozen worker %s", r, sum.ZombieWorker)
+		}
+	}
+	for _, key := range []string{"jobs_enqueued", "jobs_processed", "jobs_lost", "effects_accepted", "effects_rejected_stale", "stale_applied", "zombie_pauses"} {
+		if !strings.Contains(out, `"`+key+`"`) {
+			t.Errorf("summary lacks %s", key)
+		}
+	}
+}
+
+func TestDemoRefusesBadFlags(t *testing.T) {
+	ctx := context.Background()
+	for _, args := range [][]string{
+		{"demo", "--workers", "1"},
+		{"demo", "--ttl", "1500ms"},
+		{"demo", "--duration", "5s"},
+		{"demo", "--jobs", "0"},
+	} {
+		if _, err := run(t, ctx, args...); err == nil {
+			t.Errorf("%v: want an error", args)
+		}
+	}
+}
