@@ -88,6 +88,9 @@ func TestInitWorkerSink(t *testing.T) {
 	background(t, "sink", "--nats", s.URL(), "--kind", "kv", "--http", addrs[2], "--verify-epochs", "--log-level", "warn")
 
 	js := s.JetStream(t)
+	if out, err := run(t, ctx, "enqueue", "--nats", s.URL(), "--partitions", "4", "-n", "50"); err != nil || !strings.Contains(out, "enqueued 50 jobs") {
+		t.Fatalf("enqueue: %v\n%s", err, out)
+	}
 	p, err := worker.NewProducer(js, worker.ProducerConfig{Prefix: "leasehold", Partitions: 4})
 	if err != nil {
 		t.Fatal(err)
