@@ -1,0 +1,75 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestBenchQuickJSON runs `leasehold bench --quick --json`, worker
+// processes included (this test binary acts as the leasehold command when
+// started as a child), and checks that the rows are well formed. It
+// asserts no timings: the machine is shared and noisy.
+func TestBenchQuickJSON(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts worker processes and a NATS server")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	out, err := run(t, ctx, "bench", "--quick", "--json")
+	if err != nil {
+		t.Fatalf("bench --quick --json: %v\n%s", err, out)
+	}
+	// Progress lines go to stderr, which run merges: the JSON array is
+	// what starts at the first line that opens one.
+	start := strings.Index(out, "\n[")
+	if strings.HasPrefix(out, "[") {
+		start = -1
+	}
+	var rows []map[string]any
+	if err := json.Unmarshal([]byte(out[start+1:]), &rows); err != nil {
+		t.Fatalf("output is not a JSON array of rows: %v\n%s", err, out)
+	}
+	seen := map[string]bool{}
+	for _, r := range rows {
+		name, _ := r["name"].(string)
+		unit, _ := r["unit"].(string)
+		if name == "" || unit == "" || seen[name] {
+			t.Errorf("row without a name or unit, or repeated: %v", r)
+		}
+		seen[name] = true
+		for _, k := range []string{"value", "baseline", "ratio"} {
+			if _, ok := r[k]; !ok {
+				t.Errorf("row %s has no %q", name, k)
+			}
+		}
+		if _, ok := r["value"].(float64); !ok {
+			t.Errorf("row %s: value %v is not a number", name, r["value"])
+		}
+		if (r["baseline"] == nil) != (r["ratio"] == nil) {
+			t.Errorf("row %s: a baseline without a ratio or the other way round: %v", name, r)
+		}
+	}
+	for _, want := range []string{"e2e_throughput", "e2e_latency_p50", "e2e_latency_p99", "fence_memory", "fence_kv", "fence_postgres",
+		"failover_crash_p99", "handoff_graceful_p99", "scaleout_balanced", "scaleout_rejected_writes", "scale_owned", "scale_renew_load", "scale_rss_per_worker"} {
+		if !seen[want] {
+			t.Errorf("no row %s in:\n%s", want, out)
+		}
+	}
+	for _, r := range rows {
+		if r["name"] == "e2e_throughput" {
+			if v, _ := r["value"].(float64); v <= 0 || r["baseline"] == nil {
+				t.Errorf("e2e_throughput has no measurement beside its baseline: %v", r)
+			}
+		}
+	}
+}
+
+func TestBenchRejectsUnknownScenario(t *testing.T) {
+	out, err := run(t, context.Background(), "bench", "--only", "e2e,nonsense")
+	if err == nil || !strings.Contains(err.Error(), `scenario "nonsense"`) {
+		t.Fatalf("bench --only nonsense: %v\n%s", err, out)
+	}
+}

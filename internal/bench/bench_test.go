@@ -1,0 +1,151 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func TestMedianAndPercentile(t *testing.T) {
+	if got := median([]float64{3, 1, 2}); got != 2 {
+		t.Errorf("median odd = %v", got)
+	}
+	if got := median([]float64{4, 1, 3, 2}); got != 2.5 {
+		t.Errorf("median even = %v", got)
+	}
+	if got := median(nil); got != 0 {
+		t.Errorf("median empty = %v", got)
+	}
+	xs := make([]float64, 100)
+	for i := range xs {
+		xs[i] = float64(100 - i)
+	}
+	if got := percentile(xs, 0.99); got != 99 {
+		t.Errorf("p99 = %v", got)
+	}
+	if got := percentile(xs, 0.5); got != 50 {
+		t.Errorf("p50 = %v", got)
+	}
+	if got := percentile([]float64{7}, 0.99); got != 7 {
+		t.Errorf("p99 of one = %v", got)
+	}
+}
+
+func TestPairedTakesTheMedianOfPerRunRatios(t *testing.T) {
+	// Drift moves both sides together; the per-run ratios stay at 0.5.
+	r := paired("x", "ops/s", []float64{10, 50, 100}, []float64{20, 100, 200}, "")
+	if r.Value != 50 || *r.Baseline != 100 || *r.Ratio != 0.5 || r.Runs != 3 {
+		t.Errorf("paired = %+v (baseline %v, ratio %v)", r, *r.Baseline, *r.Ratio)
+	}
+}
+
+func TestValidate(t *testing.T) {
+	err := Config{Runs: -1, Scenarios: []string{"e2e", "nope"}}.Validate()
+	if err == nil || !strings.Contains(err.Error(), "runs -1") || !strings.Contains(err.Error(), `scenario "nope"`) {
+		t.Fatalf("Validate = %v", err)
+	}
+	if _, err := Run(context.Background(), Config{Scenarios: []string{"nope"}}); err == nil {
+		t.Fatal("Run accepted an unknown scenario")
+	}
+}
+
+func TestWriters(t *testing.T) {
+	b, r := 2.0, 0.5
+	rows := []Row{
+		{Name: "a", Value: 1, Unit: "s", Baseline: &b, Ratio: &r, Runs: 3, Note: "about a"},
+		{Name: "skipped", Unit: "µs/effect", Note: "skipped: why"},
+	}
+	var out bytes.Buffer
+	if err := WriteTable(&out, rows); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"NAME", "0.500", "skipped: why", "a: about a"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("table lacks %q:\n%s", want, out.String())
+		}
+	}
+	out.Reset()
+	if err := WriteJSON(&out, rows); err != nil {
+		t.Fatal(err)
+	}
+	var back []map[string]any
+	if err := json.Unmarshal(out.Bytes(), &back); err != nil {
+		t.Fatal(err)
+	}
+	if back[0]["ratio"] != 0.5 || back[1]["baseline"] != nil {
+		t.Errorf("JSON rows: %s", out.String())
+	}
+}
+
+// TestInProcessScenarios runs the scenarios that need no worker processes,
+// at the quick sizes, and checks the rows they produce.
+func TestInProcessScenarios(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	rows, err := Run(ctx, Config{Quick: true, Runs: 1, Scenarios: []string{"e2e", "fence"}, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	names := map[string]Row{}
+	for _, r := range rows {
+		names[r.Name] = r
+	}
+	for _, n := range []string{"e2e_throughput", "fence_memory", "fence_kv", "fence_postgres"} {
+		if _, ok := names[n]; !ok {
+			t.Errorf("no row %s in %+v", n, rows)
+		}
+	}
+	if r := names["e2e_throughput"]; r.Value <= 0 || r.Baseline == nil || *r.Baseline <= 0 || r.Ratio == nil {
+		t.Errorf("e2e_throughput = %+v", r)
+	}
+}
+
+// BenchmarkEndToEnd runs the end-to-end scenario in this process, for
+// profiling the path from enqueue to applied effect:
+//
+//	go test ./internal/bench -run '^$' -bench EndToEnd -benchtime 1x -cpuprofile cpu.out
+func BenchmarkEndToEnd(b *testing.B) {
+	for b.Loop() {
+		rows, err := Run(context.Background(), Config{Runs: 3, Scenarios: []string{"e2e"}})
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.ReportMetric(rows[0].Value, "jobs/s")
+		b.ReportMetric(*rows[0].Baseline, "raw_jobs/s")
+		b.ReportMetric(*rows[0].Ratio, "ratio")
+	}
+}
+
+// BenchmarkScale starts 32 workers on 4096 partitions in this process (on
+// their own connections), for profiling the lease path at scale:
+//
+//	go test ./internal/bench -run '^$' -bench Scale -benchtime 1x -cpuprofile cpu.out
+func BenchmarkScale(b *testing.B) {
+	cfg := Config{Runs: 1}
+	cfg.setDefaults()
+	e, err := startEnv(context.Background(), &cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer e.close()
+	run := 0
+	for b.Loop() {
+		owned, balanced, ops, _, err := e.scaleRun(context.Background(), "bs"+string(rune('a'+run)), 4096, 32, 10*time.Second, 10*time.Second, true)
+		if err != nil {
+			b.Fatal(err)
+		}
+		run++
+		b.ReportMetric(owned, "owned_s")
+		b.ReportMetric(balanced, "balanced_s")
+		b.ReportMetric(ops, "kv_ops/s")
+	}
+}

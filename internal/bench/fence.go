@@ -1,0 +1,190 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/sink/kvsink"
+	"github.com/leasehold/leasehold/sink/pgsink"
+)
+
+// writer is one way of writing effect i: fenced through a sink, or the
+// unfenced write of the same kind.
+type writer func(ctx context.Context, i int) error
+
+// perOp times n writes and returns the mean time of one, in microseconds.
+func perOp(ctx context.Context, w writer, from, n int) (float64, error) {
+	t0 := time.Now()
+	for i := from; i < from+n; i++ {
+		if err := w(ctx, i); err != nil {
+			return 0, err
+		}
+	}
+	return float64(time.Since(t0).Nanoseconds()) / float64(n) / 1e3, nil
+}
+
+// pairedWrites runs fenced and plain writes alternately, n of each per
+// run, the order alternating, and returns the per-run microseconds.
+func (e *env) pairedWrites(ctx context.Context, what string, fenced, plain writer, n int) (f, p []float64, err error) {
+	// A few writes of each first, so that connections, prepared statements
+	// and caches are warm for both.
+	if _, err := perOp(ctx, fenced, -100, 50); err != nil {
+		return nil, nil, err
+	}
+	if _, err := perOp(ctx, plain, -100, 50); err != nil {
+		return nil, nil, err
+	}
+	for run := range e.cfg.Runs {
+		from := run * n
+		var a, b float64
+		if run%2 == 0 {
+			if b, err = perOp(ctx, plain, from, n); err == nil {
+				a, err = perOp(ctx, fenced, from, n)
+			}
+		} else {
+			if a, err = perOp(ctx, fenced, from, n); err == nil {
+				b, err = perOp(ctx, plain, from, n)
+			}
+		}
+		if err != nil {
+			return nil, nil, fmt.Errorf("%s: %w", what, err)
+		}
+		f, p = append(f, a), append(p, b)
+	}
+	e.progress("fence %s: fenced %.2f µs, plain %.2f µs (median of %d runs of %d writes)", what, median(f), median(p), len(f), n)
+	return f, p, nil
+}
+
+func effect(i int, data []byte) sink.Effect {
+	return sink.Effect{
+		Stamp:   leasehold.Stamp{Partition: leasehold.Partition(i & 15), Epoch: 7, Key: fmt.Sprintf("k-%d", i+1000)},
+		Subject: fmt.Sprintf("s-%d", i+1000),
+		Data:    data,
+	}
+}
+
+// fenceCost measures the fence's cost per effect in each sink beside an
+// unfenced write of the same kind.
+func (e *env) fenceCost(ctx context.Context) ([]Row, error) {
+	data := make([]byte, pipePayload)
+	n := map[string]int{"memory": 50000, "kv": 3000, "postgres": 3000}
+	if e.cfg.Quick {
+		n = map[string]int{"memory": 5000, "kv": 300, "postgres": 300}
+	}
+	var rows []Row
+
+	// Memory: the reference sink (fence, dedupe and write under one
+	// mutex) beside a map write under a mutex.
+	mem := sink.NewMemory(sink.MemoryConfig{Logger: e.quiet()})
+	var mu sync.Mutex
+	plain := map[string]sink.Effect{}
+	f, p, err := e.pairedWrites(ctx, "memory",
+		func(ctx context.Context, i int) error { return mem.Apply(ctx, effect(i, data)) },
+		func(_ context.Context, i int) error {
+			eff := effect(i, data)
+			mu.Lock()
+			plain[eff.Subject] = eff
+			mu.Unlock()
+			return nil
+		}, n["memory"])
+	if err != nil {
+		return rows, err
+	}
+	rows = append(rows, paired("fence_memory", "µs/effect", f, p, "sink.Memory Apply (fence, dedupe, write in one critical section) vs a map write under a mutex"))
+
+	// KV: one atomic batch (fence, dedupe key, value) vs a plain Put.
+	nc, js, err := e.connect("bench fence kv")
+	if err != nil {
+		return rows, err
+	}
+	defer e.release(nc)
+	defer e.dropStreams(ctx, js, "fence-")
+	ks, err := kvsink.New(ctx, js, kvsink.Config{Bucket: "fence-kv", Logger: e.quiet()})
+	if err != nil {
+		return rows, err
+	}
+	kv, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "fence-plain", History: 1, Storage: jetstream.FileStorage})
+	if err != nil {
+		return rows, err
+	}
+	f, p, err = e.pairedWrites(ctx, "kv",
+		func(ctx context.Context, i int) error { return ks.Apply(ctx, effect(i, data)) },
+		func(ctx context.Context, i int) error {
+			_, err := kv.Put(ctx, effect(i, data).Subject, data)
+			return err
+		}, n["kv"])
+	if err != nil {
+		return rows, err
+	}
+	rows = append(rows, paired("fence_kv", "µs/effect", f, p, "kvsink Apply (one atomic batch: fence, dedupe key, value) vs a KV Put of the value"))
+
+	row, err := e.fencePostgres(ctx, data, n["postgres"])
+	if err != nil {
+		return rows, err
+	}
+	return append(rows, row), nil
+}
+
+// fencePostgres measures pgsink beside a plain upsert into a table of the
+// same shape, on a database from Config.Postgres or a throwaway server.
+func (e *env) fencePostgres(ctx context.Context, data []byte, n int) (Row, error) {
+	skip := func(why string) (Row, error) {
+		e.progress("fence postgres skipped: %s", why)
+		return Row{Name: "fence_postgres", Unit: "µs/effect", Note: "skipped: " + why}, nil
+	}
+	dsn := e.cfg.Postgres
+	if dsn == "" {
+		if e.cfg.Quick {
+			return skip("not measured with --quick")
+		}
+		pg, err := startPostgres(ctx, e.dir)
+		if errors.Is(err, errNoPostgres) {
+			return skip(err.Error())
+		}
+		if err != nil {
+			return Row{}, err
+		}
+		defer pg.stop()
+		dsn = pg.dsn()
+	}
+	pool, err := pgxpool.New(ctx, dsn)
+	if err != nil {
+		return Row{}, fmt.Errorf("postgres: %w", err)
+	}
+	defer pool.Close()
+	cfg := pgsink.Config{DB: pool, Prefix: "bench_fence_", Logger: e.quiet()}
+	if err := pgsink.CreateSchema(ctx, pool, cfg); err != nil {
+		return Row{}, err
+	}
+	ps, err := pgsink.New(cfg)
+	if err != nil {
+		return Row{}, err
+	}
+	const table = `CREATE TABLE IF NOT EXISTS bench_plain (key text PRIMARY KEY, partition integer NOT NULL, epoch bigint NOT NULL,
+		subject text NOT NULL, data bytea, header jsonb, applied_at timestamptz NOT NULL DEFAULT now())`
+	if _, err := pool.Exec(ctx, table); err != nil {
+		return Row{}, err
+	}
+	defer pool.Exec(context.WithoutCancel(ctx), "DROP TABLE IF EXISTS bench_plain, bench_fence_fence, bench_fence_effects, bench_fence_keys")
+	const upsert = `INSERT INTO bench_plain (key, partition, epoch, subject, data, header) VALUES ($1, $2, $3, $4, $5, $6)
+		ON CONFLICT (key) DO UPDATE SET data = EXCLUDED.data, epoch = EXCLUDED.epoch`
+	f, p, err := e.pairedWrites(ctx, "postgres",
+		func(ctx context.Context, i int) error { return ps.Apply(ctx, effect(i, data)) },
+		func(ctx context.Context, i int) error {
+			eff := effect(i, data)
+			_, err := pool.Exec(ctx, upsert, eff.Stamp.Key, int32(eff.Stamp.Partition), int64(eff.Stamp.Epoch), eff.Subject, data, nil)
+			return err
+		}, n)
+	if err != nil {
+		return Row{}, err
+	}
+	return paired("fence_postgres", "µs/effect", f, p, "pgsink Apply (fence, dedupe and effect in one statement) vs a plain upsert of the same row; fsync off"), nil
+}
