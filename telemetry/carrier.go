@@ -1,5 +1,3 @@
-// Package telemetry carries W3C trace context through NATS headers and
-// holds the names leasehold's spans and metrics use.
 package telemetry
 
 import (
@@ -42,6 +40,45 @@ func (c HeaderCarrier) Set(key, value string) {
 
 // Keys lists the header names.
 func (c HeaderCarrier) Keys() []string {
+	keys := make([]string, 0, len(c))
+	for k := range c {
+		keys = append(keys, k)
+	}
+	return keys
+}
+
+// MetadataCarrier adapts Watermill-style metadata (map[string]string) to a
+// propagation.TextMapCarrier whose Get, like HeaderCarrier's, matches
+// names without regard to case.
+type MetadataCarrier map[string]string
+
+var _ propagation.TextMapCarrier = MetadataCarrier(nil)
+
+// Get returns key's value, matching names case-insensitively.
+func (c MetadataCarrier) Get(key string) string {
+	if v, ok := c[key]; ok {
+		return v
+	}
+	for k, v := range c {
+		if strings.EqualFold(k, key) {
+			return v
+		}
+	}
+	return ""
+}
+
+// Set replaces key's value, dropping any spelling of it in another case.
+func (c MetadataCarrier) Set(key, value string) {
+	for k := range c {
+		if k != key && strings.EqualFold(k, key) {
+			delete(c, k)
+		}
+	}
+	c[key] = value
+}
+
+// Keys lists the metadata names.
+func (c MetadataCarrier) Keys() []string {
 	keys := make([]string, 0, len(c))
 	for k := range c {
 		keys = append(keys, k)

@@ -13,19 +13,28 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/resource"
 )
 
 // NewPrometheus returns a MeterProvider whose metrics are served, in the
 // Prometheus text format, by the returned handler. It uses its own
 // registry (plus the Go runtime and process collectors), not the global one.
 func NewPrometheus() (*sdkmetric.MeterProvider, http.Handler, error) {
+	return newPrometheus(nil)
+}
+
+func newPrometheus(res *resource.Resource) (*sdkmetric.MeterProvider, http.Handler, error) {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(prometheus.NewGoCollector(), prometheus.NewProcessCollector(prometheus.ProcessCollectorOpts{}))
 	exp, err := otelprom.New(otelprom.WithRegisterer(reg), otelprom.WithoutScopeInfo())
 	if err != nil {
 		return nil, nil, fmt.Errorf("telemetry: prometheus exporter: %w", err)
 	}
-	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(exp))
+	opts := []sdkmetric.Option{sdkmetric.WithReader(exp)}
+	if res != nil {
+		opts = append(opts, sdkmetric.WithResource(res))
+	}
+	mp := sdkmetric.NewMeterProvider(opts...)
 	return mp, promhttp.HandlerFor(reg, promhttp.HandlerOpts{}), nil
 }
 
@@ -39,7 +48,27 @@ func NATSReady(nc *nats.Conn, js jetstream.JetStream) ReadyFunc {
 			return fmt.Errorf("NATS is not connected (status %s)", nc.Status())
 		}
 		if _, err := js.AccountInfo(ctx); err != nil {
-			return fmt.Errorf("JetStream does not answer: %w", err)
+			// A server that just went away can leave the connection
+			// looking connected until the client notices.
+			return fmt.Errorf("NATS JetStream does not answer: %w", err)
+		}
+		return nil
+	}
+}
+
+// Pinger is a database handle that can check its connection:
+// *pgxpool.Pool and *pgx.Conn fit; for a *sql.DB, pass a type whose
+// Ping calls PingContext.
+type Pinger interface {
+	Ping(ctx context.Context) error
+}
+
+// PingReady is ready when db answers a ping, for processes that write to
+// a database (a pgsink, for one).
+func PingReady(name string, db Pinger) ReadyFunc {
+	return func(ctx context.Context) error {
+		if err := db.Ping(ctx); err != nil {
+			return fmt.Errorf("%s does not answer: %w", name, err)
 		}
 		return nil
 	}

@@ -6,14 +6,18 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/metric"
+	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/leasehold/leasehold/coordinator"
 )
 
 // LeaseObserver returns a coordinator.Observer that records lease events
-// as short spans (lease acquire, lease renew (failures only), lease lost,
-// lease release) with leasehold.* attributes, and as metrics.
+// as short root spans (lease acquire, lease renew (failures only), lease
+// lost, lease release) with leasehold.* attributes, and as metrics: leases
+// held, acquisitions, losses by reason, renewal latency and the epoch of
+// each partition held. A worker adds it to its coordinator by itself; add
+// it to a coordinator.Config only when using the coordinator alone.
 func (t *Telemetry) LeaseObserver() coordinator.Observer { return leaseObserver{t} }
 
 type leaseObserver struct{ t *Telemetry }
@@ -36,7 +40,7 @@ func (o leaseObserver) LeaseEvent(ctx context.Context, e coordinator.Event) {
 		if !e.Member {
 			m.Acquisitions.Add(ctx, 1)
 			m.LeasesHeld.Add(ctx, 1)
-			m.SetEpoch(int64(e.Lease.Partition), int64(e.Lease.Epoch))
+			m.SetEpoch(e.Lease.Holder, e.Lease.Partition, e.Lease.Epoch)
 		}
 	case coordinator.EventRenewed:
 		m.RenewDuration.Record(ctx, e.Latency.Seconds())
@@ -52,13 +56,13 @@ func (o leaseObserver) LeaseEvent(ctx context.Context, e coordinator.Event) {
 		if !e.Member {
 			m.Losses.Add(ctx, 1, metric.WithAttributes(AttrReason.String(string(e.Reason))))
 			m.LeasesHeld.Add(ctx, -1)
-			m.SetEpoch(int64(e.Lease.Partition), 0)
+			m.SetEpoch(e.Lease.Holder, e.Lease.Partition, 0)
 		}
 	case coordinator.EventReleased:
 		name = "lease release"
 		if !e.Member {
 			m.LeasesHeld.Add(ctx, -1)
-			m.SetEpoch(int64(e.Lease.Partition), 0)
+			m.SetEpoch(e.Lease.Holder, e.Lease.Partition, 0)
 		}
 	default:
 		return
@@ -74,6 +78,7 @@ func (o leaseObserver) LeaseEvent(ctx context.Context, e coordinator.Event) {
 		}
 	}
 	if e.Kind == coordinator.EventLost {
+		span.SetAttributes(semconv.ErrorTypeKey.String(ErrorTypeLeaseLost))
 		span.SetStatus(codes.Error, "lease lost: "+string(e.Reason))
 	}
 	span.End(trace.WithTimestamp(e.Time))

@@ -6,11 +6,16 @@ import (
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
+
+	"github.com/leasehold/leasehold"
 )
 
 // Metrics holds leasehold's instruments. Names follow OpenTelemetry; the
-// Prometheus exporter turns them into leasehold_* with base units and
-// _total suffixes (leasehold.jobs.processed -> leasehold_jobs_processed_total).
+// Prometheus exporter turns them into leasehold_* names with base units
+// and _total suffixes (leasehold.jobs.processed becomes
+// leasehold_jobs_processed_total, leasehold.handler.duration in seconds
+// becomes leasehold_handler_duration_seconds). The comments give the
+// Prometheus names and labels.
 type Metrics struct {
 	LeasesHeld       metric.Int64UpDownCounter // leasehold_leases_held
 	Acquisitions     metric.Int64Counter       // leasehold_lease_acquisitions_total
@@ -21,67 +26,102 @@ type Metrics struct {
 	JobsDeadLettered metric.Int64Counter       // leasehold_jobs_dead_lettered_total
 	HandlerDuration  metric.Float64Histogram   // leasehold_handler_duration_seconds
 	EffectsEmitted   metric.Int64Counter       // leasehold_effects_emitted_total
-	SinkEffects      metric.Int64Counter       // leasehold_sink_effects_total{leasehold_outcome}
+	// SinkEffects counts sink decisions by sink and outcome:
+	// leasehold_sink_effects_total{leasehold_sink, leasehold_outcome}, the
+	// outcome one of the Outcome* constants.
+	SinkEffects metric.Int64Counter
+
+	meter metric.Meter
+	once  sync.Once // registers the gauges' callback on first use
 
 	mu     sync.Mutex
-	epochs map[int64]int64 // partition -> current epoch held here
-	lags   map[int64]int64 // partition -> consumer lag
+	epochs map[held]int64 // current epoch of each partition held here
+	lags   map[held]int64 // jobs waiting in each partition held here
 }
 
+// held names a partition lease held by a worker of this process.
+type held struct {
+	worker    string
+	partition leasehold.Partition
+}
+
+// Outcomes of a sink decision, as the leasehold_outcome label of
+// leasehold_sink_effects_total spells them.
+const (
+	OutcomeAccepted           = "accepted"
+	OutcomeDuplicate          = "duplicate"
+	OutcomeRejectedStale      = "rejected_stale"
+	OutcomeRejectedUnverified = "rejected_unverified"
+	OutcomeRejectedBadStamp   = "rejected_bad_stamp"
+	OutcomeAdvanced           = "advanced" // a barrier or Advance raised a partition's maximum
+	OutcomeError              = "error"
+)
+
 func newMetrics(m metric.Meter) *Metrics {
-	ms := &Metrics{epochs: map[int64]int64{}, lags: map[int64]int64{}}
+	ms := &Metrics{meter: m, epochs: map[held]int64{}, lags: map[held]int64{}}
 	// Instrument creation fails only for invalid names; these are constant.
 	ms.LeasesHeld, _ = m.Int64UpDownCounter("leasehold.leases.held", metric.WithDescription("Partition leases held by this process."), metric.WithUnit("{lease}"))
 	ms.Acquisitions, _ = m.Int64Counter("leasehold.lease.acquisitions", metric.WithDescription("Partition leases acquired."), metric.WithUnit("{lease}"))
 	ms.Losses, _ = m.Int64Counter("leasehold.lease.losses", metric.WithDescription("Leases lost, by reason (refused, deadline)."), metric.WithUnit("{lease}"))
 	ms.RenewDuration, _ = m.Float64Histogram("leasehold.lease.renew.duration", metric.WithDescription("Round trip of a successful lease renewal."), metric.WithUnit("s"),
 		metric.WithExplicitBucketBoundaries(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
-	ms.JobsProcessed, _ = m.Int64Counter("leasehold.jobs.processed", metric.WithDescription("Jobs handled successfully."), metric.WithUnit("{job}"))
-	ms.JobsFailed, _ = m.Int64Counter("leasehold.jobs.failed", metric.WithDescription("Handler attempts that failed (errors and panics)."), metric.WithUnit("{job}"))
+	ms.JobsProcessed, _ = m.Int64Counter("leasehold.jobs.processed", metric.WithDescription("Handler attempts that succeeded."), metric.WithUnit("{job}"))
+	ms.JobsFailed, _ = m.Int64Counter("leasehold.jobs.failed", metric.WithDescription("Handler attempts that failed (errors, panics, effects not stored)."), metric.WithUnit("{job}"))
 	ms.JobsDeadLettered, _ = m.Int64Counter("leasehold.jobs.dead_lettered", metric.WithDescription("Jobs sent to the dead-letter subject."), metric.WithUnit("{job}"))
 	ms.HandlerDuration, _ = m.Float64Histogram("leasehold.handler.duration", metric.WithDescription("Time a handler took for one attempt."), metric.WithUnit("s"),
 		metric.WithExplicitBucketBoundaries(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30))
 	ms.EffectsEmitted, _ = m.Int64Counter("leasehold.effects.emitted", metric.WithDescription("Stamped effects published or applied by handlers."), metric.WithUnit("{effect}"))
-	ms.SinkEffects, _ = m.Int64Counter("leasehold.sink.effects", metric.WithDescription("Sink decisions by outcome (accepted, duplicate, rejected_stale, bad_stamp, error)."), metric.WithUnit("{effect}"))
-
-	epoch, _ := m.Int64ObservableGauge("leasehold.partition.epoch", metric.WithDescription("Epoch of each partition lease held by this process."))
-	lag, _ := m.Int64ObservableGauge("leasehold.consumer.lag", metric.WithDescription("Jobs waiting in each partition held by this process."), metric.WithUnit("{job}"))
-	_, _ = m.RegisterCallback(func(_ context.Context, o metric.Observer) error {
-		ms.mu.Lock()
-		defer ms.mu.Unlock()
-		for p, e := range ms.epochs {
-			o.ObserveInt64(epoch, e, metric.WithAttributes(AttrPartition.Int64(p)))
-		}
-		for p, l := range ms.lags {
-			o.ObserveInt64(lag, l, metric.WithAttributes(AttrPartition.Int64(p)))
-		}
-		return nil
-	}, epoch, lag)
+	ms.SinkEffects, _ = m.Int64Counter("leasehold.sink.effects", metric.WithDescription("Sink decisions by outcome (accepted, duplicate, rejected_stale, rejected_unverified, rejected_bad_stamp, advanced, error)."), metric.WithUnit("{effect}"))
 	return ms
 }
 
-// SetEpoch records the epoch of a partition held here; 0 forgets it.
-func (m *Metrics) SetEpoch(partition, epoch int64) {
+// register creates the gauges and their callback. It runs on the first
+// SetEpoch, so that sinks, which never hold leases, register nothing.
+func (m *Metrics) register() {
+	epoch, _ := m.meter.Int64ObservableGauge("leasehold.partition.epoch", metric.WithDescription("Epoch of each partition lease held by a worker of this process."))
+	lag, _ := m.meter.Int64ObservableGauge("leasehold.consumer.lag", metric.WithDescription("Jobs waiting in each partition held by a worker of this process."), metric.WithUnit("{job}"))
+	_, _ = m.meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		for h, e := range m.epochs {
+			o.ObserveInt64(epoch, e, metric.WithAttributes(AttrPartition.Int64(int64(h.partition)), AttrWorker.String(h.worker)))
+		}
+		for h, l := range m.lags {
+			o.ObserveInt64(lag, l, metric.WithAttributes(AttrPartition.Int64(int64(h.partition)), AttrWorker.String(h.worker)))
+		}
+		return nil
+	}, epoch, lag)
+}
+
+// SetEpoch records the epoch of partition p's lease held by worker; 0
+// forgets the lease (and its lag).
+func (m *Metrics) SetEpoch(worker string, p leasehold.Partition, e leasehold.Epoch) {
+	m.once.Do(m.register)
+	k := held{worker, p}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if epoch == 0 {
-		delete(m.epochs, partition)
-		delete(m.lags, partition)
+	if e == 0 {
+		delete(m.epochs, k)
+		delete(m.lags, k)
 		return
 	}
-	m.epochs[partition] = epoch
+	m.epochs[k] = int64(e)
 }
 
-// SetLag records how many jobs wait in a partition held here.
-func (m *Metrics) SetLag(partition, lag int64) {
+// SetLag records how many jobs wait in partition p, held by worker. It is
+// ignored unless SetEpoch recorded the lease.
+func (m *Metrics) SetLag(worker string, p leasehold.Partition, lag uint64) {
+	k := held{worker, p}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if _, held := m.epochs[partition]; held {
-		m.lags[partition] = lag
+	if _, ok := m.epochs[k]; ok {
+		m.lags[k] = int64(lag)
 	}
 }
 
-// Outcome is an attribute option for SinkEffects.
-func Outcome(o string) metric.MeasurementOption {
-	return metric.WithAttributeSet(attribute.NewSet(AttrOutcome.String(o)))
+// SinkOutcome returns the measurement options of one sink's outcome, to
+// pass to SinkEffects.Add. Build them once per sink and outcome: Add with
+// a prepared slice does not allocate.
+func SinkOutcome(sink, outcome string) []metric.AddOption {
+	return []metric.AddOption{metric.WithAttributeSet(attribute.NewSet(AttrSink.String(sink), AttrOutcome.String(outcome)))}
 }

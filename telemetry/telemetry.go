@@ -5,7 +5,6 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/propagation"
-	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/leasehold/leasehold"
@@ -17,30 +16,42 @@ const ScopeName = "github.com/leasehold/leasehold"
 // Attribute keys leasehold puts on spans and metrics.
 const (
 	AttrPartition = attribute.Key("leasehold.partition")
-	AttrEpoch     = attribute.Key("leasehold.epoch")
-	AttrMaxEpoch  = attribute.Key("leasehold.max_epoch")
-	AttrWorker    = attribute.Key("leasehold.worker")
-	AttrHolder    = attribute.Key("leasehold.holder") // the current holder of a partition
-	AttrKey       = attribute.Key("leasehold.key")    // an effect's idempotency key
+	AttrEpoch     = attribute.Key("leasehold.epoch")     // the epoch a write or lease carries
+	AttrMaxEpoch  = attribute.Key("leasehold.max_epoch") // the partition's recorded maximum at a sink
+	AttrWorker    = attribute.Key("leasehold.worker")    // the worker that wrote, or holds the lease
+	AttrHolder    = attribute.Key("leasehold.holder")    // the current holder of a partition
+	AttrKey       = attribute.Key("leasehold.key")       // an effect's idempotency key
 	AttrReason    = attribute.Key("leasehold.reason")
 	AttrSink      = attribute.Key("leasehold.sink")
 	AttrOutcome   = attribute.Key("leasehold.outcome")
 	AttrAttempt   = attribute.Key("leasehold.attempt")
 	AttrMember    = attribute.Key("leasehold.member")
+	AttrSeq       = attribute.Key("leasehold.seq")      // a job's sequence in the job stream
+	AttrPosition  = attribute.Key("leasehold.position") // a message's sequence in an effect log
+	AttrBarrier   = attribute.Key("leasehold.barrier")  // the message is a barrier
+	AttrEffects   = attribute.Key("leasehold.effects")  // effects in one sink call
 )
 
 // EventFenceRejected is the span event recorded on a write refused for a
 // stale epoch.
 const EventFenceRejected = "leasehold.fence.rejected"
 
-// ErrorTypeStaleEpoch is the error.type of a refused zombie write.
-const ErrorTypeStaleEpoch = "stale_epoch"
-
-// MessagingSystem is the messaging.system attribute for NATS.
-var MessagingSystem = semconv.MessagingSystemKey.String("nats")
+// Values of error.type on leasehold's spans.
+const (
+	ErrorTypeStaleEpoch = "stale_epoch"      // a sink refused a write: its epoch is below the partition's maximum
+	ErrorTypeUnverified = "unverified_epoch" // a sink refused an epoch the lease bucket never issued
+	ErrorTypeBadStamp   = "bad_stamp"        // a stamp was missing or malformed
+	ErrorTypeLeaseLost  = "lease_lost"       // the work outlived its lease
+	ErrorTypePanic      = "panic"            // a handler panicked
+	ErrorTypeTimeout    = "timeout"          // a deadline passed
+	ErrorTypeOther      = "_OTHER"           // anything else, as the semantic conventions name it
+)
 
 // Config selects the OpenTelemetry providers. Zero fields mean the globals
-// (otel.GetTracerProvider and so on), read when New is called.
+// (otel.GetTracerProvider, otel.GetMeterProvider and
+// otel.GetTextMapPropagator), read when New is called. The global providers
+// forward to whatever is installed later, so a component built before
+// otel.SetTracerProvider still records into the provider set afterwards.
 type Config struct {
 	TracerProvider trace.TracerProvider
 	MeterProvider  metric.MeterProvider
@@ -48,11 +59,14 @@ type Config struct {
 }
 
 // Telemetry bundles a tracer, the metric instruments and the propagator
-// leasehold's packages share.
+// leasehold's packages share. Build it with New (or Setup); its fields are
+// read-only.
 type Telemetry struct {
 	Tracer     trace.Tracer
 	Propagator propagation.TextMapPropagator
 	Metrics    *Metrics
+
+	cfg Config
 }
 
 // New builds the tracer and instruments from cfg.
@@ -70,8 +84,13 @@ func New(cfg Config) *Telemetry {
 		Tracer:     cfg.TracerProvider.Tracer(ScopeName),
 		Propagator: cfg.Propagator,
 		Metrics:    newMetrics(cfg.MeterProvider.Meter(ScopeName)),
+		cfg:        cfg,
 	}
 }
+
+// Config returns the providers t was built from, for handing to the
+// Telemetry field of a worker, producer or sink configuration.
+func (t *Telemetry) Config() Config { return t.cfg }
 
 // StampAttrs are the attributes that identify a stamped write.
 func StampAttrs(s leasehold.Stamp) []attribute.KeyValue {
@@ -85,34 +104,3 @@ func StampAttrs(s leasehold.Stamp) []attribute.KeyValue {
 	}
 	return attrs
 }
-
-// SendAttrs are the messaging attributes of a "send" span to subject, whose
-// subject template (such as "orders.out.{partition}") is template.
-func SendAttrs(subject, template string) []attribute.KeyValue {
-	return []attribute.KeyValue{
-		MessagingSystem,
-		semconv.MessagingOperationTypeSend,
-		semconv.MessagingOperationName("send"),
-		semconv.MessagingDestinationName(subject),
-		semconv.MessagingDestinationTemplate(template),
-	}
-}
-
-// ProcessAttrs are the messaging attributes of a "process" span.
-func ProcessAttrs(subject, template, consumerGroup string) []attribute.KeyValue {
-	attrs := []attribute.KeyValue{
-		MessagingSystem,
-		semconv.MessagingOperationTypeProcess,
-		semconv.MessagingOperationName("process"),
-		semconv.MessagingDestinationName(subject),
-		semconv.MessagingDestinationTemplate(template),
-	}
-	if consumerGroup != "" {
-		attrs = append(attrs, semconv.MessagingConsumerGroupName(consumerGroup))
-	}
-	return attrs
-}
-
-// SpanName is "<operation> <destination template>", as the messaging
-// conventions ask: the template, not the subject, keeps span names few.
-func SpanName(operation, template string) string { return operation + " " + template }
