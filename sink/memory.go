@@ -8,6 +8,7 @@ import (
 	"sync"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/telemetry"
 )
 
 // MemoryConfig configures a Memory sink.
@@ -26,6 +27,9 @@ type MemoryConfig struct {
 	Observer Observer
 	// Logger receives rate-limited drop lines. Default slog.Default().
 	Logger *slog.Logger
+	// Telemetry selects the providers of the sink's spans and metrics (see
+	// Reporter). Zero fields mean the OpenTelemetry globals.
+	Telemetry telemetry.Config
 }
 
 // Memory is the reference sink: it keeps the maxima and the applied
@@ -57,7 +61,7 @@ func NewMemory(cfg MemoryConfig) *Memory {
 		cfg.Name = "memory"
 	}
 	return &Memory{
-		rep:    NewReporter(ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger}),
+		rep:    NewReporter(ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger, Telemetry: cfg.Telemetry}),
 		check:  NewEpochCheck(cfg.Verifier),
 		dedupe: !cfg.NoDedupe,
 		keep:   cfg.KeepLog,
@@ -72,6 +76,8 @@ func (m *Memory) Apply(ctx context.Context, effects ...Effect) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("sink: apply: %w", err)
 	}
+	ctx, span := m.rep.StartApply(ctx, effects)
+	defer span.End()
 	if i, err := ValidateEffects(effects); err != nil {
 		if i >= 0 {
 			m.rep.Report(ctx, Decision{Outcome: BadStamp, Stamp: effects[i].Stamp, Subject: effects[i].Subject, Err: err})

@@ -7,7 +7,11 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/telemetry"
 )
 
 // DropCounter is implemented by sinks that count the effects they refused.
@@ -30,6 +34,11 @@ type Reporter struct {
 	logEvery time.Duration
 	now      func() time.Time
 
+	tel         *telemetry.Telemetry
+	applyOpts   []trace.SpanStartOption
+	processOpts []trace.SpanStartOption
+	counts      [Failed + 1][]metric.AddOption // by outcome
+
 	mu    sync.Mutex
 	parts map[leasehold.Partition]*dropState
 }
@@ -51,6 +60,9 @@ type ReporterConfig struct {
 	// LogEvery is the shortest interval between two drop lines of one
 	// partition. Default one second.
 	LogEvery time.Duration
+	// Telemetry selects the providers of the sink's spans and metrics.
+	// Zero fields mean the OpenTelemetry globals.
+	Telemetry telemetry.Config
 }
 
 // NewReporter returns a Reporter.
@@ -67,19 +79,25 @@ func NewReporter(cfg ReporterConfig) *Reporter {
 	if cfg.LogEvery <= 0 {
 		cfg.LogEvery = time.Second
 	}
-	return &Reporter{
+	r := &Reporter{
 		name: cfg.Name, obs: cfg.Observer, log: cfg.Logger, logEvery: cfg.LogEvery, now: time.Now,
 		parts: make(map[leasehold.Partition]*dropState),
 	}
+	r.newInstruments(cfg.Telemetry)
+	return r
 }
 
 // Name is the sink's name.
 func (r *Reporter) Name() string { return r.name }
 
-// Report passes d to the observer and, for a drop, counts and logs it.
+// Report passes d to the observer, counts it in
+// leasehold_sink_effects_total, records it on the span of ctx (see
+// StartApply and StartProcess) and, for a drop, counts and logs it.
 func (r *Reporter) Report(ctx context.Context, d Decision) {
 	d.Sink = r.name
 	r.obs.Decided(ctx, d)
+	r.count(ctx, d.Outcome)
+	r.traceDecision(ctx, &d)
 	if !d.Outcome.Dropped() {
 		return
 	}

@@ -26,6 +26,8 @@ func (s *Sink) Apply(ctx context.Context, effects ...sink.Effect) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("kvsink: apply: %w", err)
 	}
+	ctx, span := s.rep.StartApply(ctx, effects)
+	defer span.End()
 	if i, err := sink.ValidateEffects(effects); err != nil {
 		if i >= 0 {
 			s.rep.Report(ctx, sink.Decision{Outcome: sink.BadStamp, Stamp: effects[i].Stamp, Subject: effects[i].Subject, Err: err})

@@ -35,6 +35,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/telemetry"
 )
 
 // DefaultBucket is the bucket's name when none is configured.
@@ -64,6 +65,9 @@ type Config struct {
 	Observer sink.Observer
 	// Logger receives rate-limited drop lines. Default slog.Default().
 	Logger *slog.Logger
+	// Telemetry selects the providers of the sink's spans and metrics (see
+	// sink.Reporter). Zero fields mean the OpenTelemetry globals.
+	Telemetry telemetry.Config
 }
 
 func (c *Config) setDefaults() {
@@ -166,7 +170,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Sink, error)
 	}
 	return &Sink{
 		js: js, kv: kv, cfg: cfg, stream: stream, prefix: "$KV." + cfg.Bucket + ".", api: apiPrefix(js.Options()),
-		rep:    sink.NewReporter(sink.ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger}),
+		rep:    sink.NewReporter(sink.ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger, Telemetry: cfg.Telemetry}),
 		check:  sink.NewEpochCheck(cfg.Verifier),
 		fences: make(map[leasehold.Partition]fence),
 	}, nil

@@ -42,6 +42,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/telemetry"
 )
 
 // DB is what the sink needs of a database handle. *pgxpool.Pool satisfies
@@ -69,6 +70,9 @@ type Config struct {
 	Observer sink.Observer
 	// Logger receives rate-limited drop lines. Default slog.Default().
 	Logger *slog.Logger
+	// Telemetry selects the providers of the sink's spans and metrics (see
+	// sink.Reporter). Zero fields mean the OpenTelemetry globals.
+	Telemetry telemetry.Config
 }
 
 func (c *Config) setDefaults() {
@@ -138,7 +142,7 @@ func New(cfg Config) (*Sink, error) {
 	return &Sink{
 		db:    cfg.DB,
 		t:     t,
-		rep:   sink.NewReporter(sink.ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger}),
+		rep:   sink.NewReporter(sink.ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger, Telemetry: cfg.Telemetry}),
 		check: sink.NewEpochCheck(cfg.Verifier),
 		sqlFast: fmt.Sprintf(`WITH f AS (SELECT 1 FROM %s WHERE partition = $1 AND epoch = $2 AND $3::text IS NOT NULL FOR SHARE)
 			INSERT INTO %s (key, partition, epoch, subject, data, header)
@@ -177,6 +181,8 @@ func (s *Sink) Apply(ctx context.Context, effects ...sink.Effect) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("pgsink: apply: %w", err)
 	}
+	ctx, span := s.rep.StartApply(ctx, effects)
+	defer span.End()
 	if i, err := sink.ValidateEffects(effects); err != nil {
 		if i >= 0 {
 			s.rep.Report(ctx, sink.Decision{Outcome: sink.BadStamp, Stamp: effects[i].Stamp, Subject: effects[i].Subject, Err: err})
@@ -322,6 +328,8 @@ func (s *Sink) ApplyTx(ctx context.Context, stamp leasehold.Stamp, fn func(ctx c
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("pgsink: apply: %w", err)
 	}
+	ctx, span := s.rep.StartApply(ctx, []sink.Effect{{Stamp: stamp}})
+	defer span.End()
 	if err := stamp.Validate(); err != nil {
 		err = fmt.Errorf("pgsink: apply: %w", err)
 		s.rep.Report(ctx, sink.Decision{Outcome: sink.BadStamp, Stamp: stamp, Err: err})

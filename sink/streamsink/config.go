@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/telemetry"
 )
 
 // Config configures a Runner. Every name derives from Prefix by default.
@@ -70,6 +71,11 @@ type Config struct {
 	Observer sink.Observer
 	// Logger receives drop lines and retries. Default slog.Default().
 	Logger *slog.Logger
+	// Telemetry selects the providers of the runner's spans and metrics:
+	// a consumer span "process <subject template>" for each message it
+	// decides, the child of the span that published the message. Zero
+	// fields mean the OpenTelemetry globals.
+	Telemetry telemetry.Config
 }
 
 func (c *Config) setDefaults() {

@@ -11,9 +11,12 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/telemetry"
 )
 
 // outcome is the decision about one log message, before it is delivered
@@ -24,11 +27,15 @@ type outcome struct {
 	report  bool
 	deliver bool
 	term    bool
+
+	ctx  context.Context // carries the message's span, when it has one
+	span trace.Span
 }
 
 // handle decides a batch in log order, delivers the accepted effects,
 // saves the progress, and only then acks.
 func (r *Runner) handle(ctx context.Context, msgs []*logMsg) error {
+	began := time.Now()
 	sort.Slice(msgs, func(i, j int) bool { return msgs[i].seq < msgs[j].seq })
 	r.mu.Lock()
 	work, rev := r.st.clone(), r.rev
@@ -66,26 +73,12 @@ func (r *Runner) handle(ctx context.Context, msgs []*logMsg) error {
 		}
 	}
 	if work.Seq > start {
-		if err := r.deliver(ctx, outs); err != nil {
-			return err
-		}
-		if err := r.at("delivered"); err != nil {
-			return err
-		}
-		saved, nrev, err := r.save(ctx, work, rev)
+		r.startSpans(ctx, outs, began)
+		err := r.settle(ctx, outs, work, rev)
+		endSpans(outs, err)
 		if err != nil {
 			return err
 		}
-		if err := r.at("saved"); err != nil {
-			return err
-		}
-		for _, o := range outs {
-			if o.report {
-				r.rep.Report(ctx, o.d)
-			}
-		}
-		// Waiters on the position see the decisions reported.
-		r.adopt(saved, nrev)
 		for _, o := range outs {
 			if o.m.msg == nil {
 				continue
@@ -103,6 +96,65 @@ func (r *Runner) handle(ctx context.Context, msgs []*logMsg) error {
 		}
 	}
 	return stopErr
+}
+
+// settle delivers a decided batch, saves the progress and reports the
+// decisions.
+func (r *Runner) settle(ctx context.Context, outs []outcome, work state, rev uint64) error {
+	if err := r.deliver(ctx, outs); err != nil {
+		return err
+	}
+	if err := r.at("delivered"); err != nil {
+		return err
+	}
+	saved, nrev, err := r.save(ctx, work, rev)
+	if err != nil {
+		return err
+	}
+	if err := r.at("saved"); err != nil {
+		return err
+	}
+	for _, o := range outs {
+		if o.report {
+			r.rep.Report(o.ctx, o.d)
+		}
+	}
+	// Waiters on the position see the decisions reported.
+	r.adopt(saved, nrev)
+	return nil
+}
+
+// startSpans starts the span of each message whose decision is reported:
+// it covers the batch from its first decision to the saved outcome, and
+// the Handler or the republish runs under it.
+func (r *Runner) startSpans(ctx context.Context, outs []outcome, began time.Time) {
+	for i := range outs {
+		o := &outs[i]
+		o.ctx = ctx
+		if !o.report {
+			continue
+		}
+		o.ctx, o.span = r.rep.StartProcess(ctx, telemetry.HeaderCarrier(o.m.header), o.m.subject, o.d.Stamp, trace.WithTimestamp(began))
+		if o.span.IsRecording() {
+			o.span.SetAttributes(telemetry.AttrPosition.Int64(int64(o.m.seq)))
+			if o.d.Outcome == sink.Advanced {
+				o.span.SetAttributes(telemetry.AttrBarrier.Bool(true))
+			}
+		}
+	}
+}
+
+// endSpans ends the messages' spans; err means the batch was not saved and
+// is decided again later.
+func endSpans(outs []outcome, err error) {
+	for i := range outs {
+		if s := outs[i].span; s != nil {
+			if err != nil {
+				s.SetStatus(codes.Error, "not saved, to be decided again: "+err.Error())
+			}
+			s.End()
+		}
+	}
 }
 
 // at runs the test hook at a named point.
@@ -195,7 +247,7 @@ func (r *Runner) deliver(ctx context.Context, outs []outcome) error {
 			}
 			e := sink.Effect{Stamp: o.d.Stamp, Subject: o.m.subject, Data: o.m.data, Header: o.m.header}
 			for attempt := 0; ; attempt++ {
-				err := r.cfg.Handler(ctx, e)
+				err := r.cfg.Handler(o.ctx, e)
 				if err == nil {
 					break
 				}
@@ -217,7 +269,7 @@ func (r *Runner) deliver(ctx context.Context, outs []outcome) error {
 		var failed []int
 		var lastErr error
 		for j, i := range todo {
-			f, err := r.js.PublishMsgAsync(r.republished(outs[i].m, outs[i].d.Stamp))
+			f, err := r.js.PublishMsgAsync(r.republished(outs[i].ctx, outs[i].m, outs[i].d.Stamp))
 			if err != nil {
 				failed, lastErr = append(failed, i), err
 				continue
@@ -259,9 +311,10 @@ func (r *Runner) deliver(ctx context.Context, outs []outcome) error {
 }
 
 // republished builds the downstream message for an accepted effect: its
-// headers (stamp and trace context included), with the idempotency key as
-// Nats-Msg-Id so that the server drops a repeat.
-func (r *Runner) republished(m *logMsg, st leasehold.Stamp) *nats.Msg {
+// headers (the stamp included), the trace context of the span that
+// decided it, and the idempotency key as Nats-Msg-Id so that the server
+// drops a repeat.
+func (r *Runner) republished(ctx context.Context, m *logMsg, st leasehold.Stamp) *nats.Msg {
 	out := nats.NewMsg(r.cfg.Subject(m.subject))
 	for k, vs := range m.header {
 		if strings.HasPrefix(strings.ToLower(k), "nats-") {
@@ -269,6 +322,7 @@ func (r *Runner) republished(m *logMsg, st leasehold.Stamp) *nats.Msg {
 		}
 		out.Header[k] = vs
 	}
+	r.rep.Telemetry().Propagator.Inject(ctx, telemetry.HeaderCarrier(out.Header))
 	out.Header.Set(jetstream.MsgIDHeader, st.Key)
 	out.Data = m.data
 	return out

@@ -73,7 +73,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Runner, erro
 	cfg.setDefaults()
 	r := &Runner{
 		js: js, cfg: cfg, api: apiPrefix(js.Options()), log: cfg.Logger,
-		rep:      sink.NewReporter(sink.ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger}),
+		rep:      sink.NewReporter(sink.ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger, Telemetry: cfg.Telemetry}),
 		check:    sink.NewEpochCheck(cfg.Verifier),
 		progress: make(chan struct{}),
 		filter:   cfg.FilterSubject,

@@ -29,8 +29,11 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/ThreeDotsLabs/watermill/message"
+
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/telemetry"
 )
 
 // Config configures a Fencer.
@@ -45,6 +48,11 @@ type Config struct {
 	Observer sink.Observer
 	// Logger receives rate-limited drop lines. Default slog.Default().
 	Logger *slog.Logger
+	// Telemetry selects the providers of the Fencer's spans and metrics: a
+	// consumer span "process <topic>" for each message, the child of the
+	// span that published it (from the trace context in its metadata).
+	// Zero fields mean the OpenTelemetry globals.
+	Telemetry telemetry.Config
 }
 
 // Fencer fences messages against the maxima in a sink.Fence.
@@ -67,7 +75,7 @@ func New(cfg Config) (*Fencer, error) {
 	}
 	return &Fencer{
 		fence: cfg.Fence,
-		rep:   sink.NewReporter(sink.ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger}),
+		rep:   sink.NewReporter(sink.ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger, Telemetry: cfg.Telemetry}),
 		check: sink.NewEpochCheck(cfg.Verifier),
 		locks: make(map[leasehold.Partition]*sync.Mutex),
 	}, nil
@@ -94,10 +102,17 @@ func (f *Fencer) lock(p leasehold.Partition) *sync.Mutex {
 // sink.ErrUnverifiedEpoch for a forged epoch, and apply's error. A barrier
 // raises the maximum and does not call apply.
 func (f *Fencer) Fence(ctx context.Context, md map[string]string, apply func() error) error {
+	return f.fenceCtx(ctx, md, func(context.Context) error { return apply() })
+}
+
+// fenceCtx is Fence, calling apply with the context of the message's span.
+func (f *Fencer) fenceCtx(ctx context.Context, md map[string]string, apply func(context.Context) error) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("wmsink: %w", err)
 	}
 	st, err := leasehold.StampFromMetadata(md)
+	ctx, span := f.rep.StartProcess(ctx, telemetry.MetadataCarrier(md), message.SubscribeTopicFromCtx(ctx), st)
+	defer span.End()
 	if err != nil {
 		err = fmt.Errorf("wmsink: message metadata: %w", err)
 		f.rep.Report(ctx, sink.Decision{Outcome: sink.BadStamp, Stamp: st, Err: err})
@@ -140,7 +155,7 @@ func (f *Fencer) Fence(ctx context.Context, md map[string]string, apply func() e
 		}
 		return nil
 	}
-	if err := apply(); err != nil {
+	if err := apply(ctx); err != nil {
 		return f.failed(ctx, st, err)
 	}
 	f.rep.Report(ctx, sink.Decision{Outcome: sink.Accepted, Stamp: st, Max: st.Epoch})

@@ -1,6 +1,8 @@
 package wmsink
 
 import (
+	"context"
+
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
@@ -10,7 +12,9 @@ import (
 func (f *Fencer) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		var out []*message.Message
-		err := f.Fence(msg.Context(), msg.Metadata, func() error {
+		err := f.fenceCtx(msg.Context(), msg.Metadata, func(ctx context.Context) error {
+			// The handler runs under the message's span.
+			msg.SetContext(ctx)
 			var herr error
 			out, herr = h(msg)
 			return herr

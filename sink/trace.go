@@ -1,0 +1,172 @@
+package sink
+
+import (
+	"context"
+	"errors"
+
+	"go.opentelemetry.io/otel/propagation"
+	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/telemetry"
+)
+
+// A sink's spans and metrics go through its Reporter.
+//
+// A direct sink (Memory, kvsink, pgsink) wraps each Apply in an internal
+// span named "apply", a child of the caller's span, so that a handler's
+// write shows up under the job's "process" span. A sink that reads a log
+// (streamsink, wmsink) wraps each message in a consumer span
+// "process <subject template>" whose parent is the span that sent the
+// message, taken from the W3C trace context in its headers: a zombie's
+// refused effect hangs under the zombie's own "send" span.
+//
+// Report records each decision on the span its ctx carries (when that span
+// was started by the same Reporter) and counts it in
+// leasehold_sink_effects_total. A refusal for a stale epoch makes the span
+// an error with error.type=stale_epoch, the refused stamp's attributes,
+// the partition's maximum and holder, and the event
+// leasehold.fence.rejected (see telemetry.RecordStale). A drop reported
+// under a ctx without such a span gets a span of its own, so that every
+// drop is traced.
+
+// reporterSpan keys the Reporter whose span a context carries.
+type reporterSpan struct{}
+
+// nopSpan is returned when no span is started: ending it ends nothing (a
+// non-recording span from the context could be the caller's own).
+var nopSpan trace.Span = noop.Span{}
+
+// StartApply starts the span of one Apply of a direct sink, a child of
+// ctx's span, and returns the context to report decisions under. Only a
+// caller that is itself traced (its span is recording) gets an apply span:
+// an untraced Apply costs nothing here, and its drops still get spans of
+// their own from Report. End the returned span when Apply returns.
+func (r *Reporter) StartApply(ctx context.Context, effects []Effect) (context.Context, trace.Span) {
+	if !trace.SpanFromContext(ctx).IsRecording() {
+		return ctx, nopSpan
+	}
+	ctx, span := r.tel.Tracer.Start(ctx, "apply", r.applyOpts...)
+	if len(effects) == 1 {
+		span.SetAttributes(telemetry.StampAttrs(effects[0].Stamp)...)
+	} else {
+		span.SetAttributes(telemetry.AttrEffects.Int(len(effects)))
+	}
+	return context.WithValue(ctx, reporterSpan{}, r), span
+}
+
+// StartProcess starts the consumer span of one message a sink read from a
+// log: "process <subject template>", whose parent is the trace context
+// carried by the message (read through carrier, without regard to the
+// case of its names) or, when it carries none, ctx's span. stamp is the
+// message's stamp as far as it could be read; opts adjust the span (a
+// start time, for one). End the span once the decision is reported.
+func (r *Reporter) StartProcess(ctx context.Context, carrier propagation.TextMapCarrier, subject string, stamp leasehold.Stamp, opts ...trace.SpanStartOption) (context.Context, trace.Span) {
+	ctx = r.tel.Propagator.Extract(ctx, carrier)
+	template := telemetry.SubjectTemplate(subject, stamp.Partition)
+	if subject == "" {
+		template = r.name
+	}
+	if len(opts) > 0 {
+		opts = append(opts, r.processOpts...)
+	} else {
+		opts = r.processOpts
+	}
+	ctx, span := r.tel.Tracer.Start(ctx, telemetry.SpanName("process", template), opts...)
+	if span.IsRecording() {
+		attrs := append(telemetry.ProcessAttrs(subject, template, ""), telemetry.AttrSink.String(r.name))
+		if stamp.Key != "" {
+			attrs = append(attrs, semconv.MessagingDestinationPartitionID(stamp.Partition.String()), semconv.MessagingMessageID(stamp.Key))
+			attrs = append(attrs, telemetry.StampAttrs(stamp)...)
+		}
+		span.SetAttributes(attrs...)
+	}
+	return context.WithValue(ctx, reporterSpan{}, r), span
+}
+
+// Telemetry is the tracer, propagator and instruments the Reporter
+// records with, for a sink's spans of its own.
+func (r *Reporter) Telemetry() *telemetry.Telemetry { return r.tel }
+
+// traceDecision records d on the span of ctx, or on a span of its own for
+// a drop or failure reported outside one.
+func (r *Reporter) traceDecision(ctx context.Context, d *Decision) {
+	if ctx.Value(reporterSpan{}) == r {
+		annotate(trace.SpanFromContext(ctx), d)
+		return
+	}
+	if !d.Outcome.Dropped() && d.Outcome != Failed {
+		return
+	}
+	_, span := r.tel.Tracer.Start(ctx, "apply", r.applyOpts...)
+	if span.IsRecording() {
+		span.SetAttributes(telemetry.StampAttrs(d.Stamp)...)
+		annotate(span, d)
+	}
+	span.End()
+}
+
+func annotate(span trace.Span, d *Decision) {
+	if !span.IsRecording() {
+		return
+	}
+	switch d.Outcome {
+	case Stale:
+		var se *leasehold.StaleEpochError
+		if !errors.As(d.Err, &se) {
+			se = StaleError(d.Stamp, d.Max, d.Holder)
+		}
+		if se.Holder == "" && d.Holder != "" {
+			c := *se
+			c.Holder = d.Holder
+			se = &c
+		}
+		telemetry.RecordStale(span, se)
+	case Unverified:
+		span.SetAttributes(telemetry.AttrMaxEpoch.Int64(int64(d.Max)))
+		telemetry.RecordError(span, telemetry.ErrorTypeUnverified, d.Err)
+	case BadStamp:
+		telemetry.RecordError(span, telemetry.ErrorTypeBadStamp, d.Err)
+	case Failed:
+		telemetry.RecordError(span, "", d.Err)
+	}
+	span.SetAttributes(telemetry.AttrOutcome.String(outcomeLabel(d.Outcome)))
+}
+
+// outcomeLabel is the leasehold_outcome label of an outcome.
+func outcomeLabel(o Outcome) string {
+	switch o {
+	case Accepted:
+		return telemetry.OutcomeAccepted
+	case Duplicate:
+		return telemetry.OutcomeDuplicate
+	case Stale:
+		return telemetry.OutcomeRejectedStale
+	case Unverified:
+		return telemetry.OutcomeRejectedUnverified
+	case BadStamp:
+		return telemetry.OutcomeRejectedBadStamp
+	case Advanced:
+		return telemetry.OutcomeAdvanced
+	}
+	return telemetry.OutcomeError
+}
+
+// newInstruments prepares what the Reporter's spans and counts reuse.
+func (r *Reporter) newInstruments(cfg telemetry.Config) {
+	r.tel = telemetry.New(cfg)
+	sinkAttr := telemetry.AttrSink.String(r.name)
+	r.applyOpts = []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(sinkAttr)}
+	r.processOpts = []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer)}
+	for o := Accepted; o <= Failed; o++ {
+		r.counts[o] = telemetry.SinkOutcome(r.name, outcomeLabel(o))
+	}
+}
+
+func (r *Reporter) count(ctx context.Context, o Outcome) {
+	if int(o) < len(r.counts) && r.counts[o] != nil {
+		r.tel.Metrics.SinkEffects.Add(ctx, 1, r.counts[o]...)
+	}
+}
