@@ -6,9 +6,9 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/telemetry"
 )
 
 // writeBarriers fences the partition against its previous holder before
@@ -29,29 +29,37 @@ func (r *runner) writeBarriers() outcome {
 		Key:       leasehold.BarrierKey(r.w.cfg.Prefix, r.p, r.info.Epoch),
 		Worker:    r.info.Holder,
 	}
+	ctx, span := r.startFence()
 	for attempt := 1; ; attempt++ {
-		err := r.barrierRound(&fences, &subjects, stamp)
+		err := r.barrierRound(ctx, &fences, &subjects, stamp)
 		if err == nil {
+			span.End()
 			return 0
 		}
+		span.RecordError(err)
 		if r.ctx.Err() != nil {
+			endSpan(span, context.Cause(r.ctx))
 			return outLost
 		}
 		wait := min(50*time.Millisecond<<min(attempt-1, 6), 2*time.Second)
 		r.log.Warn("writing the partition's barriers failed; retrying before handling any job", "attempt", attempt, "backoff", wait, "err", err)
 		if out := r.sleep(wait); out != 0 {
+			endSpan(span, err)
 			return out
 		}
 	}
 }
 
-// barrierRound writes what is left, removing what succeeded.
-func (r *runner) barrierRound(fences *[]Fence, subjects *[]string, stamp leasehold.Stamp) error {
+// barrierRound writes what is left, removing what succeeded. ctx is r.ctx
+// with the fence's span.
+func (r *runner) barrierRound(ctx context.Context, fences *[]Fence, subjects *[]string, stamp leasehold.Stamp) error {
 	timeout := r.w.cfg.EffectTimeout
 	for len(*fences) > 0 {
-		ctx, cancel := context.WithTimeout(r.ctx, timeout)
-		err := (*fences)[0].Advance(ctx, r.p, r.info.Epoch)
+		actx, cancel := context.WithTimeout(ctx, timeout)
+		actx, span := r.startAdvance(actx, (*fences)[0])
+		err := (*fences)[0].Advance(actx, r.p, r.info.Epoch)
 		cancel()
+		endSpan(span, err)
 		if err != nil {
 			return fmt.Errorf("advance fence %T to epoch %d: %w", (*fences)[0], r.info.Epoch, err)
 		}
@@ -61,9 +69,12 @@ func (r *runner) barrierRound(fences *[]Fence, subjects *[]string, stamp leaseho
 	for len(*subjects) > 0 {
 		subject := (*subjects)[0]
 		msg := &nats.Msg{Subject: subject, Header: nats.Header{leasehold.HeaderBarrier: []string{"1"}}}
-		stamp.SetHeader(msg.Header)
-		msg.Header[jetstream.MsgIDHeader] = []string{stamp.Key}
-		if err := r.publishSync(r.ctx, msg, timeout); err != nil {
+		sctx, span := r.startSend(ctx, subject, stamp)
+		span.SetAttributes(telemetry.AttrBarrier.Bool(true))
+		r.stampHeader(sctx, msg.Header, stamp)
+		err := r.publishSync(sctx, msg, timeout)
+		endSpan(span, err)
+		if err != nil {
 			return fmt.Errorf("publish barrier to %s: %w", subject, err)
 		}
 		r.event(r.ctx, Event{Kind: EventBarrierWritten, Stamp: stamp, Subject: subject})

@@ -16,6 +16,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/telemetry"
 )
 
 // Fence is a sink that can be told about a take-over: on acquiring a
@@ -107,8 +108,15 @@ type Config struct {
 	BarrierSubjects func(p leasehold.Partition) []string
 
 	// Propagator injects trace context into effects and extracts it from
-	// jobs. Default otel.GetTextMapPropagator().
+	// jobs. Default otel.GetTextMapPropagator(). Telemetry.Propagator, when
+	// set, wins.
 	Propagator propagation.TextMapPropagator
+	// Telemetry selects the OpenTelemetry providers of the worker's spans
+	// and metrics, and of its lease events (the worker adds
+	// telemetry.LeaseObserver to its coordinator). Zero fields mean the
+	// globals. See the package documentation of telemetry for the spans
+	// and metric names.
+	Telemetry telemetry.Config
 	// Logger receives the worker's logs. Default slog.Default().
 	Logger *slog.Logger
 	// Observer receives worker events. Default: none.

@@ -68,21 +68,28 @@ func (r *runner) deadLetter(m jetstream.Msg, md *jetstream.MsgMetadata, st retry
 		Key:       DeadLetterKey(r.w.cfg.Prefix, r.p, md.Sequence.Stream),
 		Worker:    r.info.Holder,
 	}
-	ctx := r.w.cfg.Propagator.Extract(r.ctx, telemetry.HeaderCarrier(m.Headers()))
+	// The dead letter belongs to the job's trace: a child of its enqueue.
+	ctx := r.w.tel.Propagator.Extract(r.ctx, telemetry.HeaderCarrier(m.Headers()))
+	ctx, span := r.startSend(ctx, msg.Subject, stamp)
+	span.SetAttributes(telemetry.AttrSeq.Int64(int64(md.Sequence.Stream)), telemetry.AttrAttempt.Int(st.runs))
 	r.stampHeader(ctx, msg.Header, stamp)
 	for attempt := 1; ; attempt++ {
 		fut, err := r.publishAsync(r.ctx, msg)
 		if err == nil {
+			span.End()
+			r.w.tel.Metrics.JobsDeadLettered.Add(ctx, 1)
 			r.event(ctx, Event{Kind: EventJobDeadLettered, Seq: md.Sequence.Stream, Attempt: st.runs, Stamp: stamp, Subject: msg.Subject, Err: st.err})
 			r.log.Error("job dead-lettered", "seq", md.Sequence.Stream, "attempts", st.runs, "dlq", msg.Subject, "err", st.err)
 			return []jetstream.PubAckFuture{fut}, 0
 		}
 		if r.ctx.Err() != nil {
+			endSpan(span, err)
 			return nil, outLost
 		}
 		wait := min(50*time.Millisecond<<min(attempt-1, 6), 2*time.Second)
 		r.log.Warn("dead-lettering a job failed; retrying", "seq", md.Sequence.Stream, "err", err)
 		if out := r.sleep(wait); out != 0 {
+			endSpan(span, err)
 			return nil, out
 		}
 	}

@@ -64,16 +64,20 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 	for k, vs := range o.header {
 		msg.Header[k] = vs
 	}
-	j.r.stampHeader(ctx, msg.Header, stamp)
+	sctx, span := j.r.startSend(ctx, subject, stamp)
+	j.r.stampHeader(sctx, msg.Header, stamp)
 	fut, err := j.r.publishAsync(ctx, msg)
 	if err != nil {
 		err = &EffectError{Subject: subject, Key: stamp.Key, Err: err}
+		endSpan(span, err)
 		j.fail(err)
 		return err
 	}
+	span.End()
 	j.mu.Lock()
 	j.futs = append(j.futs, fut)
 	j.mu.Unlock()
+	j.r.w.tel.Metrics.EffectsEmitted.Add(ctx, 1)
 	j.r.event(ctx, Event{Kind: EventEffectEmitted, Job: j, Seq: j.Seq, Attempt: j.Attempt, Stamp: stamp, Subject: subject})
 	return nil
 }
@@ -95,19 +99,20 @@ func (j *Job) Apply(ctx context.Context, s sink.Sink, subject string, data []byt
 		return err
 	}
 	h := make(map[string][]string, 2)
-	j.r.w.cfg.Propagator.Inject(ctx, telemetry.HeaderCarrier(h))
+	j.r.w.tel.Propagator.Inject(ctx, telemetry.HeaderCarrier(h))
 	if err := s.Apply(ctx, sink.Effect{Stamp: stamp, Subject: subject, Data: data, Header: h}); err != nil {
 		err = fmt.Errorf("worker: apply effect %s to %s: %w", stamp.Key, subject, err)
 		j.fail(err)
 		return err
 	}
+	j.r.w.tel.Metrics.EffectsEmitted.Add(ctx, 1)
 	j.r.event(ctx, Event{Kind: EventEffectEmitted, Job: j, Seq: j.Seq, Attempt: j.Attempt, Stamp: stamp, Subject: subject})
 	return nil
 }
 
 // stampHeader writes the stamp, the trace context and the Nats-Msg-Id.
 func (r *runner) stampHeader(ctx context.Context, h nats.Header, s leasehold.Stamp) {
-	r.w.cfg.Propagator.Inject(ctx, telemetry.HeaderCarrier(h))
+	r.w.tel.Propagator.Inject(ctx, telemetry.HeaderCarrier(h))
 	s.SetHeader(h)
 	h[jetstream.MsgIDHeader] = []string{s.Key}
 }

@@ -1,6 +1,7 @@
 package worker
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -9,6 +10,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
@@ -28,6 +30,7 @@ type runner struct {
 	subject string // the partition's job subject
 	output  string // its default output
 	log     *slog.Logger
+	spans   spans
 
 	// ctx is the lease's context, also cancelled when a drain runs out of
 	// time; handlers run under it.
@@ -51,6 +54,7 @@ type runner struct {
 	retries    map[uint64]retryState
 	lastCommit time.Time
 	fetch      *fetcher
+	pending    uint64 // jobs after the last one handled, as the consumer saw them
 }
 
 // retryState follows a job across attempts and re-reads.
@@ -75,7 +79,7 @@ var errRunnerDone = errors.New("worker: partition runner ended")
 func newRunner(w *Worker, l *coordinator.Lease, prev *runner) *runner {
 	ctx, cancel := context.WithCancelCause(l.Context())
 	p := l.Partition()
-	return &runner{
+	r := &runner{
 		w:        w,
 		lease:    l,
 		info:     l.Info(),
@@ -90,6 +94,8 @@ func newRunner(w *Worker, l *coordinator.Lease, prev *runner) *runner {
 		draining: make(chan struct{}),
 		retries:  map[uint64]retryState{},
 	}
+	r.spans = newSpans(r)
+	return r
 }
 
 func (r *runner) event(ctx context.Context, e Event) {
@@ -198,6 +204,7 @@ func (r *runner) consume() outcome {
 		case <-r.draining:
 			return outDrain
 		case <-tick.C:
+			r.w.tel.Metrics.SetLag(r.info.Holder, r.p, r.pending)
 			if out := r.progress(); out != 0 {
 				return out
 			}
@@ -233,6 +240,7 @@ func (r *runner) handle(m jetstream.Msg) outcome {
 	if seq <= r.handled {
 		return 0
 	}
+	r.pending = md.NumPending
 	futs, runs, out := r.runJob(m, md)
 	if out != 0 {
 		return out
@@ -268,7 +276,8 @@ func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream
 		st.runs++
 		job := r.newJob(m, md, st.runs)
 		ctx := context.WithValue(r.ctx, jobKey{}, job)
-		ctx = r.w.cfg.Propagator.Extract(ctx, telemetry.HeaderCarrier(job.Header))
+		ctx = r.w.tel.Propagator.Extract(ctx, telemetry.HeaderCarrier(job.Header))
+		ctx, span := r.startProcess(ctx, job)
 		var cancel context.CancelFunc = func() {}
 		if r.w.cfg.HandleTimeout > 0 {
 			ctx, cancel = context.WithTimeout(ctx, r.w.cfg.HandleTimeout)
@@ -280,6 +289,7 @@ func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream
 		cancel()
 		r.releaseSlot()
 		futs, effErr := job.close()
+		r.measure(ctx, span, took, cmp.Or(err, effErr))
 		if r.ctx.Err() != nil {
 			// The lease is gone (or the drain ran out of time): the job is
 			// not done, whatever the handler returned.
@@ -319,6 +329,24 @@ func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream
 	}
 	futs, out := r.deadLetter(m, md, st)
 	return futs, st.runs, out
+}
+
+// measure records one attempt's outcome on its span, which it ends, and in
+// the job metrics.
+func (r *runner) measure(ctx context.Context, span trace.Span, took time.Duration, err error) {
+	m := r.w.tel.Metrics
+	m.HandlerDuration.Record(ctx, took.Seconds())
+	if err == nil && r.ctx.Err() != nil {
+		// The lease is gone: the job is not done, whatever the handler
+		// returned.
+		err = context.Cause(r.ctx)
+	}
+	if err == nil {
+		m.JobsProcessed.Add(ctx, 1)
+	} else {
+		m.JobsFailed.Add(ctx, 1)
+	}
+	endSpan(span, err)
 }
 
 func (r *runner) newJob(m jetstream.Msg, md *jetstream.MsgMetadata, attempt int) *Job {

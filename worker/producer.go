@@ -12,6 +12,8 @@ import (
 	"github.com/nats-io/nuid"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/propagation"
+	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/telemetry"
@@ -33,9 +35,15 @@ type ProducerConfig struct {
 	RetryWait time.Duration
 	// AckTimeout bounds the wait for one publish acknowledgement. Default 5s.
 	AckTimeout time.Duration
-	// Propagator injects the enqueuing context's trace into the job's
-	// headers. Default otel.GetTextMapPropagator().
+	// Propagator injects the trace context of the enqueue's span into the
+	// job's headers. Default otel.GetTextMapPropagator().
+	// Telemetry.Propagator, when set, wins.
 	Propagator propagation.TextMapPropagator
+	// Telemetry selects the OpenTelemetry providers of the producer's
+	// spans: a "send <prefix>.jobs.{partition}" producer span for each
+	// enqueue, the child of the enqueuing context's span, whose context
+	// the job carries to its handler. Zero fields mean the globals.
+	Telemetry telemetry.Config
 }
 
 func (c *ProducerConfig) setDefaults() {
@@ -74,8 +82,11 @@ func (c ProducerConfig) Validate() error {
 
 // Producer enqueues jobs. Its methods are safe for concurrent use.
 type Producer struct {
-	js  jetstream.JetStream
-	cfg ProducerConfig
+	js       jetstream.JetStream
+	cfg      ProducerConfig
+	tel      *telemetry.Telemetry
+	sendName string // the enqueue span's name
+	sendOpts []trace.SpanStartOption
 
 	mu      sync.Mutex
 	checked bool // the stream's partition count matched
@@ -90,7 +101,20 @@ func NewProducer(js jetstream.JetStream, cfg ProducerConfig) (*Producer, error) 
 		return nil, fmt.Errorf("worker: invalid producer config: %w", err)
 	}
 	cfg.setDefaults()
-	return &Producer{js: js, cfg: cfg}, nil
+	tc := cfg.Telemetry
+	if tc.Propagator == nil {
+		tc.Propagator = cfg.Propagator
+	}
+	template := cfg.Prefix + ".jobs.{partition}"
+	return &Producer{
+		js: js, cfg: cfg, tel: telemetry.New(tc),
+		sendName: telemetry.SpanName("send", template),
+		sendOpts: []trace.SpanStartOption{
+			trace.WithSpanKind(trace.SpanKindProducer),
+			trace.WithAttributes(telemetry.MessagingSystem, semconv.MessagingOperationTypeSend,
+				semconv.MessagingOperationName("send"), semconv.MessagingDestinationTemplate(template)),
+		},
+	}, nil
 }
 
 // Enqueued describes a stored job.
@@ -126,7 +150,9 @@ func (p *Producer) Enqueue(ctx context.Context, key, data []byte, opts ...Enqueu
 }
 
 // EnqueueTo stores a job on partition part and waits for the stream's ack.
-func (p *Producer) EnqueueTo(ctx context.Context, part leasehold.Partition, data []byte, opts ...EnqueueOption) (Enqueued, error) {
+func (p *Producer) EnqueueTo(ctx context.Context, part leasehold.Partition, data []byte, opts ...EnqueueOption) (e Enqueued, err error) {
+	ctx, span := p.startSend(ctx, part)
+	defer func() { p.endSend(span, e, err) }()
 	msg, err := p.message(ctx, part, data, opts)
 	if err != nil {
 		return Enqueued{}, err
@@ -150,6 +176,27 @@ func (p *Producer) EnqueueTo(ctx context.Context, part leasehold.Partition, data
 		}
 	}
 	return Enqueued{}, p.fail(msg, last)
+}
+
+// startSend starts the span of one enqueue; the job carries its context.
+func (p *Producer) startSend(ctx context.Context, part leasehold.Partition) (context.Context, trace.Span) {
+	ctx, span := p.tel.Tracer.Start(ctx, p.sendName, p.sendOpts...)
+	if span.IsRecording() {
+		span.SetAttributes(
+			semconv.MessagingDestinationName(JobSubject(p.cfg.Prefix, part)),
+			semconv.MessagingDestinationPartitionID(part.String()),
+			telemetry.AttrPartition.Int64(int64(part)),
+		)
+	}
+	return ctx, span
+}
+
+// endSend records where the job was stored, or why not, and ends the span.
+func (p *Producer) endSend(span trace.Span, e Enqueued, err error) {
+	if span.IsRecording() && err == nil && e.ID != "" {
+		span.SetAttributes(semconv.MessagingMessageID(e.ID), telemetry.AttrSeq.Int64(int64(e.Seq)))
+	}
+	endSpan(span, err)
 }
 
 func (p *Producer) fail(msg *nats.Msg, err error) error {
@@ -182,7 +229,7 @@ func (p *Producer) message(ctx context.Context, part leasehold.Partition, data [
 	for k, vs := range o.header {
 		msg.Header[k] = vs
 	}
-	p.cfg.Propagator.Inject(ctx, telemetry.HeaderCarrier(msg.Header))
+	p.tel.Propagator.Inject(ctx, telemetry.HeaderCarrier(msg.Header))
 	msg.Header[jetstream.MsgIDHeader] = []string{o.id}
 	return msg, nil
 }
@@ -259,12 +306,19 @@ func (b *Batch) Enqueue(ctx context.Context, key, data []byte, opts ...EnqueueOp
 // EnqueueTo sends a job to partition part. An error means the job could not
 // be sent and is not part of the batch.
 func (b *Batch) EnqueueTo(ctx context.Context, part leasehold.Partition, data []byte, opts ...EnqueueOption) error {
+	// The span covers the send; Wait collects the ack.
+	ctx, span := b.p.startSend(ctx, part)
 	msg, err := b.p.message(ctx, part, data, opts)
 	if err != nil {
+		endSpan(span, err)
 		return err
 	}
 	pj := pendingJob{part: part, msg: msg}
 	pj.fut, pj.err = b.p.publishAsync(ctx, msg)
+	if span.IsRecording() {
+		span.SetAttributes(semconv.MessagingMessageID(msg.Header.Get(jetstream.MsgIDHeader)))
+	}
+	endSpan(span, pj.err)
 	b.mu.Lock()
 	b.pending = append(b.pending, pj)
 	b.mu.Unlock()

@@ -121,6 +121,7 @@ func (r *runner) rewind(seq uint64, err error) outcome {
 	}
 	cancel()
 	r.window = nil
+	r.w.tel.Metrics.JobsFailed.Add(r.ctx, 1)
 	wait := r.w.cfg.Backoff(max(st.runs, 1))
 	r.event(r.ctx, Event{Kind: EventJobFailed, Seq: seq, Attempt: st.runs, Err: err, Backoff: wait})
 	r.log.Warn("an effect was not stored; running the partition again from its job", "seq", seq, "backoff", wait, "err", err)

@@ -14,12 +14,14 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/telemetry"
 )
 
 // Worker takes its share of a job stream's partitions through the lease
 // bucket and runs the jobs of each partition it holds.
 type Worker struct {
 	cfg     Config
+	tel     *telemetry.Telemetry
 	handler Handler
 	sem     chan struct{} // bounds running handlers; nil when unbounded
 	log     *slog.Logger
@@ -51,8 +53,13 @@ func New(cfg Config) (*Worker, error) {
 		return nil, fmt.Errorf("worker: invalid config: %w", err)
 	}
 	cfg.setDefaults()
+	tc := cfg.Telemetry
+	if tc.Propagator == nil {
+		tc.Propagator = cfg.Propagator
+	}
 	w := &Worker{
 		cfg:     cfg,
+		tel:     telemetry.New(tc),
 		handler: Chain(cfg.Handler, cfg.Middleware...),
 		log:     cfg.Logger.With("worker", cfg.Coordinator.Worker, "prefix", cfg.Prefix),
 		runners: map[leasehold.Partition]*runner{},
@@ -134,6 +141,11 @@ func (w *Worker) start(ctx context.Context) (*coordinator.Coordinator, error) {
 	cc.Partitions = w.cfg.Partitions
 	cc.OnAcquire = w.onAcquire
 	cc.OnRevoke = w.onRevoke
+	if cc.Observer == nil {
+		cc.Observer = w.tel.LeaseObserver()
+	} else {
+		cc.Observer = leaseObservers{w.tel.LeaseObserver(), cc.Observer}
+	}
 	c, err := coordinator.New(b, cc)
 	if err != nil {
 		return nil, fmt.Errorf("worker: %w", err)
