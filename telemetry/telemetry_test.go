@@ -152,3 +152,11 @@ func TestReadiness(t *testing.T) {
 		t.Fatalf("livez: %s", body)
 	}
 }
+
+// serve serves h until the test ends and returns its URL.
+func serve(t *testing.T, h http.Handler) string {
+	t.Helper()
+	srv := httptest.NewServer(telemetry.Mux(h))
+	t.Cleanup(srv.Close)
+	return srv.URL
+}

@@ -1,0 +1,223 @@
+package telemetry_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/leasehold/leasehold/telemetry"
+)
+
+// The zombie's three refused writes are spans with status Error,
+// error.type=stale_epoch, the refused stamp, the partition's maximum and
+// holder, and the event leasehold.fence.rejected; the direct sinks' are
+// children of A's process span, the stream runner's a child of A's send
+// span, and all of them sit in the trace of the job's enqueue, with B's
+// handling of the same job.
+func TestRejectedWriteSpans(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	defer tp.Shutdown(context.Background())
+	mp, metrics, err := telemetry.NewPrometheus()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mp.Shutdown(context.Background())
+	run := runZombie(t, telemetry.Config{TracerProvider: tp, MeterProvider: mp, Propagator: propagation.TraceContext{}})
+
+	spans := spanIndex(rec.Ended())
+	defer func() {
+		if t.Failed() || testing.Verbose() {
+			t.Logf("the job's trace:\n%s", tree(spans, run.traceID))
+		}
+	}()
+	enqueue := spans.one(t, "the enqueue", func(s sdktrace.ReadOnlySpan) bool {
+		return s.Name() == "send zz.jobs.{partition}"
+	})
+	if enqueue.SpanKind() != trace.SpanKindProducer || enqueue.SpanContext().TraceID() != run.traceID {
+		t.Fatalf("enqueue span: kind %v, trace %v; want a producer span in trace %v", enqueue.SpanKind(), enqueue.SpanContext().TraceID(), run.traceID)
+	}
+	processA := spans.one(t, "A's process span", func(s sdktrace.ReadOnlySpan) bool {
+		return s.Name() == "process zz.jobs.{partition}" && str(s, telemetry.AttrWorker) == zombieA
+	})
+	processB := spans.one(t, "B's process span", func(s sdktrace.ReadOnlySpan) bool {
+		return s.Name() == "process zz.jobs.{partition}" && str(s, telemetry.AttrWorker) == zombieB
+	})
+	for _, p := range []sdktrace.ReadOnlySpan{processA, processB} {
+		if p.SpanKind() != trace.SpanKindConsumer || p.Parent().SpanID() != enqueue.SpanContext().SpanID() {
+			t.Errorf("%s of %s: kind %v, parent %v; want a consumer child of the enqueue %v",
+				p.Name(), str(p, telemetry.AttrWorker), p.SpanKind(), p.Parent().SpanID(), enqueue.SpanContext().SpanID())
+		}
+		if got := str(p, semconv.MessagingSystemKey); got != "nats" {
+			t.Errorf("messaging.system %q", got)
+		}
+		if got := str(p, semconv.MessagingDestinationNameKey); got != "zz.jobs.0" {
+			t.Errorf("messaging.destination.name %q", got)
+		}
+	}
+	if n(processA, telemetry.AttrEpoch) != int64(run.epochA) || n(processB, telemetry.AttrEpoch) != int64(run.epochB) {
+		t.Errorf("process spans carry epochs %d and %d, want %d and %d", n(processA, telemetry.AttrEpoch), n(processB, telemetry.AttrEpoch), run.epochA, run.epochB)
+	}
+	// A's handler returned the refusals: its span says so too.
+	if processA.Status().Code != codes.Error || str(processA, semconv.ErrorTypeKey) != telemetry.ErrorTypeStaleEpoch {
+		t.Errorf("A's process span: status %v, error.type %q", processA.Status(), str(processA, semconv.ErrorTypeKey))
+	}
+	sendA := spans.one(t, "A's send span", func(s sdktrace.ReadOnlySpan) bool {
+		return s.Name() == "send zz.out.{partition}" && str(s, telemetry.AttrWorker) == zombieA && !boolean(s, telemetry.AttrBarrier)
+	})
+	if sendA.SpanKind() != trace.SpanKindProducer || sendA.Parent().SpanID() != processA.SpanContext().SpanID() {
+		t.Errorf("A's send span: kind %v, parent %v; want a producer child of A's process span", sendA.SpanKind(), sendA.Parent().SpanID())
+	}
+
+	for _, want := range []struct {
+		sink, name string
+		parent     sdktrace.ReadOnlySpan
+	}{
+		{"memory", "apply", processA},
+		{"kv", "apply", processA},
+		{"stream", "process zz.out.{partition}", sendA},
+	} {
+		s := spans.one(t, "the "+want.sink+" sink's refusal", func(s sdktrace.ReadOnlySpan) bool {
+			return str(s, telemetry.AttrSink) == want.sink && str(s, semconv.ErrorTypeKey) == telemetry.ErrorTypeStaleEpoch
+		})
+		checkRejected(t, s, run)
+		if s.Name() != want.name || s.Parent().SpanID() != want.parent.SpanContext().SpanID() {
+			t.Errorf("%s refusal: %q, child of %v; want %q, child of %s (%v)", want.sink, s.Name(), s.Parent().SpanID(), want.name, want.parent.Name(), want.parent.SpanContext().SpanID())
+		}
+		if want.sink == "stream" && s.SpanKind() != trace.SpanKindConsumer {
+			t.Errorf("the stream runner's span is %v, want consumer", s.SpanKind())
+		}
+	}
+	for _, s := range rec.Ended() {
+		if str(s, semconv.ErrorTypeKey) == telemetry.ErrorTypeStaleEpoch && s.SpanContext().TraceID() != run.traceID {
+			t.Errorf("refusal %q (%s) is in trace %v, not the job's %v", s.Name(), str(s, telemetry.AttrSink), s.SpanContext().TraceID(), run.traceID)
+		}
+	}
+
+	// Counted, too.
+	body := scrape(t, serve(t, metrics)+"/metrics")
+	for _, sinkName := range []string{"memory", "kv", "stream"} {
+		want := fmt.Sprintf(`leasehold_sink_effects_total{leasehold_outcome="rejected_stale",leasehold_sink=%q} 1`, sinkName)
+		if !strings.Contains(body, want) {
+			t.Errorf("/metrics lacks %s:\n%s", want, grep(body, "leasehold_sink"))
+		}
+	}
+}
+
+// checkRejected asserts what every refused zombie write carries.
+func checkRejected(t *testing.T, s sdktrace.ReadOnlySpan, run zombieRun) {
+	t.Helper()
+	who := str(s, telemetry.AttrSink)
+	if s.Status().Code != codes.Error || !strings.Contains(s.Status().Description, "stale") && !strings.Contains(s.Status().Description, "below") {
+		t.Errorf("%s: status %+v", who, s.Status())
+	}
+	want := map[attribute.Key]any{
+		telemetry.AttrPartition: int64(0),
+		telemetry.AttrEpoch:     int64(run.epochA),
+		telemetry.AttrMaxEpoch:  int64(run.epochB),
+		telemetry.AttrWorker:    zombieA,
+		telemetry.AttrHolder:    zombieB,
+		semconv.ErrorTypeKey:    telemetry.ErrorTypeStaleEpoch,
+	}
+	for k, v := range want {
+		if got, ok := attr(s.Attributes(), k); !ok || got.AsInterface() != v {
+			t.Errorf("%s: %s = %v, want %v", who, k, got.AsInterface(), v)
+		}
+	}
+	var ev *sdktrace.Event
+	for i := range s.Events() {
+		if s.Events()[i].Name == telemetry.EventFenceRejected {
+			ev = &s.Events()[i]
+		}
+	}
+	if ev == nil {
+		t.Errorf("%s: no %s event among %v", who, telemetry.EventFenceRejected, s.Events())
+		return
+	}
+	for k, v := range want {
+		if k == semconv.ErrorTypeKey {
+			continue
+		}
+		if got, ok := attr(ev.Attributes, k); !ok || got.AsInterface() != v {
+			t.Errorf("%s: event %s = %v, want %v", who, k, got.AsInterface(), v)
+		}
+	}
+}
+
+type spanIndex []sdktrace.ReadOnlySpan
+
+// one returns the single span that matches, failing the test otherwise.
+func (ss spanIndex) one(t *testing.T, what string, match func(sdktrace.ReadOnlySpan) bool) sdktrace.ReadOnlySpan {
+	t.Helper()
+	var found []sdktrace.ReadOnlySpan
+	for _, s := range ss {
+		if match(s) {
+			found = append(found, s)
+		}
+	}
+	if len(found) != 1 {
+		var names []string
+		for _, s := range ss {
+			names = append(names, fmt.Sprintf("%s[%s %s]", s.Name(), str(s, telemetry.AttrWorker), str(s, telemetry.AttrSink)))
+		}
+		t.Fatalf("%d spans match %s, want 1; spans: %s", len(found), what, strings.Join(names, ", "))
+	}
+	return found[0]
+}
+
+func str(s sdktrace.ReadOnlySpan, k attribute.Key) string {
+	v, _ := attr(s.Attributes(), k)
+	return v.AsString()
+}
+
+func n(s sdktrace.ReadOnlySpan, k attribute.Key) int64 {
+	v, _ := attr(s.Attributes(), k)
+	return v.AsInt64()
+}
+
+func boolean(s sdktrace.ReadOnlySpan, k attribute.Key) bool {
+	v, _ := attr(s.Attributes(), k)
+	return v.AsBool()
+}
+
+// tree draws the spans of one trace, children under parents, for failure
+// messages.
+func tree(ss []sdktrace.ReadOnlySpan, id trace.TraceID) string {
+	kids := map[trace.SpanID][]sdktrace.ReadOnlySpan{}
+	known := map[trace.SpanID]bool{}
+	for _, s := range ss {
+		if s.SpanContext().TraceID() == id {
+			known[s.SpanContext().SpanID()] = true
+		}
+	}
+	for _, s := range ss {
+		if s.SpanContext().TraceID() != id {
+			continue
+		}
+		parent := s.Parent().SpanID()
+		if !known[parent] {
+			parent = trace.SpanID{}
+		}
+		kids[parent] = append(kids[parent], s)
+	}
+	var b strings.Builder
+	var draw func(trace.SpanID, string)
+	draw = func(id trace.SpanID, indent string) {
+		for _, s := range kids[id] {
+			fmt.Fprintf(&b, "%s%s [%v] worker=%s sink=%s epoch=%d error.type=%s\n", indent, s.Name(), s.SpanKind(),
+				str(s, telemetry.AttrWorker), str(s, telemetry.AttrSink), n(s, telemetry.AttrEpoch), str(s, semconv.ErrorTypeKey))
+			draw(s.SpanContext().SpanID(), indent+"  ")
+		}
+	}
+	draw(trace.SpanID{}, "")
+	return b.String()
+}
