@@ -1,0 +1,338 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"strconv"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/sink/kvsink"
+)
+
+const (
+	part    = leasehold.Partition(0)
+	scope   = "walkthrough"     // the idempotency keys' scope
+	account = "accounts.alice" // the KV key both workers write
+)
+
+// worker is one of the walk-through's two workers: its own connection, its
+// own view of the lease bucket and its own handle on the sink, as a
+// separate process would have.
+type worker struct {
+	name  string
+	nc    *nats.Conn
+	coord *coordinator.Coordinator
+	sink  *kvsink.Sink
+}
+
+func newWorker(ctx context.Context, srv *natsServer, cfg config, name string) (*worker, error) {
+	nc, err := srv.connect(name)
+	if err != nil {
+		return nil, err
+	}
+	w := &worker{name: name, nc: nc}
+	js, err := jetstream.New(nc)
+	if err == nil {
+		var b *coordinator.Bucket
+		if b, err = coordinator.OpenBucket(ctx, js, cfg.Name+"-leases"); err == nil {
+			w.coord, err = coordinator.New(b, coordinator.Config{Worker: name, TTL: cfg.TTL, Logger: cfg.Logger})
+		}
+	}
+	if err == nil {
+		w.sink, err = kvsink.New(ctx, js, kvsink.Config{Bucket: cfg.Name + "-effects", Logger: cfg.Logger})
+	}
+	if err != nil {
+		nc.Close()
+		return nil, fmt.Errorf("%s: %w", name, err)
+	}
+	return w, nil
+}
+
+// write applies "accounts.alice = balance" through the worker's sink,
+// stamped as the effect of job seq under lease epoch e, and says what the
+// sink decided.
+func (w *worker) write(ctx context.Context, s *script, e leasehold.Epoch, seq uint64, balance int) error {
+	st := leasehold.Stamp{Partition: part, Epoch: e, Key: leasehold.EffectKey(scope, part, seq, 0), Worker: w.name}
+	s.say("%s: Apply %s = %d", w.name, account, balance)
+	s.say("          stamp: partition %d, epoch %d, key %s", st.Partition, st.Epoch, st.Key)
+	err := w.sink.Apply(ctx, sink.Effect{Stamp: st, Subject: account, Data: []byte(strconv.Itoa(balance))})
+	if err == nil {
+		s.say("          -> accepted")
+	}
+	return err
+}
+
+// run plays the walk-through, narrating on out.
+func run(ctx context.Context, out io.Writer, cfg config) error {
+	cfg.setDefaults()
+	if err := cfg.validate(); err != nil {
+		return err
+	}
+	s := &script{w: out}
+	srv, err := openNATS(cfg.NATS)
+	if err != nil {
+		return err
+	}
+	defer srv.close()
+	if err := setUp(ctx, srv, cfg); err != nil {
+		return err
+	}
+	a, err := newWorker(ctx, srv, cfg, "worker-a")
+	if err != nil {
+		return err
+	}
+	defer a.nc.Close()
+	b, err := newWorker(ctx, srv, cfg, "worker-b")
+	if err != nil {
+		return err
+	}
+	defer b.nc.Close()
+
+	s.printf("leasehold zombie walk-through\n")
+	s.printf("=============================\n")
+	s.say("NATS:          %s", srv.desc)
+	s.say("lease bucket:  %s-leases (lease TTL %v)", cfg.Name, cfg.TTL)
+	s.say("fenced sink:   JetStream KV bucket %s-effects (sink/kvsink)", cfg.Name)
+	s.say("partition %d's input: job 1 deposits 100, job 2 withdraws 30, job 3 deposits 50;", part)
+	s.say("each job's effect writes alice's new balance to the key %s.", account)
+
+	if err := play(ctx, s, a, b, cfg); err != nil {
+		return err
+	}
+	return s.err
+}
+
+// setUp deletes what an earlier run left and provisions the lease bucket.
+// The sinks create their bucket themselves.
+func setUp(ctx context.Context, srv *natsServer, cfg config) error {
+	nc, err := srv.connect("zombie-setup")
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return err
+	}
+	for _, name := range []string{cfg.Name + "-leases", cfg.Name + "-effects"} {
+		if err := js.DeleteKeyValue(ctx, name); err != nil && !errors.Is(err, jetstream.ErrBucketNotFound) {
+			return fmt.Errorf("delete bucket %s left by an earlier run: %w", name, err)
+		}
+	}
+	// A new bucket's revisions start at the current time in microseconds,
+	// so epochs stay above those of the bucket just deleted.
+	if _, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: cfg.Name + "-leases"}); err != nil {
+		return fmt.Errorf("provision the lease bucket: %w (a server without JetStream? start nats-server with -js)", err)
+	}
+	return nil
+}
+
+func play(ctx context.Context, s *script, a, b *worker, cfg config) error {
+	// 1. A takes the partition. ManualRenew stands in for the renewals a
+	// paused process would not send: this lease renews only when asked.
+	s.step("worker-a acquires partition 0")
+	leaseA, err := a.coord.Acquire(ctx, part, coordinator.ManualRenew())
+	if err != nil {
+		return fmt.Errorf("worker-a: acquire: %w", err)
+	}
+	e1 := leaseA.Epoch()
+	s.say("worker-a holds partition %d at epoch e1 = %d.", part, e1)
+	s.say("The epoch is the revision of the KV write that took the lease: every later")
+	s.say("acquisition of partition %d gets a higher one. It is the partition's fencing token.", part)
+	s.say("(A new lease bucket's revisions start at the time in microseconds, so epochs keep")
+	s.say("growing even when the bucket is deleted and created again.)")
+	if err := a.sink.Advance(ctx, part, e1); err != nil {
+		return fmt.Errorf("worker-a: advance the sink: %w", err)
+	}
+	s.say("worker-a tells the sink its epoch before the first write (Advance), as a worker")
+	s.say("does when it acquires a partition: sink max epoch for partition %d = %d.", part, maxEpoch(ctx, a.sink))
+
+	// 2. A works.
+	s.step("worker-a handles job 1 and writes through the fenced sink")
+	if err := a.write(ctx, s, e1, 1, 100); err != nil {
+		return fmt.Errorf("worker-a: job 1: %w", err)
+	}
+	if err := leaseA.Commit(ctx, 1); err != nil {
+		return fmt.Errorf("worker-a: commit job 1: %w", err)
+	}
+	s.say("worker-a: Commit(1) -> committed: partition %d's input progress is job 1.", part)
+
+	// 3. A pauses: from here until step 7 none of A's code runs.
+	s.step("worker-a starts job 2, computes balance 70, and pauses before writing it")
+	s.say("worker-a stops renewing its lease. In a real process this is a stop-the-world GC")
+	s.say("pause, a SIGSTOP, a VM migration or a swap storm: no code of the process runs, so")
+	s.say("it can neither renew nor notice that it should stop. (Here the lease was acquired")
+	s.say("with coordinator.ManualRenew and nobody calls Renew.)")
+	s.say("The server keeps worker-a's lease for %v after its last write, then deletes it.", cfg.TTL)
+
+	// 4. B wants the partition and waits for the server to expire A's lease.
+	s.step("worker-b wants partition 0")
+	start := time.Now()
+	leaseB, err := acquireWhenFree(ctx, s, b)
+	if err != nil {
+		return err
+	}
+	s.say("The server expired worker-a's lease; worker-b acquired partition %d %v later.", part, time.Since(start).Round(100*time.Millisecond))
+
+	// 5. B holds the partition with a higher epoch; progress and the sink
+	// are fenced before B does anything else.
+	e2 := leaseB.Epoch()
+	s.step("worker-b holds partition 0 at a higher epoch")
+	s.say("worker-b holds partition %d at epoch e2 = %d > e1 = %d.", part, e2, e1)
+	fenced, err := b.coord.Bucket().FencedEpoch(ctx, part)
+	if err != nil {
+		return fmt.Errorf("read the fenced epoch: %w", err)
+	}
+	s.say("The acquisition fenced the partition's input progress under the new epoch:")
+	s.say("lease bucket: fenced epoch %d, progress job %d (worker-a's last commit).", fenced, leaseB.Progress())
+	if err := b.sink.Advance(ctx, part, e2); err != nil {
+		return fmt.Errorf("worker-b: advance the sink: %w", err)
+	}
+	s.say("worker-b tells the sink (Advance): sink max epoch for partition %d = %d.", part, maxEpoch(ctx, b.sink))
+	s.say("From now on the sink refuses every write stamped with an epoch below %d.", e2)
+
+	// 6. B picks up after the last commit: job 2 again, then job 3.
+	s.step("worker-b handles jobs 2 and 3")
+	for _, j := range []struct {
+		seq     uint64
+		balance int
+	}{{2, 70}, {3, 120}} {
+		if err := b.write(ctx, s, e2, j.seq, j.balance); err != nil {
+			return fmt.Errorf("worker-b: job %d: %w", j.seq, err)
+		}
+	}
+	if err := leaseB.Commit(ctx, 3); err != nil {
+		return fmt.Errorf("worker-b: commit job 3: %w", err)
+	}
+	s.say("worker-b: Commit(3) -> committed.")
+
+	// 7. A wakes up in the middle of job 2, exactly where it stopped.
+	s.step("worker-a wakes up and carries on where it stopped: writing job 2's balance")
+	s.say("Had worker-a kept running, its lease context would have told it to stop:")
+	s.say("  context.Cause(lease.Context()) = %v", context.Cause(leaseA.Context()))
+	s.say("but a paused process cannot look before it writes: the write was already under way.")
+	s.say("worker-a's own sink handle last saw e1, so it sends the write; the server checks the")
+	s.say("fence atomically with the write and refuses the batch, and the sink reads the fence again.")
+	werr := a.write(ctx, s, e1, 2, 70)
+	var stale *leasehold.StaleEpochError
+	if !errors.As(werr, &stale) {
+		return fmt.Errorf("worker-a's stale write: got %v, want a *leasehold.StaleEpochError", werr)
+	}
+	s.say("          -> refused: %v", werr)
+	s.say("errors.Is(err, leasehold.ErrStaleEpoch) = %t;", errors.Is(werr, leasehold.ErrStaleEpoch))
+	s.say("*leasehold.StaleEpochError{Partition: %d, Epoch: %d, Max: %d, Worker: %q, Holder: %q}",
+		stale.Partition, stale.Epoch, stale.Max, stale.Worker, stale.Holder)
+	s.say("Had the sink taken it, alice's balance would have gone back from 120 to 70,")
+	s.say("and job 3's deposit would be lost.")
+
+	// 8. A tries to record progress.
+	s.step("worker-a tries to commit job 2")
+	cerr := leaseA.Commit(ctx, 2)
+	if !errors.Is(cerr, leasehold.ErrLeaseLost) {
+		return fmt.Errorf("worker-a's commit: got %v, want an error matching leasehold.ErrLeaseLost", cerr)
+	}
+	s.say("worker-a: Commit(2) -> refused: %v", cerr)
+	s.say("errors.Is(err, leasehold.ErrLeaseLost) = %t. The commit is a compare-and-set on the", errors.Is(cerr, leasehold.ErrLeaseLost))
+	s.say("progress record, which worker-b fenced: a zombie can never move progress past work")
+	s.say("whose effects were refused, so no job is skipped.")
+
+	// 9. What is left.
+	s.step("final state")
+	if err := finalState(ctx, s, a, b); err != nil {
+		return err
+	}
+	if err := leaseB.Release(ctx); err != nil {
+		return fmt.Errorf("worker-b: release: %w", err)
+	}
+	return nil
+}
+
+// acquireWhenFree tries to acquire the partition until the lease on it
+// ends, narrating the first refusal.
+func acquireWhenFree(ctx context.Context, s *script, b *worker) (*coordinator.Lease, error) {
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	for said := false; ; {
+		l, err := b.coord.Acquire(ctx, part)
+		if err == nil {
+			return l, nil
+		}
+		if !errors.Is(err, coordinator.ErrHeld) {
+			return nil, fmt.Errorf("worker-b: acquire: %w", err)
+		}
+		if !said {
+			s.say("worker-b: Acquire -> %v", err)
+			s.say("worker-b tries again every 100ms until the server expires that lease...")
+			said = true
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("worker-b: waiting for partition %d: %w", part, ctx.Err())
+		case <-tick.C:
+		}
+	}
+}
+
+func finalState(ctx context.Context, s *script, a, b *worker) error {
+	effects, err := b.sink.Effects(ctx)
+	if err != nil {
+		return fmt.Errorf("read the sink: %w", err)
+	}
+	s.say("sink contents:")
+	for _, e := range effects {
+		s.say("  %s = %s   (written by %s under epoch %d, key %s)", e.Subject, e.Data, e.Stamp.Worker, e.Stamp.Epoch, e.Stamp.Key)
+	}
+	s.say("sink: max epoch for partition %d = %d", part, maxEpoch(ctx, b.sink))
+	s.say("sink: stale writes refused = %d (counted by worker-a's sink handle, which refused it,",
+		a.sink.Dropped(part)+b.sink.Dropped(part))
+	s.say("      and reported to its logs, metrics and traces)")
+	st, err := b.coord.Bucket().Snapshot(ctx)
+	if err != nil {
+		return fmt.Errorf("read the lease bucket: %w", err)
+	}
+	for _, p := range st.Partitions {
+		if p.Partition == part {
+			s.say("lease bucket: partition %d held by %s at epoch %d", p.Partition, p.Holder, p.Epoch)
+			s.say("lease bucket: partition %d fenced at epoch %d, progress job %d", p.Partition, p.FencedEpoch, p.Progress)
+		}
+	}
+	s.say("Nothing worker-a wrote after it lost its lease was applied, and no job was skipped.")
+	return nil
+}
+
+func maxEpoch(ctx context.Context, k *kvsink.Sink) leasehold.Epoch {
+	e, err := k.MaxEpoch(ctx, part)
+	if err != nil {
+		return 0
+	}
+	return e
+}
+
+// script prints the walk-through: numbered steps, indented lines. It
+// keeps the first write error.
+type script struct {
+	w   io.Writer
+	n   int
+	err error
+}
+
+func (s *script) printf(format string, args ...any) {
+	if s.err == nil {
+		_, s.err = fmt.Fprintf(s.w, format, args...)
+	}
+}
+
+func (s *script) step(title string) {
+	s.n++
+	s.printf("\n%d. %s\n", s.n, title)
+}
+
+func (s *script) say(format string, args ...any) { s.printf("   "+format+"\n", args...) }
