@@ -147,4 +147,3 @@ func epochIn(t *testing.T, text, pattern string) leasehold.Epoch {
 	}
 	return e
 }
-

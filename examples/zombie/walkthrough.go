@@ -19,7 +19,7 @@ import (
 
 const (
 	part    = leasehold.Partition(0)
-	scope   = "walkthrough"     // the idempotency keys' scope
+	scope   = "walkthrough"    // the idempotency keys' scope
 	account = "accounts.alice" // the KV key both workers write
 )
 
