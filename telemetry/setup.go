@@ -64,6 +64,11 @@ type SetupConfig struct {
 // dropped. Pass t.Config() to the Telemetry field of components that
 // should not use the globals.
 func Setup(ctx context.Context, cfg SetupConfig) (t *Telemetry, metrics http.Handler, shutdown func(context.Context) error, err error) {
+	if cfg.OTLPEndpoint != "" {
+		if _, err := tracesURL(cfg.OTLPEndpoint); err != nil {
+			return nil, nil, nil, err
+		}
+	}
 	res, err := newResource(ctx, cfg)
 	if err != nil {
 		return nil, nil, nil, err
@@ -106,7 +111,6 @@ func Setup(ctx context.Context, cfg SetupConfig) (t *Telemetry, metrics http.Han
 
 func newResource(ctx context.Context, cfg SetupConfig) (*resource.Resource, error) {
 	opts := []resource.Option{
-		resource.WithSchemaURL(semconv.SchemaURL),
 		resource.WithAttributes(semconv.ServiceName("leasehold")),
 		resource.WithTelemetrySDK(),
 		resource.WithHost(),

@@ -103,6 +103,35 @@ func TestRejectedWriteSpans(t *testing.T) {
 		}
 	}
 
+	// B fenced the partition before its first job: a root span with a
+	// child per fence and one for the barrier, which the stream runner
+	// took in under it.
+	fence := spans.one(t, "B's partition fence", func(s sdktrace.ReadOnlySpan) bool {
+		return s.Name() == "partition fence" && str(s, telemetry.AttrWorker) == zombieB
+	})
+	if fence.Parent().IsValid() || n(fence, telemetry.AttrEpoch) != int64(run.epochB) {
+		t.Errorf("B's partition fence: parent %v, epoch %d", fence.Parent(), n(fence, telemetry.AttrEpoch))
+	}
+	var advances int
+	var barrier sdktrace.ReadOnlySpan
+	for _, s := range spans {
+		if s.Parent().SpanID() != fence.SpanContext().SpanID() {
+			continue
+		}
+		switch {
+		case s.Name() == "fence advance":
+			advances++
+		case s.Name() == "send zz.out.{partition}" && boolean(s, telemetry.AttrBarrier):
+			barrier = s
+		}
+	}
+	if advances != 2 || barrier == nil {
+		t.Fatalf("B's partition fence has %d fence advances and barrier %v; want 2 and one", advances, barrier)
+	}
+	spans.one(t, "the runner's span for B's barrier", func(s sdktrace.ReadOnlySpan) bool {
+		return s.Parent().SpanID() == barrier.SpanContext().SpanID() && str(s, telemetry.AttrOutcome) == telemetry.OutcomeAdvanced
+	})
+
 	// Counted, too.
 	body := scrape(t, serve(t, metrics)+"/metrics")
 	for _, sinkName := range []string{"memory", "kv", "stream"} {

@@ -1,0 +1,200 @@
+package telemetry_test
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	coltracepb "go.opentelemetry.io/proto/otlp/collector/trace/v1"
+	commonpb "go.opentelemetry.io/proto/otlp/common/v1"
+	tracepb "go.opentelemetry.io/proto/otlp/trace/v1"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/leasehold/leasehold/telemetry"
+)
+
+// receiver is an OTLP/HTTP trace receiver: it decodes what exporters post
+// to /v1/traces.
+type receiver struct {
+	srv *httptest.Server
+
+	mu       sync.Mutex
+	requests []*coltracepb.ExportTraceServiceRequest
+	paths    []string
+}
+
+func newReceiver(t *testing.T) *receiver {
+	t.Helper()
+	r := &receiver{}
+	r.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		body, err := io.ReadAll(req.Body)
+		if err != nil || req.Header.Get("Content-Type") != "application/x-protobuf" {
+			http.Error(w, "want an OTLP protobuf body", http.StatusBadRequest)
+			return
+		}
+		var msg coltracepb.ExportTraceServiceRequest
+		if err := proto.Unmarshal(body, &msg); err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		r.mu.Lock()
+		r.requests = append(r.requests, &msg)
+		r.paths = append(r.paths, req.URL.Path)
+		r.mu.Unlock()
+		out, _ := proto.Marshal(&coltracepb.ExportTraceServiceResponse{})
+		w.Header().Set("Content-Type", "application/x-protobuf")
+		_, _ = w.Write(out)
+	}))
+	t.Cleanup(r.srv.Close)
+	return r
+}
+
+// otlpSpan is a received span with its resource's service name.
+type otlpSpan struct {
+	service string
+	span    *tracepb.Span
+}
+
+func (r *receiver) spans() []otlpSpan {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []otlpSpan
+	for _, req := range r.requests {
+		for _, rs := range req.ResourceSpans {
+			service := ""
+			if v, ok := kv(rs.GetResource().GetAttributes(), "service.name"); ok {
+				service = v.GetStringValue()
+			}
+			for _, ss := range rs.ScopeSpans {
+				for _, s := range ss.Spans {
+					out = append(out, otlpSpan{service, s})
+				}
+			}
+		}
+	}
+	return out
+}
+
+func kv(attrs []*commonpb.KeyValue, key string) (*commonpb.AnyValue, bool) {
+	for _, a := range attrs {
+		if a.Key == key {
+			return a.Value, true
+		}
+	}
+	return nil, false
+}
+
+// Setup exports spans over OTLP/HTTP: the zombie's refused writes reach a
+// receiver, with their attributes, event and status, under the service
+// name asked for.
+func TestSetupExportsRejectedWrites(t *testing.T) {
+	rcv := newReceiver(t)
+	tel, metrics, shutdown, err := telemetry.Setup(context.Background(), telemetry.SetupConfig{
+		ServiceName: "zombie-otlp", OTLPEndpoint: rcv.srv.URL, NoGlobals: true,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	run := runZombie(t, tel.Config())
+	body := scrape(t, serve(t, metrics)+"/metrics")
+	if !strings.Contains(body, `service_name="zombie-otlp"`) {
+		t.Errorf("/metrics has no target_info for the service:\n%s", grep(body, "target_info"))
+	}
+	if err := shutdown(ctxFor(t, 30*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+
+	var refused []otlpSpan
+	for _, s := range rcv.spans() {
+		if v, ok := kv(s.span.Attributes, "error.type"); ok && v.GetStringValue() == telemetry.ErrorTypeStaleEpoch {
+			refused = append(refused, s)
+		}
+	}
+	sinks := map[string]bool{}
+	for _, s := range refused {
+		if s.service != "zombie-otlp" {
+			t.Errorf("span %q from service %q", s.span.Name, s.service)
+		}
+		if got := [16]byte(s.span.TraceId); got != run.traceID {
+			t.Errorf("span %q in trace %x, want %v", s.span.Name, got, run.traceID)
+		}
+		if s.span.Status.GetCode() != tracepb.Status_STATUS_CODE_ERROR {
+			t.Errorf("span %q: status %v", s.span.Name, s.span.Status)
+		}
+		sinkName, _ := kv(s.span.Attributes, "leasehold.sink")
+		if sinkName == nil {
+			continue // A's process span, which returned the refusal
+		}
+		sinks[sinkName.GetStringValue()] = true
+		for key, want := range map[string]int64{"leasehold.epoch": int64(run.epochA), "leasehold.max_epoch": int64(run.epochB), "leasehold.partition": 0} {
+			if v, ok := kv(s.span.Attributes, key); !ok || v.GetIntValue() != want {
+				t.Errorf("%s refusal: %s = %v, want %d", sinkName.GetStringValue(), key, v, want)
+			}
+		}
+		for key, want := range map[string]string{"leasehold.worker": zombieA, "leasehold.holder": zombieB} {
+			if v, ok := kv(s.span.Attributes, key); !ok || v.GetStringValue() != want {
+				t.Errorf("%s refusal: %s = %v, want %s", sinkName.GetStringValue(), key, v, want)
+			}
+		}
+		if len(s.span.Events) == 0 || s.span.Events[0].Name != telemetry.EventFenceRejected {
+			t.Errorf("%s refusal: events %v", sinkName.GetStringValue(), s.span.Events)
+		}
+	}
+	if !sinks["memory"] || !sinks["kv"] || !sinks["stream"] {
+		t.Fatalf("refusals arrived from %v, want memory, kv and stream", sinks)
+	}
+	rcv.mu.Lock()
+	for _, p := range rcv.paths {
+		if p != "/v1/traces" {
+			t.Errorf("exporter posted to %s", p)
+		}
+	}
+	rcv.mu.Unlock()
+
+}
+
+// Without an endpoint in the configuration, Setup follows the standard
+// environment variables.
+func TestSetupReadsEnvironment(t *testing.T) {
+	rcv := newReceiver(t)
+	t.Setenv("OTEL_EXPORTER_OTLP_ENDPOINT", rcv.srv.URL)
+	t.Setenv("OTEL_SERVICE_NAME", "from-env")
+	tel, _, shutdown, err := telemetry.Setup(context.Background(), telemetry.SetupConfig{NoGlobals: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, span := tel.Tracer.Start(context.Background(), "probe")
+	span.End()
+	if err := shutdown(ctxFor(t, 30*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	got := rcv.spans()
+	if len(got) != 1 || got[0].span.Name != "probe" || got[0].service != "from-env" {
+		t.Fatalf("received %+v, want the probe span from service from-env", got)
+	}
+
+	// With neither, nothing is recorded, and trace context still flows.
+	t.Setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+	tel, _, shutdown, err = telemetry.Setup(context.Background(), telemetry.SetupConfig{NoGlobals: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer shutdown(context.Background())
+	if _, span := tel.Tracer.Start(context.Background(), "nowhere"); span.IsRecording() {
+		t.Fatal("a span records with no endpoint configured")
+	}
+}
+
+func TestSetupRefusesBadEndpoint(t *testing.T) {
+	for _, bad := range []string{"127.0.0.1:4318", "ftp://host:4318", "http://"} {
+		_, _, _, err := telemetry.Setup(context.Background(), telemetry.SetupConfig{OTLPEndpoint: bad, NoGlobals: true})
+		if err == nil || !strings.Contains(err.Error(), "http://127.0.0.1:4318") {
+			t.Errorf("endpoint %q: %v, want an error that shows a usable URL", bad, err)
+		}
+	}
+}
