@@ -1,0 +1,155 @@
+package chaos
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/worker"
+)
+
+// readStream reads every message of stream on filter (or the last one per
+// subject, with lastPerSubject) with an ordered consumer, and calls f for
+// each with its stream sequence.
+func readStream(ctx context.Context, js jetstream.JetStream, stream, filter string, lastPerSubject, headersOnly bool, f func(seq uint64, subject string, h nats.Header, data []byte) error) error {
+	s, err := js.Stream(ctx, stream)
+	if err != nil {
+		return fmt.Errorf("chaos: read stream %s: %w", stream, err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return fmt.Errorf("chaos: read stream %s: %w", stream, err)
+	}
+	if info.State.Msgs == 0 {
+		return nil
+	}
+	cfg := jetstream.OrderedConsumerConfig{HeadersOnly: headersOnly}
+	if filter != "" {
+		cfg.FilterSubjects = []string{filter}
+	}
+	if lastPerSubject {
+		cfg.DeliverPolicy = jetstream.DeliverLastPerSubjectPolicy
+	}
+	cons, err := s.OrderedConsumer(ctx, cfg)
+	if err != nil {
+		return fmt.Errorf("chaos: read stream %s: %w", stream, err)
+	}
+	for {
+		batch, err := cons.Fetch(500, jetstream.FetchMaxWait(2*time.Second))
+		if err != nil {
+			return fmt.Errorf("chaos: read stream %s: %w", stream, err)
+		}
+		n := 0
+		last := false
+		for m := range batch.Messages() {
+			n++
+			md, err := m.Metadata()
+			if err != nil {
+				return fmt.Errorf("chaos: read stream %s: %w", stream, err)
+			}
+			if err := f(md.Sequence.Stream, m.Subject(), m.Headers(), m.Data()); err != nil {
+				return err
+			}
+			last = md.NumPending == 0
+		}
+		if err := batch.Error(); err != nil && !errors.Is(err, nats.ErrTimeout) && !errors.Is(err, jetstream.ErrNoMessages) {
+			return fmt.Errorf("chaos: read stream %s: %w", stream, err)
+		}
+		if last || n == 0 {
+			return nil
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+	}
+}
+
+// readEffectLog reads the effect log in order.
+func readEffectLog(ctx context.Context, js jetstream.JetStream, prefix string) ([]LogEntry, error) {
+	var out []LogEntry
+	err := readStream(ctx, js, worker.EffectsStream(prefix), "", false, true, func(seq uint64, subject string, h nats.Header, _ []byte) error {
+		e := LogEntry{Position: seq, Subject: subject}
+		st, err := leasehold.StampFromHeader(h)
+		if err != nil {
+			e.BadStamp = true
+		} else {
+			e.Stamp = st
+			_, e.Barrier = headerValue(h, leasehold.HeaderBarrier)
+		}
+		out = append(out, e)
+		return nil
+	})
+	return out, err
+}
+
+// readJobs reads the job stream.
+func readJobs(ctx context.Context, js jetstream.JetStream, prefix string) ([]Job, error) {
+	var out []Job
+	err := readStream(ctx, js, worker.JobsStream(prefix), "", false, true, func(seq uint64, subject string, h nats.Header, _ []byte) error {
+		p, err := leasehold.ParsePartition(subject[strings.LastIndexByte(subject, '.')+1:])
+		if err != nil {
+			return fmt.Errorf("chaos: job %d on subject %s: %w", seq, subject, err)
+		}
+		out = append(out, Job{Partition: p, Seq: seq, ID: h.Get(jetstream.MsgIDHeader)})
+		return nil
+	})
+	return out, err
+}
+
+// readDeadLetters reads the dead-letter stream.
+func readDeadLetters(ctx context.Context, js jetstream.JetStream, prefix string) ([]Job, error) {
+	var out []Job
+	err := readStream(ctx, js, worker.DLQStream(prefix), "", false, true, func(seq uint64, subject string, h nats.Header, _ []byte) error {
+		p, perr := leasehold.ParsePartition(subject[strings.LastIndexByte(subject, '.')+1:])
+		s, serr := strconv.ParseUint(h.Get(worker.HeaderSeq), 10, 64)
+		if perr != nil || serr != nil {
+			return fmt.Errorf("chaos: dead letter %d on %s has no job sequence", seq, subject)
+		}
+		out = append(out, Job{Partition: p, Seq: s, ID: h.Get(worker.HeaderJobID)})
+		return nil
+	})
+	return out, err
+}
+
+// readFinal reads the sink's KV bucket: each effect key with the stamp its
+// value carries. The sink's own keys (_leasehold.*) are left out.
+func readFinal(ctx context.Context, js jetstream.JetStream, bucket string) (map[string]leasehold.Stamp, error) {
+	out := map[string]leasehold.Stamp{}
+	prefix := "$KV." + bucket + "."
+	err := readStream(ctx, js, "KV_"+bucket, prefix+">", true, true, func(seq uint64, subject string, h nats.Header, _ []byte) error {
+		key := strings.TrimPrefix(subject, prefix)
+		if strings.HasPrefix(key, "_leasehold.") {
+			return nil
+		}
+		switch op, _ := headerValue(h, "KV-Operation"); op {
+		case "DEL", "PURGE":
+			return nil
+		}
+		st, err := leasehold.StampFromHeader(h)
+		if err != nil {
+			return fmt.Errorf("chaos: sink value %s (revision %d) carries no stamp: %w", key, seq, err)
+		}
+		out[key] = st
+		return nil
+	})
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		return out, nil
+	}
+	return out, err
+}
+
+func headerValue(h nats.Header, name string) (string, bool) {
+	for k, vs := range h {
+		if strings.EqualFold(k, name) && len(vs) > 0 {
+			return vs[0], true
+		}
+	}
+	return "", false
+}

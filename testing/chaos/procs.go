@@ -1,0 +1,195 @@
+package chaos
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/leasehold/leasehold/internal/fleet"
+)
+
+// proc is one slot of the fleet: a worker or the sink. A worker that is
+// killed or stopped is replaced by a new incarnation with a new ID, as a
+// replaced pod would be; the sink keeps its name, which is its durable
+// consumer's.
+type proc struct {
+	slot   string // w1, w2, ..., wn (the one in the network namespace), sink
+	incarn int
+	id     string // the worker ID, and the history file's name
+	netns  bool
+	p      *fleet.Proc
+}
+
+func (p *proc) running() bool {
+	if p.p == nil {
+		return false
+	}
+	select {
+	case <-p.p.Exited():
+		return false
+	default:
+		return true
+	}
+}
+
+func (h *harness) startProcesses() error {
+	h.mu.Lock()
+	for i := range h.cfg.Workers {
+		h.workers = append(h.workers, &proc{slot: fmt.Sprintf("w%d", i+1)})
+	}
+	if h.net != nil {
+		h.workers = append(h.workers, &proc{slot: "wn", netns: true})
+	}
+	h.sink = &proc{slot: sinkName}
+	workers := h.workers
+	h.mu.Unlock()
+	if err := h.startSink(); err != nil {
+		return err
+	}
+	for _, w := range workers {
+		if err := h.startWorker(w); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (h *harness) startWorker(w *proc) error {
+	w.incarn++
+	w.id = fmt.Sprintf("%s-%d", w.slot, w.incarn)
+	urls := h.srv.urls()
+	if w.netns {
+		urls = h.net.urls()
+	}
+	args := []string{"worker",
+		"--nats", urls, "--prefix", prefix, "--bucket", leaseKV,
+		"--partitions", fmt.Sprint(h.cfg.Partitions),
+		"--worker-id", w.id,
+		"--ttl", h.cfg.TTL.String(),
+		"--drain-timeout", "5s",
+		"--work-time", h.cfg.WorkTime.String(),
+		"--write-behind",
+		"--history", h.histDir,
+		"--http", "",
+		"--log-level", "warn",
+	}
+	bin := h.bin
+	if w.netns {
+		bin, args = h.net.wrap(h.bin, args)
+	}
+	p, err := fleet.Start(w.id, args, fleet.Options{Binary: bin, LogDir: h.logDir})
+	if err != nil {
+		return fmt.Errorf("chaos: %w", err)
+	}
+	w.p = p
+	h.log.Debug("chaos: worker started", "id", w.id, "pid", p.Pid())
+	return nil
+}
+
+func (h *harness) startSink() error {
+	s := h.sink
+	s.incarn++
+	s.id = sinkName
+	args := []string{"sink",
+		"--nats", h.srv.urls(), "--prefix", prefix, "--bucket", leaseKV,
+		"--kind", "kv", "--kv-bucket", sinkKV,
+		"--name", sinkName,
+		"--history", h.histDir,
+		"--http", "",
+		"--log-level", "warn",
+	}
+	if h.cfg.Unfenced {
+		args = append(args, "--unsafe-no-fence")
+	} else {
+		args = append(args, "--verify-epochs")
+	}
+	p, err := fleet.Start(fmt.Sprintf("%s-%d", sinkName, s.incarn), args, fleet.Options{Binary: h.bin, LogDir: h.logDir})
+	if err != nil {
+		return fmt.Errorf("chaos: %w", err)
+	}
+	s.p = p
+	return nil
+}
+
+// restart starts a new incarnation of a process that has exited.
+func (h *harness) restart(p *proc) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	var err error
+	if p == h.sink {
+		err = h.startSink()
+	} else {
+		err = h.startWorker(p)
+	}
+	if err == nil {
+		h.record(eventFor(p.id, markRestart))
+	}
+	return err
+}
+
+// healAll undoes whatever the last fault left: it continues paused
+// processes, heals the network, starts stopped servers and processes.
+func (h *harness) healAll(ctx context.Context) error {
+	if h.net != nil && h.net.cut {
+		if err := h.net.heal(); err != nil {
+			return err
+		}
+		h.record(eventFor(h.netWorker().id, markHeal))
+	}
+	for i := range h.srv.size() {
+		if !h.srv.running(i) {
+			if err := h.srv.start(i); err != nil {
+				return err
+			}
+			h.record(eventFor(h.srv.name(i), markNodeRestart))
+		}
+	}
+	h.mu.Lock()
+	all := append(append([]*proc(nil), h.workers...), h.sink)
+	h.mu.Unlock()
+	for _, p := range all {
+		if p.p != nil && p.p.Paused() {
+			_ = p.p.Resume()
+			h.record(eventFor(p.id, markResume))
+		}
+		if !p.running() {
+			if err := h.restart(p); err != nil {
+				return err
+			}
+		}
+	}
+	return ctx.Err()
+}
+
+// stopAll stops every process gracefully (a paused one is continued
+// first), killing what does not stop in time. It is safe to call twice.
+func (h *harness) stopAll() {
+	h.mu.Lock()
+	all := append(append([]*proc(nil), h.workers...), h.sink)
+	h.mu.Unlock()
+	done := make(chan struct{}, len(all))
+	for _, p := range all {
+		go func() {
+			defer func() { done <- struct{}{} }()
+			if p != nil && p.running() {
+				if err := p.p.Stop(15 * time.Second); err != nil {
+					h.log.Warn("chaos: process did not stop cleanly", "proc", p.id, "err", err)
+				}
+			}
+		}()
+	}
+	for range all {
+		<-done
+	}
+}
+
+func (h *harness) netWorker() *proc {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for _, w := range h.workers {
+		if w.netns {
+			return w
+		}
+	}
+	return nil
+}

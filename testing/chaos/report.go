@@ -1,0 +1,133 @@
+package chaos
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+	"text/tabwriter"
+	"time"
+)
+
+// Report is the JSON form of a result, as `leasehold chaos --json`
+// prints it: the figures, and what the run was.
+type Report struct {
+	Figures
+	OK          bool     `json:"ok"`
+	Settled     bool     `json:"settled"`
+	Cluster     bool     `json:"cluster"`
+	DurationSec float64  `json:"duration_s"`
+	ElapsedSec  float64  `json:"elapsed_s"`
+	Seed        uint64   `json:"seed"`
+	Skipped     []string `json:"skipped,omitempty"`
+	Violations  []string `json:"violation_list,omitempty"`
+	Dir         string   `json:"dir,omitempty"`
+}
+
+// Report returns the result's JSON form. cluster and duration describe the
+// run's configuration.
+func (r *Result) Report(cfg Config) Report {
+	rep := Report{
+		Figures: r.Figures, OK: r.OK() && r.Settled, Settled: r.Settled, Cluster: cfg.Cluster,
+		DurationSec: cfg.Duration.Seconds(), ElapsedSec: r.Elapsed.Round(time.Millisecond).Seconds(),
+		Seed: r.Seed, Skipped: r.Skipped,
+	}
+	for i, v := range r.Violations {
+		if i == 50 {
+			rep.Violations = append(rep.Violations, fmt.Sprintf("... and %d more", len(r.Violations)-i))
+			break
+		}
+		rep.Violations = append(rep.Violations, v.String())
+	}
+	if !rep.OK {
+		rep.Dir = r.Dir
+	}
+	return rep
+}
+
+// WriteJSON writes the report as one JSON object.
+func (rep Report) WriteJSON(w io.Writer) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(rep)
+}
+
+// WriteTable writes the report as a figure table, followed by the
+// violations, if any.
+func (rep Report) WriteTable(w io.Writer) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	kind := "single server"
+	if rep.Cluster {
+		kind = "3-node cluster"
+	}
+	fmt.Fprintf(tw, "chaos run\t%s, faults for %.0fs, %.0fs in all, seed %d\n", kind, rep.DurationSec, rep.ElapsedSec, rep.Seed)
+	fmt.Fprintln(tw, "\t")
+	fmt.Fprintln(tw, "FAULTS INJECTED\tCOUNT")
+	kinds := make([]string, 0, len(rep.Faults))
+	total := 0
+	for k, n := range rep.Faults {
+		kinds = append(kinds, k)
+		total += n
+	}
+	slices.Sort(kinds)
+	for _, k := range kinds {
+		fmt.Fprintf(tw, "  %s\t%d\n", k, rep.Faults[k])
+	}
+	fmt.Fprintf(tw, "  total\t%d\n", total)
+	fmt.Fprintln(tw, "\t")
+	fmt.Fprintln(tw, "ZOMBIE WRITES\t")
+	fmt.Fprintf(tw, "  attempted\t%d\n", rep.ZombieAttempted)
+	fmt.Fprintf(tw, "  rejected by the sink's fence\t%d\n", rep.ZombieRejected)
+	fmt.Fprintf(tw, "  not stored by the effect log (duplicate key, or never sent)\t%d\n", rep.ZombieNotStored)
+	fmt.Fprintf(tw, "  applied\t%d\n", rep.ZombieApplied)
+	fmt.Fprintf(tw, "forged and garbage messages injected / refused\t%d / %d\n", rep.Injected, rep.InjectedRefused)
+	fmt.Fprintln(tw, "\t")
+	fmt.Fprintln(tw, "JOBS\t")
+	fmt.Fprintf(tw, "  enqueued\t%d\n", rep.JobsEnqueued)
+	fmt.Fprintf(tw, "  applied exactly once\t%d\n", rep.JobsApplied-rep.JobsDuplicated)
+	fmt.Fprintf(tw, "  lost\t%d\n", rep.JobsLost)
+	fmt.Fprintf(tw, "  duplicated\t%d\n", rep.JobsDuplicated)
+	fmt.Fprintf(tw, "  dead-lettered\t%d\n", rep.JobsDeadLettered)
+	fmt.Fprintf(tw, "stale applications\t%d\n", rep.StaleApplications)
+	fmt.Fprintln(tw, "\t")
+	fmt.Fprintf(tw, "FAIL-OVER (%d)\t\n", rep.Failovers)
+	fmt.Fprintf(tw, "  p50\t%s\n", msString(rep.FailoverP50Ms))
+	fmt.Fprintf(tw, "  p99\t%s\n", msString(rep.FailoverP99Ms))
+	fmt.Fprintf(tw, "  max\t%s\n", msString(rep.FailoverMaxMs))
+	fmt.Fprintf(tw, "acquisitions\t%d\n", rep.Acquisitions)
+	var ds []string
+	for k, n := range rep.Decisions {
+		ds = append(ds, fmt.Sprintf("%s %d", k, n))
+	}
+	slices.Sort(ds)
+	fmt.Fprintf(tw, "sink decisions\t%s\n", strings.Join(ds, ", "))
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	for _, s := range rep.Skipped {
+		fmt.Fprintf(w, "skipped: %s\n", s)
+	}
+	switch {
+	case len(rep.Violations) > 0:
+		fmt.Fprintf(w, "\nCHECK FAILED: %d violations\n", rep.Figures.Violations)
+		for _, v := range rep.Violations {
+			fmt.Fprintln(w, "  "+v)
+		}
+	case !rep.Settled:
+		fmt.Fprintln(w, "\nCHECK FAILED: the sink did not catch up with every job in time")
+	default:
+		fmt.Fprintln(w, "\ncheck passed: no stale application, every job applied exactly once, epochs rise, one holder per epoch")
+	}
+	if rep.Dir != "" {
+		fmt.Fprintf(w, "history, logs and stores kept in %s\n", rep.Dir)
+	}
+	return nil
+}
+
+func msString(v float64) string {
+	if v == 0 {
+		return "-"
+	}
+	return fmt.Sprintf("%.0f ms", v)
+}
