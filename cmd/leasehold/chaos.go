@@ -2,14 +2,80 @@ package main
 
 import (
 	"errors"
+	"log/slog"
+	"os"
+	"time"
 
 	"github.com/spf13/cobra"
+
+	"github.com/leasehold/leasehold/testing/chaos"
 )
 
+// errCheckFailed makes the command exit non-zero after it printed why.
+var errCheckFailed = errors.New("chaos: the checker found violations (see above)")
+
 func newChaos() *cobra.Command {
-	return &cobra.Command{
+	var (
+		cfg     chaos.Config
+		asJSON  bool
+		verbose bool
+		faults  []string
+	)
+	cmd := &cobra.Command{
 		Use:   "chaos",
 		Short: "Run workers and sinks under injected faults and check the history",
-		RunE:  func(*cobra.Command, []string) error { return errors.New("chaos: not built yet") },
+		Long: `chaos starts NATS inside this process (one server, or a 3-node cluster with
+--cluster), runs workers and a KV sink runner as separate processes of this
+binary, enqueues jobs throughout, and for --duration injects faults: SIGSTOP
+past the lease TTL (zombie workers that write with their old epoch when they
+wake), SIGKILL, SIGTERM, sink crashes, NATS server restarts or cluster node
+kills, a network partition of one worker (as root with ip and nft), and forged
+or garbage messages in the effect log. It then waits for the sink to catch
+up, checks the recorded history — no stale application, every job applied
+exactly once, epochs strictly rising, one holder per epoch — and prints the
+figures. It exits non-zero when the checker finds a violation.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			cfg.Faults = faults
+			if verbose {
+				cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
+			}
+			res, err := chaos.Run(cmd.Context(), cfg)
+			if err != nil {
+				return err
+			}
+			rep := res.Report(cfg)
+			out := cmd.OutOrStdout()
+			if asJSON {
+				err = rep.WriteJSON(out)
+			} else {
+				err = rep.WriteTable(out)
+			}
+			if err != nil {
+				return err
+			}
+			if !rep.OK {
+				return errCheckFailed
+			}
+			return nil
+		},
 	}
+	fs := cmd.Flags()
+	fs.DurationVar(&cfg.Duration, "duration", time.Minute, "how long to inject faults")
+	fs.BoolVar(&cfg.Cluster, "cluster", false, "run a 3-node NATS cluster (streams and buckets at 3 replicas) instead of one server")
+	fs.BoolVar(&asJSON, "json", false, "print the figures as one JSON object")
+	fs.IntVar(&cfg.Workers, "workers", 3, "worker processes (one more runs in a network namespace when partitions are possible)")
+	fs.IntVar(&cfg.Partitions, "partitions", 8, "partitions of the job stream")
+	fs.DurationVar(&cfg.TTL, "ttl", 2*time.Second, "lease TTL of the workers")
+	fs.DurationVar(&cfg.WorkTime, "work-time", 50*time.Millisecond, "time each job takes between its stamp and its effect")
+	fs.IntVar(&cfg.Rate, "rate", 25, "jobs enqueued per second")
+	fs.DurationVar(&cfg.FaultGap, "fault-gap", 2*time.Second, "mean quiet time between faults")
+	fs.StringSliceVar(&faults, "faults", nil, "fault types to inject (default all): pause, kill, term, sink_kill, sink_term, nats_restart, node_kill, partition, forged_epoch, garbage")
+	fs.DurationVar(&cfg.Settle, "settle", 2*time.Minute, "how long to wait for the sink to catch up after the faults")
+	fs.StringVar(&cfg.Dir, "dir", "", "directory for stores, histories and logs (default: a temporary one, kept only when the check fails)")
+	fs.Uint64Var(&cfg.Seed, "seed", 0, "seed of the fault schedule (default: random; printed)")
+	fs.BoolVar(&verbose, "verbose", false, "log the harness's progress to stderr")
+	fs.BoolVar(&cfg.Unfenced, "unsafe-no-fence", false, "run the sink without fencing, to see the checker catch stale applications")
+	_ = fs.MarkHidden("unsafe-no-fence")
+	return cmd
 }

@@ -18,6 +18,7 @@ import (
 	"github.com/leasehold/leasehold/sink/pgsink"
 	"github.com/leasehold/leasehold/sink/streamsink"
 	"github.com/leasehold/leasehold/telemetry"
+	"github.com/leasehold/leasehold/testing/chaos"
 )
 
 type sinkFlags struct {
@@ -31,6 +32,7 @@ type sinkFlags struct {
 	historyDir   string
 	name         string
 	logLevel     string
+	noFence      bool
 }
 
 func newSinkCmd() *cobra.Command {
@@ -59,7 +61,9 @@ resumes with nothing applied twice or lost. Run one runner per effect log.`,
 	fs.StringVar(&f.historyDir, "history", "", "directory to append this process's decision history to (for the chaos checker)")
 	fs.StringVar(&f.name, "name", "sink", "name of this runner in logs, history and its durable consumer")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
+	fs.BoolVar(&f.noFence, "unsafe-no-fence", false, "apply every effect without fencing (--kind kv only): shows what the fence prevents; never use it for real")
 	_ = fs.MarkHidden("history")
+	_ = fs.MarkHidden("unsafe-no-fence")
 	return cmd
 }
 
@@ -90,9 +94,18 @@ func runSink(ctx context.Context, f sinkFlags) error {
 		}
 		defer hist.Close()
 	}
+	if f.noFence {
+		if f.kind != "kv" {
+			return fmt.Errorf("--unsafe-no-fence works with --kind kv only")
+		}
+		log.Warn("sink starting WITHOUT FENCING: stale effects will be applied", "name", f.name)
+		return runUnfenced(ctx, js, f, hist, log)
+	}
 	observers := sink.Observers{}
+	var applied sink.Observer
 	if hist != nil {
-		observers = append(observers, historyDecisions(hist))
+		observers = append(observers, historyDecisions(hist, ""))
+		applied = historyDecisions(hist, applyStage)
 	}
 	cfg := streamsink.Config{
 		Prefix:   f.conn.prefix,
@@ -113,7 +126,7 @@ func runSink(ctx context.Context, f sinkFlags) error {
 	case "stream":
 		cfg.Downstream = f.downstream
 	case "kv", "postgres":
-		a, err := newApplier(ctx, js, f, log)
+		a, err := newApplier(ctx, js, f, applied, log)
 		if err != nil {
 			return err
 		}
@@ -150,10 +163,10 @@ func runSink(ctx context.Context, f sinkFlags) error {
 	return nil
 }
 
-func newApplier(ctx context.Context, js jetstream.JetStream, f sinkFlags, log *slog.Logger) (*applier, error) {
+func newApplier(ctx context.Context, js jetstream.JetStream, f sinkFlags, obs sink.Observer, log *slog.Logger) (*applier, error) {
 	switch f.kind {
 	case "kv":
-		s, err := kvsink.New(ctx, js, kvsink.Config{Bucket: f.kvBucket, Name: f.name, Logger: log})
+		s, err := kvsink.New(ctx, js, kvsink.Config{Bucket: f.kvBucket, Name: f.name, Logger: log, Observer: obs})
 		if err != nil {
 			return nil, err
 		}
@@ -180,7 +193,7 @@ func newApplier(ctx context.Context, js jetstream.JetStream, f sinkFlags, log *s
 			pool.Close()
 			return nil, fmt.Errorf("PostgreSQL does not answer: %w (check --postgres-url)", err)
 		}
-		pcfg := pgsink.Config{DB: pool, Name: f.name, Logger: log}
+		pcfg := pgsink.Config{DB: pool, Name: f.name, Logger: log, Observer: obs}
 		if err := pgsink.CreateSchema(pctx, pool, pcfg); err != nil {
 			pool.Close()
 			return nil, err
@@ -204,10 +217,16 @@ func newApplier(ctx context.Context, js jetstream.JetStream, f sinkFlags, log *s
 	return nil, fmt.Errorf("--kind %q: use kv, postgres or stream", f.kind)
 }
 
+// applyStage marks, in the history, the decisions of the destination
+// (the KV or PostgreSQL sink) as opposed to the runner's: the chaos
+// checker counts how often each key was applied from them.
+const applyStage = chaos.ApplyStage
+
 // historyDecisions records sink decisions for the chaos checker.
-func historyDecisions(w *history.Writer) sink.Observer {
+func historyDecisions(w *history.Writer, stage string) sink.Observer {
 	return sink.ObserverFunc(func(_ context.Context, d sink.Decision) {
 		w.Record(history.Event{
+			Reason:    stage,
 			Kind:      history.Decision,
 			Partition: uint32(d.Stamp.Partition),
 			Epoch:     uint64(d.Stamp.Epoch),

@@ -1,0 +1,91 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/leasehold/leasehold/testing/chaos"
+)
+
+// The chaos command end to end, as CI runs it but shorter: workers and a
+// sink as processes of this binary, every fault type, a history checked
+// at the end, and the figures as JSON.
+func TestChaosCommand(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a fleet of processes")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
+	defer cancel()
+	dir := t.TempDir()
+	out, err := run(t, ctx, "chaos", "--duration", "20s", "--fault-gap", "1s", "--json", "--dir", dir)
+	var rep map[string]any
+	if jerr := json.Unmarshal([]byte(out), &rep); jerr != nil {
+		t.Fatalf("chaos --json: %v (%v)\n%s", jerr, err, out)
+	}
+	if err != nil {
+		t.Fatalf("chaos found violations: %v\n%s\nhistory and logs in %s", err, out, dir)
+	}
+	for _, k := range []string{"faults", "zombie_attempted", "zombie_rejected", "zombie_applied", "jobs_enqueued", "jobs_lost", "jobs_duplicated", "failover_p50_ms", "failover_p99_ms"} {
+		if _, ok := rep[k]; !ok {
+			t.Errorf("the JSON report lacks %q", k)
+		}
+	}
+	if rep["jobs_lost"].(float64) != 0 || rep["jobs_duplicated"].(float64) != 0 || rep["zombie_applied"].(float64) != 0 {
+		t.Fatalf("report: %s", out)
+	}
+	if rep["jobs_enqueued"].(float64) == 0 || len(rep["faults"].(map[string]any)) == 0 {
+		t.Fatalf("nothing happened: %s", out)
+	}
+	t.Logf("%s", out)
+}
+
+// With fencing switched off, the checker must fail the run: a zombie's
+// write that lands behind its successor's barrier is applied. The run must
+// really contain such writes, or it proves nothing; runs are repeated
+// (with new seeds) until one does.
+func TestChaosCheckerFailsWithoutFencing(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a fleet of processes")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	for attempt := 1; attempt <= 3; attempt++ {
+		cfg := chaos.Config{
+			Duration: 20 * time.Second,
+			Faults:   []string{chaos.FaultPause},
+			FaultGap: 500 * time.Millisecond,
+			WorkTime: 200 * time.Millisecond,
+			Unfenced: true,
+			Dir:      t.TempDir(),
+		}
+		res, err := chaos.Run(ctx, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("attempt %d: %d pauses, %d zombie writes in the effect log, %d applied, %d stale applications",
+			attempt, res.Faults[chaos.FaultPause], res.ZombieAttempted-res.ZombieNotStored, res.ZombieApplied, res.StaleApplications)
+		if res.ZombieApplied == 0 {
+			if !res.OK() {
+				t.Fatalf("violations without an applied zombie write: %v", res.Violations)
+			}
+			continue // no zombie write got ahead of its successor this time
+		}
+		if res.OK() || res.StaleApplications == 0 {
+			t.Fatalf("the checker passed a run that applied %d zombie writes", res.ZombieApplied)
+		}
+		for _, v := range res.Violations {
+			if v.Check != chaos.CheckStale {
+				t.Errorf("unexpected violation: %s", v)
+			}
+		}
+		if !strings.Contains(res.Violations[0].String(), "stale-application") {
+			t.Fatalf("violation: %s", res.Violations[0])
+		}
+		t.Logf("first violation: %s", res.Violations[0])
+		return
+	}
+	t.Fatal("three unfenced runs produced no zombie write ahead of its successor")
+}
