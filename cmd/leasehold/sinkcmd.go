@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -175,7 +176,16 @@ func newApplier(ctx context.Context, js jetstream.JetStream, f sinkFlags, obs si
 		return &applier{
 			apply: func(ctx context.Context, e sink.Effect) error {
 				e.Subject = e.Stamp.Key
-				return s.Apply(ctx, e)
+				err := s.Apply(ctx, e)
+				if errors.Is(err, kvsink.ErrBadSubject) {
+					// No retry can make the key usable, and the runner
+					// retries until the handler succeeds: an effect that
+					// can never be applied would stop every one behind it.
+					log.Error("effect refused: its idempotency key cannot be a KV key; no leasehold worker writes such a key, so it is forged or garbled",
+						"key", e.Stamp.Key, "partition", e.Stamp.Partition, "epoch", e.Stamp.Epoch, "worker", e.Stamp.Worker, "err", err)
+					return nil
+				}
+				return err
 			},
 			close: func() {},
 		}, nil
