@@ -55,8 +55,11 @@ type Config struct {
 	// Cluster runs a three-node cluster with every stream and bucket at
 	// three replicas, instead of one server.
 	Cluster bool
-	// Workers is the number of worker processes. Default 3. A fourth runs
-	// in a network namespace when partitions are possible.
+	// Workers is the number of worker processes. Default 3. They write
+	// behind (they take their stamp before the work and publish after
+	// it), which turns a pause into a zombie write. A fourth worker runs in
+	// a network namespace when partitions are possible; it emits through
+	// the SDK's Job.Emit.
 	Workers int
 	// Partitions of the job stream. Default 8.
 	Partitions int

@@ -203,6 +203,7 @@ func Check(in Input) *Analysis {
 	c.checkLog()
 	c.checkDecisions()
 	c.checkFinal()
+	c.checkInjected()
 	c.countZombies()
 	c.failovers()
 	sort.SliceStable(c.out.Violations, func(i, j int) bool { return c.out.Violations[i].Check < c.out.Violations[j].Check })
@@ -405,14 +406,10 @@ func (c *checker) checkJobs() {
 			Detail: fmt.Sprintf("job %s (sequence %d) has no effect in the sink", j.ID, j.Seq), Excerpt: c.storyOf(k, j.Partition, enq[k])})
 	}
 	for k, st := range c.in.Final {
-		if _, ok := jobs[k]; ok {
-			continue
+		if _, ok := jobs[k]; ok || c.injKeys[k] {
+			continue // injected keys are judged by checkInjected
 		}
-		what := "no job produced it"
-		if c.injKeys[k] {
-			what = "it was forged by the harness"
-		}
-		c.violate(Violation{Check: CheckUnexpected, Partition: st.Partition, Epoch: st.Epoch, Key: k, Detail: "the sink holds this effect, and " + what})
+		c.violate(Violation{Check: CheckUnexpected, Partition: st.Partition, Epoch: st.Epoch, Key: k, Detail: "the sink holds this effect, and no job produced it"})
 	}
 }
 
@@ -498,10 +495,6 @@ func (c *checker) checkDecisions() {
 				}
 				continue
 			}
-			if inj, ok := c.injected[pos]; ok {
-				c.violate(Violation{Check: CheckUnexpected, Partition: leasehold.Partition(d.Partition), Epoch: leasehold.Epoch(d.Epoch), Key: d.Key,
-					Detail: fmt.Sprintf("the sink accepted a %s message at log position %d", inj.Reason, pos), Excerpt: []Event{inj, d}})
-			}
 			i, inLog := logAt[pos]
 			switch {
 			case d.Epoch < maxOf[d.Partition]:
@@ -514,10 +507,6 @@ func (c *checker) checkDecisions() {
 			}
 			if d.Epoch > maxOf[d.Partition] {
 				maxOf[d.Partition], last[d.Partition] = d.Epoch, d
-			}
-		case "stale", "bad_stamp", "unverified":
-			if _, ok := c.injected[pos]; ok {
-				c.out.InjectedRefused++
 			}
 		}
 	}
@@ -555,6 +544,35 @@ func (c *checker) checkFinal() {
 			c.staleApplied(k, Violation{Check: CheckStale, Partition: st.Partition, Epoch: st.Epoch, Key: k,
 				Detail: fmt.Sprintf("the sink's value was written under epoch %d, which reached the effect log (position %d) only behind a newer barrier", st.Epoch, l.Position)})
 		}
+	}
+}
+
+// checkInjected: no forged or garbage message may be applied, whatever
+// stage refused it (the runner's fence, its stamp check, or the
+// destination, for a key it cannot hold).
+func (c *checker) checkInjected() {
+	applied := map[string]Event{}
+	for _, e := range c.in.Events {
+		if e.Kind == KindDecision && e.Reason == ApplyStage && e.Outcome == "accepted" {
+			applied[e.Key] = e
+		}
+	}
+	for pos, inj := range c.injected {
+		a, byDecision := applied[inj.Key]
+		_, inFinal := c.in.Final[inj.Key]
+		if inj.Key == "" || !byDecision && !inFinal {
+			c.out.InjectedRefused++
+			continue
+		}
+		excerpt := []Event{inj}
+		if d, ok := c.decided[pos]; ok {
+			excerpt = append(excerpt, d)
+		}
+		if byDecision {
+			excerpt = append(excerpt, a)
+		}
+		c.violate(Violation{Check: CheckUnexpected, Partition: leasehold.Partition(inj.Partition), Epoch: leasehold.Epoch(inj.Epoch), Key: inj.Key,
+			Detail: fmt.Sprintf("the %s message at log position %d was applied", inj.Reason, pos), Excerpt: excerpt})
 	}
 }
 

@@ -2,8 +2,10 @@ package chaos
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -347,10 +349,24 @@ func (h *harness) garbage(ctx context.Context) error {
 		func(k string) nats.Header { h := valid(k); h[leasehold.HeaderEpoch] = []string{"5", "6"}; return h },
 		func(k string) nats.Header { h := valid(k); delete(h, leasehold.HeaderKey); return h },
 	}
+	// A valid stamp at the sink's own maximum (so it passes the fence and
+	// raises nothing) whose key cannot be a KV key: the runner accepts
+	// it, and the KV sink can never apply it.
+	if max := h.sinkMax(gctx, p); max > 0 {
+		variants = append(variants, func(k string) nats.Header {
+			hd := nats.Header{}
+			leasehold.Stamp{Partition: p, Epoch: max, Key: k + "*", Worker: "garbler"}.SetHeader(hd)
+			return hd
+		})
+	}
 	for range 3 {
 		key := fmt.Sprintf("chaos.garbage.%d", h.rnd.Uint64())
 		msg := nats.NewMsg(worker.OutputSubject(prefix, p))
-		msg.Header = variants[h.rnd.IntN(len(variants))](key)
+		v := h.rnd.IntN(len(variants))
+		msg.Header = variants[v](key)
+		if k := msg.Header.Get(leasehold.HeaderKey); strings.HasSuffix(k, "*") {
+			key = k
+		}
 		msg.Data = make([]byte, h.rnd.IntN(512))
 		for i := range msg.Data {
 			msg.Data[i] = byte(h.rnd.Uint32())
@@ -368,6 +384,28 @@ func (h *harness) publishInjected(ctx context.Context, msg *nats.Msg, e history.
 	}
 	e.Position = ack.Sequence
 	h.record(e)
+}
+
+// sinkMax reads partition p's maximum from the sink runner's saved
+// progress, 0 when it cannot.
+func (h *harness) sinkMax(ctx context.Context, p leasehold.Partition) leasehold.Epoch {
+	kv, err := h.js.KeyValue(ctx, prefix+"-sink-state")
+	if err != nil {
+		return 0
+	}
+	e, err := kv.Get(ctx, prefix+"-"+sinkName)
+	if err != nil {
+		return 0
+	}
+	var st struct {
+		Fences map[string]struct {
+			Epoch leasehold.Epoch `json:"epoch"`
+		} `json:"fences"`
+	}
+	if json.Unmarshal(e.Value(), &st) != nil {
+		return 0
+	}
+	return st.Fences[p.String()].Epoch
 }
 
 // jitter returns base times a random factor in [lo, hi).
