@@ -19,6 +19,14 @@ import (
 // for that partition by rendezvous hashing, which spreads them evenly and
 // deterministically.
 func Assign(n int, members []string, owners []string) []string {
+	return assign(n, members, owners, nil)
+}
+
+// assign is Assign with the members' scores taken from cache, which keeps
+// each member's score for every partition: a worker recomputes the
+// assignment after every change it sees, and with thousands of partitions
+// the hashing would otherwise dominate it.
+func assign(n int, members []string, owners []string, cache *scoreCache) []string {
 	target := make([]string, n)
 	if len(members) == 0 || n == 0 {
 		return target
@@ -26,6 +34,10 @@ func Assign(n int, members []string, owners []string) []string {
 	members = slices.Clone(members)
 	slices.Sort(members)
 	members = slices.Compact(members)
+	scores := make([][]uint64, len(members))
+	for i, m := range members {
+		scores[i] = cache.of(m, n)
+	}
 	index := make(map[string]int, len(members))
 	for i, m := range members {
 		index[m] = i
@@ -57,8 +69,9 @@ func Assign(n int, members []string, owners []string) []string {
 	// Keep what each member may keep: the partitions it ranks highest.
 	taken := make([]int, len(members))
 	for i, ps := range held {
+		sc := scores[i]
 		slices.SortFunc(ps, func(a, b int) int {
-			return cmp.Or(cmp.Compare(score(b, members[i]), score(a, members[i])), cmp.Compare(a, b))
+			return cmp.Or(cmp.Compare(sc[b], sc[a]), cmp.Compare(a, b))
 		})
 		for _, p := range ps[:min(len(ps), share[i])] {
 			target[p] = members[i]
@@ -72,11 +85,11 @@ func Assign(n int, members []string, owners []string) []string {
 		}
 		best := -1
 		var bestScore uint64
-		for i, m := range members {
+		for i := range members {
 			if taken[i] >= share[i] {
 				continue
 			}
-			if s := score(p, m); best < 0 || s > bestScore {
+			if s := scores[i][p]; best < 0 || s > bestScore {
 				best, bestScore = i, s
 			}
 		}
@@ -104,4 +117,40 @@ func score(p int, m string) uint64 {
 	h *= 0xc4ceb9a34f5e7f93
 	h ^= h >> 33
 	return h
+}
+
+// scoreCache keeps every member's rendezvous score for each partition. A
+// nil cache computes them afresh.
+type scoreCache struct {
+	by map[string][]uint64
+}
+
+// of returns m's scores for partitions 0..n-1.
+func (c *scoreCache) of(m string, n int) []uint64 {
+	if c != nil {
+		if s, ok := c.by[m]; ok && len(s) == n {
+			return s
+		}
+	}
+	s := make([]uint64, n)
+	for p := range s {
+		s[p] = score(p, m)
+	}
+	if c != nil {
+		if c.by == nil {
+			c.by = map[string][]uint64{}
+		}
+		c.by[m] = s
+	}
+	return s
+}
+
+// keep forgets the members not in live, so that the cache does not grow
+// with every worker that ever came and went.
+func (c *scoreCache) keep(live map[string]bool, me string) {
+	for m := range c.by {
+		if !live[m] && m != me {
+			delete(c.by, m)
+		}
+	}
 }

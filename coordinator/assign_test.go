@@ -114,3 +114,35 @@ func BenchmarkAssign4096x32(b *testing.B) {
 		Assign(4096, members, owners)
 	}
 }
+
+// BenchmarkAssign computes the assignment of 4096 partitions over 32
+// members, as every worker does after each change it sees: from nothing
+// (a cold start) and from a balanced state, with the scores hashed afresh
+// each time (as Assign does) and from the cache a worker keeps.
+//
+//	go test ./coordinator -run '^$' -bench Assign
+func BenchmarkAssign(b *testing.B) {
+	const n, k = 4096, 32
+	members := make([]string, k)
+	for i := range members {
+		members[i] = fmt.Sprintf("worker-%02d-abcdef", i)
+	}
+	free := make([]string, n)
+	balanced := Assign(n, members, free)
+	for _, c := range []struct {
+		name   string
+		owners []string
+	}{{"cold", free}, {"balanced", balanced}} {
+		b.Run(c.name+"/hashed", func(b *testing.B) {
+			for b.Loop() {
+				assign(n, members, c.owners, nil)
+			}
+		})
+		b.Run(c.name+"/cached", func(b *testing.B) {
+			var cache scoreCache
+			for b.Loop() {
+				assign(n, members, c.owners, &cache)
+			}
+		})
+	}
+}

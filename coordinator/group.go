@@ -28,7 +28,7 @@ func (c *Coordinator) Run(ctx context.Context) error {
 		n:         c.cfg.Partitions,
 		held:      map[leasehold.Partition]*Lease{},
 		draining:  map[leasehold.Partition]bool{},
-		acquiring: map[leasehold.Partition]bool{},
+		acquiring: map[leasehold.Partition]context.CancelFunc{},
 		watchCh:   make(chan watchEvent, 256),
 		lostCh:    make(chan *Lease, 16),
 		acqCh:     make(chan acquireResult, 16),
@@ -84,14 +84,16 @@ type group struct {
 	mu        sync.Mutex // guards held for Held
 	held      map[leasehold.Partition]*Lease
 	draining  map[leasehold.Partition]bool
-	acquiring map[leasehold.Partition]bool
+	acquiring map[leasehold.Partition]context.CancelFunc // cancels an acquisition not yet started
 	member    *Lease
 
-	view, next    *view     // next: the snapshot being read after a rescan
+	view, next    *view // next: the snapshot being read after a rescan
+	scores        scoreCache
 	ready         bool      // the first snapshot is complete
 	membersSince  time.Time // when membership last changed
 	revokePending bool      // revocations wait for membership to settle
 	gen           int       // watcher generation
+	snapshots     int       // initial snapshots of the current watchers still coming
 	stopWatch     context.CancelFunc
 	watchers      sync.WaitGroup
 
@@ -200,14 +202,27 @@ func (g *group) register(ctx context.Context) error {
 	}
 }
 
-// watch starts a new watcher on the partition and member keys; its initial
-// snapshot replaces the view once complete.
+// watch starts new watchers on the partition and member keys; their
+// initial snapshots replace the view once both are complete.
+//
+// Two watchers with one filter each, not one with both filters: the
+// server finds a multi-filter consumer's next message by intersecting
+// its filters with every subject in the bucket, for every message, and
+// with thousands of partitions and dozens of workers that alone saturates
+// it. A single-filter consumer at the tail of the stream scans forward.
 func (g *group) watch(ctx context.Context) error {
 	wctx, cancel := context.WithCancel(ctx)
-	w, err := g.c.b.kv.WatchFiltered(wctx, []string{partitionKeyPrefix + ">", memberKeyPrefix + ">"})
-	if err != nil {
-		cancel()
-		return fmt.Errorf("coordinator: watch lease bucket %s: %w", g.c.b.name, err)
+	var ws []jetstream.KeyWatcher
+	for _, filter := range []string{partitionKeyPrefix + ">", memberKeyPrefix + ">"} {
+		w, err := g.c.b.kv.Watch(wctx, filter)
+		if err != nil {
+			for _, w := range ws {
+				_ = w.Stop()
+			}
+			cancel()
+			return fmt.Errorf("coordinator: watch lease bucket %s: %w", g.c.b.name, err)
+		}
+		ws = append(ws, w)
 	}
 	if g.stopWatch != nil {
 		g.stopWatch()
@@ -215,27 +230,49 @@ func (g *group) watch(ctx context.Context) error {
 	g.gen++
 	g.stopWatch = cancel
 	g.next = newView(g.n)
+	g.snapshots = len(ws)
 	gen := g.gen
-	g.watchers.Add(1)
-	go func() {
-		defer g.watchers.Done()
-		defer w.Stop()
-		for {
-			select {
-			case e, ok := <-w.Updates():
-				if !ok {
-					g.send(wctx, watchEvent{gen: gen, err: errors.New("watcher closed")})
+	for _, w := range ws {
+		g.watchers.Add(1)
+		go func() {
+			defer g.watchers.Done()
+			defer stopWatcher(w)
+			for {
+				select {
+				case e, ok := <-w.Updates():
+					if !ok {
+						g.send(wctx, watchEvent{gen: gen, err: errors.New("watcher closed")})
+						return
+					}
+					if !g.send(wctx, watchEvent{gen: gen, entry: e}) {
+						return
+					}
+				case <-wctx.Done():
 					return
 				}
-				if !g.send(wctx, watchEvent{gen: gen, entry: e}) {
-					return
-				}
-			case <-wctx.Done():
+			}
+		}()
+	}
+	return nil
+}
+
+// stopWatcher stops w and takes what it still delivers until nats.go
+// closes its channel: nats.go's delivery goroutine may be blocked on a full
+// channel, and nothing else would ever unblock it.
+func stopWatcher(w jetstream.KeyWatcher) {
+	_ = w.Stop()
+	t := time.NewTimer(2 * time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case _, ok := <-w.Updates():
+			if !ok {
 				return
 			}
+		case <-t.C:
+			return
 		}
-	}()
-	return nil
+	}
 }
 
 func (g *group) send(wctx context.Context, ev watchEvent) bool {
@@ -266,6 +303,9 @@ func (g *group) onWatch(ctx context.Context, ev watchEvent) bool {
 		if ev.entry != nil {
 			g.next.apply(ev.entry)
 			return false
+		}
+		if g.snapshots--; g.snapshots > 0 {
+			return false // the other watcher's snapshot is still coming
 		}
 		g.view, g.next, g.ready = g.next, nil, true
 		return true
@@ -319,7 +359,8 @@ func (g *group) reconcile(ctx context.Context) {
 	for p := range g.held {
 		owners[p] = me
 	}
-	target := Assign(g.n, members, owners)
+	g.scores.keep(g.view.members, me)
+	target := assign(g.n, members, owners, &g.scores)
 
 	settled := time.Since(g.membersSince) >= g.c.cfg.RebalanceDelay || g.member == nil
 	g.revokePending = false
@@ -333,17 +374,40 @@ func (g *group) reconcile(ctx context.Context) {
 			g.revoke(l)
 		}
 	}
+	// Acquisitions still waiting for their turn that the assignment no
+	// longer gives this worker are called off: when workers start together,
+	// the first to look sees itself alone and queues every partition, and
+	// taking them all only to hand nearly all of them off again is most of
+	// what a cold start would cost.
+	for p, call := range g.acquiring {
+		if target[p] != me {
+			call()
+		}
+	}
 	for i, m := range target {
 		p := leasehold.Partition(i)
-		if m != me || g.held[p] != nil || g.acquiring[p] || g.view.slots[i].holder != "" {
+		if m != me || g.held[p] != nil || g.acquiring[p] != nil || g.view.slots[i].holder != "" {
 			continue
 		}
-		g.acquiring[p] = true
+		queued, call := context.WithCancel(ctx)
+		g.acquiring[p] = call
 		g.tasks.Add(1)
 		go func() {
 			defer g.tasks.Done()
-			g.sem <- struct{}{}
+			defer call()
+			select {
+			case g.sem <- struct{}{}:
+			case <-queued.Done():
+				g.acqCh <- acquireResult{p: p, err: fmt.Errorf("coordinator: acquire partition %d: %w", p, errCalledOff)}
+				return
+			}
 			defer func() { <-g.sem }()
+			if queued.Err() != nil {
+				g.acqCh <- acquireResult{p: p, err: fmt.Errorf("coordinator: acquire partition %d: %w", p, errCalledOff)}
+				return
+			}
+			// Once started, an acquisition runs to its end under the
+			// group's context: its outcome is settled, not abandoned.
 			actx, cancel := context.WithTimeout(ctx, g.c.cfg.TTL)
 			defer cancel()
 			l, err := g.c.Acquire(actx, p)
@@ -352,10 +416,17 @@ func (g *group) reconcile(ctx context.Context) {
 	}
 }
 
+// errCalledOff is the outcome of a queued acquisition that the assignment
+// no longer wanted by the time its turn came.
+var errCalledOff = errors.New("the assignment moved the partition elsewhere before its turn")
+
 func (g *group) onAcquired(r acquireResult) {
 	delete(g.acquiring, r.p)
 	if r.err != nil {
 		var held *HeldError
+		if errors.Is(r.err, errCalledOff) {
+			return
+		}
 		if errors.As(r.err, &held) {
 			g.view.slots[r.p] = slot{holder: held.Lease.Holder, epoch: held.Lease.Epoch}
 		} else {

@@ -1,6 +1,7 @@
 package coordinator
 
 import (
+	"hash/maphash"
 	"strings"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -12,7 +13,13 @@ import (
 type slot struct {
 	holder string // "" when free
 	epoch  leasehold.Epoch
+	sum    uint64 // hash of the record it was read from; 0 when not read from one
 }
+
+// recordSeed hashes lease records, so that a renewal, which repeats its
+// lease's record byte for byte, is recognised without decoding it: every
+// worker sees every renewal of every partition.
+var recordSeed = maphash.MakeSeed()
 
 // view is a worker's picture of the bucket, built from the watch. It is
 // advisory: decisions it leads to are compare-and-set writes the server
@@ -53,18 +60,21 @@ func (v *view) applyKind(e jetstream.KeyValueEntry) (changed, membership bool) {
 		if err != nil || int(p) >= len(v.slots) {
 			return false, false
 		}
+		cur := &v.slots[p]
 		var next slot
 		if live {
-			next = slot{holder: "?", epoch: leasehold.Epoch(e.Revision())}
+			sum := maphash.Bytes(recordSeed, e.Value())
+			if cur.sum == sum && cur.holder != "" {
+				return false, false // a renewal of the lease already known
+			}
+			next = slot{holder: "?", epoch: leasehold.Epoch(e.Revision()), sum: sum}
 			if r, err := decodeRecord(e.Value()); err == nil {
-				next = slot{holder: r.Holder, epoch: epochOf(r, e.Revision())}
+				next.holder, next.epoch = r.Holder, epochOf(r, e.Revision())
 			}
 		}
-		if v.slots[p] == next {
-			return false, false
-		}
-		v.slots[p] = next
-		return true, false
+		changed = cur.holder != next.holder || cur.epoch != next.epoch
+		*cur = next
+		return changed, false
 	}
 	return false, false
 }
