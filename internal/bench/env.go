@@ -46,6 +46,10 @@ func startEnv(ctx context.Context, cfg *Config) (*env, error) {
 		// embedded defaults set for tests.
 		o.JetStreamMaxMemory = 2 << 30
 		o.MaxPayload = 8 << 20
+		// nats-server caps a stream at 1000 consumers unless told
+		// otherwise, also when the stream says -1 (unlimited); a worker
+		// reads each partition it holds through a consumer of its own.
+		o.JetStreamLimits.DefaultMaxConsumers = -1
 	}})
 	if err != nil {
 		os.RemoveAll(dir)

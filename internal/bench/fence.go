@@ -16,15 +16,22 @@ import (
 	"github.com/leasehold/leasehold/sink/pgsink"
 )
 
-// writer is one way of writing effect i: fenced through a sink, or the
+// writer is one way of writing an effect: fenced through a sink, or the
 // unfenced write of the same kind.
-type writer func(ctx context.Context, i int) error
+type writer func(ctx context.Context, e *sink.Effect) error
 
 // perOp times n writes and returns the mean time of one, in microseconds.
+// The effects are built before the clock starts: formatting keys would
+// otherwise weigh more than a memory write.
 func perOp(ctx context.Context, w writer, from, n int) (float64, error) {
+	data := make([]byte, pipePayload)
+	effects := make([]sink.Effect, n)
+	for i := range effects {
+		effects[i] = effect(from+i, data)
+	}
 	t0 := time.Now()
-	for i := from; i < from+n; i++ {
-		if err := w(ctx, i); err != nil {
+	for i := range effects {
+		if err := w(ctx, &effects[i]); err != nil {
 			return 0, err
 		}
 	}
@@ -74,7 +81,6 @@ func effect(i int, data []byte) sink.Effect {
 // fenceCost measures the fence's cost per effect in each sink beside an
 // unfenced write of the same kind.
 func (e *env) fenceCost(ctx context.Context) ([]Row, error) {
-	data := make([]byte, pipePayload)
 	n := map[string]int{"memory": 50000, "kv": 3000, "postgres": 3000}
 	if e.cfg.Quick {
 		n = map[string]int{"memory": 5000, "kv": 300, "postgres": 300}
@@ -87,11 +93,10 @@ func (e *env) fenceCost(ctx context.Context) ([]Row, error) {
 	var mu sync.Mutex
 	plain := map[string]sink.Effect{}
 	f, p, err := e.pairedWrites(ctx, "memory",
-		func(ctx context.Context, i int) error { return mem.Apply(ctx, effect(i, data)) },
-		func(_ context.Context, i int) error {
-			eff := effect(i, data)
+		func(ctx context.Context, eff *sink.Effect) error { return mem.Apply(ctx, *eff) },
+		func(_ context.Context, eff *sink.Effect) error {
 			mu.Lock()
-			plain[eff.Subject] = eff
+			plain[eff.Subject] = *eff
 			mu.Unlock()
 			return nil
 		}, n["memory"])
@@ -116,9 +121,9 @@ func (e *env) fenceCost(ctx context.Context) ([]Row, error) {
 		return rows, err
 	}
 	f, p, err = e.pairedWrites(ctx, "kv",
-		func(ctx context.Context, i int) error { return ks.Apply(ctx, effect(i, data)) },
-		func(ctx context.Context, i int) error {
-			_, err := kv.Put(ctx, effect(i, data).Subject, data)
+		func(ctx context.Context, eff *sink.Effect) error { return ks.Apply(ctx, *eff) },
+		func(ctx context.Context, eff *sink.Effect) error {
+			_, err := kv.Put(ctx, eff.Subject, eff.Data)
 			return err
 		}, n["kv"])
 	if err != nil {
@@ -126,7 +131,7 @@ func (e *env) fenceCost(ctx context.Context) ([]Row, error) {
 	}
 	rows = append(rows, paired("fence_kv", "µs/effect", f, p, "kvsink Apply (one atomic batch: fence, dedupe key, value) vs a KV Put of the value"))
 
-	row, err := e.fencePostgres(ctx, data, n["postgres"])
+	row, err := e.fencePostgres(ctx, n["postgres"])
 	if err != nil {
 		return rows, err
 	}
@@ -135,7 +140,7 @@ func (e *env) fenceCost(ctx context.Context) ([]Row, error) {
 
 // fencePostgres measures pgsink beside a plain upsert into a table of the
 // same shape, on a database from Config.Postgres or a throwaway server.
-func (e *env) fencePostgres(ctx context.Context, data []byte, n int) (Row, error) {
+func (e *env) fencePostgres(ctx context.Context, n int) (Row, error) {
 	skip := func(why string) (Row, error) {
 		e.progress("fence postgres skipped: %s", why)
 		return Row{Name: "fence_postgres", Unit: "µs/effect", Note: "skipped: " + why}, nil
@@ -177,10 +182,9 @@ func (e *env) fencePostgres(ctx context.Context, data []byte, n int) (Row, error
 	const upsert = `INSERT INTO bench_plain (key, partition, epoch, subject, data, header) VALUES ($1, $2, $3, $4, $5, $6)
 		ON CONFLICT (key) DO UPDATE SET data = EXCLUDED.data, epoch = EXCLUDED.epoch`
 	f, p, err := e.pairedWrites(ctx, "postgres",
-		func(ctx context.Context, i int) error { return ps.Apply(ctx, effect(i, data)) },
-		func(ctx context.Context, i int) error {
-			eff := effect(i, data)
-			_, err := pool.Exec(ctx, upsert, eff.Stamp.Key, int32(eff.Stamp.Partition), int64(eff.Stamp.Epoch), eff.Subject, data, nil)
+		func(ctx context.Context, eff *sink.Effect) error { return ps.Apply(ctx, *eff) },
+		func(ctx context.Context, eff *sink.Effect) error {
+			_, err := pool.Exec(ctx, upsert, eff.Stamp.Key, int32(eff.Stamp.Partition), int64(eff.Stamp.Epoch), eff.Subject, eff.Data, nil)
 			return err
 		}, n)
 	if err != nil {

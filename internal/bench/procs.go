@@ -33,10 +33,11 @@ type procGroup struct {
 	nc         *nats.Conn
 	js         jetstream.JetStream
 	stops      []func()
-	// inProcess runs workers as goroutines of this process, each on its
-	// own connection, instead of as processes: for profiling them.
-	inProcess bool
-	inStops   map[string]func()
+	// mode says how start runs a worker: as a process (the default), as
+	// a worker in this process, or as the lease layer alone in this
+	// process (a coordinator.Run group member, without job consumers).
+	mode    runMode
+	inStops map[string]func()
 
 	mu    sync.Mutex
 	procs map[string]*fleet.Proc
@@ -77,27 +78,37 @@ func (e *env) newProcGroup(ctx context.Context, prefix string, partitions int, t
 		g.close(ctx)
 		return nil, err
 	}
-	w, err := b.KeyValue().WatchFiltered(ctx, []string{"partition.>", "member.>"})
-	if err != nil {
-		g.close(ctx)
-		return nil, err
-	}
-	g.stops = append(g.stops, e.goRun(ctx, func(ctx context.Context) {
-		defer w.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case en, ok := <-w.Updates():
-				if !ok {
-					return
+	// One watcher per filter: the server serves a multi-filter consumer by
+	// matching every subject in the bucket for every message.
+	for _, filter := range []string{"partition.>", "member.>"} {
+		w, err := b.KeyValue().Watch(ctx, filter)
+		if err != nil {
+			g.close(ctx)
+			return nil, err
+		}
+		g.stops = append(g.stops, e.goRun(ctx, func(ctx context.Context) {
+			defer func() {
+				// Take what is still coming until nats.go closes the
+				// channel: its delivery goroutine may be blocked on it.
+				_ = w.Stop()
+				for range w.Updates() {
 				}
-				if en != nil {
-					g.onLease(en)
+			}()
+			for {
+				select {
+				case <-ctx.Done():
+					return
+				case en, ok := <-w.Updates():
+					if !ok {
+						return
+					}
+					if en != nil {
+						g.onLease(en)
+					}
 				}
 			}
-		}
-	}, nil))
+		}, nil))
+	}
 	sub, err := nc.Subscribe(prefix+".out.>", g.onEffect)
 	if err != nil {
 		g.close(ctx)
@@ -162,7 +173,7 @@ func (g *procGroup) onEffect(m *nats.Msg) {
 
 // start starts a worker process named id.
 func (g *procGroup) start(id string) error {
-	if g.inProcess {
+	if g.mode != asProcess {
 		return g.startInProcess(id)
 	}
 	args := []string{"worker", "--nats", g.e.url, "--prefix", g.prefix, "--bucket", g.bucket,
@@ -349,8 +360,21 @@ func rssMiB(pid int) (float64, error) {
 	return 0, fmt.Errorf("no VmRSS in /proc/%d/status", pid)
 }
 
-// startInProcess runs `leasehold worker`'s equivalent in this process: a
-// worker on its own connection whose handler emits one effect per job.
+type runMode int
+
+const (
+	asProcess runMode = iota // `leasehold worker` processes
+	asWorker                 // worker.Worker in this process
+	asLeases                 // coordinator.Coordinator.Run in this process
+)
+
+func (m runMode) String() string {
+	return [...]string{"`leasehold worker` processes", "workers in one process", "lease-layer members (coordinator.Run) in one process"}[m]
+}
+
+// startInProcess runs a worker, or its lease layer alone, in this process
+// on a connection of its own. The worker's handler emits one effect per
+// job, as `leasehold worker`'s does.
 func (g *procGroup) startInProcess(id string) error {
 	nc, js, err := g.e.connect("bench worker " + id)
 	if err != nil {
@@ -360,6 +384,15 @@ func (g *procGroup) startInProcess(id string) error {
 	if err != nil {
 		g.e.release(nc)
 		return err
+	}
+	if g.mode == asLeases {
+		c, err := coordinator.New(b, coordinator.Config{Worker: id, Partitions: g.partitions, TTL: g.ttl, Logger: g.e.quiet()})
+		if err != nil {
+			g.e.release(nc)
+			return err
+		}
+		g.addStop(id, g.e.goRun(context.Background(), func(ctx context.Context) { _ = c.Run(ctx) }, func() { g.e.release(nc) }))
+		return nil
 	}
 	w, err := worker.New(worker.Config{
 		JetStream:   js,
@@ -374,12 +407,15 @@ func (g *procGroup) startInProcess(id string) error {
 		g.e.release(nc)
 		return err
 	}
-	stop := g.e.goRun(context.Background(), func(ctx context.Context) { _ = w.Run(ctx) }, func() { g.e.release(nc) })
+	g.addStop(id, g.e.goRun(context.Background(), func(ctx context.Context) { _ = w.Run(ctx) }, func() { g.e.release(nc) }))
+	return nil
+}
+
+func (g *procGroup) addStop(id string, stop func()) {
 	g.mu.Lock()
+	defer g.mu.Unlock()
 	if g.inStops == nil {
 		g.inStops = map[string]func(){}
 	}
 	g.inStops[id] = stop
-	g.mu.Unlock()
-	return nil
 }
