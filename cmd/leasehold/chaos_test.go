@@ -89,3 +89,30 @@ func TestChaosCheckerFailsWithoutFencing(t *testing.T) {
 	}
 	t.Fatal("three unfenced runs produced no zombie write ahead of its successor")
 }
+
+// NATS goes away mid-run and comes back, again and again, while the
+// producer enqueues, workers handle and the sink applies: every process
+// reconnects and retries with backoff, and nothing is lost or applied
+// twice.
+func TestChaosServerRestartsLoseNothing(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a fleet of processes")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
+	defer cancel()
+	cfg := chaos.Config{Duration: 15 * time.Second, Faults: []string{chaos.FaultNATSRestart}, FaultGap: time.Second, Dir: t.TempDir()}
+	res, err := chaos.Run(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Faults[chaos.FaultNATSRestart] == 0 {
+		t.Fatal("no server restart was injected")
+	}
+	if !res.OK() || !res.Settled || res.JobsLost != 0 || res.JobsDuplicated != 0 || res.JobsApplied == 0 {
+		for _, v := range res.Violations {
+			t.Error(v)
+		}
+		t.Fatalf("%d restarts: figures %+v; history in %s", res.Faults[chaos.FaultNATSRestart], res.Figures, res.Dir)
+	}
+	t.Logf("%d server restarts, %d jobs, all applied once", res.Faults[chaos.FaultNATSRestart], res.JobsApplied)
+}
