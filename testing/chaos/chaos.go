@@ -235,6 +235,9 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	}
 	h.histDir, h.logDir = filepath.Join(h.dir, "history"), filepath.Join(h.dir, "logs")
 	res, err := h.run(ctx)
+	if err != nil {
+		err = fmt.Errorf("%w (stores, histories and logs in %s)", err, h.dir)
+	}
 	if res != nil {
 		res.Elapsed = time.Since(start)
 		if cfg.Dir == "" && !cfg.Keep && err == nil && res.OK() {

@@ -116,7 +116,8 @@ func formatEvent(e Event) string {
 // Figures are what a run measured. The JSON names are the ones `leasehold
 // chaos --json` prints.
 type Figures struct {
-	// Faults counts the injected faults by type.
+	// Faults counts the injected faults by type; forged and garbage
+	// injections count one per message.
 	Faults map[string]int `json:"faults"`
 	// ZombieAttempted counts effects written under an epoch the partition
 	// had moved past: those that reached the effect log behind a newer

@@ -61,9 +61,11 @@ func setupNetPartition(targets []string) (_ *netPartition, err error) {
 		hostIf: fmt.Sprintf("lhc%dh", tag),
 	}
 	nsIf := fmt.Sprintf("lhc%dn", tag)
-	subnet := tag%250 + 1
-	n.hostIP = fmt.Sprintf("169.254.%d.1", subnet)
-	nsIP := fmt.Sprintf("169.254.%d.2", subnet)
+	// One /30 of 169.254.0.0/16 per tag, so that runs side by side do not
+	// share addresses.
+	block := tag % 16000
+	n.hostIP = fmt.Sprintf("169.254.%d.%d", 1+block/64, block%64*4+1)
+	nsIP := fmt.Sprintf("169.254.%d.%d", 1+block/64, block%64*4+2)
 	defer func() {
 		if err != nil {
 			n.close()
