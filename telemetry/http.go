@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"os"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -13,12 +14,15 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/exemplar"
 	"go.opentelemetry.io/otel/sdk/resource"
 )
 
 // NewPrometheus returns a MeterProvider whose metrics are served, in the
 // Prometheus text format, by the returned handler. It uses its own
-// registry (plus the Go runtime and process collectors), not the global one.
+// registry (plus the Go runtime and process collectors), not the global
+// one. Exemplars are off (the text format cannot carry them) unless
+// OTEL_METRICS_EXEMPLAR_FILTER says otherwise.
 func NewPrometheus() (*sdkmetric.MeterProvider, http.Handler, error) {
 	return newPrometheus(nil)
 }
@@ -31,6 +35,11 @@ func newPrometheus(res *resource.Resource) (*sdkmetric.MeterProvider, http.Handl
 		return nil, nil, fmt.Errorf("telemetry: prometheus exporter: %w", err)
 	}
 	opts := []sdkmetric.Option{sdkmetric.WithReader(exp)}
+	if os.Getenv("OTEL_METRICS_EXEMPLAR_FILTER") == "" {
+		// The Prometheus text format carries no exemplars, and collecting
+		// them costs each measurement made under a sampled span.
+		opts = append(opts, sdkmetric.WithExemplarFilter(exemplar.AlwaysOffFilter))
+	}
 	if res != nil {
 		opts = append(opts, sdkmetric.WithResource(res))
 	}

@@ -60,8 +60,8 @@ func TestRejectedWriteSpans(t *testing.T) {
 		if got := str(p, semconv.MessagingSystemKey); got != "nats" {
 			t.Errorf("messaging.system %q", got)
 		}
-		if got := str(p, semconv.MessagingDestinationNameKey); got != "zz.jobs.0" {
-			t.Errorf("messaging.destination.name %q", got)
+		if got := str(p, semconv.MessagingDestinationTemplateKey); got != "zz.jobs.{partition}" {
+			t.Errorf("messaging.destination.template %q", got)
 		}
 	}
 	if n(processA, telemetry.AttrEpoch) != int64(run.epochA) || n(processB, telemetry.AttrEpoch) != int64(run.epochB) {

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -14,6 +15,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/telemetry"
 	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
@@ -52,9 +54,9 @@ func benchPipelines(b *testing.B, backlog bool) {
 		var r, l float64
 		if i%2 == 0 {
 			r = rawPipeline(b, srv, fmt.Sprintf("raw%d", i), payload, backlog)
-			l = leaseholdPipeline(b, srv, fmt.Sprintf("lh%d", i), payload, backlog)
+			l = leaseholdPipeline(b, srv, fmt.Sprintf("lh%d", i), payload, backlog, telemetry.Config{}).rate
 		} else {
-			l = leaseholdPipeline(b, srv, fmt.Sprintf("lh%d", i), payload, backlog)
+			l = leaseholdPipeline(b, srv, fmt.Sprintf("lh%d", i), payload, backlog, telemetry.Config{}).rate
 			r = rawPipeline(b, srv, fmt.Sprintf("raw%d", i), payload, backlog)
 		}
 		raw, lh, ratios = append(raw, r), append(lh, l), append(ratios, l/r)
@@ -65,10 +67,18 @@ func benchPipelines(b *testing.B, backlog bool) {
 	b.ReportMetric(0, "ns/op")
 }
 
+// pace is how fast a pipeline went: jobs per second, and the CPU time the
+// whole process (the embedded server included) spent per job, which the
+// machine's other load disturbs less than the rate.
+type pace struct {
+	rate      float64
+	cpuPerJob time.Duration
+}
+
 // timed enqueues benchJobs jobs and waits for their effects, timing either
 // the whole (end to end) or, with backlog, only what follows the opening of
 // the gate.
-func timed(b *testing.B, prod *worker.Producer, payload []byte, r *reader, gate chan struct{}, backlog bool) float64 {
+func timed(b *testing.B, prod *worker.Producer, payload []byte, r *reader, gate chan struct{}, backlog bool) pace {
 	b.Helper()
 	enqueue := func() {
 		enqueueBench(b, func(ctx context.Context, batch *worker.Batch, i int) error {
@@ -79,6 +89,7 @@ func timed(b *testing.B, prod *worker.Producer, payload []byte, r *reader, gate 
 		enqueue()
 	}
 	b.StartTimer()
+	cpu0 := cpuTime()
 	t0 := time.Now()
 	close(gate)
 	if !backlog {
@@ -86,8 +97,18 @@ func timed(b *testing.B, prod *worker.Producer, payload []byte, r *reader, gate 
 	}
 	r.wait(b)
 	took := time.Since(t0)
+	cpu := cpuTime() - cpu0
 	b.StopTimer()
-	return float64(benchJobs) / took.Seconds()
+	return pace{rate: float64(benchJobs) / took.Seconds(), cpuPerJob: cpu / benchJobs}
+}
+
+// cpuTime is the user and system time the process has used.
+func cpuTime() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 func median(xs []float64) float64 {
@@ -107,8 +128,9 @@ func provisionBench(b *testing.B, js jetstream.JetStream, prefix string) {
 }
 
 // leaseholdPipeline starts four workers, waits until they hold every
-// partition, and times benchJobs jobs from enqueue to their effects.
-func leaseholdPipeline(b *testing.B, srv *natstest.Server, prefix string, payload []byte, backlog bool) float64 {
+// partition, and times benchJobs jobs from enqueue to their effects. The
+// workers and the producer record through tc.
+func leaseholdPipeline(b *testing.B, srv *natstest.Server, prefix string, payload []byte, backlog bool, tc telemetry.Config) pace {
 	b.Helper()
 	js := srv.JetStream(b)
 	provisionBench(b, js, prefix)
@@ -139,6 +161,7 @@ func leaseholdPipeline(b *testing.B, srv *natstest.Server, prefix string, payloa
 			Coordinator: coordinator.Config{Worker: fmt.Sprintf("%s-w%d", prefix, i), RebalanceDelay: 50 * time.Millisecond},
 			Logger:      testLogger(),
 			Observer:    obs,
+			Telemetry:   tc,
 		}
 
 		ws = append(ws, start(b, cfg))
@@ -151,16 +174,16 @@ func leaseholdPipeline(b *testing.B, srv *natstest.Server, prefix string, payloa
 	// Let the group settle: rebalancing moves partitions for a while
 	// after the first worker took them all.
 	waitBalanced(b, ws)
-	prod, err := worker.NewProducer(srv.JetStream(b), worker.ProducerConfig{Prefix: prefix, Partitions: benchPartitions})
+	prod, err := worker.NewProducer(srv.JetStream(b), worker.ProducerConfig{Prefix: prefix, Partitions: benchPartitions, Telemetry: tc})
 	if err != nil {
 		b.Fatal(err)
 	}
 	reader := startReader(b, srv.JetStream(b), worker.EffectsStream(prefix), benchJobs+benchPartitions)
-	rate := timed(b, prod, payload, reader, gate, backlog)
+	p := timed(b, prod, payload, reader, gate, backlog)
 	for _, w := range ws {
 		w.stop(b)
 	}
-	return rate
+	return p
 }
 
 // waitBalanced waits until each worker holds its share of partitions, and
@@ -297,10 +320,10 @@ func rawPipeline(b *testing.B, srv *natstest.Server, prefix string, payload []by
 		b.Fatal(err)
 	}
 
-	rate := timed(b, prod, payload, reader, gate, backlog)
+	p := timed(b, prod, payload, reader, gate, backlog)
 	cancel()
 	wg.Wait()
-	return rate
+	return p.rate
 }
 
 func rawPartition(ctx context.Context, js jetstream.JetStream, cons jetstream.Consumer, out string, gate chan struct{}) {

@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/nats-io/nuid"
 	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/propagation"
 	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
 	"go.opentelemetry.io/otel/trace"
@@ -82,11 +83,11 @@ func (c ProducerConfig) Validate() error {
 
 // Producer enqueues jobs. Its methods are safe for concurrent use.
 type Producer struct {
-	js       jetstream.JetStream
-	cfg      ProducerConfig
-	tel      *telemetry.Telemetry
-	sendName string // the enqueue span's name
-	sendOpts []trace.SpanStartOption
+	js        jetstream.JetStream
+	cfg       ProducerConfig
+	tel       *telemetry.Telemetry
+	sendName  string // the enqueue span's name
+	sendAttrs []attribute.KeyValue
 
 	mu      sync.Mutex
 	checked bool // the stream's partition count matched
@@ -109,11 +110,8 @@ func NewProducer(js jetstream.JetStream, cfg ProducerConfig) (*Producer, error) 
 	return &Producer{
 		js: js, cfg: cfg, tel: telemetry.New(tc),
 		sendName: telemetry.SpanName("send", template),
-		sendOpts: []trace.SpanStartOption{
-			trace.WithSpanKind(trace.SpanKindProducer),
-			trace.WithAttributes(telemetry.MessagingSystem, semconv.MessagingOperationTypeSend,
-				semconv.MessagingOperationName("send"), semconv.MessagingDestinationTemplate(template)),
-		},
+		sendAttrs: []attribute.KeyValue{telemetry.MessagingSystem, semconv.MessagingOperationTypeSend,
+			semconv.MessagingOperationName("send"), semconv.MessagingDestinationTemplate(template)},
 	}, nil
 }
 
@@ -135,6 +133,19 @@ type enqueueOpts struct {
 	header nats.Header
 }
 
+// enqueueOptions applies opts, giving the job a random ID unless one is
+// set.
+func enqueueOptions(opts []EnqueueOption) enqueueOpts {
+	var o enqueueOpts
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if o.id == "" {
+		o.id = nuid.Next()
+	}
+	return o
+}
+
 // JobID sets the job's ID, its Nats-Msg-Id: a job enqueued twice with the
 // same ID within the stream's duplicate window is stored once. Without it,
 // each enqueue gets a random ID that its own retries reuse.
@@ -151,9 +162,10 @@ func (p *Producer) Enqueue(ctx context.Context, key, data []byte, opts ...Enqueu
 
 // EnqueueTo stores a job on partition part and waits for the stream's ack.
 func (p *Producer) EnqueueTo(ctx context.Context, part leasehold.Partition, data []byte, opts ...EnqueueOption) (e Enqueued, err error) {
-	ctx, span := p.startSend(ctx, part)
-	defer func() { p.endSend(span, e, err) }()
-	msg, err := p.message(ctx, part, data, opts)
+	o := enqueueOptions(opts)
+	ctx, span := p.startSend(ctx, part, o.id)
+	defer func() { endSpan(span, err) }()
+	msg, err := p.message(ctx, part, data, o)
 	if err != nil {
 		return Enqueued{}, err
 	}
@@ -178,25 +190,18 @@ func (p *Producer) EnqueueTo(ctx context.Context, part leasehold.Partition, data
 	return Enqueued{}, p.fail(msg, last)
 }
 
-// startSend starts the span of one enqueue; the job carries its context.
-func (p *Producer) startSend(ctx context.Context, part leasehold.Partition) (context.Context, trace.Span) {
-	ctx, span := p.tel.Tracer.Start(ctx, p.sendName, p.sendOpts...)
+// startSend starts the span of one enqueue of the job with ID id (empty
+// when the job gets a random one); the job carries its context.
+func (p *Producer) startSend(ctx context.Context, part leasehold.Partition, id string) (context.Context, trace.Span) {
+	ctx, span := p.tel.Tracer.Start(ctx, p.sendName, producerSpan...)
 	if span.IsRecording() {
-		span.SetAttributes(
+		setAttributes(span, p.sendAttrs,
 			semconv.MessagingDestinationName(JobSubject(p.cfg.Prefix, part)),
-			semconv.MessagingDestinationPartitionID(part.String()),
 			telemetry.AttrPartition.Int64(int64(part)),
+			semconv.MessagingMessageID(id),
 		)
 	}
 	return ctx, span
-}
-
-// endSend records where the job was stored, or why not, and ends the span.
-func (p *Producer) endSend(span trace.Span, e Enqueued, err error) {
-	if span.IsRecording() && err == nil && e.ID != "" {
-		span.SetAttributes(semconv.MessagingMessageID(e.ID), telemetry.AttrSeq.Int64(int64(e.Seq)))
-	}
-	endSpan(span, err)
 }
 
 func (p *Producer) fail(msg *nats.Msg, err error) error {
@@ -209,20 +214,14 @@ func (p *Producer) retryWait(attempt int) time.Duration {
 
 // message builds the job message, checking the partition and, the first
 // time, the stream's partition count.
-func (p *Producer) message(ctx context.Context, part leasehold.Partition, data []byte, opts []EnqueueOption) (*nats.Msg, error) {
+func (p *Producer) message(ctx context.Context, part leasehold.Partition, data []byte, o enqueueOpts) (*nats.Msg, error) {
 	if int(part) >= p.cfg.Partitions {
 		return nil, fmt.Errorf("worker: enqueue: partition %d does not exist: the job stream has %d partitions (0 to %d)", part, p.cfg.Partitions, p.cfg.Partitions-1)
 	}
 	if err := p.check(ctx); err != nil {
 		return nil, err
 	}
-	var o enqueueOpts
-	for _, opt := range opts {
-		opt(&o)
-	}
-	if o.id == "" {
-		o.id = nuid.Next()
-	} else if err := validID(o.id); err != nil {
+	if err := validID(o.id); err != nil {
 		return nil, err
 	}
 	msg := &nats.Msg{Subject: JobSubject(p.cfg.Prefix, part), Data: data, Header: make(nats.Header, len(o.header)+2)}
@@ -307,17 +306,15 @@ func (b *Batch) Enqueue(ctx context.Context, key, data []byte, opts ...EnqueueOp
 // be sent and is not part of the batch.
 func (b *Batch) EnqueueTo(ctx context.Context, part leasehold.Partition, data []byte, opts ...EnqueueOption) error {
 	// The span covers the send; Wait collects the ack.
-	ctx, span := b.p.startSend(ctx, part)
-	msg, err := b.p.message(ctx, part, data, opts)
+	o := enqueueOptions(opts)
+	ctx, span := b.p.startSend(ctx, part, o.id)
+	msg, err := b.p.message(ctx, part, data, o)
 	if err != nil {
 		endSpan(span, err)
 		return err
 	}
 	pj := pendingJob{part: part, msg: msg}
 	pj.fut, pj.err = b.p.publishAsync(ctx, msg)
-	if span.IsRecording() {
-		span.SetAttributes(semconv.MessagingMessageID(msg.Header.Get(jetstream.MsgIDHeader)))
-	}
 	endSpan(span, pj.err)
 	b.mu.Lock()
 	b.pending = append(b.pending, pj)

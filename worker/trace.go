@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 
+	"go.opentelemetry.io/otel/attribute"
 	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
 	"go.opentelemetry.io/otel/trace"
 
@@ -31,44 +32,76 @@ import (
 // Attributes that are the same for every job of a partition are computed
 // once per runner; the rest only for spans that record.
 
-// spans holds what a runner's spans share.
+// spans holds what a runner's spans share: names, kinds and the
+// attributes that are the same for every job and effect of the partition.
+//
+// The SDK's cost grows with every attribute and every copy of them, and
+// jumps past eight attributes (its de-duplication map outgrows one
+// group), so a job's spans carry eight: the messaging attributes, and the
+// leasehold ones a search needs. A process span leaves out
+// messaging.destination.name, which is its template with the partition
+// filled in; a send span leaves out leasehold.partition, which its
+// destination names. They get them in one SetAttributes call right after
+// Start, which the SDK copies once (options given to Start are copied
+// twice, and a second SetAttributes grows the span's slice again), so
+// samplers see the span's name and kind, not its attributes.
 type spans struct {
-	processName string
-	processOpts []trace.SpanStartOption
-	outputSend  string // the span name of a send to the default output
+	processName  string
+	processAttrs []attribute.KeyValue
+	outputName   string // a send to the default output
+	outputAttrs  []attribute.KeyValue
 }
 
-// sendOpts are the start options of every "send" span.
-var sendOpts = []trace.SpanStartOption{
-	trace.WithSpanKind(trace.SpanKindProducer),
-	trace.WithAttributes(telemetry.MessagingSystem, semconv.MessagingOperationTypeSend, semconv.MessagingOperationName("send")),
-}
+var (
+	consumerSpan = []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer)}
+	producerSpan = []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindProducer)}
+)
 
 func newSpans(r *runner) spans {
 	template := telemetry.SubjectTemplate(r.subject, r.p)
-	attrs := append(telemetry.ProcessAttrs(r.subject, template, r.w.cfg.Prefix),
-		semconv.MessagingDestinationPartitionID(r.p.String()),
-		telemetry.AttrPartition.Int64(int64(r.p)),
+	name, attrs := r.sendSpan(r.output)
+	return spans{
+		processName: telemetry.SpanName("process", template),
+		processAttrs: []attribute.KeyValue{
+			telemetry.MessagingSystem,
+			semconv.MessagingOperationTypeProcess,
+			semconv.MessagingOperationName("process"),
+			semconv.MessagingDestinationTemplate(template),
+			telemetry.AttrPartition.Int64(int64(r.p)),
+			telemetry.AttrEpoch.Int64(int64(r.info.Epoch)),
+			telemetry.AttrWorker.String(r.info.Holder),
+		},
+		outputName:  name,
+		outputAttrs: attrs,
+	}
+}
+
+// sendSpan returns the name and attributes of a send to subject.
+func (r *runner) sendSpan(subject string) (string, []attribute.KeyValue) {
+	template := telemetry.SubjectTemplate(subject, r.p)
+	return telemetry.SpanName("send", template), append(telemetry.SendAttrs(subject, template),
 		telemetry.AttrEpoch.Int64(int64(r.info.Epoch)),
 		telemetry.AttrWorker.String(r.info.Holder),
 	)
-	return spans{
-		processName: telemetry.SpanName("process", template),
-		processOpts: []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...)},
-		outputSend:  telemetry.SpanName("send", telemetry.SubjectTemplate(r.output, r.p)),
+}
+
+// setAttributes gives a recording span its attributes in one call.
+func setAttributes(span trace.Span, shared []attribute.KeyValue, own ...attribute.KeyValue) {
+	if !span.IsRecording() {
+		return
 	}
+	attrs := make([]attribute.KeyValue, 0, len(shared)+len(own))
+	span.SetAttributes(append(append(attrs, shared...), own...)...)
 }
 
 // startProcess starts the span of one attempt at job, the child of the
 // span in ctx (the enqueue's, extracted from the job's headers).
 func (r *runner) startProcess(ctx context.Context, job *Job) (context.Context, trace.Span) {
-	ctx, span := r.w.tel.Tracer.Start(ctx, r.spans.processName, r.spans.processOpts...)
-	if span.IsRecording() {
-		span.SetAttributes(
-			semconv.MessagingMessageID(job.ID),
-			telemetry.AttrSeq.Int64(int64(job.Seq)),
-			telemetry.AttrAttempt.Int(job.Attempt),
-		)
+	ctx, span := r.w.tel.Tracer.Start(ctx, r.spans.processName, consumerSpan...)
+	if job.Attempt > 1 {
+		setAttributes(span, r.spans.processAttrs, telemetry.AttrSeq.Int64(int64(job.Seq)), telemetry.AttrAttempt.Int(job.Attempt))
+	} else {
+		setAttributes(span, r.spans.processAttrs, telemetry.AttrSeq.Int64(int64(job.Seq)))
 	}
 	return ctx, span
 }
@@ -86,26 +119,16 @@ func endSpan(span trace.Span, err error) {
 	span.End()
 }
 
-// startSend starts the span of a message sent to subject under stamp s:
-// an effect, a dead letter or a barrier.
+// startSend starts the span of a message sent to subject under stamp s
+// (an effect, a dead letter or a barrier); its message ID is the stamp's
+// key.
 func (r *runner) startSend(ctx context.Context, subject string, s leasehold.Stamp) (context.Context, trace.Span) {
-	name := r.spans.outputSend
+	name, attrs := r.spans.outputName, r.spans.outputAttrs
 	if subject != r.output {
-		name = telemetry.SpanName("send", telemetry.SubjectTemplate(subject, r.p))
+		name, attrs = r.sendSpan(subject)
 	}
-	ctx, span := r.w.tel.Tracer.Start(ctx, name, sendOpts...)
-	if span.IsRecording() {
-		span.SetAttributes(
-			semconv.MessagingDestinationName(subject),
-			semconv.MessagingDestinationTemplate(name[len("send "):]),
-			semconv.MessagingDestinationPartitionID(r.p.String()),
-			semconv.MessagingMessageID(s.Key),
-			telemetry.AttrPartition.Int64(int64(s.Partition)),
-			telemetry.AttrEpoch.Int64(int64(s.Epoch)),
-			telemetry.AttrKey.String(s.Key),
-			telemetry.AttrWorker.String(s.Worker),
-		)
-	}
+	ctx, span := r.w.tel.Tracer.Start(ctx, name, producerSpan...)
+	setAttributes(span, attrs, semconv.MessagingMessageID(s.Key))
 	return ctx, span
 }
 
