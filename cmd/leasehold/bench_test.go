@@ -53,7 +53,7 @@ func TestBenchQuickJSON(t *testing.T) {
 		}
 	}
 	for _, want := range []string{"e2e_throughput", "e2e_latency_p50", "e2e_latency_p99", "fence_memory", "fence_kv", "fence_postgres",
-		"failover_crash_p99", "handoff_graceful_p99", "scaleout_balanced", "scaleout_rejected_writes", "scale_owned", "scale_renew_load", "scale_rss_per_worker"} {
+		"failover_crash_p99", "handoff_graceful_p99", "scaleout_balanced", "scaleout_rejected_writes", "scale_owned", "scale_renew_load", "scale_workers_balanced"} {
 		if !seen[want] {
 			t.Errorf("no row %s in:\n%s", want, out)
 		}
