@@ -225,7 +225,7 @@ func (m *Memory) Advance(ctx context.Context, p leasehold.Partition, e leasehold
 	m.mu.Lock()
 	raised := e > m.parts[p].max
 	if raised {
-		m.parts[p] = memPart{max: e}
+		m.parts[p] = memPart{max: e, holder: HolderFrom(ctx)}
 	}
 	m.mu.Unlock()
 	if raised {

@@ -74,6 +74,23 @@ type Fence interface {
 	MaxEpoch(ctx context.Context, p leasehold.Partition) (leasehold.Epoch, error)
 }
 
+// WithHolder returns a context that names worker as the one a fence is
+// advanced for. A worker advances its fences under it, and the sinks of
+// this module record the name with the new maximum, so that a refusal
+// between the take-over and the new holder's first write can say who
+// holds the partition.
+func WithHolder(ctx context.Context, worker string) context.Context {
+	return context.WithValue(ctx, holderKey{}, worker)
+}
+
+// HolderFrom returns the worker WithHolder put in ctx, or "".
+func HolderFrom(ctx context.Context) string {
+	h, _ := ctx.Value(holderKey{}).(string)
+	return h
+}
+
+type holderKey struct{}
+
 // ErrEmptyBatch is returned by Apply called with no effects.
 var ErrEmptyBatch = errors.New("sink: Apply needs at least one effect")
 

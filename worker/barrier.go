@@ -8,6 +8,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/telemetry"
 )
 
@@ -55,7 +56,7 @@ func (r *runner) writeBarriers() outcome {
 func (r *runner) barrierRound(ctx context.Context, fences *[]Fence, subjects *[]string, stamp leasehold.Stamp) error {
 	timeout := r.w.cfg.EffectTimeout
 	for len(*fences) > 0 {
-		actx, cancel := context.WithTimeout(ctx, timeout)
+		actx, cancel := context.WithTimeout(sink.WithHolder(ctx, r.info.Holder), timeout)
 		actx, span := r.startAdvance(actx, (*fences)[0])
 		err := (*fences)[0].Advance(actx, r.p, r.info.Epoch)
 		cancel()

@@ -309,14 +309,15 @@ func (s *Sink) Advance(ctx context.Context, p leasehold.Partition, e leasehold.E
 			}
 			return err
 		}
-		body, _ := json.Marshal(fence{Epoch: e})
+		holder := sink.HolderFrom(ctx)
+		body, _ := json.Marshal(fence{Epoch: e, Holder: holder})
 		rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
 		ack, err := s.js.PublishMsg(rctx, &nats.Msg{Subject: s.prefix + fenceKey(p), Data: body}, jetstream.WithExpectLastSequencePerSubject(f.rev))
 		cancel()
 		if err == nil {
 			s.mu.Lock()
 			if ack.Sequence > s.fences[p].rev {
-				s.fences[p] = fence{Epoch: e, rev: ack.Sequence}
+				s.fences[p] = fence{Epoch: e, Holder: holder, rev: ack.Sequence}
 			}
 			s.mu.Unlock()
 			s.rep.Report(ctx, sink.Decision{Outcome: sink.Advanced, Stamp: st, Max: e})

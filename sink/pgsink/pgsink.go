@@ -161,8 +161,8 @@ func New(cfg Config) (*Sink, error) {
 			INSERT INTO %s (key, partition, epoch) SELECT $4, $1, $2 FROM f
 			ON CONFLICT (key) DO NOTHING RETURNING 1)
 			SELECT (SELECT count(*) FROM f), (SELECT count(*) FROM k)`, fence, t.Keys),
-		sqlAdv: fmt.Sprintf(`INSERT INTO %[1]s AS f (partition, epoch) VALUES ($1, $2)
-			ON CONFLICT (partition) DO UPDATE SET epoch = EXCLUDED.epoch, holder = '', updated_at = now()
+		sqlAdv: fmt.Sprintf(`INSERT INTO %[1]s AS f (partition, epoch, holder) VALUES ($1, $2, $3)
+			ON CONFLICT (partition) DO UPDATE SET epoch = EXCLUDED.epoch, holder = EXCLUDED.holder, updated_at = now()
 			WHERE f.epoch < EXCLUDED.epoch
 			RETURNING 1`, t.Fence),
 		sqlMax: fmt.Sprintf(`SELECT epoch, holder FROM %s WHERE partition = $1`, t.Fence),
@@ -387,7 +387,7 @@ func (s *Sink) Advance(ctx context.Context, p leasehold.Partition, e leasehold.E
 	if err := s.verify(ctx, st, ""); err != nil {
 		return err
 	}
-	tag, err := s.db.Exec(ctx, s.sqlAdv, int32(p), int64(e))
+	tag, err := s.db.Exec(ctx, s.sqlAdv, int32(p), int64(e), sink.HolderFrom(ctx))
 	if err != nil {
 		return fmt.Errorf("pgsink: advance partition %d to epoch %d: %w", p, e, describe(err))
 	}

@@ -145,7 +145,7 @@ func (f *Fencer) fenceCtx(ctx context.Context, md map[string]string, apply func(
 		}
 		// Raise before applying: if apply fails, the epoch was still
 		// admitted, and no older message may pass after this one.
-		if err := f.fence.Advance(ctx, st.Partition, st.Epoch); err != nil {
+		if err := f.fence.Advance(sink.WithHolder(ctx, st.Worker), st.Partition, st.Epoch); err != nil {
 			return f.failed(ctx, st, fmt.Errorf("wmsink: raise the fence of partition %d: %w", st.Partition, err))
 		}
 	}
