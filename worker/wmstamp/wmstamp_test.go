@@ -13,11 +13,14 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"go.opentelemetry.io/otel/propagation"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/goleak"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/telemetry"
 	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 	"github.com/leasehold/leasehold/worker/wmstamp"
@@ -169,5 +172,49 @@ func TestPublisherRefusesUnstampableMessages(t *testing.T) {
 	}
 	for m := range msgs {
 		t.Fatalf("message %s was published", m.UUID)
+	}
+}
+
+// Each message gets a send span under the handler's span, and carries the
+// send span's context, so that a consumer's span hangs under it.
+func TestPublisherSendSpans(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	defer tp.Shutdown(context.Background())
+	prop := propagation.TraceContext{}
+	pubsub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, nil)
+	defer pubsub.Close()
+	pub := wmstamp.NewPublisher(pubsub, wmstamp.Config{Telemetry: telemetry.Config{TracerProvider: tp, Propagator: prop}})
+	var parent trace.SpanContext
+	runJobs(t, 1, prop, func(ctx context.Context, j *worker.Job) error {
+		ctx, span := tp.Tracer("test").Start(ctx, "handler")
+		defer span.End()
+		parent = span.SpanContext()
+		return pub.Publish("orders.0", message.NewMessageWithContext(ctx, "a", []byte("1")))
+	})
+	var send sdktrace.ReadOnlySpan
+	for _, s := range rec.Ended() {
+		if s.Name() == "send orders.{partition}" {
+			send = s
+		}
+	}
+	if send == nil || send.SpanKind() != trace.SpanKindProducer || send.Parent().SpanID() != parent.SpanID() {
+		t.Fatalf("send span %v, want a producer span under the handler's %v", send, parent.SpanID())
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	msgs, err := pubsub.Subscribe(ctx, "orders.0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case m := <-msgs:
+		m.Ack()
+		got := trace.SpanContextFromContext(prop.Extract(context.Background(), telemetry.MetadataCarrier(m.Metadata)))
+		if got.SpanID() != send.SpanContext().SpanID() {
+			t.Fatalf("the message carries span %v, want the send span %v", got.SpanID(), send.SpanContext().SpanID())
+		}
+	case <-ctx.Done():
+		t.Fatal("the message never arrived")
 	}
 }

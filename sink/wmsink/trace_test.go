@@ -1,0 +1,73 @@
+package wmsink_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/sink/wmsink"
+	"github.com/leasehold/leasehold/telemetry"
+)
+
+// Each message is a process span under the span that sent it (from the
+// trace context in its metadata); the handler runs under it; a stale
+// message's span is the refusal.
+func TestMiddlewareSpans(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	defer tp.Shutdown(context.Background())
+	prop := propagation.TraceContext{}
+	f, err := wmsink.New(wmsink.Config{Fence: sink.NewMemory(sink.MemoryConfig{Logger: quiet()}), Logger: quiet(),
+		Telemetry: telemetry.Config{TracerProvider: tp, Propagator: prop}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var handled []trace.SpanContext
+	h := f.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		handled = append(handled, trace.SpanContextFromContext(msg.Context()))
+		return nil, nil
+	})
+	send := func(s leasehold.Stamp) trace.Span {
+		ctx, span := tp.Tracer("test").Start(context.Background(), "send effects")
+		msg := message.NewMessage(s.Key, nil)
+		s.SetMetadata(msg.Metadata)
+		prop.Inject(ctx, telemetry.MetadataCarrier(msg.Metadata))
+		span.End()
+		if _, err := h(msg); err != nil {
+			t.Fatal(err)
+		}
+		return span
+	}
+	fresh := send(leasehold.Stamp{Partition: 1, Epoch: 9, Key: "new", Worker: "b"})
+	stale := send(leasehold.Stamp{Partition: 1, Epoch: 7, Key: "old", Worker: "a"})
+
+	byParent := map[trace.SpanID]sdktrace.ReadOnlySpan{}
+	for _, s := range rec.Ended() {
+		if s.SpanKind() == trace.SpanKindConsumer {
+			byParent[s.Parent().SpanID()] = s
+		}
+	}
+	ok := byParent[fresh.SpanContext().SpanID()]
+	if ok == nil || ok.Status().Code == codes.Error || len(handled) != 1 || handled[0].SpanID() != ok.SpanContext().SpanID() {
+		t.Fatalf("the admitted message's span %v; the handler ran under %v", ok, handled)
+	}
+	refused := byParent[stale.SpanContext().SpanID()]
+	if refused == nil || refused.Status().Code != codes.Error || len(refused.Events()) == 0 || refused.Events()[0].Name != telemetry.EventFenceRejected {
+		t.Fatalf("the stale message's span: %v", refused)
+	}
+	attrs := map[string]any{}
+	for _, a := range refused.Attributes() {
+		attrs[string(a.Key)] = a.Value.AsInterface()
+	}
+	if attrs["error.type"] != "stale_epoch" || attrs["leasehold.worker"] != "a" || attrs["leasehold.max_epoch"] != int64(9) {
+		t.Fatalf("the stale message's span attributes: %v", attrs)
+	}
+}
