@@ -61,8 +61,10 @@ type SetupConfig struct {
 // Serve the handler on /metrics, for example with Mux(metrics, checks...).
 // Call shutdown before the process exits: it flushes the spans not yet
 // exported, then stops both providers; spans recorded after it are
-// dropped. Pass t.Config() to the Telemetry field of components that
-// should not use the globals.
+// dropped. (The exporter's HTTP client shares one transport with every
+// OTLP/HTTP exporter of the process; its idle connection to the receiver
+// closes when the receiver closes it or after 90 seconds.) Pass t.Config()
+// to the Telemetry field of components that should not use the globals.
 func Setup(ctx context.Context, cfg SetupConfig) (t *Telemetry, metrics http.Handler, shutdown func(context.Context) error, err error) {
 	if cfg.OTLPEndpoint != "" {
 		if _, err := tracesURL(cfg.OTLPEndpoint); err != nil {

@@ -38,4 +38,11 @@
 //   - Run returns after a graceful shutdown: fetching stops, running
 //     handlers finish while the lease holds, effects are awaited, progress
 //     is committed and leases are released, so successors start at once.
+//   - Telemetry (Config.Telemetry, ProducerConfig.Telemetry; the
+//     OpenTelemetry globals by default): an enqueue is a "send" span whose
+//     context the job carries; each attempt is a "process" span under it,
+//     and each effect a "send" span under the attempt, whose context the
+//     effect carries to the sinks. Lease events, job and effect counts,
+//     handler durations, epochs and consumer lag are recorded as the
+//     telemetry package describes.
 package worker
