@@ -205,6 +205,7 @@ type harness struct {
 	sink    *proc
 	skipped []string
 	faults  []string
+	pending []string // faults still to inject once each; nil before the first pick
 }
 
 // Run runs the workload under faults for cfg.Duration, waits for the sink

@@ -76,7 +76,23 @@ func (h *harness) nemesis(ctx context.Context, deadline time.Time) error {
 	return nil
 }
 
+// pick returns the next fault: every type once, in random order, so that
+// a short run meets them all; then at random by weight.
 func (h *harness) pick() string {
+	if h.pending == nil {
+		h.pending = []string{}
+		for _, f := range h.faults {
+			if f != FaultPartition || h.net != nil {
+				h.pending = append(h.pending, f)
+			}
+		}
+		h.rnd.Shuffle(len(h.pending), func(i, j int) { h.pending[i], h.pending[j] = h.pending[j], h.pending[i] })
+	}
+	if len(h.pending) > 0 {
+		f := h.pending[0]
+		h.pending = h.pending[1:]
+		return f
+	}
 	total := 0
 	for _, f := range h.faults {
 		if f == FaultPartition && h.net == nil {
