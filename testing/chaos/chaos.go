@@ -227,6 +227,12 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 		h.bin = exe
 	}
 	h.dir = cfg.Dir
+	if h.dir != "" {
+		// A history appended to another run's would be judged as one.
+		if entries, err := os.ReadDir(h.dir); err == nil && len(entries) > 0 {
+			return nil, fmt.Errorf("chaos: directory %s is not empty: give each run a new one", h.dir)
+		}
+	}
 	if h.dir == "" {
 		d, err := os.MkdirTemp("", "leasehold-chaos-")
 		if err != nil {
