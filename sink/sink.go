@@ -19,8 +19,11 @@
 // effect published before the barrier may be committed progress.
 //
 // Every decision (accepted, duplicate, stale, bad stamp, unverified epoch,
-// failure) goes to an Observer; drops are counted per partition, logged
-// with rate limiting, and returned to the caller.
+// failure) goes to an Observer and is counted in
+// leasehold_sink_effects_total; drops are counted per partition, logged
+// with rate limiting, traced (a refusal for a stale epoch is a span with
+// error.type=stale_epoch under the writer's span; see Reporter), and
+// returned to the caller.
 //
 // With verified epochs (an EpochCheck against the lease bucket), an epoch
 // above the recorded maximum raises it only if the lease bucket has fenced

@@ -41,13 +41,13 @@ func (e *EffectError) Error() string {
 func (e *EffectError) Unwrap() error { return e.Err }
 
 // Publish publishes an effect to subject, stamped with the job's partition,
-// epoch and the next idempotency key, with the context's trace and a
-// Nats-Msg-Id equal to the key, so that a re-run of the job within the
-// stream's duplicate window is stored once. It does not wait for the
-// stream's acknowledgement: the job counts as done once every effect is
-// acknowledged, and fails (and runs again) if one is not. After the lease
-// is lost it returns an error matching leasehold.ErrLeaseLost and publishes
-// nothing.
+// epoch and the next idempotency key, with the trace context of its "send"
+// span (a child of ctx's span) and a Nats-Msg-Id equal to the key, so that
+// a re-run of the job within the stream's duplicate window is stored once.
+// It does not wait for the stream's acknowledgement: the job counts as done
+// once every effect is acknowledged, and fails (and runs again) if one is
+// not. After the lease is lost it returns an error matching
+// leasehold.ErrLeaseLost and publishes nothing.
 func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...EmitOption) error {
 	var o emitOpts
 	for _, opt := range opts {
