@@ -45,25 +45,30 @@ func BenchmarkBacklog(b *testing.B) { benchPipelines(b, true) }
 func benchPipelines(b *testing.B, backlog bool) {
 	srv := natstest.Start(b, natstest.Listen())
 	payload := make([]byte, benchPayload)
-	var raw, lh, ratios []float64
+	var raw, lh, ratios, rawCPU, lhCPU, cpuRatios []float64
 	b.StopTimer()
 	for i := range b.N {
 		// Each iteration measures both, back to back and in alternating
 		// order, so that the machine's drift weighs on both alike; the
 		// ratio is taken per iteration.
-		var r, l float64
+		var r, l pace
 		if i%2 == 0 {
 			r = rawPipeline(b, srv, fmt.Sprintf("raw%d", i), payload, backlog)
-			l = leaseholdPipeline(b, srv, fmt.Sprintf("lh%d", i), payload, backlog, telemetry.Config{}).rate
+			l = leaseholdPipeline(b, srv, fmt.Sprintf("lh%d", i), payload, backlog, telemetry.Config{})
 		} else {
-			l = leaseholdPipeline(b, srv, fmt.Sprintf("lh%d", i), payload, backlog, telemetry.Config{}).rate
+			l = leaseholdPipeline(b, srv, fmt.Sprintf("lh%d", i), payload, backlog, telemetry.Config{})
 			r = rawPipeline(b, srv, fmt.Sprintf("raw%d", i), payload, backlog)
 		}
-		raw, lh, ratios = append(raw, r), append(lh, l), append(ratios, l/r)
+		raw, lh, ratios = append(raw, r.rate), append(lh, l.rate), append(ratios, l.rate/r.rate)
+		rawCPU, lhCPU = append(rawCPU, float64(r.cpuPerJob.Microseconds())), append(lhCPU, float64(l.cpuPerJob.Microseconds()))
+		cpuRatios = append(cpuRatios, float64(l.cpuPerJob)/float64(r.cpuPerJob))
 	}
 	b.ReportMetric(median(raw), "raw_jobs/s")
 	b.ReportMetric(median(lh), "leasehold_jobs/s")
 	b.ReportMetric(median(ratios), "ratio")
+	b.ReportMetric(median(rawCPU), "raw_cpu_us/job")
+	b.ReportMetric(median(lhCPU), "leasehold_cpu_us/job")
+	b.ReportMetric(median(cpuRatios), "cpu_ratio")
 	b.ReportMetric(0, "ns/op")
 }
 
@@ -286,7 +291,7 @@ func (r *reader) wait(b *testing.B) {
 // consumer with explicit acks per partition, four workers each pulling four
 // partitions in batches of 100, publishing one effect per job without
 // waiting, and acking each job once its effect's PubAck arrives.
-func rawPipeline(b *testing.B, srv *natstest.Server, prefix string, payload []byte, backlog bool) float64 {
+func rawPipeline(b *testing.B, srv *natstest.Server, prefix string, payload []byte, backlog bool) pace {
 	b.Helper()
 	gate := make(chan struct{})
 	js := srv.JetStream(b)
@@ -323,7 +328,7 @@ func rawPipeline(b *testing.B, srv *natstest.Server, prefix string, payload []by
 	p := timed(b, prod, payload, reader, gate, backlog)
 	cancel()
 	wg.Wait()
-	return p.rate
+	return p
 }
 
 func rawPartition(ctx context.Context, js jetstream.JetStream, cons jetstream.Consumer, out string, gate chan struct{}) {
