@@ -28,12 +28,25 @@ import (
 // leasehold_sink_effects_total. A refusal for a stale epoch makes the span
 // an error with error.type=stale_epoch, the refused stamp's attributes,
 // the partition's maximum and holder, and the event
-// leasehold.fence.rejected (see telemetry.RecordStale). A drop reported
-// under a ctx without such a span gets a span of its own, so that every
-// drop is traced.
+// leasehold.fence.rejected (see telemetry.RecordStale).
+//
+// Every drop is traced. One reported under a ctx without a recording span
+// of this Reporter gets a span of its own: a child of ctx's span when that
+// span records, and otherwise (the zombie's trace was sampled out, or its
+// tracer is a no-op) the root of a trace of its own, linked to ctx's span,
+// which the sampler decides on as it does on any new trace (the default
+// samples them all).
 
-// reporterSpan keys the Reporter whose span a context carries.
+// reporterSpan keys the span a Reporter started in a context.
 type reporterSpan struct{}
+
+// spanMark is what a context says about the span a Reporter started in it.
+type spanMark struct {
+	r      *Reporter
+	name   string
+	opts   []trace.SpanStartOption
+	sender trace.SpanContext // for a message: the span that sent it
+}
 
 // nopSpan is returned when no span is started: ending it ends nothing (a
 // non-recording span from the context could be the caller's own).
@@ -54,7 +67,7 @@ func (r *Reporter) StartApply(ctx context.Context, effects []Effect) (context.Co
 	} else {
 		span.SetAttributes(telemetry.AttrEffects.Int(len(effects)))
 	}
-	return context.WithValue(ctx, reporterSpan{}, r), span
+	return context.WithValue(ctx, reporterSpan{}, &spanMark{r: r, name: "apply", opts: r.applyOpts}), span
 }
 
 // StartProcess starts the consumer span of one message a sink read from a
@@ -65,6 +78,7 @@ func (r *Reporter) StartApply(ctx context.Context, effects []Effect) (context.Co
 // start time, for one). End the span once the decision is reported.
 func (r *Reporter) StartProcess(ctx context.Context, carrier propagation.TextMapCarrier, subject string, stamp leasehold.Stamp, opts ...trace.SpanStartOption) (context.Context, trace.Span) {
 	ctx = r.tel.Propagator.Extract(ctx, carrier)
+	sender := trace.SpanContextFromContext(ctx)
 	template := telemetry.SubjectTemplate(subject, stamp.Partition)
 	if subject == "" {
 		template = r.name
@@ -74,7 +88,8 @@ func (r *Reporter) StartProcess(ctx context.Context, carrier propagation.TextMap
 	} else {
 		opts = r.processOpts
 	}
-	ctx, span := r.tel.Tracer.Start(ctx, telemetry.SpanName("process", template), opts...)
+	name := telemetry.SpanName("process", template)
+	ctx, span := r.tel.Tracer.Start(ctx, name, opts...)
 	if span.IsRecording() {
 		attrs := append(telemetry.ProcessAttrs(subject, template, ""), telemetry.AttrSink.String(r.name))
 		if stamp.Key != "" {
@@ -83,7 +98,7 @@ func (r *Reporter) StartProcess(ctx context.Context, carrier propagation.TextMap
 		}
 		span.SetAttributes(attrs...)
 	}
-	return context.WithValue(ctx, reporterSpan{}, r), span
+	return context.WithValue(ctx, reporterSpan{}, &spanMark{r: r, name: name, opts: r.processOpts, sender: sender}), span
 }
 
 // Telemetry is the tracer, propagator and instruments the Reporter
@@ -91,21 +106,37 @@ func (r *Reporter) StartProcess(ctx context.Context, carrier propagation.TextMap
 func (r *Reporter) Telemetry() *telemetry.Telemetry { return r.tel }
 
 // traceDecision records d on the span of ctx, or on a span of its own for
-// a drop or failure reported outside one.
+// a drop or failure reported outside a recording one.
 func (r *Reporter) traceDecision(ctx context.Context, d *Decision) {
-	if ctx.Value(reporterSpan{}) == r {
-		annotate(trace.SpanFromContext(ctx), d)
+	span := trace.SpanFromContext(ctx)
+	mark, _ := ctx.Value(reporterSpan{}).(*spanMark)
+	if mark != nil && mark.r != r {
+		mark = nil
+	}
+	if mark != nil && span.IsRecording() {
+		annotate(span, d)
 		return
 	}
 	if !d.Outcome.Dropped() && d.Outcome != Failed {
 		return
 	}
-	_, span := r.tel.Tracer.Start(ctx, "apply", r.applyOpts...)
-	if span.IsRecording() {
-		span.SetAttributes(telemetry.StampAttrs(d.Stamp)...)
-		annotate(span, d)
+	name, opts, link := "apply", r.applyOpts, span.SpanContext()
+	if mark != nil {
+		name, opts = mark.name, mark.opts
+		if mark.sender.IsValid() {
+			link = mark.sender // the span of ctx is this sink's own, never recorded
+		}
 	}
-	span.End()
+	if link.IsValid() && !span.IsRecording() {
+		opts = append([]trace.SpanStartOption{trace.WithNewRoot(), trace.WithLinks(trace.Link{SpanContext: link})}, opts...)
+	}
+	_, own := r.tel.Tracer.Start(ctx, name, opts...)
+	if own.IsRecording() {
+		own.SetAttributes(telemetry.StampAttrs(d.Stamp)...)
+		own.SetAttributes(telemetry.AttrSink.String(r.name))
+		annotate(own, d)
+	}
+	own.End()
 }
 
 func annotate(span trace.Span, d *Decision) {

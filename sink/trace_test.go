@@ -11,6 +11,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink"
@@ -112,4 +113,36 @@ func get(s sdktrace.ReadOnlySpan, k attribute.Key) any {
 		}
 	}
 	return nil
+}
+
+// A refusal under a trace that was sampled out still gets a span: the root
+// of a trace of its own, linked to the writer's span.
+func TestRefusalOutsideSampledTrace(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec)) // parent-based, roots always sampled
+	defer tp.Shutdown(context.Background())
+	m := sink.NewMemory(sink.MemoryConfig{Logger: quiet(), Telemetry: telemetry.Config{TracerProvider: tp}})
+	if err := m.Advance(context.Background(), 1, 5); err != nil {
+		t.Fatal(err)
+	}
+	tid, _ := trace.TraceIDFromHex("4bf92f3577b34da6a3ce929d0e0e4736")
+	sid, _ := trace.SpanIDFromHex("00f067aa0ba902b7")
+	unsampled := trace.NewSpanContext(trace.SpanContextConfig{TraceID: tid, SpanID: sid, Remote: true})
+	ctx, handler := tp.Tracer("test").Start(trace.ContextWithRemoteSpanContext(context.Background(), unsampled), "process jobs")
+	if handler.IsRecording() {
+		t.Fatal("the handler's span records under an unsampled parent")
+	}
+	_ = m.Apply(ctx, sink.Effect{Stamp: leasehold.Stamp{Partition: 1, Epoch: 2, Key: "k", Worker: "a"}})
+	handler.End()
+	spans := rec.Ended()
+	if len(spans) != 1 {
+		t.Fatalf("%d spans, want the refusal's", len(spans))
+	}
+	s := spans[0]
+	if s.Parent().IsValid() || s.SpanContext().TraceID() == tid || len(s.Links()) != 1 || s.Links()[0].SpanContext.SpanID() != handler.SpanContext().SpanID() {
+		t.Fatalf("refusal span: parent %v, trace %v, links %v; want a root linked to the handler's span", s.Parent(), s.SpanContext().TraceID(), s.Links())
+	}
+	if get(s, "error.type") != "stale_epoch" || get(s, telemetry.AttrSink) != "memory" {
+		t.Fatalf("refusal span attributes %v", s.Attributes())
+	}
 }

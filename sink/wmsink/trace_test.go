@@ -71,3 +71,37 @@ func TestMiddlewareSpans(t *testing.T) {
 		t.Fatalf("the stale message's span attributes: %v", attrs)
 	}
 }
+
+// A stale message whose trace was sampled out is still traced: a consumer
+// span of a trace of its own, linked to the span that sent it.
+func TestStaleMessageOutsideSampledTrace(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	defer tp.Shutdown(context.Background())
+	prop := propagation.TraceContext{}
+	mem := sink.NewMemory(sink.MemoryConfig{Logger: quiet()})
+	if err := mem.Advance(context.Background(), 1, 9); err != nil {
+		t.Fatal(err)
+	}
+	f, err := wmsink.New(wmsink.Config{Fence: mem, Logger: quiet(), Telemetry: telemetry.Config{TracerProvider: tp, Propagator: prop}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := message.NewMessage("old", nil)
+	leasehold.Stamp{Partition: 1, Epoch: 7, Key: "old", Worker: "a"}.SetMetadata(msg.Metadata)
+	msg.Metadata.Set("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00") // not sampled
+	if _, err := f.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })(msg); err != nil {
+		t.Fatal(err)
+	}
+	spans := rec.Ended()
+	if len(spans) != 1 {
+		t.Fatalf("%d spans, want the refusal's", len(spans))
+	}
+	s := spans[0]
+	if s.SpanKind() != trace.SpanKindConsumer || s.Parent().IsValid() || len(s.Links()) != 1 || s.Links()[0].SpanContext.SpanID().String() != "00f067aa0ba902b7" {
+		t.Fatalf("refusal span %q: kind %v, parent %v, links %v; want a consumer root linked to the sender", s.Name(), s.SpanKind(), s.Parent(), s.Links())
+	}
+	if s.Status().Code != codes.Error || len(s.Events()) != 1 || s.Events()[0].Name != telemetry.EventFenceRejected {
+		t.Fatalf("refusal span: status %v, events %v", s.Status(), s.Events())
+	}
+}
