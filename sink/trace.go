@@ -127,8 +127,11 @@ func (r *Reporter) traceDecision(ctx context.Context, d *Decision) {
 			link = mark.sender // the span of ctx is this sink's own, never recorded
 		}
 	}
+	// The error type goes in at the start, where a sampler sees it
+	// (telemetry.KeepRefusals samples every refusal).
+	opts = append(opts[:len(opts):len(opts)], trace.WithAttributes(semconv.ErrorTypeKey.String(errorType(d.Outcome))))
 	if link.IsValid() && !span.IsRecording() {
-		opts = append([]trace.SpanStartOption{trace.WithNewRoot(), trace.WithLinks(trace.Link{SpanContext: link})}, opts...)
+		opts = append(opts, trace.WithNewRoot(), trace.WithLinks(trace.Link{SpanContext: link}))
 	}
 	_, own := r.tel.Tracer.Start(ctx, name, opts...)
 	if own.IsRecording() {
@@ -164,6 +167,19 @@ func annotate(span trace.Span, d *Decision) {
 		telemetry.RecordError(span, "", d.Err)
 	}
 	span.SetAttributes(telemetry.AttrOutcome.String(outcomeLabel(d.Outcome)))
+}
+
+// errorType is the error.type of a drop or failure.
+func errorType(o Outcome) string {
+	switch o {
+	case Stale:
+		return telemetry.ErrorTypeStaleEpoch
+	case Unverified:
+		return telemetry.ErrorTypeUnverified
+	case BadStamp:
+		return telemetry.ErrorTypeBadStamp
+	}
+	return telemetry.ErrorTypeOther
 }
 
 // outcomeLabel is the leasehold_outcome label of an outcome.

@@ -41,8 +41,10 @@ type SetupConfig struct {
 	// is a no-op that still carries trace context from jobs to effects.
 	OTLPEndpoint string
 	// Sampler decides which traces are recorded. Default: $OTEL_TRACES_SAMPLER
-	// (and its argument) when set, else every trace a job's enqueuer
-	// sampled, and every trace started here (ParentBased(AlwaysSample)).
+	// (and $OTEL_TRACES_SAMPLER_ARG) when set, else every trace a job's
+	// enqueuer sampled, and every trace started here
+	// (ParentBased(AlwaysSample)). Setup wraps it with KeepRefusals, so
+	// that refused writes are recorded whatever it decides.
 	Sampler sdktrace.Sampler
 	// NoGlobals keeps Setup from installing its providers and propagator as
 	// the OpenTelemetry globals. By default it installs them, so that every
@@ -71,6 +73,15 @@ func Setup(ctx context.Context, cfg SetupConfig) (t *Telemetry, metrics http.Han
 			return nil, nil, nil, err
 		}
 	}
+	sampler := cfg.Sampler
+	if sampler == nil {
+		if sampler, err = samplerFromEnv(); err != nil {
+			return nil, nil, nil, err
+		}
+		if sampler == nil {
+			sampler = sdktrace.ParentBased(sdktrace.AlwaysSample())
+		}
+	}
 	res, err := newResource(ctx, cfg)
 	if err != nil {
 		return nil, nil, nil, err
@@ -85,11 +96,7 @@ func Setup(ctx context.Context, cfg SetupConfig) (t *Telemetry, metrics http.Han
 		_ = mp.Shutdown(ctx)
 		return nil, nil, nil, err
 	} else if exp != nil {
-		opts := []sdktrace.TracerProviderOption{sdktrace.WithBatcher(exp), sdktrace.WithResource(res)}
-		if cfg.Sampler != nil {
-			opts = append(opts, sdktrace.WithSampler(cfg.Sampler))
-		}
-		sdk := sdktrace.NewTracerProvider(opts...)
+		sdk := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp), sdktrace.WithResource(res), sdktrace.WithSampler(KeepRefusals(sampler)))
 		tp, stopTracing = sdk, sdk.Shutdown
 	}
 	prop := propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})

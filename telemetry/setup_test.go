@@ -15,6 +15,8 @@ import (
 	tracepb "go.opentelemetry.io/proto/otlp/trace/v1"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/telemetry"
 )
 
@@ -196,5 +198,45 @@ func TestSetupRefusesBadEndpoint(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), "http://127.0.0.1:4318") {
 			t.Errorf("endpoint %q: %v, want an error that shows a usable URL", bad, err)
 		}
+	}
+}
+
+// A sampler that keeps nothing still keeps refused writes: Setup wraps it
+// with KeepRefusals, and a refusal whose trace was not sampled starts one
+// of its own.
+func TestSetupKeepsRefusals(t *testing.T) {
+	rcv := newReceiver(t)
+	t.Setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+	t.Setenv("OTEL_TRACES_SAMPLER_ARG", "0")
+	tel, _, shutdown, err := telemetry.Setup(context.Background(), telemetry.SetupConfig{OTLPEndpoint: rcv.srv.URL, NoGlobals: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mem := sink.NewMemory(sink.MemoryConfig{Logger: quiet(), Telemetry: tel.Config()})
+	if err := mem.Advance(context.Background(), 0, 9); err != nil {
+		t.Fatal(err)
+	}
+	ctx, handler := tel.Tracer.Start(context.Background(), "process jobs")
+	if handler.IsRecording() {
+		t.Fatal("a ratio of 0 sampled the handler's span")
+	}
+	_ = mem.Apply(ctx, sink.Effect{Stamp: leasehold.Stamp{Partition: 0, Epoch: 8, Key: "k", Worker: "a"}})
+	_ = mem.Apply(ctx, sink.Effect{Stamp: leasehold.Stamp{Partition: 0, Epoch: 9, Key: "k2", Worker: "b"}})
+	handler.End()
+	if err := shutdown(ctxFor(t, 30*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	got := rcv.spans()
+	if len(got) != 1 {
+		t.Fatalf("%d spans exported, want the refusal alone", len(got))
+	}
+	s := got[0].span
+	if v, _ := kv(s.Attributes, "error.type"); v.GetStringValue() != telemetry.ErrorTypeStaleEpoch || len(s.Links) != 1 || len(s.ParentSpanId) != 0 {
+		t.Fatalf("exported %q: attributes %v, links %v, parent %x", s.Name, s.Attributes, s.Links, s.ParentSpanId)
+	}
+
+	t.Setenv("OTEL_TRACES_SAMPLER", "sometimes")
+	if _, _, _, err := telemetry.Setup(context.Background(), telemetry.SetupConfig{OTLPEndpoint: rcv.srv.URL, NoGlobals: true}); err == nil || !strings.Contains(err.Error(), "OTEL_TRACES_SAMPLER") {
+		t.Fatalf("an unknown sampler: %v", err)
 	}
 }
