@@ -26,7 +26,9 @@
 //     leasehold.epoch (the write's), leasehold.max_epoch, leasehold.worker
 //     (the writer) and, when the sink knows it, leasehold.holder, and the
 //     event leasehold.fence.rejected. It sits in the trace of the job the
-//     zombie was handling, so a search by that tag finds the whole story.
+//     zombie was handling, so a search by that tag finds the whole story;
+//     when that trace was not sampled, the refusal starts a trace of its
+//     own, linked to it, which KeepRefusals samples.
 //   - Metrics go through the OpenTelemetry metric API; the Prometheus
 //     exporter names them leasehold_*, in base units, with _total on
 //     counters (see Metrics).
