@@ -16,6 +16,8 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
+	"go.opentelemetry.io/otel/attribute"
+	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
@@ -25,6 +27,7 @@ import (
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/kvsink"
 	"github.com/leasehold/leasehold/sink/streamsink"
+	"github.com/leasehold/leasehold/telemetry"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -246,6 +249,15 @@ func runDemo(ctx context.Context, out io.Writer, cfg demoConfig) (demoSummary, e
 	if err != nil {
 		return demoSummary{}, err
 	}
+	tel, _, shutdownTel, err := telemetry.Setup(ctx, telemetry.SetupConfig{
+		OTLPEndpoint:       cfg.otlp,
+		ResourceAttributes: []attribute.KeyValue{semconv.ServiceInstanceID("demo-sink")},
+		NoGlobals:          true,
+	})
+	if err != nil {
+		return demoSummary{}, err
+	}
+	stops.push(func() { flushTelemetry(shutdownTel, quiet) })
 	const prefix = "leasehold"
 	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{MarkerTTL: 5 * time.Second})
 	if err != nil {
@@ -254,16 +266,17 @@ func runDemo(ctx context.Context, out io.Writer, cfg demoConfig) (demoSummary, e
 	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: prefix, Partitions: cfg.partitions}); err != nil {
 		return demoSummary{}, err
 	}
-	kv, err := kvsink.New(ctx, js, kvsink.Config{Bucket: "leasehold-sink", Logger: quiet})
+	kv, err := kvsink.New(ctx, js, kvsink.Config{Bucket: "leasehold-sink", Logger: quiet, Telemetry: tel.Config()})
 	if err != nil {
 		return demoSummary{}, err
 	}
 	runner, err := streamsink.New(ctx, js, streamsink.Config{
-		Prefix:   prefix,
-		Name:     "kv",
-		Verifier: bucket,
-		Observer: d,
-		Logger:   quiet,
+		Prefix:    prefix,
+		Name:      "kv",
+		Verifier:  bucket,
+		Observer:  d,
+		Logger:    quiet,
+		Telemetry: tel.Config(),
 		Handler: func(ctx context.Context, e sink.Effect) error {
 			e.Subject = e.Stamp.Key // the KV sink keys effects by idempotency key
 			return kv.Apply(ctx, e)
@@ -277,15 +290,12 @@ func runDemo(ctx context.Context, out io.Writer, cfg demoConfig) (demoSummary, e
 
 	// The workers are processes, so that one can really be frozen.
 	procs := map[string]*fleet.Proc{}
-	var env []string
-	if cfg.otlp != "" {
-		env = append(env, "OTEL_EXPORTER_OTLP_ENDPOINT="+cfg.otlp)
-	}
 	for i := range cfg.workers {
 		name := fmt.Sprintf("worker-%d", i+1)
 		p, err := fleet.Start(name, []string{"worker", "--nats", url, "--partitions", fmt.Sprint(cfg.partitions),
 			"--worker-id", name, "--ttl", cfg.ttl.String(), "--work-time", cfg.workTime.String(), "--write-behind",
-			"--http", "", "--log-level", "error", "--history", filepath.Join(dir, "history")}, fleet.Options{LogDir: filepath.Join(dir, "logs"), Env: env})
+			"--http", "", "--log-level", "error", "--history", filepath.Join(dir, "history"), "--otlp", cfg.otlp},
+			fleet.Options{LogDir: filepath.Join(dir, "logs")})
 		if err != nil {
 			return demoSummary{}, err
 		}
@@ -294,7 +304,7 @@ func runDemo(ctx context.Context, out io.Writer, cfg demoConfig) (demoSummary, e
 	}
 	d.note("started %d worker processes; they share the partitions through leases", cfg.workers)
 
-	stopProducer := stops.goUntil(func(ctx context.Context) { d.produce(ctx, js, prefix) })
+	stopProducer := stops.goUntil(func(ctx context.Context) { d.produce(ctx, js, prefix, tel.Config()) })
 	stopView := stops.goUntil(func(ctx context.Context) { d.view(ctx, bucket) })
 
 	// The freeze: a quarter into the run, the worker holding the most
@@ -384,8 +394,8 @@ func (d *demo) noteRecovery(p leasehold.Partition, e leasehold.Epoch) {
 }
 
 // produce enqueues the jobs evenly over the first half of the run.
-func (d *demo) produce(ctx context.Context, js jetstream.JetStream, prefix string) {
-	p, err := worker.NewProducer(js, worker.ProducerConfig{Prefix: prefix, Partitions: d.cfg.partitions})
+func (d *demo) produce(ctx context.Context, js jetstream.JetStream, prefix string, tel telemetry.Config) {
+	p, err := worker.NewProducer(js, worker.ProducerConfig{Prefix: prefix, Partitions: d.cfg.partitions, Telemetry: tel})
 	if err != nil {
 		d.note("producer: %v", err)
 		return

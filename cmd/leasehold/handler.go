@@ -8,9 +8,11 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"go.opentelemetry.io/otel/propagation"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/internal/history"
+	"github.com/leasehold/leasehold/telemetry"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -40,6 +42,9 @@ type exampleHandler struct {
 	workTime    time.Duration
 	writeBehind bool
 	hist        *history.Writer
+	// prop carries the job's trace context into write-behind effects, so a
+	// sink's refusal joins the zombie's trace.
+	prop propagation.TextMapPropagator
 }
 
 func (h *exampleHandler) Handle(ctx context.Context, job *worker.Job) error {
@@ -57,6 +62,9 @@ func (h *exampleHandler) Handle(ctx context.Context, job *worker.Job) error {
 	_ = h.work(ctx) // a paused process does not see its context end
 	msg := nats.NewMsg(worker.OutputSubject(h.prefix, job.Partition))
 	stamp.SetHeader(msg.Header)
+	if h.prop != nil {
+		h.prop.Inject(ctx, telemetry.HeaderCarrier(msg.Header))
+	}
 	msg.Data = h.effect(job, stamp.Epoch)
 	h.hist.Record(history.Event{Kind: history.Effect, Partition: uint32(stamp.Partition), Epoch: uint64(stamp.Epoch), Key: stamp.Key, Seq: job.Seq})
 	pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)

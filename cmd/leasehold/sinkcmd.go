@@ -11,6 +11,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
+	"go.opentelemetry.io/otel/attribute"
+	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
 
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/history"
@@ -34,6 +36,8 @@ type sinkFlags struct {
 	name         string
 	logLevel     string
 	noFence      bool
+	otlp         string
+	tel          telemetry.Config // set by runSink
 }
 
 func newSinkCmd() *cobra.Command {
@@ -63,6 +67,7 @@ resumes with nothing applied twice or lost. Run one runner per effect log.`,
 	fs.StringVar(&f.name, "name", "sink", "name of this runner in logs, history and its durable consumer")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.BoolVar(&f.noFence, "unsafe-no-fence", false, "apply every effect without fencing (--kind kv only): shows what the fence prevents; never use it for real")
+	fs.StringVar(&f.otlp, "otlp", "", "OTLP/HTTP endpoint to send traces to, such as http://127.0.0.1:4318 (default $OTEL_EXPORTER_OTLP_ENDPOINT; none: no traces)")
 	_ = fs.MarkHidden("history")
 	_ = fs.MarkHidden("unsafe-no-fence")
 	return cmd
@@ -95,6 +100,16 @@ func runSink(ctx context.Context, f sinkFlags) error {
 		}
 		defer hist.Close()
 	}
+	tel, metrics, shutdown, err := telemetry.Setup(ctx, telemetry.SetupConfig{
+		OTLPEndpoint:       f.otlp,
+		ResourceAttributes: []attribute.KeyValue{semconv.ServiceInstanceID(f.name)},
+		NoGlobals:          true,
+	})
+	if err != nil {
+		return err
+	}
+	defer flushTelemetry(shutdown, log)
+	f.tel = tel.Config()
 	if f.noFence {
 		if f.kind != "kv" {
 			return fmt.Errorf("--unsafe-no-fence works with --kind kv only")
@@ -109,11 +124,12 @@ func runSink(ctx context.Context, f sinkFlags) error {
 		applied = historyDecisions(hist, applyStage)
 	}
 	cfg := streamsink.Config{
-		Prefix:   f.conn.prefix,
-		Consumer: f.conn.prefix + "-" + f.name,
-		Name:     f.name,
-		Observer: observers,
-		Logger:   log,
+		Prefix:    f.conn.prefix,
+		Consumer:  f.conn.prefix + "-" + f.name,
+		Name:      f.name,
+		Observer:  observers,
+		Logger:    log,
+		Telemetry: f.tel,
 	}
 	if f.verifyEpochs {
 		b, err := coordinator.OpenBucket(ctx, js, f.conn.bucket)
@@ -143,11 +159,6 @@ func runSink(ctx context.Context, f sinkFlags) error {
 	if err != nil {
 		return err
 	}
-	mp, metrics, err := telemetry.NewPrometheus()
-	if err != nil {
-		return err
-	}
-	defer mp.Shutdown(context.Background())
 	httpCtx, stopHTTP := context.WithCancel(context.Background())
 	wait, err := serveHTTP(httpCtx, f.httpAddr, telemetry.Mux(metrics, checks...), log)
 	if err != nil {
@@ -167,7 +178,7 @@ func runSink(ctx context.Context, f sinkFlags) error {
 func newApplier(ctx context.Context, js jetstream.JetStream, f sinkFlags, obs sink.Observer, log *slog.Logger) (*applier, error) {
 	switch f.kind {
 	case "kv":
-		s, err := kvsink.New(ctx, js, kvsink.Config{Bucket: f.kvBucket, Name: f.name, Logger: log, Observer: obs})
+		s, err := kvsink.New(ctx, js, kvsink.Config{Bucket: f.kvBucket, Name: f.name, Logger: log, Observer: obs, Telemetry: f.tel})
 		if err != nil {
 			return nil, err
 		}
@@ -203,7 +214,7 @@ func newApplier(ctx context.Context, js jetstream.JetStream, f sinkFlags, obs si
 			pool.Close()
 			return nil, fmt.Errorf("PostgreSQL does not answer: %w (check --postgres-url)", err)
 		}
-		pcfg := pgsink.Config{DB: pool, Name: f.name, Logger: log, Observer: obs}
+		pcfg := pgsink.Config{DB: pool, Name: f.name, Logger: log, Observer: obs, Telemetry: f.tel}
 		if err := pgsink.CreateSchema(pctx, pool, pcfg); err != nil {
 			pool.Close()
 			return nil, err
@@ -215,12 +226,7 @@ func newApplier(ctx context.Context, js jetstream.JetStream, f sinkFlags, obs si
 		}
 		return &applier{
 			apply: func(ctx context.Context, e sink.Effect) error { return s.Apply(ctx, e) },
-			ready: func(ctx context.Context) error {
-				if err := pool.Ping(ctx); err != nil {
-					return fmt.Errorf("PostgreSQL does not answer: %w", err)
-				}
-				return nil
-			},
+			ready: telemetry.PingReady("PostgreSQL", pool),
 			close: pool.Close,
 		}, nil
 	}

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"go.opentelemetry.io/otel/attribute"
+	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
 
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/history"
@@ -27,6 +29,7 @@ type workerFlags struct {
 	writeBehind  bool
 	historyDir   string
 	logLevel     string
+	otlp         string
 }
 
 func newWorkerCmd() *cobra.Command {
@@ -55,6 +58,7 @@ within --drain-timeout. Run ` + "`leasehold init`" + ` once first.`,
 	fs.BoolVar(&f.writeBehind, "write-behind", false, "example handler takes its stamp before the work and publishes afterwards (makes zombie writes when paused)")
 	fs.StringVar(&f.historyDir, "history", "", "directory to append this process's event history to (for the chaos checker)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
+	fs.StringVar(&f.otlp, "otlp", "", "OTLP/HTTP endpoint to send traces to, such as http://127.0.0.1:4318 (default $OTEL_EXPORTER_OTLP_ENDPOINT; none: no traces)")
 	_ = fs.MarkHidden("history")
 	return cmd
 }
@@ -85,12 +89,15 @@ func runWorker(ctx context.Context, f workerFlags) error {
 		defer hist.Close()
 	}
 
-	mp, metrics, err := telemetry.NewPrometheus()
+	tel, metrics, shutdown, err := telemetry.Setup(ctx, telemetry.SetupConfig{
+		OTLPEndpoint:       f.otlp,
+		ResourceAttributes: []attribute.KeyValue{semconv.ServiceInstanceID(f.id)},
+		NoGlobals:          true,
+	})
 	if err != nil {
 		return err
 	}
-	defer mp.Shutdown(context.Background())
-	tel := telemetry.New(telemetry.Config{MeterProvider: mp})
+	defer flushTelemetry(shutdown, log)
 
 	var observer worker.Observer
 	if hist != nil {
@@ -101,14 +108,14 @@ func runWorker(ctx context.Context, f workerFlags) error {
 		Prefix:     f.conn.prefix,
 		Partitions: f.partitions,
 		Bucket:     bucket,
-		Handler:    &exampleHandler{js: js, prefix: f.conn.prefix, workTime: f.workTime, writeBehind: f.writeBehind, hist: hist},
+		Handler:    &exampleHandler{js: js, prefix: f.conn.prefix, workTime: f.workTime, writeBehind: f.writeBehind, hist: hist, prop: tel.Config().Propagator},
 		Coordinator: coordinator.Config{
 			Worker:          f.id,
 			TTL:             f.ttl,
 			ShutdownTimeout: f.drainTimeout,
 			Logger:          log,
-			Observer:        tel.LeaseObserver(),
 		},
+		Telemetry:      tel.Config(),
 		MaxConcurrency: f.concurrency,
 		Logger:         log,
 		Observer:       observer,
@@ -130,6 +137,15 @@ func runWorker(ctx context.Context, f workerFlags) error {
 	}
 	log.Info("worker stopped", "worker", f.id)
 	return nil
+}
+
+// flushTelemetry exports the spans not yet sent before the process exits.
+func flushTelemetry(shutdown func(context.Context) error, log *slog.Logger) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := shutdown(ctx); err != nil {
+		log.Warn("telemetry shutdown", "err", err)
+	}
 }
 
 func newLogger(level string) (*slog.Logger, error) {
