@@ -277,9 +277,20 @@ func runDemo(ctx context.Context, out io.Writer, cfg demoConfig) (demoSummary, e
 		Observer:  d,
 		Logger:    quiet,
 		Telemetry: tel.Config(),
-		Handler: func(ctx context.Context, e sink.Effect) error {
-			e.Subject = e.Stamp.Key // the KV sink keys effects by idempotency key
-			return kv.Apply(ctx, e)
+		// One atomic KV batch per fetched batch; the sink keys effects by
+		// idempotency key.
+		BatchHandler: func(ctx context.Context, effects []sink.Effect) error {
+			for i := range effects {
+				effects[i].Subject = effects[i].Stamp.Key
+			}
+			for len(effects) > 0 {
+				n := min(len(effects), kvsink.MaxBatch)
+				if err := kv.Apply(ctx, effects[:n]...); err != nil {
+					return err
+				}
+				effects = effects[n:]
+			}
+			return nil
 		},
 	})
 	if err != nil {

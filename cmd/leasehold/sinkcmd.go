@@ -14,6 +14,7 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
 
+	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/history"
 	"github.com/leasehold/leasehold/sink"
@@ -75,9 +76,9 @@ resumes with nothing applied twice or lost. Run one runner per effect log.`,
 
 // applier applies accepted effects to the chosen destination.
 type applier struct {
-	apply func(ctx context.Context, e sink.Effect) error
-	ready telemetry.ReadyFunc
-	close func()
+	applyBatch func(ctx context.Context, effects []sink.Effect) error
+	ready      telemetry.ReadyFunc
+	close      func()
 }
 
 func runSink(ctx context.Context, f sinkFlags) error {
@@ -148,7 +149,7 @@ func runSink(ctx context.Context, f sinkFlags) error {
 			return err
 		}
 		defer a.close()
-		cfg.Handler = a.apply
+		cfg.BatchHandler = a.applyBatch
 		if a.ready != nil {
 			checks = append(checks, a.ready)
 		}
@@ -182,21 +183,42 @@ func newApplier(ctx context.Context, js jetstream.JetStream, f sinkFlags, obs si
 		if err != nil {
 			return nil, err
 		}
-		// The runner has fenced the effect in log order; the KV sink keys
-		// it by its idempotency key, so a redelivery is applied once.
+		// The runner has fenced the effects in log order; the KV sink keys
+		// them by idempotency key, so a redelivery is applied once. One
+		// Apply per fetched batch: the sink's atomic batch costs about the
+		// same for one effect as for hundreds.
 		return &applier{
-			apply: func(ctx context.Context, e sink.Effect) error {
-				e.Subject = e.Stamp.Key
-				err := s.Apply(ctx, e)
-				if errors.Is(err, kvsink.ErrBadSubject) {
-					// No retry can make the key usable, and the runner
-					// retries until the handler succeeds: an effect that
-					// can never be applied would stop every one behind it.
-					log.Error("effect refused: its idempotency key cannot be a KV key; no leasehold worker writes such a key, so it is forged or garbled",
-						"key", e.Stamp.Key, "partition", e.Stamp.Partition, "epoch", e.Stamp.Epoch, "worker", e.Stamp.Worker, "err", err)
-					return nil
+			applyBatch: func(ctx context.Context, effects []sink.Effect) error {
+				good := effects[:0:0]
+				for _, e := range effects {
+					e.Subject = e.Stamp.Key
+					if err := kvsink.CheckKey(e.Subject); err != nil {
+						// No retry can make the key usable, and the runner
+						// retries until the handler succeeds: an effect that
+						// can never be applied would stop every one behind it.
+						log.Error("effect refused: its idempotency key cannot be a KV key; no leasehold worker writes such a key, so it is forged or garbled",
+							"key", e.Stamp.Key, "partition", e.Stamp.Partition, "epoch", e.Stamp.Epoch, "worker", e.Stamp.Worker, "err", err)
+						continue
+					}
+					good = append(good, e)
 				}
-				return err
+				for len(good) > 0 {
+					n := min(len(good), kvsink.MaxBatch)
+					err := s.Apply(ctx, good[:n]...)
+					if errors.Is(err, leasehold.ErrStaleEpoch) {
+						// Only the runner writes this bucket, in log order, so
+						// its fence never runs ahead of the runner's; if
+						// something else raised it, apply one by one and let
+						// the bucket refuse what it must, rather than retry
+						// a batch it will never take.
+						err = applyEach(ctx, s, good[:n], log)
+					}
+					if err != nil {
+						return err
+					}
+					good = good[n:]
+				}
+				return nil
 			},
 			close: func() {},
 		}, nil
@@ -225,9 +247,10 @@ func newApplier(ctx context.Context, js jetstream.JetStream, f sinkFlags, obs si
 			return nil, err
 		}
 		return &applier{
-			apply: func(ctx context.Context, e sink.Effect) error { return s.Apply(ctx, e) },
-			ready: telemetry.PingReady("PostgreSQL", pool),
-			close: pool.Close,
+			// One transaction per fetched batch.
+			applyBatch: func(ctx context.Context, effects []sink.Effect) error { return s.Apply(ctx, effects...) },
+			ready:      telemetry.PingReady("PostgreSQL", pool),
+			close:      pool.Close,
 		}, nil
 	}
 	return nil, fmt.Errorf("--kind %q: use kv, postgres or stream", f.kind)
@@ -237,6 +260,20 @@ func newApplier(ctx context.Context, js jetstream.JetStream, f sinkFlags, obs si
 // (the KV or PostgreSQL sink) as opposed to the runner's: the chaos
 // checker counts how often each key was applied from them.
 const applyStage = chaos.ApplyStage
+
+func applyEach(ctx context.Context, s *kvsink.Sink, effects []sink.Effect, log *slog.Logger) error {
+	for _, e := range effects {
+		err := s.Apply(ctx, e)
+		if errors.Is(err, leasehold.ErrStaleEpoch) {
+			log.Warn("the KV bucket refused an effect the runner accepted: something else raised its fence", "key", e.Stamp.Key, "err", err)
+			continue
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
 
 // historyDecisions records sink decisions for the chaos checker.
 func historyDecisions(w *history.Writer, stage string) sink.Observer {

@@ -39,7 +39,7 @@ import (
 )
 
 // DefaultBucket is the bucket's name when none is configured.
-const DefaultBucket = "leasehold-effects"
+const DefaultBucket = "leasehold-sink"
 
 // Prefix of the sink's own keys in the bucket. Effect subjects must not
 // start with it.
@@ -208,15 +208,22 @@ func validKey(k string) bool {
 // not a key the sink can write.
 var ErrBadSubject = errors.New("kvsink: effect subject is not a usable key")
 
-func checkSubject(e *sink.Effect) error {
-	if !validKey(e.Subject) {
-		return fmt.Errorf("%w: %q: use letters, digits and -/_=. (dot-separated, no empty part)", ErrBadSubject, e.Subject)
+func checkSubject(e *sink.Effect) error { return CheckKey(e.Subject) }
+
+// CheckKey returns an error matching ErrBadSubject when key cannot be an
+// effect's subject (its KV key), and nil when it can.
+func CheckKey(key string) error {
+	if !validKey(key) {
+		return fmt.Errorf("%w: %q: use letters, digits and -/_=. (dot-separated, no empty part)", ErrBadSubject, key)
 	}
-	if strings.HasPrefix(e.Subject, internalPrefix) {
-		return fmt.Errorf("%w: %q: keys starting with %s are the sink's own", ErrBadSubject, e.Subject, internalPrefix)
+	if strings.HasPrefix(key, internalPrefix) {
+		return fmt.Errorf("%w: %q: keys starting with %s are the sink's own", ErrBadSubject, key, internalPrefix)
 	}
 	return nil
 }
+
+// MaxBatch is the most effects one Apply takes.
+const MaxBatch = maxEffects
 
 // Get reads the effect last applied to subject, with its stamp, from the
 // stream leader.

@@ -37,6 +37,13 @@ type Config struct {
 	// idempotency key: after a crash, effects handled since the last
 	// saved position are handed over again.
 	Handler func(ctx context.Context, e sink.Effect) error
+	// BatchHandler, when set, receives the accepted effects of each batch
+	// the runner fetched, in log order, in one call, instead of the
+	// republish: for destinations where one write of many effects costs
+	// about what one write of one does (a KV sink's atomic batch, one
+	// database transaction). The same idempotency rule as Handler's holds.
+	// Set Handler or BatchHandler, not both.
+	BatchHandler func(ctx context.Context, effects []sink.Effect) error
 	// Downstream is the stream accepted effects are republished into, with
 	// Nats-Msg-Id set to the idempotency key. Default "<prefix>-fenced";
 	// New creates it on "<prefix>.fenced.>" when it is missing. Its
@@ -141,7 +148,10 @@ func (c Config) Validate() error {
 			errs = append(errs, fmt.Errorf("%s name %q: use letters, digits, '-' and '_'", what, name))
 		}
 	}
-	if c.Handler == nil && c.Downstream == c.Stream {
+	if c.Handler != nil && c.BatchHandler != nil {
+		errs = append(errs, errors.New("set Handler or BatchHandler, not both"))
+	}
+	if c.Handler == nil && c.BatchHandler == nil && c.Downstream == c.Stream {
 		errs = append(errs, errors.New("the downstream stream is the effect log itself: republished effects would be consumed again"))
 	}
 	if c.Batch < 1 || c.Batch > 1000 {

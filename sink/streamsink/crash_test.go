@@ -233,9 +233,16 @@ func (l *lockedBuffer) String() string {
 	return l.b.String()
 }
 
-// With a Handler, accepted effects are handed over in log order and stale
+// With a Handler (or a BatchHandler), accepted effects are handed over in
+// log order, once each even when a call fails and is retried, and stale
 // ones never are.
 func TestHandler(t *testing.T) {
+	for _, mode := range []string{"handler", "batch"} {
+		t.Run(mode, func(t *testing.T) { testHandler(t, mode) })
+	}
+}
+
+func testHandler(t *testing.T, mode string) {
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)
@@ -243,18 +250,37 @@ func TestHandler(t *testing.T) {
 	seen := map[string]int{}
 	var order []leasehold.Epoch
 	var failOnce atomic.Bool
-	r := start(t, js, streamsink.Config{Prefix: "hand", Handler: func(ctx context.Context, e sink.Effect) error {
-		if !failOnce.Swap(true) {
-			return errors.New("the handler's database blinked")
-		}
-		mu.Lock()
-		defer mu.Unlock()
+	take := func(e sink.Effect) {
 		seen[e.Stamp.Key]++
 		if e.Stamp.Partition == 0 {
 			order = append(order, e.Stamp.Epoch)
 		}
-		return nil
-	}})
+	}
+	cfg := streamsink.Config{Prefix: "hand"}
+	if mode == "batch" {
+		cfg.BatchHandler = func(ctx context.Context, es []sink.Effect) error {
+			if !failOnce.Swap(true) {
+				return errors.New("the handler's database blinked")
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			for _, e := range es {
+				take(e)
+			}
+			return nil
+		}
+	} else {
+		cfg.Handler = func(ctx context.Context, e sink.Effect) error {
+			if !failOnce.Swap(true) {
+				return errors.New("the handler's database blinked")
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			take(e)
+			return nil
+		}
+	}
+	r := start(t, js, cfg)
 	want, stale, last := history(t, ctx, js, "hand")
 	if err := r.WaitPosition(ctx, last); err != nil {
 		t.Fatal(err)

@@ -239,6 +239,26 @@ func (r *Runner) decide(ctx context.Context, work *state, m *logMsg) (outcome, e
 // deliver republishes, or hands over, the accepted effects in log order,
 // retrying until they are delivered or ctx ends.
 func (r *Runner) deliver(ctx context.Context, outs []outcome) error {
+	if r.cfg.BatchHandler != nil {
+		var effects []sink.Effect
+		for i := range outs {
+			if o := &outs[i]; o.deliver {
+				effects = append(effects, sink.Effect{Stamp: o.d.Stamp, Subject: o.m.subject, Data: o.m.data, Header: o.m.header})
+			}
+		}
+		if len(effects) == 0 {
+			return nil
+		}
+		for attempt := 0; ; attempt++ {
+			err := r.cfg.BatchHandler(ctx, effects)
+			if err == nil {
+				return nil
+			}
+			if err := r.backoff(ctx, attempt, "batch handler", err); err != nil {
+				return err
+			}
+		}
+	}
 	if r.cfg.Handler != nil {
 		for i := range outs {
 			o := &outs[i]

@@ -105,7 +105,7 @@ func (r *Runner) provision(ctx context.Context) error {
 	} else if err != nil {
 		return fmt.Errorf("streamsink: look up the effect log %s: %w", cfg.Stream, err)
 	}
-	if cfg.Handler == nil {
+	if cfg.Handler == nil && cfg.BatchHandler == nil {
 		if _, err := r.js.Stream(ctx, cfg.Downstream); errors.Is(err, jetstream.ErrStreamNotFound) {
 			_, err = r.js.CreateStream(ctx, jetstream.StreamConfig{
 				Name: cfg.Downstream, Subjects: []string{cfg.Prefix + ".fenced.>"}, Storage: jetstream.FileStorage,
