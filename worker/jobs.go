@@ -193,13 +193,20 @@ func ProvisionJobs(ctx context.Context, js jetstream.JetStream, cfg JobsConfig) 
 		sc.MaxMsgs = -1
 		sc.MaxMsgsPerSubject = -1
 		sc.MaxMsgSize = -1
-		sc.MaxConsumers = -1
+		// Unlimited (-1) would fall back to the server's default cap of
+		// 1000 consumers a stream, and every held partition reads through
+		// a consumer of its own: say how many the job stream needs.
+		sc.MaxConsumers = maxConsumers(cfg.Partitions)
 		if err := ensureStream(ctx, js, sc, cfg.Partitions); err != nil {
 			return err
 		}
 	}
 	return nil
 }
+
+// maxConsumers allows a consumer per partition for the holder and one for
+// a successor during a hand-off, plus room for operators' own.
+func maxConsumers(partitions int) int { return max(1000, 2*partitions+100) }
 
 func meta(kind string, cfg JobsConfig) map[string]string {
 	return map[string]string{

@@ -8,6 +8,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
@@ -37,6 +38,26 @@ func TestProvisionJobs(t *testing.T) {
 		if len(c.Subjects) != 1 || c.Subjects[0] != subject || c.Retention != jetstream.LimitsPolicy ||
 			c.Storage != jetstream.FileStorage || c.Duplicates != 2*time.Minute || c.Metadata["leasehold.partitions"] != "12" {
 			t.Errorf("stream %s: %+v", name, c)
+		}
+	}
+}
+
+// Beyond 1000 partitions the job stream must say how many consumers it
+// takes: the server caps a stream that says "unlimited" at 1000.
+func TestProvisionJobsAllowsAConsumerPerPartition(t *testing.T) {
+	js := natstest.Start(t).JetStream(t)
+	ctx := ctxFor(t, time.Minute)
+	const partitions = 1001 // one more consumer than the server's default cap
+	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: "wide", Partitions: partitions, NoEffects: true}); err != nil {
+		t.Fatal(err)
+	}
+	for p := range partitions + 1 {
+		_, err := js.CreateConsumer(ctx, worker.JobsStream("wide"), jetstream.ConsumerConfig{
+			FilterSubject: worker.JobSubject("wide", leasehold.Partition(p%partitions)), AckPolicy: jetstream.AckNonePolicy,
+			InactiveThreshold: time.Minute,
+		})
+		if err != nil {
+			t.Fatalf("consumer %d: %v", p, err)
 		}
 	}
 }
