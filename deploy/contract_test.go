@@ -66,6 +66,9 @@ var commandFlags = map[string]map[string]flagSpec{
 		"drain-timeout": {kind: kindDuration, def: "20s"},
 		"concurrency":   {kind: kindInt},
 		"http":          {kind: kindAddr, def: ":8080"},
+		"work-time":     {kind: kindDuration},
+		"write-behind":  {kind: kindBool},
+		"otlp":          {kind: kindString},
 	},
 	"sink": {
 		"kind":          {kind: kindString, one: []string{"kv", "stream", "postgres"}},
