@@ -184,7 +184,9 @@ func (h *harness) pause(ctx context.Context) error {
 	if err := w.p.Pause(); err != nil {
 		return nil // it exited meanwhile: the next fault will find it restarted
 	}
-	if h.rnd.IntN(2) == 0 && len(held) > 0 {
+	// An unfenced run is there to show what the fence stops: all its
+	// pauses end at the take-over.
+	if (h.cfg.Unfenced || h.rnd.IntN(2) == 0) && len(held) > 0 {
 		if err := h.waitTakenOver(ctx, w.id, held, 6*h.cfg.TTL); err != nil {
 			return err
 		}
