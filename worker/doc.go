@@ -18,8 +18,9 @@
 //   - Effects (Job.Publish, Job.Emit, Job.Apply, Job.NextStamp) carry the
 //     headers Leasehold-Partition, Leasehold-Epoch and Leasehold-Key, an
 //     idempotency key derived from (prefix, partition, job sequence, effect
-//     index), plus W3C trace context; published effects use the key as
-//     Nats-Msg-Id. A job re-run after a fail-over emits the same keys.
+//     index), plus W3C trace context; published effects use the key and the
+//     epoch as Nats-Msg-Id (MessageID). A job re-run after a fail-over emits
+//     the same keys; the sinks, not the stream, dedupe them.
 //   - Progress is not the consumer's acks: it is a compare-and-set on the
 //     lease bucket (coordinator.Lease.Commit), and it moves past a job only
 //     once all of the job's effects (or its dead letter) are acknowledged.

@@ -42,8 +42,9 @@ func (e *EffectError) Unwrap() error { return e.Err }
 
 // Publish publishes an effect to subject, stamped with the job's partition,
 // epoch and the next idempotency key, with the trace context of its "send"
-// span (a child of ctx's span) and a Nats-Msg-Id equal to the key, so that
-// a re-run of the job within the stream's duplicate window is stored once.
+// span (a child of ctx's span) and a Nats-Msg-Id made of the key and the
+// epoch, so that the publisher's own retries are stored once (see
+// stampHeader for why the epoch is part of it).
 // It does not wait for the stream's acknowledgement: the job counts as done
 // once every effect is acknowledged, and fails (and runs again) if one is
 // not. After the lease is lost it returns an error matching
@@ -111,11 +112,23 @@ func (j *Job) Apply(ctx context.Context, s sink.Sink, subject string, data []byt
 }
 
 // stampHeader writes the stamp, the trace context and the Nats-Msg-Id.
+//
+// The message ID is the idempotency key and the epoch, not the key alone.
+// With the key alone, a zombie's effect stored in the log (and refused by
+// the sink as stale) would make the stream drop its successor's re-run of
+// the same job as a duplicate, and acknowledge it: the successor would
+// commit past a job whose effect no sink ever applied. Within one epoch the
+// ID still stores a retried publish once; across epochs the sinks dedupe by
+// key.
 func (r *runner) stampHeader(ctx context.Context, h nats.Header, s leasehold.Stamp) {
 	r.w.tel.Propagator.Inject(ctx, telemetry.HeaderCarrier(h))
 	s.SetHeader(h)
-	h[jetstream.MsgIDHeader] = []string{s.Key}
+	h[jetstream.MsgIDHeader] = []string{MessageID(s)}
 }
+
+// MessageID is the Nats-Msg-Id the worker gives a message stamped with s:
+// its idempotency key and its epoch.
+func MessageID(s leasehold.Stamp) string { return s.Key + "@" + s.Epoch.String() }
 
 // publishAsync sends msg without waiting for its acknowledgement, waiting
 // for room when too many are outstanding.

@@ -130,7 +130,7 @@ func TestFailingJobIsRetriedThenDeadLettered(t *testing.T) {
 		leasehold.HeaderEpoch:   lease.Epoch.String(),
 		leasehold.HeaderKey:     worker.DeadLetterKey(e.prefix, 0, enq[1].Seq),
 		leasehold.HeaderWorker:  "w",
-		"Nats-Msg-Id":           worker.DeadLetterKey(e.prefix, 0, enq[1].Seq),
+		"Nats-Msg-Id":           worker.MessageID(leasehold.Stamp{Key: worker.DeadLetterKey(e.prefix, 0, enq[1].Seq), Epoch: lease.Epoch}),
 		"error mentions reason": "true",
 	}
 	for k, v := range want {

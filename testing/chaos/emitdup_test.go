@@ -5,7 +5,6 @@ import (
 	"io"
 	"log/slog"
 	"net"
-	"os"
 	"sync"
 	"testing"
 	"time"
@@ -21,15 +20,13 @@ import (
 	"github.com/leasehold/leasehold/worker"
 )
 
-// KnownBugsEnv runs the tests of bugs that are found and not yet fixed.
-const KnownBugsEnv = "LEASEHOLD_KNOWN_BUGS"
-
 // A zombie's effect published through Job.Emit reaches the effect log
 // behind its successor's barrier, and before the successor re-runs the
-// job. The in-order sink refuses it as stale — right — but the log stored
-// it under Nats-Msg-Id = the idempotency key, so when the successor emits
-// the same key, the log drops that write as a duplicate and acknowledges
-// it. The successor commits past the job; its effect is never applied.
+// job. The in-order sink refuses it as stale — right. When the message ID
+// was the idempotency key alone, the log then dropped the successor's
+// write of the same key as a duplicate and acknowledged it: the successor
+// committed past the job and its effect was never applied. The message ID
+// now carries the epoch (worker.MessageID); this test keeps it that way.
 //
 // The chaos harness's write-behind workers publish without a Nats-Msg-Id
 // and do not meet this; the SDK's own Emit path does. Found by reading
@@ -37,9 +34,6 @@ const KnownBugsEnv = "LEASEHOLD_KNOWN_BUGS"
 // with a frozen connection, which is what a paused process or a network
 // partition looks like from outside.
 func TestZombieEmitDoesNotHideItsSuccessorsEffect(t *testing.T) {
-	if os.Getenv(KnownBugsEnv) != "1" {
-		t.Skip("known bug, not fixed yet: worker.Job.Publish sets Nats-Msg-Id to the idempotency key alone, so a refused zombie effect makes the effect log drop its successor's effect (lost job); set " + KnownBugsEnv + "=1 to run")
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	const pfx = "emitdup"
