@@ -10,6 +10,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/leader"
 )
 
 // DefaultBucket is the lease bucket's name when none is configured.
@@ -72,7 +73,7 @@ type Bucket struct {
 	name   string
 	stream string
 	prefix string // "$KV.<bucket>."
-	api    string // JetStream API prefix, for leader reads
+	leader *leader.Reader
 
 	markerTTL time.Duration // how long release markers stay
 }
@@ -155,7 +156,7 @@ func open(ctx context.Context, js jetstream.JetStream, bucket string, replicas i
 		name:   bucket,
 		stream: "KV_" + bucket,
 		prefix: "$KV." + bucket + ".",
-		api:    apiPrefix(js.Options()),
+		leader: leader.NewReader(js, "KV_"+bucket),
 
 		markerTTL: s.CachedInfo().Config.SubjectDeleteMarkerTTL,
 	}, nil
@@ -194,20 +195,6 @@ func checkStream(bucket string, c jetstream.StreamConfig, replicas int) error {
 	}
 	return fmt.Errorf("%w: bucket %s: %s; move its data aside, delete it, and let coordinator.Provision (or `leasehold init`) create it",
 		ErrBucketConfig, bucket, strings.Join(probs, "; "))
-}
-
-func apiPrefix(o jetstream.JetStreamOptions) string {
-	switch {
-	case o.Domain != "":
-		return "$JS." + o.Domain + ".API."
-	case o.APIPrefix != "":
-		if !strings.HasSuffix(o.APIPrefix, ".") {
-			return o.APIPrefix + "."
-		}
-		return o.APIPrefix
-	default:
-		return jetstream.DefaultAPIPrefix
-	}
 }
 
 // Name is the bucket name.

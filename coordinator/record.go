@@ -3,7 +3,6 @@ package coordinator
 import (
 	"context"
 	"crypto/rand"
-	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -15,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/leader"
 )
 
 // record is the value of a lease key (partition.<p> or member.<worker>).
@@ -64,67 +64,22 @@ type entry struct {
 	time time.Time
 }
 
-// last reads the last message on key through the stream leader. Direct gets
-// (what kv.Get uses) may be answered by a follower that is behind, and
+// last reads the last message on key through the stream leader. Direct
+// gets (what kv.Get uses) may be answered by a follower that is behind, and
 // ownership must never be decided from a stale read.
 func (b *Bucket) last(ctx context.Context, key string) (entry, error) {
-	req, _ := json.Marshal(map[string]string{"last_by_subj": b.prefix + key})
-	msg, err := b.js.Conn().RequestWithContext(ctx, b.api+"STREAM.MSG.GET."+b.stream, req)
+	m, err := b.leader.Last(ctx, b.prefix+key)
 	if err != nil {
-		return entry{}, fmt.Errorf("read %s from the stream leader: %w", key, err)
+		return entry{}, err
 	}
-	var resp struct {
-		Error   *jetstream.APIError `json:"error"`
-		Message *struct {
-			Seq    uint64    `json:"seq"`
-			Header string    `json:"hdrs"`
-			Data   string    `json:"data"`
-			Time   time.Time `json:"time"`
-		} `json:"message"`
+	if m == nil {
+		return entry{kind: entryNone}, nil
 	}
-	if err := json.Unmarshal(msg.Data, &resp); err != nil {
-		return entry{}, fmt.Errorf("read %s: decode the answer: %w", key, err)
-	}
-	if resp.Error != nil {
-		if resp.Error.ErrorCode == jetstream.JSErrCodeMessageNotFound {
-			return entry{kind: entryNone}, nil
-		}
-		return entry{}, fmt.Errorf("read %s from the stream leader: %w", key, resp.Error)
-	}
-	if resp.Message == nil {
-		return entry{}, fmt.Errorf("read %s: the answer holds no message", key)
-	}
-	e := entry{kind: entryValue, rev: resp.Message.Seq, time: resp.Message.Time}
-	if resp.Message.Header != "" {
-		raw, err := base64.StdEncoding.DecodeString(resp.Message.Header)
-		if err != nil {
-			return entry{}, fmt.Errorf("read %s: decode headers: %w", key, err)
-		}
-		h, err := nats.DecodeHeadersMsg(raw)
-		if err != nil {
-			return entry{}, fmt.Errorf("read %s: decode headers: %w", key, err)
-		}
-		if isMarker(h) {
-			e.kind = entryMarker
-		}
-	}
-	if e.data, err = base64.StdEncoding.DecodeString(resp.Message.Data); err != nil {
-		return entry{}, fmt.Errorf("read %s: decode data: %w", key, err)
+	e := entry{kind: entryValue, rev: m.Seq, time: m.Time, data: m.Data}
+	if leader.IsMarker(m.Header) {
+		e.kind = entryMarker
 	}
 	return e, nil
-}
-
-// isMarker reports whether a message with these headers is a delete, purge
-// or expiry marker rather than a value.
-func isMarker(h nats.Header) bool {
-	if h == nil {
-		return false
-	}
-	switch h.Get("KV-Operation") {
-	case "DEL", "PURGE":
-		return true
-	}
-	return h.Get(jetstream.MarkerReasonHeader) != ""
 }
 
 // put publishes value to key if the key's last revision is expect (0: the

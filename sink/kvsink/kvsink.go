@@ -34,6 +34,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/leader"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/telemetry"
 )
@@ -111,7 +112,7 @@ type Sink struct {
 	cfg    Config
 	stream string
 	prefix string // "$KV.<bucket>."
-	api    string
+	leader *leader.Reader
 	rep    *sink.Reporter
 	check  *sink.EpochCheck
 
@@ -169,7 +170,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Sink, error)
 		return nil, fmt.Errorf("kvsink: bind bucket %s: %w", cfg.Bucket, err)
 	}
 	return &Sink{
-		js: js, kv: kv, cfg: cfg, stream: stream, prefix: "$KV." + cfg.Bucket + ".", api: apiPrefix(js.Options()),
+		js: js, kv: kv, cfg: cfg, stream: stream, prefix: "$KV." + cfg.Bucket + ".", leader: leader.NewReader(js, stream),
 		rep:    sink.NewReporter(sink.ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger, Telemetry: cfg.Telemetry}),
 		check:  sink.NewEpochCheck(cfg.Verifier),
 		fences: make(map[leasehold.Partition]fence),

@@ -2,8 +2,6 @@ package streamsink
 
 import (
 	"context"
-	"encoding/json"
-	"fmt"
 	"strings"
 
 	"github.com/nats-io/nats.go"
@@ -27,53 +25,11 @@ type logMsg struct {
 func (r *Runner) next(ctx context.Context, seq uint64) (*logMsg, error) {
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.RequestTimeout)
 	defer cancel()
-	req, _ := json.Marshal(map[string]any{"seq": seq, "next_by_subj": r.filter})
-	resp, err := r.js.Conn().RequestWithContext(ctx, r.api+"STREAM.MSG.GET."+r.cfg.Stream, req)
-	if err != nil {
-		return nil, fmt.Errorf("read the effect log at %d: %w", seq, err)
+	m, err := r.leader.Next(ctx, seq, r.filter)
+	if err != nil || m == nil {
+		return nil, err
 	}
-	var body struct {
-		Error   *jetstream.APIError `json:"error"`
-		Message *struct {
-			Subject string `json:"subject"`
-			Seq     uint64 `json:"seq"`
-			Header  []byte `json:"hdrs"`
-			Data    []byte `json:"data"`
-		} `json:"message"`
-	}
-	if err := json.Unmarshal(resp.Data, &body); err != nil {
-		return nil, fmt.Errorf("read the effect log at %d: %w", seq, err)
-	}
-	if body.Error != nil {
-		if body.Error.ErrorCode == jetstream.JSErrCodeMessageNotFound {
-			return nil, nil
-		}
-		return nil, fmt.Errorf("read the effect log at %d: %w", seq, body.Error)
-	}
-	if body.Message == nil {
-		return nil, fmt.Errorf("read the effect log at %d: the answer holds no message", seq)
-	}
-	m := &logMsg{seq: body.Message.Seq, subject: body.Message.Subject, data: body.Message.Data}
-	if len(body.Message.Header) > 0 {
-		if m.header, err = nats.DecodeHeadersMsg(body.Message.Header); err != nil {
-			return nil, fmt.Errorf("read the effect log at %d: decode headers: %w", seq, err)
-		}
-	}
-	return m, nil
-}
-
-func apiPrefix(o jetstream.JetStreamOptions) string {
-	switch {
-	case o.Domain != "":
-		return "$JS." + o.Domain + ".API."
-	case o.APIPrefix != "":
-		if !strings.HasSuffix(o.APIPrefix, ".") {
-			return o.APIPrefix + "."
-		}
-		return o.APIPrefix
-	default:
-		return jetstream.DefaultAPIPrefix
-	}
+	return &logMsg{seq: m.Seq, subject: m.Subject, data: m.Data, header: m.Header}, nil
 }
 
 // headerGet returns the first value of name, matched without regard to

@@ -37,6 +37,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/leader"
 	"github.com/leasehold/leasehold/sink"
 )
 
@@ -47,7 +48,7 @@ type Runner struct {
 	cons    jetstream.Consumer
 	stateKV jetstream.KeyValue
 	filter  string
-	api     string
+	leader  *leader.Reader
 	rep     *sink.Reporter
 	check   *sink.EpochCheck
 	log     *slog.Logger
@@ -72,7 +73,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Runner, erro
 	}
 	cfg.setDefaults()
 	r := &Runner{
-		js: js, cfg: cfg, api: apiPrefix(js.Options()), log: cfg.Logger,
+		js: js, cfg: cfg, leader: leader.NewReader(js, cfg.Stream), log: cfg.Logger,
 		rep:      sink.NewReporter(sink.ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger, Telemetry: cfg.Telemetry}),
 		check:    sink.NewEpochCheck(cfg.Verifier),
 		progress: make(chan struct{}),
