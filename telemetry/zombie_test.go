@@ -112,7 +112,7 @@ func runZombie(t *testing.T, tc telemetry.Config) zombieRun {
 	}
 
 	// A reaches NATS through a proxy the test can freeze.
-	px := newProxy(t, srv.URL()[len("nats://"):])
+	px := natstest.NewProxy(t, srv.URL())
 	ncA, err := nats.Connect(px.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
 	if err != nil {
 		t.Fatal(err)
@@ -174,7 +174,7 @@ func runZombie(t *testing.T, tc telemetry.Config) zombieRun {
 			if err != nil {
 				return err
 			}
-			px.freeze()
+			px.Freeze()
 			if err := j.Emit(ctx, j.Data); err != nil {
 				return err
 			}
@@ -227,7 +227,7 @@ func runZombie(t *testing.T, tc telemetry.Config) zombieRun {
 	})
 	run.epochB = evB.wait(t, "B's job", worker.EventJobFinished).Lease.Epoch
 
-	px.thaw()
+	px.Thaw()
 	close(resume)
 	var errs [2]error
 	select {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -29,7 +30,7 @@ func TestZombieCannotSkipWork(t *testing.T) {
 	enq := e.enqueue(t, 0, 10)
 	blockAt := enq[4].Seq
 
-	px := newProxy(t, e.srv.URL()[len("nats://"):])
+	px := natstest.NewProxy(t, e.srv.URL())
 	ncA, err := nats.Connect(px.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
 	if err != nil {
 		t.Fatal(err)
@@ -95,7 +96,7 @@ func TestZombieCannotSkipWork(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("A never reached the blocking job")
 	}
-	px.freeze()
+	px.Freeze()
 	recA.waitFor(t, 30*time.Second, "A to see its lease lost", func() bool { return recA.count(kind(worker.EventPartitionLost)) > 0 })
 
 	cfgB := e.config("b", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
@@ -108,7 +109,7 @@ func TestZombieCannotSkipWork(t *testing.T) {
 	enq = append(enq, e.enqueue(t, 10, 5)...)
 	recB.waitFor(t, 30*time.Second, "B to handle every job", func() bool { return runsB.n.Load() >= int64(len(enq)) })
 
-	px.thaw()
+	px.Thaw()
 	unblock()
 	refused := func(ev worker.Event) bool {
 		return ev.Kind == worker.EventCommitFailed && errors.Is(ev.Err, leasehold.ErrLeaseLost)

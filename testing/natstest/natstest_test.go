@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/goleak"
 
@@ -75,4 +76,36 @@ func TestClusterKillAndRestartLeader(t *testing.T) {
 	}
 	c.Restart(t, leader)
 	c.WaitStreamCurrent(t, "S", 20*time.Second)
+}
+
+// A frozen proxy holds bytes both ways without closing anything: a client
+// behind it times out, and recovers when it thaws.
+func TestProxyFreezeAndThaw(t *testing.T) {
+	s := natstest.Start(t, natstest.Listen())
+	px := natstest.NewProxy(t, s.URL())
+	nc, err := nats.Connect(px.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	js, _ := jetstream.New(nc)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "P", Subjects: []string{"p"}}); err != nil {
+		t.Fatal(err)
+	}
+	px.Freeze()
+	fctx, fcancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	_, err = js.Publish(fctx, "p", []byte("held"))
+	fcancel()
+	if err == nil {
+		t.Fatal("a publish through a frozen proxy was acknowledged")
+	}
+	if !nc.IsConnected() {
+		t.Fatal("freezing closed the connection")
+	}
+	px.Thaw()
+	if _, err := js.Publish(ctx, "p", []byte("after")); err != nil {
+		t.Fatalf("publish after thaw: %v", err)
+	}
 }

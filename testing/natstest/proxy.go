@@ -1,15 +1,18 @@
-package telemetry_test
+package natstest
 
 import (
 	"net"
+	"strings"
 	"sync"
 	"testing"
 )
 
-// proxy forwards TCP connections to a NATS server and can freeze them:
-// bytes stop flowing both ways without any connection closing, the way a
-// paused process or a silent network partition looks from outside.
-type proxy struct {
+// Proxy forwards TCP connections to a server and can freeze them: bytes
+// stop flowing both ways without any connection closing, which is how a
+// paused process or a silent network partition looks from the other side.
+// Clients connected through it see neither an error nor a disconnect; their
+// requests just time out. It closes when the test ends.
+type Proxy struct {
 	ln     net.Listener
 	target string
 
@@ -21,33 +24,39 @@ type proxy struct {
 	wg     sync.WaitGroup
 }
 
-func newProxy(t testing.TB, target string) *proxy {
-	t.Helper()
+// NewProxy starts a proxy on a loopback port in front of url (a nats://
+// URL or host:port).
+func NewProxy(tb testing.TB, url string) *Proxy {
+	tb.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		t.Fatal(err)
+		tb.Fatal(err)
 	}
-	p := &proxy{ln: ln, target: target}
+	p := &Proxy{ln: ln, target: strings.TrimPrefix(url, "nats://")}
 	p.cond = sync.NewCond(&p.mu)
 	p.wg.Add(1)
 	go p.accept()
-	t.Cleanup(p.close)
+	tb.Cleanup(p.Close)
 	return p
 }
 
-func (p *proxy) URL() string { return "nats://" + p.ln.Addr().String() }
+// URL is the proxy's client URL.
+func (p *Proxy) URL() string { return "nats://" + p.ln.Addr().String() }
 
-func (p *proxy) freeze() { p.set(true) }
-func (p *proxy) thaw()   { p.set(false) }
+// Freeze holds every byte read from now on, in both directions.
+func (p *Proxy) Freeze() { p.set(true) }
 
-func (p *proxy) set(frozen bool) {
+// Thaw lets the held bytes, and everything after them, through.
+func (p *Proxy) Thaw() { p.set(false) }
+
+func (p *Proxy) set(frozen bool) {
 	p.mu.Lock()
 	p.frozen = frozen
 	p.cond.Broadcast()
 	p.mu.Unlock()
 }
 
-func (p *proxy) accept() {
+func (p *Proxy) accept() {
 	defer p.wg.Done()
 	for {
 		c, err := p.ln.Accept()
@@ -75,7 +84,7 @@ func (p *proxy) accept() {
 }
 
 // pipe copies src to dst, holding what it read while frozen.
-func (p *proxy) pipe(dst, src net.Conn) {
+func (p *Proxy) pipe(dst, src net.Conn) {
 	defer p.wg.Done()
 	defer dst.Close()
 	buf := make([]byte, 32<<10)
@@ -97,11 +106,14 @@ func (p *proxy) pipe(dst, src net.Conn) {
 	}
 }
 
-func (p *proxy) close() {
+// Close closes every connection and stops the proxy. It is safe to call
+// twice.
+func (p *Proxy) Close() {
 	p.mu.Lock()
 	p.closed = true
 	p.cond.Broadcast()
 	conns := p.conns
+	p.conns = nil
 	p.mu.Unlock()
 	p.ln.Close()
 	for _, c := range conns {
