@@ -99,7 +99,7 @@ func TestInProcessScenarios(t *testing.T) {
 	for _, r := range rows {
 		names[r.Name] = r
 	}
-	for _, n := range []string{"e2e_throughput", "fence_memory", "fence_kv", "fence_postgres"} {
+	for _, n := range []string{"e2e_throughput", "fence_memory", "fence_kv", "fence_kv_batch", "fence_postgres"} {
 		if _, ok := names[n]; !ok {
 			t.Errorf("no row %s in %+v", n, rows)
 		}

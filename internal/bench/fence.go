@@ -38,15 +38,30 @@ func perOp(ctx context.Context, w writer, from, n int) (float64, error) {
 	return float64(time.Since(t0).Nanoseconds()) / float64(n) / 1e3, nil
 }
 
+// batched turns a batch write into a writer: it collects size effects and
+// writes them together, so perOp's mean is the cost per effect.
+func batched(size int, write func(ctx context.Context, es []sink.Effect) error) writer {
+	var pending []sink.Effect
+	return func(ctx context.Context, e *sink.Effect) error {
+		pending = append(pending, *e)
+		if len(pending) < size {
+			return nil
+		}
+		err := write(ctx, pending)
+		pending = pending[:0]
+		return err
+	}
+}
+
 // pairedWrites runs fenced and plain writes alternately, n of each per
 // run, the order alternating, and returns the per-run microseconds.
 func (e *env) pairedWrites(ctx context.Context, what string, fenced, plain writer, n int) (f, p []float64, err error) {
 	// A few writes of each first, so that connections, prepared statements
 	// and caches are warm for both.
-	if _, err := perOp(ctx, fenced, -100, 50); err != nil {
+	if _, err := perOp(ctx, fenced, -100, 100); err != nil {
 		return nil, nil, err
 	}
-	if _, err := perOp(ctx, plain, -100, 50); err != nil {
+	if _, err := perOp(ctx, plain, -100, 100); err != nil {
 		return nil, nil, err
 	}
 	for run := range e.cfg.Runs {
@@ -130,6 +145,30 @@ func (e *env) fenceCost(ctx context.Context) ([]Row, error) {
 		return rows, err
 	}
 	rows = append(rows, paired("fence_kv", "µs/effect", f, p, "kvsink Apply (one atomic batch: fence, dedupe key, value) vs a KV Put of the value"))
+
+	// KV, batched: the way the sink runner applies a fetched batch, 100
+	// effects in one atomic batch, beside 100 asynchronous Puts awaited
+	// together.
+	const batch = 100
+	fb, pb, err := e.pairedWrites(ctx, "kv batched",
+		batched(batch, func(ctx context.Context, es []sink.Effect) error { return ks.Apply(ctx, es...) }),
+		batched(batch, func(ctx context.Context, es []sink.Effect) error {
+			for i := range es {
+				if _, err := js.PublishAsync("$KV.fence-plain."+es[i].Subject, es[i].Data); err != nil {
+					return err
+				}
+			}
+			select {
+			case <-js.PublishAsyncComplete():
+				return nil
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}), n["kv"])
+	if err != nil {
+		return rows, err
+	}
+	rows = append(rows, paired("fence_kv_batch", "µs/effect", fb, pb, fmt.Sprintf("kvsink Apply of %d effects in one atomic batch (as the sink runner applies a fetched batch) vs %d asynchronous KV Puts awaited together", batch, batch)))
 
 	row, err := e.fencePostgres(ctx, n["postgres"])
 	if err != nil {
