@@ -67,12 +67,18 @@ func assign(n int, members []string, owners []string, cache *scoreCache) []strin
 	}
 
 	// Keep what each member may keep: the partitions it ranks highest.
+	// A member within its share keeps all of them, and needs no ranking,
+	// which is what every member is in a steady group: the sort is what
+	// recomputing the assignment after each change would otherwise spend
+	// most of its time on.
 	taken := make([]int, len(members))
 	for i, ps := range held {
-		sc := scores[i]
-		slices.SortFunc(ps, func(a, b int) int {
-			return cmp.Or(cmp.Compare(sc[b], sc[a]), cmp.Compare(a, b))
-		})
+		if len(ps) > share[i] {
+			sc := scores[i]
+			slices.SortFunc(ps, func(a, b int) int {
+				return cmp.Or(cmp.Compare(sc[b], sc[a]), cmp.Compare(a, b))
+			})
+		}
 		for _, p := range ps[:min(len(ps), share[i])] {
 			target[p] = members[i]
 			taken[i]++
