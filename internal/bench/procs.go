@@ -195,6 +195,18 @@ func (g *procGroup) start(id string) error {
 	return nil
 }
 
+// registered says whether every one of ids is a registered member.
+func (g *procGroup) registered(ids []string) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, id := range ids {
+		if !g.live[id] {
+			return false
+		}
+	}
+	return true
+}
+
 // running lists the processes that have not exited.
 func (g *procGroup) running() []string {
 	g.mu.Lock()

@@ -9,6 +9,7 @@ import (
 
 // scaleResult is one scale run.
 type scaleResult struct {
+	joined          float64 // seconds from the first start until every member registered
 	owned, balanced float64 // seconds from the first start
 	opsPerSec       float64 // lease bucket writes per second, idle
 	memMiB          float64 // per worker: RSS of processes, or heap growth in this process
@@ -39,8 +40,8 @@ func (e *env) scale(ctx context.Context) ([]Row, error) {
 			return nil, err
 		}
 		owned, balanced, ops, mem = append(owned, r.owned), append(balanced, r.balanced), append(ops, r.opsPerSec), append(mem, r.memMiB)
-		e.progress("scale run %d: %d partitions over %d lease-layer members: all held after %.3f s, balanced after %.3f s; %.0f lease writes/s idle; heap %.2f MiB per member",
-			run+1, partitions, workers, r.owned, r.balanced, r.opsPerSec, r.memMiB)
+		e.progress("scale run %d: %d partitions over %d lease-layer members: all registered after %.3f s, all held after %.3f s, balanced after %.3f s; %.0f lease writes/s idle; heap %.2f MiB per member",
+			run+1, partitions, workers, r.joined, r.owned, r.balanced, r.opsPerSec, r.memMiB)
 	}
 	what := fmt.Sprintf("%d partitions, %d %v started together, TTL %v", partitions, workers, asLeases, ttl)
 	rows := []Row{
@@ -58,8 +59,9 @@ func (e *env) scale(ctx context.Context) ([]Row, error) {
 		return append(rows, Row{Name: "scale_workers_balanced", Unit: "s",
 			Note: fmt.Sprintf("%s: did not balance within %v on this machine (%v); see the lease-layer rows and the report", wwhat, bound, err)}), nil
 	}
-	e.progress("scale with %d worker processes: all held after %.3f s, balanced after %.3f s; %.0f lease writes/s idle; RSS %.1f MiB per worker", procWorkers, r.owned, r.balanced, r.opsPerSec, r.memMiB)
+	e.progress("scale with %d worker processes: all registered after %.3f s, all held after %.3f s, balanced after %.3f s; %.0f lease writes/s idle; RSS %.1f MiB per worker", procWorkers, r.joined, r.owned, r.balanced, r.opsPerSec, r.memMiB)
 	return append(rows,
+		single("scale_workers_joined", "s", []float64{r.joined}, wwhat+": until every worker process has started and registered"),
 		single("scale_workers_owned", "s", []float64{r.owned}, wwhat+": until every partition is held"),
 		single("scale_workers_balanced", "s", []float64{r.balanced}, wwhat+": until every worker holds its share"),
 		single("scale_workers_renew_load", "KV ops/s", []float64{r.opsPerSec}, wwhat+": lease bucket writes per second once balanced and idle"),
@@ -84,6 +86,10 @@ func (e *env) scaleRun(ctx context.Context, prefix string, partitions, workers i
 			return res, err
 		}
 	}
+	if err := wait(ctx, bound, "every worker registered", func() bool { return g.registered(ids) }); err != nil {
+		return res, err
+	}
+	res.joined = time.Since(t0).Seconds()
 	if err := wait(ctx, bound, "every partition held", g.owned); err != nil {
 		return res, err
 	}
