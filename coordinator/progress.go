@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/nats-io/nats.go/jetstream"
+
 	"github.com/leasehold/leasehold"
 )
 
@@ -51,6 +53,9 @@ func (l *Lease) fenceProgress(ctx context.Context) error {
 	l.pmu.Lock()
 	defer l.pmu.Unlock()
 	key := progressKey(l.info.Partition)
+	if l.fenceFromHint(ctx, key) {
+		return nil
+	}
 	var lastErr error
 	for attempt := 0; attempt < 8; attempt++ {
 		if attempt > 0 {
@@ -94,6 +99,43 @@ func (l *Lease) fenceProgress(ctx context.Context) error {
 		}
 	}
 	return fmt.Errorf("gave up: %w", lastErr)
+}
+
+// fenceFromHint tries the fence once against the progress record as a
+// direct get reads it. A direct get may be answered by a replica that is
+// behind, but the write is a compare-and-set on the revision read, so it
+// lands only if what was read is the record's current state; and a direct
+// get is served by the stream, not queued behind the other JetStream API
+// requests (consumer creations, when many partitions start at once) the
+// way a read through the leader is. It reports whether the fence landed;
+// when it did not, for whatever reason (a stale or missing record, a
+// later epoch, no answer), fenceProgress settles it through the leader, as
+// if the hint had not been tried: an unanswered write that landed shows up
+// there as this lease's own epoch.
+func (l *Lease) fenceFromHint(ctx context.Context, key string) bool {
+	rctx, cancel := context.WithTimeout(ctx, l.c.cfg.RequestTimeout)
+	defer cancel()
+	var (
+		cur progressRecord
+		rev uint64 // 0: no record, which the write checks too
+	)
+	switch e, err := l.c.b.kv.Get(rctx, key); {
+	case errors.Is(err, jetstream.ErrKeyNotFound):
+	case err != nil:
+		return false
+	default:
+		if json.Unmarshal(e.Value(), &cur) != nil || cur.Epoch >= uint64(l.info.Epoch) {
+			return false
+		}
+		rev = e.Revision()
+	}
+	next, _ := json.Marshal(progressRecord{Epoch: uint64(l.info.Epoch), Seq: cur.Seq, Holder: l.info.Holder})
+	nrev, err := l.c.b.put(rctx, key, next, rev, 0)
+	if err != nil {
+		return false
+	}
+	l.progRev, l.progSeq, l.progRead = nrev, cur.Seq, true
+	return true
 }
 
 // Commit records that every input up to and including seq has been handled
