@@ -203,6 +203,21 @@ func (b *Bucket) Name() string { return b.name }
 // KeyValue is the bucket as a jetstream.KeyValue, for watching.
 func (b *Bucket) KeyValue() jetstream.KeyValue { return b.kv }
 
+// Lookup reads key through the stream leader, for a decision a lagging
+// replica must not make: kv.Get is a direct get, which a follower behind
+// the leader may answer with an older value, or none. ok is false when the
+// key holds no value (never written, deleted or expired).
+func (b *Bucket) Lookup(ctx context.Context, key string) (value []byte, ok bool, err error) {
+	e, err := b.last(ctx, key)
+	if err != nil {
+		return nil, false, fmt.Errorf("coordinator: read %s from the leader of bucket %s: %w", key, b.name, err)
+	}
+	if e.kind != entryValue {
+		return nil, false, nil
+	}
+	return e.data, true, nil
+}
+
 // Key names in the bucket.
 const (
 	partitionKeyPrefix = "partition."

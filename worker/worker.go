@@ -240,19 +240,34 @@ func (w *Worker) forget(r *runner) {
 const bucketOwnerKey = "jobstream"
 
 // claimBucket records prefix as the job stream of b, or checks that it is.
+// A refused create means the key holds a value, and the value is read
+// through the stream leader: on a cluster, a direct get may be answered by
+// a follower that has not seen it yet. A create that got no answer, or was
+// refused over a key that holds no value (a delete), is tried again.
 func claimBucket(ctx context.Context, b *coordinator.Bucket, prefix string) error {
-	kv := b.KeyValue()
-	_, err := kv.Create(ctx, bucketOwnerKey, []byte(prefix))
-	if err == nil {
-		return nil
-	}
-	e, gerr := kv.Get(ctx, bucketOwnerKey)
-	if gerr != nil {
-		return fmt.Errorf("worker: record the job stream of lease bucket %s: %w (reading it back: %v)", b.Name(), err, gerr)
-	}
-	if got := string(e.Value()); got != prefix {
+	var err error
+	for attempt := range 3 {
+		if attempt > 0 {
+			if serr := sleep(ctx, time.Duration(attempt)*100*time.Millisecond); serr != nil {
+				break
+			}
+		}
+		if _, err = b.KeyValue().Create(ctx, bucketOwnerKey, []byte(prefix)); err == nil {
+			return nil
+		}
+		got, ok, rerr := b.Lookup(ctx, bucketOwnerKey)
+		if rerr != nil {
+			err = fmt.Errorf("%w (reading it back: %v)", err, rerr)
+			continue
+		}
+		if !ok {
+			continue
+		}
+		if string(got) == prefix {
+			return nil
+		}
 		return fmt.Errorf("%w: lease bucket %s serves job stream %q, not %q: give each job stream its own lease bucket, since progress is kept per partition number",
 			ErrStreamConfig, b.Name(), got, prefix)
 	}
-	return nil
+	return fmt.Errorf("worker: record the job stream of lease bucket %s: %w", b.Name(), err)
 }
