@@ -148,10 +148,16 @@ func (e *env) fenceCost(ctx context.Context) ([]Row, error) {
 
 	// KV, batched: the way the sink runner applies a fetched batch, 100
 	// effects in one atomic batch, beside 100 asynchronous Puts awaited
-	// together.
+	// together. The effects get keys of their own: the ones above were
+	// applied, and the sink would take these as repeats.
 	const batch = 100
 	fb, pb, err := e.pairedWrites(ctx, "kv batched",
-		batched(batch, func(ctx context.Context, es []sink.Effect) error { return ks.Apply(ctx, es...) }),
+		batched(batch, func(ctx context.Context, es []sink.Effect) error {
+			for i := range es {
+				es[i].Stamp.Key = "batched-" + es[i].Stamp.Key
+			}
+			return ks.Apply(ctx, es...)
+		}),
 		batched(batch, func(ctx context.Context, es []sink.Effect) error {
 			for i := range es {
 				if _, err := js.PublishAsync("$KV.fence-plain."+es[i].Subject, es[i].Data); err != nil {
