@@ -306,3 +306,44 @@ func testHandler(t *testing.T, mode string) {
 		t.Errorf("Dropped(0) = %d, want 10", n)
 	}
 }
+
+// On a 3-node cluster, a runner started right after another stopped, on a
+// connection to a node that does not lead the state bucket, resumes at the
+// saved position with the saved fences: it reads them through the leader,
+// not from a replica that may not have the last save yet.
+func TestResumeOnAnotherNode(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a three-node cluster")
+	}
+	cl := natstest.StartCluster(t)
+	ctx := ctxFor(t, 2*time.Minute)
+	js := cl.JetStream(t)
+	cfg := streamsink.Config{Prefix: "resume", Replicas: 3, Batch: 16, AckWait: time.Second, Logger: quiet()}
+	if _, err := streamsink.New(ctx, js, cfg); err != nil {
+		t.Fatal(err)
+	}
+	want, stale, last := history(t, ctx, js, "resume")
+	first := start(t, js, cfg)
+	if err := first.WaitPosition(ctx, last); err != nil {
+		t.Fatal(err)
+	}
+	if err := first.stop(); err != nil {
+		t.Fatal(err)
+	}
+	leader := cl.StreamLeader(t, "KV_"+"resume-sink-state", 10*time.Second)
+	for _, node := range []int{(leader + 1) % 3, (leader + 2) % 3} {
+		r, err := streamsink.New(ctx, cl.Node(node).JetStream(t), cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Position() != last {
+			t.Fatalf("runner on node %d resumes at %d, want the saved %d", node, r.Position(), last)
+		}
+		for p := range leasehold.Partition(4) {
+			if m := r.MaxEpoch(p); m != 7 {
+				t.Errorf("runner on node %d: partition %d max %d, want the saved 7", node, p, m)
+			}
+		}
+	}
+	checkApplied(t, ctx, js, "resume-fenced", want, stale)
+}

@@ -47,6 +47,7 @@ type Runner struct {
 	cfg     Config
 	cons    jetstream.Consumer
 	stateKV jetstream.KeyValue
+	state   *leader.Reader // the state bucket's stream, through its leader
 	filter  string
 	leader  *leader.Reader
 	rep     *sink.Reporter
@@ -133,6 +134,7 @@ func (r *Runner) provision(ctx context.Context) error {
 		return fmt.Errorf("streamsink: state bucket %s: %w", cfg.StateBucket, err)
 	}
 	r.stateKV = kv
+	r.state = leader.NewReader(r.js, "KV_"+cfg.StateBucket)
 	cons, err := r.js.CreateOrUpdateConsumer(ctx, cfg.Stream, jetstream.ConsumerConfig{
 		Durable:       cfg.Consumer,
 		Description:   "leasehold stream sink",

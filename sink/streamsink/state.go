@@ -9,6 +9,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/leader"
 )
 
 // ErrStateConflict is returned by Run when the runner's saved progress was
@@ -37,23 +38,27 @@ func (s state) clone() state {
 	return c
 }
 
-// loadState reads the saved progress and its revision (0: none saved).
+// loadState reads the saved progress and its revision (0: none saved)
+// through the state bucket's stream leader. Its fences decide which
+// effects are stale, and a direct get may be answered by a replica that
+// has not seen the last save: a runner that started from it could apply
+// an effect the saved fences refuse before its first save failed.
 func (r *Runner) loadState(ctx context.Context) (state, uint64, error) {
-	e, err := r.stateKV.Get(ctx, r.cfg.Consumer)
-	if errors.Is(err, jetstream.ErrKeyNotFound) {
-		return state{Fences: map[leasehold.Partition]fenceInfo{}}, 0, nil
-	}
+	m, err := r.state.Last(ctx, "$KV."+r.cfg.StateBucket+"."+r.cfg.Consumer)
 	if err != nil {
 		return state{}, 0, fmt.Errorf("streamsink: read progress %s/%s: %w", r.cfg.StateBucket, r.cfg.Consumer, err)
 	}
+	if m == nil || leader.IsMarker(m.Header) {
+		return state{Fences: map[leasehold.Partition]fenceInfo{}}, 0, nil
+	}
 	var s state
-	if err := json.Unmarshal(e.Value(), &s); err != nil {
+	if err := json.Unmarshal(m.Data, &s); err != nil {
 		return state{}, 0, fmt.Errorf("streamsink: progress %s/%s is not leasehold's JSON (%v): fix or delete the key, knowing that the runner then starts over", r.cfg.StateBucket, r.cfg.Consumer, err)
 	}
 	if s.Fences == nil {
 		s.Fences = map[leasehold.Partition]fenceInfo{}
 	}
-	return s, e.Revision(), nil
+	return s, m.Seq, nil
 }
 
 // saveState writes s over revision rev and returns the new revision.
