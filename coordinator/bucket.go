@@ -20,6 +20,14 @@ const DefaultBucket = "leasehold-leases"
 type BucketConfig struct {
 	// Bucket is the KV bucket name. Default DefaultBucket.
 	Bucket string
+	// Scope is the fencing scope the bucket's leases issue epochs for: the
+	// prefix of the job stream whose partitions it leases, and the
+	// namespace of the locks it holds (a lock's scope is
+	// "<scope>/<name>"). It is recorded in the bucket and outlives it: a
+	// bucket re-created with the same scope continues its fences. Letters,
+	// digits, '-' and '_'. Default: the bucket's name without a "-leases"
+	// suffix ("orders-leases" serves "orders").
+	Scope string
 	// Replicas is the stream's replica count: 1 for development, 3 in
 	// production. Default 1.
 	Replicas int
@@ -38,6 +46,9 @@ func (c *BucketConfig) setDefaults() {
 	if c.Bucket == "" {
 		c.Bucket = DefaultBucket
 	}
+	if c.Scope == "" {
+		c.Scope = DefaultScope(c.Bucket)
+	}
 	if c.Replicas == 0 {
 		c.Replicas = 1
 	}
@@ -53,6 +64,9 @@ func (c BucketConfig) Validate() error {
 	if !validToken(c.Bucket, false) {
 		errs = append(errs, fmt.Errorf("bucket name %q: use letters, digits, '-' and '_' only", c.Bucket))
 	}
+	if !validToken(c.Scope, false) || len(c.Scope) > 64 {
+		errs = append(errs, fmt.Errorf("scope %q: use letters, digits, '-' and '_' only, at most 64 (it is the job stream's prefix)", c.Scope))
+	}
 	if c.Replicas < 1 || c.Replicas > 5 {
 		errs = append(errs, fmt.Errorf("replicas %d: use 1 for development or 3 (or 5) in production", c.Replicas))
 	}
@@ -65,12 +79,25 @@ func (c BucketConfig) Validate() error {
 	return errors.Join(errs...)
 }
 
+// DefaultScope is the scope of a bucket named bucket when none is given:
+// the name without a "-leases" suffix.
+func DefaultScope(bucket string) string {
+	if s, ok := strings.CutSuffix(bucket, "-leases"); ok && s != "" {
+		return s
+	}
+	return bucket
+}
+
+// metaScope is the stream metadata key that records a lease bucket's scope.
+const metaScope = "leasehold.scope"
+
 // Bucket is a lease bucket that has been checked to give leasehold's
 // guarantees.
 type Bucket struct {
 	js     jetstream.JetStream
 	kv     jetstream.KeyValue
 	name   string
+	scope  string
 	stream string
 	prefix string // "$KV.<bucket>."
 	leader *leader.Reader
@@ -91,7 +118,10 @@ func Provision(ctx context.Context, js jetstream.JetStream, cfg BucketConfig) (*
 	}
 	cfg.setDefaults()
 	stream := "KV_" + cfg.Bucket
-	if _, err := js.Stream(ctx, stream); err == nil {
+	if s, err := js.Stream(ctx, stream); err == nil {
+		if err := adoptScope(ctx, js, s, cfg); err != nil {
+			return nil, err
+		}
 		return open(ctx, js, cfg.Bucket, cfg.Replicas)
 	} else if !errors.Is(err, jetstream.ErrStreamNotFound) {
 		return nil, fmt.Errorf("coordinator: look up lease bucket %s: %w", cfg.Bucket, err)
@@ -119,7 +149,7 @@ func Provision(ctx context.Context, js jetstream.JetStream, cfg BucketConfig) (*
 		AllowMsgTTL:            true,
 		SubjectDeleteMarkerTTL: cfg.MarkerTTL,
 		FirstSeq:               first,
-		Metadata:               map[string]string{"leasehold": "lease-bucket"},
+		Metadata:               map[string]string{"leasehold": "lease-bucket", metaScope: cfg.Scope},
 	})
 	if err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
 		return nil, fmt.Errorf("coordinator: create lease bucket %s: %w", cfg.Bucket, err)
@@ -146,6 +176,11 @@ func open(ctx context.Context, js jetstream.JetStream, bucket string, replicas i
 	if err := checkStream(bucket, s.CachedInfo().Config, replicas); err != nil {
 		return nil, err
 	}
+	scope := s.CachedInfo().Config.Metadata[metaScope]
+	if scope == "" {
+		return nil, fmt.Errorf("%w: bucket %s records no scope (it was created by an earlier leasehold): run `leasehold init` (or coordinator.Provision) once with its job stream's prefix to upgrade it in place",
+			ErrBucketConfig, bucket)
+	}
 	kv, err := js.KeyValue(ctx, bucket)
 	if err != nil {
 		return nil, fmt.Errorf("coordinator: bind lease bucket %s: %w", bucket, err)
@@ -154,6 +189,7 @@ func open(ctx context.Context, js jetstream.JetStream, bucket string, replicas i
 		js:     js,
 		kv:     kv,
 		name:   bucket,
+		scope:  scope,
 		stream: "KV_" + bucket,
 		prefix: "$KV." + bucket + ".",
 		leader: leader.NewReader(js, "KV_"+bucket),
@@ -197,8 +233,53 @@ func checkStream(bucket string, c jetstream.StreamConfig, replicas int) error {
 		ErrBucketConfig, bucket, strings.Join(probs, "; "))
 }
 
+// adoptScope checks that an existing bucket serves cfg.Scope, and records
+// it in a bucket created before scopes were recorded (upgrading it in
+// place).
+func adoptScope(ctx context.Context, js jetstream.JetStream, s jetstream.Stream, cfg BucketConfig) error {
+	sc := s.CachedInfo().Config
+	if got := sc.Metadata[metaScope]; got != "" {
+		if got != cfg.Scope {
+			return fmt.Errorf("%w: bucket %s serves scope %q, not %q: give each job stream its own lease bucket (by default \"<prefix>-leases\"), since leases and progress are kept per partition number",
+				ErrBucketConfig, cfg.Bucket, got, cfg.Scope)
+		}
+		return nil
+	}
+	// An earlier leasehold recorded the job stream in a key of the bucket.
+	if e, err := legacyOwner(ctx, js, cfg.Bucket); err != nil {
+		return err
+	} else if e != "" && e != cfg.Scope {
+		return fmt.Errorf("%w: bucket %s serves job stream %q, not %q: give each job stream its own lease bucket",
+			ErrBucketConfig, cfg.Bucket, e, cfg.Scope)
+	}
+	if sc.Metadata == nil {
+		sc.Metadata = map[string]string{}
+	}
+	sc.Metadata[metaScope] = cfg.Scope
+	if _, err := js.UpdateStream(ctx, sc); err != nil {
+		return fmt.Errorf("coordinator: record scope %q on lease bucket %s: %w", cfg.Scope, cfg.Bucket, err)
+	}
+	return nil
+}
+
+// legacyOwner reads the "jobstream" key an earlier leasehold wrote.
+func legacyOwner(ctx context.Context, js jetstream.JetStream, bucket string) (string, error) {
+	m, err := leader.NewReader(js, "KV_"+bucket).Last(ctx, "$KV."+bucket+".jobstream")
+	if err != nil {
+		return "", fmt.Errorf("coordinator: read the job stream of lease bucket %s: %w", bucket, err)
+	}
+	if m == nil || leader.IsMarker(m.Header) {
+		return "", nil
+	}
+	return string(m.Data), nil
+}
+
 // Name is the bucket name.
 func (b *Bucket) Name() string { return b.name }
+
+// Scope is the fencing scope the bucket issues epochs for: its job
+// stream's prefix, and the namespace of its locks.
+func (b *Bucket) Scope() string { return b.scope }
 
 // KeyValue is the bucket as a jetstream.KeyValue, for watching.
 func (b *Bucket) KeyValue() jetstream.KeyValue { return b.kv }

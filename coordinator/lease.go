@@ -132,7 +132,7 @@ func (c *Coordinator) newLease(key string, p leasehold.Partition, member bool, r
 	l := &Lease{
 		c:      c,
 		key:    key,
-		info:   leasehold.Lease{Partition: p, Epoch: leasehold.Epoch(rev), Holder: rec.Holder, Acquired: rec.Acquired},
+		info:   leasehold.Lease{Scope: c.b.scope, Partition: p, Epoch: leasehold.Epoch(rev), Acquisition: rec.Token, Holder: rec.Holder, Acquired: rec.Acquired},
 		member: member,
 		value:  value,
 		token:  rec.Token,

@@ -34,10 +34,20 @@ func (b *Bucket) readProgress(ctx context.Context, p leasehold.Partition) (progr
 	return r, e.rev, nil
 }
 
+// IssuedEpoch is the highest epoch the bucket issued for fence id: for
+// now the epoch under which the partition's progress was last fenced. It
+// is 0 when the partition was never acquired, and an error for a scope the
+// bucket does not serve.
+func (b *Bucket) IssuedEpoch(ctx context.Context, id leasehold.FenceID) (leasehold.Epoch, error) {
+	if id.Scope != b.scope {
+		return 0, fmt.Errorf("coordinator: lease bucket %s issues epochs for scope %q, not %q", b.name, b.scope, id.Scope)
+	}
+	return b.FencedEpoch(ctx, id.Partition)
+}
+
 // FencedEpoch is the epoch under which partition p's progress was last
-// fenced: the epoch of the newest acquisition that has started work. A sink
-// verifying a claimed epoch compares against it. It is 0 when the partition
-// was never acquired.
+// fenced: the epoch of the newest acquisition that has started work. It is
+// 0 when the partition was never acquired.
 func (b *Bucket) FencedEpoch(ctx context.Context, p leasehold.Partition) (leasehold.Epoch, error) {
 	r, _, err := b.readProgress(ctx, p)
 	if err != nil {

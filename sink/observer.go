@@ -27,8 +27,12 @@ const (
 	Unverified
 	// Advanced: a barrier or Advance raised the partition's maximum.
 	Advanced
+	// SplitBrain: the effect's epoch equals the fence's but comes from
+	// another acquisition; nothing was applied. Err is a
+	// *leasehold.StaleEpochError matching leasehold.ErrSplitBrain.
+	SplitBrain
 	// Failed: the sink could not decide or apply (a network or database
-	// error); the effect may be retried. Err says why.
+	// error); the effect may be retried. Err says why. It stays last.
 	Failed
 )
 
@@ -46,6 +50,8 @@ func (o Outcome) String() string {
 		return "unverified"
 	case Advanced:
 		return "advanced"
+	case SplitBrain:
+		return "split_brain"
 	case Failed:
 		return "failed"
 	}
@@ -54,7 +60,9 @@ func (o Outcome) String() string {
 
 // Dropped reports whether the outcome refused the effect for good: it will
 // not be applied however often it is retried.
-func (o Outcome) Dropped() bool { return o == Stale || o == BadStamp || o == Unverified }
+func (o Outcome) Dropped() bool {
+	return o == Stale || o == BadStamp || o == Unverified || o == SplitBrain
+}
 
 // Decision is one sink decision, as an Observer sees it.
 type Decision struct {
@@ -63,9 +71,11 @@ type Decision struct {
 	// Stamp is the effect's stamp; for BadStamp, as much of it as was read.
 	Stamp   leasehold.Stamp
 	Subject string
-	// Max is the partition's recorded maximum the effect was judged
-	// against, when the sink knows it.
-	Max leasehold.Epoch
+	// Max is the fence's recorded maximum the effect was judged against,
+	// when the sink knows it, and MaxAcquisition the acquisition that set
+	// it.
+	Max            leasehold.Epoch
+	MaxAcquisition string
 	// Holder is the worker that holds the partition now, when known.
 	Holder string
 	// Position is the effect's place in the log it was read from (a

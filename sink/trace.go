@@ -147,10 +147,10 @@ func annotate(span trace.Span, d *Decision) {
 		return
 	}
 	switch d.Outcome {
-	case Stale:
+	case Stale, SplitBrain:
 		var se *leasehold.StaleEpochError
 		if !errors.As(d.Err, &se) {
-			se = StaleError(d.Stamp, d.Max, d.Holder)
+			se = leasehold.Refusal(leasehold.FenceState{Epoch: d.Max, Acquisition: d.MaxAcquisition, Holder: d.Holder}, d.Stamp, verdictOf(d.Outcome))
 		}
 		if se.Holder == "" && d.Holder != "" {
 			c := *se
@@ -169,11 +169,20 @@ func annotate(span trace.Span, d *Decision) {
 	span.SetAttributes(telemetry.AttrOutcome.String(outcomeLabel(d.Outcome)))
 }
 
+func verdictOf(o Outcome) leasehold.Verdict {
+	if o == SplitBrain {
+		return leasehold.SplitBrain
+	}
+	return leasehold.Stale
+}
+
 // errorType is the error.type of a drop or failure.
 func errorType(o Outcome) string {
 	switch o {
 	case Stale:
 		return telemetry.ErrorTypeStaleEpoch
+	case SplitBrain:
+		return telemetry.ErrorTypeSplitBrain
 	case Unverified:
 		return telemetry.ErrorTypeUnverified
 	case BadStamp:
@@ -191,6 +200,8 @@ func outcomeLabel(o Outcome) string {
 		return telemetry.OutcomeDuplicate
 	case Stale:
 		return telemetry.OutcomeRejectedStale
+	case SplitBrain:
+		return telemetry.OutcomeRejectedSplitBrain
 	case Unverified:
 		return telemetry.OutcomeRejectedUnverified
 	case BadStamp:

@@ -51,6 +51,7 @@ const (
 	OutcomeAccepted           = "accepted"
 	OutcomeDuplicate          = "duplicate"
 	OutcomeRejectedStale      = "rejected_stale"
+	OutcomeRejectedSplitBrain = "rejected_split_brain"
 	OutcomeRejectedUnverified = "rejected_unverified"
 	OutcomeRejectedBadStamp   = "rejected_bad_stamp"
 	OutcomeAdvanced           = "advanced" // a barrier or Advance raised a partition's maximum

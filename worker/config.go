@@ -20,11 +20,12 @@ import (
 )
 
 // Fence is a sink that can be told about a take-over: on acquiring a
-// partition, a worker advances every fence to its epoch before handling the
+// partition, a worker advances every fence to its lease before handling the
 // first job, so that the previous holder's later writes are refused from
-// that moment on. Every sink in package sink is a Fence.
+// that moment on. A fence that refuses the lease as stale stops the
+// partition. Every sink in package sink is a Fence.
 type Fence interface {
-	Advance(ctx context.Context, p leasehold.Partition, e leasehold.Epoch) error
+	Advance(ctx context.Context, l leasehold.Lease) error
 }
 
 // Config configures a Worker.

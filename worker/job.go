@@ -71,12 +71,7 @@ func (j *Job) reserve() (leasehold.Stamp, error) {
 	}
 	idx := j.next
 	j.next++
-	return leasehold.Stamp{
-		Partition: j.Partition,
-		Epoch:     j.Lease.Epoch,
-		Key:       leasehold.EffectKey(j.r.w.cfg.Prefix, j.Partition, j.Seq, idx),
-		Worker:    j.Lease.Holder,
-	}, nil
+	return j.Lease.Stamp(leasehold.EffectKey(j.Lease.Scope, j.Partition, j.Seq, idx)), nil
 }
 
 // usable reports why nothing more may be emitted for j; j.mu is held.

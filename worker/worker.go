@@ -122,6 +122,9 @@ func (w *Worker) start(ctx context.Context) (*coordinator.Coordinator, error) {
 		if bc.Bucket == "" {
 			bc.Bucket = w.cfg.Prefix + "-leases"
 		}
+		if bc.Scope == "" {
+			bc.Scope = w.cfg.Prefix
+		}
 		if b, err = coordinator.Provision(ctx, w.cfg.JetStream, bc); err != nil {
 			return nil, fmt.Errorf("worker: %w", err)
 		}
@@ -129,7 +132,7 @@ func (w *Worker) start(ctx context.Context) (*coordinator.Coordinator, error) {
 	if err := streamPartitions(ctx, w.cfg.JetStream, w.cfg.Prefix, w.cfg.Partitions); err != nil {
 		return nil, err
 	}
-	if err := claimBucket(ctx, b, w.cfg.Prefix); err != nil {
+	if err := checkScope(b, w.cfg.Prefix); err != nil {
 		return nil, err
 	}
 	s, err := w.cfg.JetStream.Stream(ctx, JobsStream(w.cfg.Prefix))
@@ -233,41 +236,13 @@ func (w *Worker) forget(r *runner) {
 	w.mu.Unlock()
 }
 
-// bucketOwnerKey names the job stream a lease bucket serves. Lease and
-// progress keys are per partition number, so a bucket serves one job
-// stream: two streams sharing one would share leases and, worse, resume
-// each other's progress.
-const bucketOwnerKey = "jobstream"
-
-// claimBucket records prefix as the job stream of b, or checks that it is.
-// A refused create means the key holds a value, and the value is read
-// through the stream leader: on a cluster, a direct get may be answered by
-// a follower that has not seen it yet. A create that got no answer, or was
-// refused over a key that holds no value (a delete), is tried again.
-func claimBucket(ctx context.Context, b *coordinator.Bucket, prefix string) error {
-	var err error
-	for attempt := range 3 {
-		if attempt > 0 {
-			if serr := sleep(ctx, time.Duration(attempt)*100*time.Millisecond); serr != nil {
-				break
-			}
-		}
-		if _, err = b.KeyValue().Create(ctx, bucketOwnerKey, []byte(prefix)); err == nil {
-			return nil
-		}
-		got, ok, rerr := b.Lookup(ctx, bucketOwnerKey)
-		if rerr != nil {
-			err = fmt.Errorf("%w (reading it back: %v)", err, rerr)
-			continue
-		}
-		if !ok {
-			continue
-		}
-		if string(got) == prefix {
-			return nil
-		}
-		return fmt.Errorf("%w: lease bucket %s serves job stream %q, not %q: give each job stream its own lease bucket, since progress is kept per partition number",
-			ErrStreamConfig, b.Name(), got, prefix)
+// checkScope refuses a lease bucket that serves another job stream: lease
+// and progress keys are per partition number, so two streams sharing one
+// would share leases and, worse, resume each other's progress.
+func checkScope(b *coordinator.Bucket, prefix string) error {
+	if b.Scope() != prefix {
+		return fmt.Errorf("%w: lease bucket %s serves job stream %q, not %q: give each job stream its own lease bucket (by default \"<prefix>-leases\")",
+			ErrStreamConfig, b.Name(), b.Scope(), prefix)
 	}
-	return fmt.Errorf("worker: record the job stream of lease bucket %s: %w", b.Name(), err)
+	return nil
 }
