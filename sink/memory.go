@@ -227,12 +227,14 @@ func (m *Memory) Advance(ctx context.Context, l leasehold.Lease) error {
 	}
 	s := AdvanceStamp(l)
 	id := l.Fence()
+	report := s
+	report.Key = ""
 	m.mu.Lock()
 	max := m.fences[id].Epoch
 	m.mu.Unlock()
 	if err := m.check.CheckAbove(ctx, s, max); err != nil {
 		if isUnverified(err) {
-			m.rep.Report(ctx, Decision{Outcome: Unverified, Stamp: s, Max: max, Err: err})
+			m.rep.Report(ctx, Decision{Outcome: Unverified, Stamp: report, Max: max, Err: err})
 		}
 		return err
 	}
@@ -242,7 +244,7 @@ func (m *Memory) Advance(ctx context.Context, l leasehold.Lease) error {
 	if v != leasehold.Admit {
 		m.mu.Unlock()
 		err := leasehold.Refusal(f, s, v)
-		m.rep.Report(ctx, Decision{Outcome: Refused(v), Stamp: s, Max: f.Epoch, MaxAcquisition: f.Acquisition, Holder: f.Holder, Err: err})
+		m.rep.Report(ctx, Decision{Outcome: Refused(v), Stamp: report, Max: f.Epoch, MaxAcquisition: f.Acquisition, Holder: f.Holder, Err: err})
 		return fmt.Errorf("sink: advance: %w", err)
 	}
 	if raise {
@@ -250,7 +252,7 @@ func (m *Memory) Advance(ctx context.Context, l leasehold.Lease) error {
 	}
 	m.mu.Unlock()
 	if raise {
-		m.rep.Report(ctx, Decision{Outcome: Advanced, Stamp: s, Max: l.Epoch})
+		m.rep.Report(ctx, Decision{Outcome: Advanced, Stamp: report, Max: l.Epoch})
 	}
 	return nil
 }

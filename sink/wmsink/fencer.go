@@ -5,7 +5,7 @@
 // The Fencer keeps the maxima in a sink.Fence (sink.NewMemory for one
 // process, or a durable sink such as kvsink or pgsink so that they survive
 // restarts) and makes the check, the raise and the handler one critical
-// section per partition. That is atomic when this Fencer is the only
+// section per fence (scope and partition). That is atomic when this Fencer is the only
 // writer of the partition's destination, the usual shape of a consumer
 // that reads an effect log in order. When several processes write the same
 // destination, write through a Sink's Apply (or pgsink.ApplyTx) instead,
@@ -38,8 +38,8 @@ import (
 
 // Config configures a Fencer.
 type Config struct {
-	// Fence keeps the partitions' maxima. Required.
-	Fence sink.Fence
+	// Fence keeps the fences. Required.
+	Fence sink.Fencer
 	// Name names the sink in decisions and logs. Default "watermill".
 	Name string
 	// Verifier, when set, turns on verified epochs (see sink.EpochCheck).
@@ -55,14 +55,14 @@ type Config struct {
 	Telemetry telemetry.Config
 }
 
-// Fencer fences messages against the maxima in a sink.Fence.
+// Fencer fences messages against the fences in a sink.Fencer.
 type Fencer struct {
-	fence sink.Fence
+	fence sink.Fencer
 	rep   *sink.Reporter
 	check *sink.EpochCheck
 
 	mu    sync.Mutex
-	locks map[leasehold.Partition]*sync.Mutex
+	locks map[leasehold.FenceID]*sync.Mutex
 }
 
 // New returns a Fencer.
@@ -77,20 +77,20 @@ func New(cfg Config) (*Fencer, error) {
 		fence: cfg.Fence,
 		rep:   sink.NewReporter(sink.ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger, Telemetry: cfg.Telemetry}),
 		check: sink.NewEpochCheck(cfg.Verifier),
-		locks: make(map[leasehold.Partition]*sync.Mutex),
+		locks: make(map[leasehold.FenceID]*sync.Mutex),
 	}, nil
 }
 
-// Dropped returns how many messages of partition p were refused.
-func (f *Fencer) Dropped(p leasehold.Partition) uint64 { return f.rep.Dropped(p) }
+// Dropped returns how many messages of fence id were refused.
+func (f *Fencer) Dropped(id leasehold.FenceID) uint64 { return f.rep.Dropped(id) }
 
-func (f *Fencer) lock(p leasehold.Partition) *sync.Mutex {
+func (f *Fencer) lock(id leasehold.FenceID) *sync.Mutex {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	l := f.locks[p]
+	l := f.locks[id]
 	if l == nil {
 		l = &sync.Mutex{}
-		f.locks[p] = l
+		f.locks[id] = l
 	}
 	return l
 }
@@ -119,22 +119,25 @@ func (f *Fencer) fenceCtx(ctx context.Context, md map[string]string, apply func(
 		return err
 	}
 	barrier := isBarrier(md)
-	l := f.lock(st.Partition)
+	id := st.Fence()
+	l := f.lock(id)
 	l.Lock()
 	defer l.Unlock()
-	max, err := f.fence.MaxEpoch(ctx, st.Partition)
+	fs, err := f.fence.Fence(ctx, id)
 	if err != nil {
-		return f.failed(ctx, st, fmt.Errorf("wmsink: read the fence of partition %d: %w", st.Partition, err))
+		return f.failed(ctx, st, fmt.Errorf("wmsink: read the fence of %s: %w", id, err))
 	}
-	if st.Epoch < max {
-		if barrier {
+	max := fs.Epoch
+	v, raise := leasehold.Judge(fs, st)
+	if v != leasehold.Admit {
+		if barrier && v == leasehold.Stale {
 			return nil // a late barrier of an earlier acquisition
 		}
-		serr := sink.StaleError(st, max, "")
-		f.rep.Report(ctx, sink.Decision{Outcome: sink.Stale, Stamp: st, Max: max, Err: serr})
+		serr := leasehold.Refusal(fs, st, v)
+		f.rep.Report(ctx, sink.Decision{Outcome: sink.Refused(v), Stamp: st, Max: max, MaxAcquisition: fs.Acquisition, Holder: fs.Holder, Err: serr})
 		return serr
 	}
-	if st.Epoch > max {
+	if raise {
 		if err := f.check.Check(ctx, st); err != nil {
 			o := sink.Failed
 			if errors.Is(err, sink.ErrUnverifiedEpoch) {
@@ -145,8 +148,9 @@ func (f *Fencer) fenceCtx(ctx context.Context, md map[string]string, apply func(
 		}
 		// Raise before applying: if apply fails, the epoch was still
 		// admitted, and no older message may pass after this one.
-		if err := f.fence.Advance(sink.WithHolder(ctx, st.Worker), st.Partition, st.Epoch); err != nil {
-			return f.failed(ctx, st, fmt.Errorf("wmsink: raise the fence of partition %d: %w", st.Partition, err))
+		l := leasehold.Lease{Scope: st.Scope, Partition: st.Partition, Epoch: st.Epoch, Acquisition: st.Acquisition, Holder: st.Worker}
+		if err := f.fence.Advance(ctx, l); err != nil {
+			return f.failed(ctx, st, fmt.Errorf("wmsink: raise the fence of %s: %w", id, err))
 		}
 	}
 	if barrier {

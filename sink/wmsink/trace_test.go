@@ -46,8 +46,8 @@ func TestMiddlewareSpans(t *testing.T) {
 		}
 		return span
 	}
-	fresh := send(leasehold.Stamp{Partition: 1, Epoch: 9, Key: "new", Worker: "b"})
-	stale := send(leasehold.Stamp{Partition: 1, Epoch: 7, Key: "old", Worker: "a"})
+	fresh := send(leasehold.Stamp{Scope: "orders", Partition: 1, Epoch: 9, Acquisition: "a9", Key: "new", Worker: "b"})
+	stale := send(leasehold.Stamp{Scope: "orders", Partition: 1, Epoch: 7, Acquisition: "a7", Key: "old", Worker: "a"})
 
 	byParent := map[trace.SpanID]sdktrace.ReadOnlySpan{}
 	for _, s := range rec.Ended() {
@@ -80,7 +80,7 @@ func TestStaleMessageOutsideSampledTrace(t *testing.T) {
 	defer tp.Shutdown(context.Background())
 	prop := propagation.TraceContext{}
 	mem := sink.NewMemory(sink.MemoryConfig{Logger: quiet()})
-	if err := mem.Advance(context.Background(), 1, 9); err != nil {
+	if err := mem.Advance(context.Background(), leasehold.Lease{Scope: "orders", Partition: 1, Epoch: 9, Acquisition: "a9", Holder: "b"}); err != nil {
 		t.Fatal(err)
 	}
 	f, err := wmsink.New(wmsink.Config{Fence: mem, Logger: quiet(), Telemetry: telemetry.Config{TracerProvider: tp, Propagator: prop}})
@@ -88,7 +88,7 @@ func TestStaleMessageOutsideSampledTrace(t *testing.T) {
 		t.Fatal(err)
 	}
 	msg := message.NewMessage("old", nil)
-	leasehold.Stamp{Partition: 1, Epoch: 7, Key: "old", Worker: "a"}.SetMetadata(msg.Metadata)
+	leasehold.Stamp{Scope: "orders", Partition: 1, Epoch: 7, Acquisition: "a7", Key: "old", Worker: "a"}.SetMetadata(msg.Metadata)
 	msg.Metadata.Set("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00") // not sampled
 	if _, err := f.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })(msg); err != nil {
 		t.Fatal(err)

@@ -28,8 +28,8 @@ func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
 // sink.Sink, for the conformance suite.
 type fenced struct {
 	f     *wmsink.Fencer
-	fence sink.Fence
-	scope string
+	fence sink.Fencer
+	name  string
 
 	mu      sync.Mutex
 	applied []sink.Effect
@@ -55,20 +55,35 @@ func (x *fenced) Apply(ctx context.Context, effects ...sink.Effect) error {
 	return nil
 }
 
-func (x *fenced) Advance(ctx context.Context, p leasehold.Partition, e leasehold.Epoch) error {
-	if err := sink.ValidateAdvance(p, e); err != nil {
+// Advance sends a barrier, as a worker that acquired the partition does.
+// A barrier below the fence is ignored by the Fencer (a late barrier of an
+// earlier acquisition, in log order); a worker advancing a direct sink is
+// told it is stale, so the adapter says so first.
+func (x *fenced) Advance(ctx context.Context, l leasehold.Lease) error {
+	if err := sink.ValidateAdvance(l); err != nil {
 		return err
 	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	st := l.Stamp(leasehold.BarrierKey(l.Scope, l.Partition, l.Epoch))
+	fs, err := x.fence.Fence(ctx, l.Fence())
+	if err != nil {
+		return err
+	}
+	if v, _ := leasehold.Judge(fs, st); v != leasehold.Admit {
+		return leasehold.Refusal(fs, st, v)
+	}
 	md := map[string]string{leasehold.HeaderBarrier: "1"}
-	leasehold.Stamp{Partition: p, Epoch: e, Key: leasehold.BarrierKey(x.scope, p, e)}.SetMetadata(md)
+	st.SetMetadata(md)
 	return x.handle(ctx, md, sink.Effect{})
 }
 
-func (x *fenced) MaxEpoch(ctx context.Context, p leasehold.Partition) (leasehold.Epoch, error) {
-	return x.fence.MaxEpoch(ctx, p)
+func (x *fenced) Fence(ctx context.Context, id leasehold.FenceID) (leasehold.FenceState, error) {
+	return x.fence.Fence(ctx, id)
 }
 
-func (x *fenced) Dropped(p leasehold.Partition) uint64 { return x.f.Dropped(p) }
+func (x *fenced) Dropped(id leasehold.FenceID) uint64 { return x.f.Dropped(id) }
 
 func TestConformance(t *testing.T) {
 	sinktest.Run(t, sinktest.Features{VerifiedEpochs: true, Headers: true}, func(t *testing.T, st sinktest.Setup) sinktest.Instance {
@@ -77,7 +92,7 @@ func TestConformance(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		x := &fenced{f: f, fence: fence, scope: st.Scope}
+		x := &fenced{f: f, fence: fence, name: st.Name}
 		return sinktest.Instance{
 			Sink: x,
 			Applied: func(context.Context) ([]sink.Effect, error) {
@@ -172,7 +187,7 @@ func TestRouter(t *testing.T) {
 			}
 			pub := func(e leasehold.Epoch, key string, barrier bool) {
 				m := message.NewMessage(watermill.NewUUID(), []byte(key))
-				leasehold.Stamp{Partition: 1, Epoch: e, Key: key}.SetMetadata(m.Metadata)
+				leasehold.Stamp{Scope: "orders", Partition: 1, Epoch: e, Acquisition: "a" + e.String(), Key: key}.SetMetadata(m.Metadata)
 				if barrier {
 					m.Metadata.Set(leasehold.HeaderBarrier, "1")
 				}
@@ -213,6 +228,8 @@ func TestRouter(t *testing.T) {
 				t.Fatalf("handled %s, want b", k)
 			}
 			bad := message.NewMessage(watermill.NewUUID(), nil)
+			bad.Metadata.Set(leasehold.HeaderScope, "orders")
+			bad.Metadata.Set(leasehold.HeaderAcquisition, "a7")
 			bad.Metadata.Set(leasehold.HeaderPartition, "1")
 			bad.Metadata.Set(leasehold.HeaderEpoch, "007")
 			bad.Metadata.Set(leasehold.HeaderKey, "bad")
@@ -243,7 +260,7 @@ func TestRouter(t *testing.T) {
 			if len(seen) != 2 || seen[0] != "a" || seen[1] != "b" {
 				t.Fatalf("the handler saw %v, want [a b]", seen)
 			}
-			if n := f.Dropped(1); n != 1 {
+			if n := f.Dropped(leasehold.FenceID{Scope: "orders", Partition: 1}); n != 1 {
 				t.Fatalf("Dropped(1) = %d, want 1: the stale message was redelivered", n)
 			}
 		})
