@@ -59,7 +59,7 @@ func newEnv(t testing.TB, n int, opts ...natstest.Option) *env {
 func (e *env) provision(t testing.TB, js jetstream.JetStream) *coordinator.Bucket {
 	t.Helper()
 	ctx := ctxFor(t, 30*time.Second)
-	b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{MarkerTTL: time.Second})
+	b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: e.prefix + "-leases", MarkerTTL: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -35,7 +35,7 @@ func runJobs(t *testing.T, count int, prop propagation.TextMapPropagator, h work
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	js := natstest.Start(t).JetStream(t)
-	b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{MarkerTTL: time.Second})
+	b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: "wm-leases", MarkerTTL: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -105,7 +105,7 @@ func TestPublisherStampsMessages(t *testing.T) {
 		mu.Lock()
 		defer mu.Unlock()
 		for i := range 2 {
-			want = append(want, leasehold.Stamp{Partition: j.Partition, Epoch: j.Lease.Epoch, Key: leasehold.EffectKey("wm", j.Partition, j.Seq, i), Worker: "w"})
+			want = append(want, j.Lease.Stamp(leasehold.EffectKey("wm", j.Partition, j.Seq, i)))
 		}
 		traceIDs = append(traceIDs, tid, tid)
 		return nil
