@@ -32,6 +32,13 @@ const (
 // Nats-Msg-Id and an indexed database column.
 const MaxKeyLen = 256
 
+// SinkHeaderRoom is the room, in bytes, a sink may take under the server's
+// max payload for headers of its own when it stores an effect (a KV sink's
+// batch and compare-and-set headers, a republished effect's trace context
+// and message ID). Workers refuse an effect that leaves less, so that no
+// sink is handed an effect it cannot store.
+const SinkHeaderRoom = 1024
+
 // Stamp is what a sink needs to fence an effect: the fence it belongs to
 // (scope and partition), the epoch of the lease it was produced under and
 // the acquisition that issued that epoch, and its idempotency key. Worker

@@ -76,7 +76,7 @@ func (r *runner) barrierRound(ctx context.Context, fences *[]Fence, subjects *[]
 		msg := &nats.Msg{Subject: subject, Header: nats.Header{leasehold.HeaderBarrier: []string{"1"}}}
 		sctx, span := r.startSend(ctx, subject, stamp)
 		span.SetAttributes(telemetry.AttrBarrier.Bool(true))
-		r.stampHeader(sctx, msg.Header, stamp)
+		r.stampHeader(sctx, msg.Header, stamp, newNonce())
 		err := r.publishSync(sctx, msg, timeout)
 		endSpan(span, err)
 		if err != nil {

@@ -72,6 +72,19 @@ type Config struct {
 	// HandleTimeout bounds one attempt: its context ends after it. Default
 	// 0: the lease alone bounds it.
 	HandleTimeout time.Duration
+	// TransientFor is how long a job's effects may keep failing for the
+	// transport's reasons (timeouts, a lost connection, no responders)
+	// without using up attempts; afterwards every such failure counts
+	// towards MaxAttempts, so an effect subject no stream listens on ends
+	// in the dead-letter stream instead of holding the partition for ever.
+	// Default 1 minute, enough to ride out a server restart.
+	TransientFor time.Duration
+	// StallAfter is how long a held partition may have jobs waiting without
+	// its committed progress moving before it counts as stalled: a WARN
+	// line, the leasehold_partition_stalled gauge and Worker.Ready (the
+	// command's /readyz) report it. Default 2 minutes; keep it above the
+	// longest job.
+	StallAfter time.Duration
 
 	// CommitEvery is how often a partition's progress is committed while
 	// jobs flow; it is always committed on hand-off. A crash re-runs at most
@@ -143,6 +156,12 @@ func (c *Config) setDefaults() {
 	if c.EffectTimeout == 0 {
 		c.EffectTimeout = 10 * time.Second
 	}
+	if c.TransientFor == 0 {
+		c.TransientFor = time.Minute
+	}
+	if c.StallAfter == 0 {
+		c.StallAfter = 2 * time.Minute
+	}
 	if c.FetchBatch == 0 {
 		c.FetchBatch = 100
 	}
@@ -211,7 +230,7 @@ func (c Config) Validate() error {
 	if c.MaxAttempts < 1 {
 		errs = append(errs, fmt.Errorf("max attempts %d: use at least 1", c.MaxAttempts))
 	}
-	if c.HandleTimeout < 0 || c.CommitEvery < 0 || c.EffectTimeout < 0 || c.FetchWait < 0 {
+	if c.HandleTimeout < 0 || c.CommitEvery < 0 || c.EffectTimeout < 0 || c.FetchWait < 0 || c.TransientFor < 0 || c.StallAfter < 0 {
 		errs = append(errs, errors.New("timeouts and intervals must not be negative"))
 	}
 	if c.FetchWait > 0 && c.FetchWait < 100*time.Millisecond {

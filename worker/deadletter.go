@@ -67,7 +67,7 @@ func (r *runner) deadLetter(m jetstream.Msg, md *jetstream.MsgMetadata, st retry
 	ctx := r.w.tel.Propagator.Extract(r.ctx, telemetry.HeaderCarrier(m.Headers()))
 	ctx, span := r.startSend(ctx, msg.Subject, stamp)
 	span.SetAttributes(telemetry.AttrSeq.Int64(int64(md.Sequence.Stream)), telemetry.AttrAttempt.Int(st.runs))
-	r.stampHeader(ctx, msg.Header, stamp)
+	r.stampHeader(ctx, msg.Header, stamp, st.dlqNonce)
 	for attempt := 1; ; attempt++ {
 		fut, err := r.publishAsync(r.ctx, msg)
 		if err == nil {

@@ -32,7 +32,8 @@ type Job struct {
 	// Enqueued is when the job stream stored the job.
 	Enqueued time.Time
 
-	r *runner
+	r     *runner
+	nonce string // unique to this attempt: its effects' message IDs carry it
 
 	mu     sync.Mutex
 	next   int // index of the next effect
@@ -79,8 +80,23 @@ func (j *Job) usable() error {
 	if j.closed {
 		return fmt.Errorf("job %d of partition %d: %w: emit before returning from Handle", j.Seq, j.Partition, ErrJobDone)
 	}
+	return j.sendable()
+}
+
+// sendable reports why j's lease may no longer be written under: the lease
+// is lost, its local deadline has passed (checked against the clock now,
+// not left to the deadline's timer, which a process frozen past the
+// deadline has not run yet when it wakes), or the runner's context ended
+// (a drain that ran out of time).
+func (j *Job) sendable() error {
 	if err := j.r.lease.Err(); err != nil {
 		return j.leaseLost(err)
+	}
+	if d := j.r.lease.Deadline(); !time.Now().Before(d) {
+		return j.leaseLost(fmt.Errorf("the lease's local deadline passed %v ago", time.Since(d).Round(time.Millisecond)))
+	}
+	if err := j.r.ctx.Err(); err != nil {
+		return j.leaseLost(context.Cause(j.r.ctx))
 	}
 	return nil
 }

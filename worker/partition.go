@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -55,6 +56,10 @@ type runner struct {
 	lastCommit time.Time
 	fetch      *fetcher
 	pending    uint64 // jobs after the last one handled, as the consumer saw them
+
+	// Read by the stall watch while the runner's goroutine works.
+	progressAt   atomic.Int64  // unix nanoseconds of the last progress, or of being caught up
+	committedSeq atomic.Uint64 // committed, for reports
 }
 
 // retryState follows a job across attempts and re-reads.
@@ -63,6 +68,27 @@ type retryState struct {
 	failures int   // attempts that count towards MaxAttempts
 	err      error // the last failure
 	dead     bool  // the job is to be dead-lettered
+	// transientSince is when the job's effects first failed for the
+	// transport's reasons; such failures use up no attempt until they
+	// have gone on for Config.TransientFor.
+	transientSince time.Time
+	dlqNonce       string // the dead letter's message ID nonce, kept across re-sends
+}
+
+// counts reports whether failure err uses up an attempt: every failure
+// does, but the transport's (a timeout, a lost connection, no responders),
+// until they have gone on for window. An effect subject that no stream
+// listens on, or a permission the worker lacks, fails the same way for
+// ever: it ends in the dead-letter stream instead of holding the partition.
+func (st *retryState) counts(err error, window time.Duration) bool {
+	if !effectTransient(err) {
+		return true
+	}
+	now := time.Now()
+	if st.transientSince.IsZero() {
+		st.transientSince = now
+	}
+	return now.Sub(st.transientSince) >= window
 }
 
 type outcome int
@@ -150,8 +176,10 @@ func (r *runner) run() {
 	})
 	defer stop()
 	r.committed = r.lease.Progress()
+	r.committedSeq.Store(r.committed)
 	r.finished, r.handled = r.committed, r.committed
 	r.lastCommit = time.Now()
+	r.touch()
 	select {
 	case <-r.draining:
 		r.end(outDrain) // revoked before it started
@@ -309,7 +337,7 @@ func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream
 			r.log.Error("a sink refused this worker's epoch: another worker has taken the partition over; stopping it", "seq", seq, "err", err)
 			return nil, 0, outStale
 		}
-		if !effectTransient(err) {
+		if st.counts(err, r.w.cfg.TransientFor) {
 			st.failures++
 		}
 		st.err = err
@@ -326,6 +354,10 @@ func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream
 				return nil, 0, out
 			}
 		}
+	}
+	if st.dlqNonce == "" {
+		st.dlqNonce = newNonce()
+		r.retries[seq] = st
 	}
 	futs, out := r.deadLetter(m, md, st)
 	return futs, st.runs, out
@@ -362,6 +394,7 @@ func (r *runner) newJob(m jetstream.Msg, md *jetstream.MsgMetadata, attempt int)
 		ID:        h.Get(jetstream.MsgIDHeader),
 		Enqueued:  md.Timestamp,
 		r:         r,
+		nonce:     newNonce(),
 	}
 }
 

@@ -107,8 +107,16 @@ func (w *Worker) Run(ctx context.Context) error {
 		return err
 	}
 	w.log.Info("worker starting", "partitions", w.cfg.Partitions)
+	wctx, stopWatch := context.WithCancel(ctx)
+	watched := make(chan struct{})
+	go func() {
+		defer close(watched)
+		w.watchStalls(wctx)
+	}()
 	err = c.Run(ctx)
 	w.tasks.Wait()
+	stopWatch()
+	<-watched
 	w.log.Info("worker stopped")
 	return err
 }
@@ -133,6 +141,9 @@ func (w *Worker) start(ctx context.Context) (*coordinator.Coordinator, error) {
 		return nil, err
 	}
 	if err := checkScope(b, w.cfg.Prefix); err != nil {
+		return nil, err
+	}
+	if err := w.checkBarrierSubjects(ctx); err != nil {
 		return nil, err
 	}
 	s, err := w.cfg.JetStream.Stream(ctx, JobsStream(w.cfg.Prefix))
@@ -234,6 +245,21 @@ func (w *Worker) forget(r *runner) {
 		delete(w.runners, r.p)
 	}
 	w.mu.Unlock()
+}
+
+// checkBarrierSubjects refuses to start when a barrier subject has no
+// stream: every acquisition would retry its barrier for ever.
+func (w *Worker) checkBarrierSubjects(ctx context.Context) error {
+	for _, subj := range w.cfg.BarrierSubjects(0) {
+		if _, err := w.cfg.JetStream.StreamNameBySubject(ctx, subj); err != nil {
+			if errors.Is(err, jetstream.ErrStreamNotFound) {
+				return fmt.Errorf("%w: no stream stores the barrier subject %s (a job stream provisioned with NoEffects has no default output): set Config.BarrierSubjects to return the subjects your sinks consume, or nil to publish no barriers",
+					ErrStreamConfig, subj)
+			}
+			return fmt.Errorf("worker: look up the stream of barrier subject %s: %w", subj, err)
+		}
+	}
+	return nil
 }
 
 // checkScope refuses a lease bucket that serves another job stream: lease
