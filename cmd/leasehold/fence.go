@@ -31,7 +31,7 @@ again at once, with a higher epoch still. Use it when you suspect a zombie.`,
 				return err
 			}
 			defer nc.Close()
-			b, err := coordinator.OpenBucket(ctx, js, conn.bucket)
+			b, err := coordinator.OpenBucket(ctx, js, conn.leaseBucket())
 			if err != nil {
 				return err
 			}

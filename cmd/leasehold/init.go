@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/spf13/cobra"
 
+	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/worker"
 )
@@ -24,6 +25,7 @@ func newInit() *cobra.Command {
 		replicas   int
 		markerTTL  time.Duration
 		monitor    string
+		epochFloor uint64
 	)
 	cmd := &cobra.Command{
 		Use:   "init",
@@ -44,7 +46,7 @@ production deployment lacks (sync_interval: always, replicas).`,
 			}
 			defer nc.Close()
 			out := cmd.OutOrStdout()
-			b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: conn.bucket, Replicas: replicas, MarkerTTL: markerTTL})
+			b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: conn.leaseBucket(), Scope: conn.prefix, Replicas: replicas, MarkerTTL: markerTTL, EpochFloor: leasehold.Epoch(epochFloor)})
 			if err != nil {
 				return err
 			}
@@ -64,6 +66,7 @@ production deployment lacks (sync_interval: always, replicas).`,
 	cmd.Flags().IntVar(&partitions, "partitions", 16, "partitions of the job stream")
 	cmd.Flags().IntVar(&replicas, "replicas", 1, "replicas of every stream and of the lease bucket (3 in production)")
 	cmd.Flags().DurationVar(&markerTTL, "marker-ttl", time.Minute, "how long release and expiry markers stay in the lease bucket")
+	cmd.Flags().Uint64Var(&epochFloor, "epoch-floor", 0, "an epoch the lease bucket's epochs must start above when it is created: the highest epoch your sinks have recorded for this job stream, when the fence records that would tell it are gone")
 	cmd.Flags().StringVar(&monitor, "monitor", "", "NATS monitoring URL to read server settings from (default: the server's host, port 8222)")
 	return cmd
 }

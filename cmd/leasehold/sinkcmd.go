@@ -133,7 +133,7 @@ func runSink(ctx context.Context, f sinkFlags) error {
 		Telemetry: f.tel,
 	}
 	if f.verifyEpochs {
-		b, err := coordinator.OpenBucket(ctx, js, f.conn.bucket)
+		b, err := coordinator.OpenBucket(ctx, js, f.conn.leaseBucket())
 		if err != nil {
 			return fmt.Errorf("--verify-epochs needs the lease bucket: %w", err)
 		}

@@ -32,7 +32,7 @@ was last fenced under, and the last input sequence committed.`,
 				return err
 			}
 			defer nc.Close()
-			b, err := coordinator.OpenBucket(ctx, js, conn.bucket)
+			b, err := coordinator.OpenBucket(ctx, js, conn.leaseBucket())
 			if err != nil {
 				return err
 			}
