@@ -315,7 +315,8 @@ func TestRaiseWaitsForWriter(t *testing.T) {
 	srv := pgtest.Start(t)
 	db := pool(t, srv.DSN())
 	ctx := ctxFor(t, time.Minute)
-	s := newSink(t, db, pgsink.Config{Prefix: "wait_"})
+	// The raise waits for as long as the test needs.
+	s := newSink(t, db, pgsink.Config{Prefix: "wait_", LockTimeout: -1})
 	if err := s.Advance(ctx, lease("jobs", 5, 10)); err != nil {
 		t.Fatal(err)
 	}
