@@ -32,11 +32,12 @@
 // A batch is one transaction.
 //
 // ApplyTx runs a handler's own SQL in the same fenced transaction: the
-// fence row stays locked until the transaction ends. Since a raise waits
-// for such transactions, every wait for a fence row is bounded
-// (Config.LockTimeout, an error matching ErrFenceLocked), and PostgreSQL
-// ends a sink transaction left idle (Config.TxIdleTimeout), so a holder
-// paused inside ApplyTx holds its successor up for a bounded time.
+// fence row stays locked until the transaction ends. A raise waits for
+// such transactions, so it waits for the fence row at most
+// Config.LockTimeout (then fails with an error matching ErrFenceLocked,
+// having written nothing), and PostgreSQL ends a sink transaction left
+// idle for Config.TxIdleTimeout: a holder paused inside ApplyTx holds its
+// successor up for a bounded time.
 //
 // Tables are created by CreateSchema; their names are Config.Prefix
 // followed by fence, effects and keys. CreateSchema upgrades tables created
@@ -87,15 +88,19 @@ type Config struct {
 	// it is set, giving all their rows this scope, and refuses them
 	// (ErrLegacySchema) when it is not. Current tables ignore it.
 	LegacyScope string
-	// LockTimeout bounds each wait of the sink's statements for a fence
-	// row's lock. A raise (a new holder's first write, or Advance) waits
-	// for the transactions writing under the previous epoch to end, and a
-	// holder paused inside ApplyTx would hold it up for as long as the
-	// pause lasts; past the bound the write changes nothing and returns an
-	// error matching ErrFenceLocked, and may be retried. Transactions of
-	// ApplyTx and of batches run under it as a whole (PostgreSQL's
-	// lock_timeout), fn's statements included: they hold the fence row
-	// while they wait. Default 5 s; negative means no bound.
+	// LockTimeout bounds how long a statement that raises a fence (a new
+	// holder's first write, or Advance) waits for the fence row's lock
+	// (PostgreSQL's lock_timeout). A raise waits for the transactions
+	// writing under the previous epoch to end, and a holder paused inside
+	// ApplyTx would hold it up for as long as the pause lasts; past the
+	// bound the write changes nothing and returns an error matching
+	// ErrFenceLocked, and may be retried. Transactions of ApplyTx and of
+	// batches run under it as a whole, fn's statements included: they hold
+	// the fence row while they wait. (A write at the fence's own epoch,
+	// outside a transaction, shares the row's lock and waits only for a
+	// transaction holding the row exclusively: a batch, or an ApplyTx that
+	// raised it, which TxIdleTimeout bounds when its client is paused.)
+	// Default 5 s; negative means no bound.
 	LockTimeout time.Duration
 	// TxIdleTimeout ends a transaction of the sink (ApplyTx, a batch) that
 	// stays idle longer than this: PostgreSQL's
