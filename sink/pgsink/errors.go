@@ -28,7 +28,7 @@ type FenceLockedError struct {
 }
 
 func (e *FenceLockedError) Error() string {
-	return fmt.Sprintf("pgsink: the fence row of scope %s partition %d stayed locked by another transaction for longer than the lock timeout (%v), so nothing was written: "+
+	return fmt.Sprintf("the fence row of scope %s partition %d stayed locked by another transaction for longer than the lock timeout (%v), so nothing was written: "+
 		"a transaction under another epoch holds it (an ApplyTx of the previous holder, which may be paused; PostgreSQL ends one left idle for Config.TxIdleTimeout); retry: %v",
 		e.Fence.Scope, e.Fence.Partition, e.Timeout, e.Err)
 }
