@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"log/slog"
+	"strings"
 	"testing"
 	"time"
 
@@ -121,5 +122,67 @@ func TestGet(t *testing.T) {
 	v, err := s.KeyValue().Get(ctx, "orders.1")
 	if err != nil || string(v.Value()) != "paid" {
 		t.Fatalf("kv.Get = %v, %v", v, err)
+	}
+}
+
+// Only leasehold's headers and W3C trace context travel from an effect into
+// its value. Headers of the server's namespace would change how the server
+// takes the batch: Nats-Expected-Stream fails it (error 10060) on every
+// attempt, Nats-Msg-Id has a later effect dropped as a duplicate, Nats-TTL
+// is refused by a bucket without per-message TTLs.
+func TestForeignHeaders(t *testing.T) {
+	srv := natstest.Start(t)
+	ctx := ctxFor(t, time.Minute)
+	js := srv.JetStream(t)
+	s, err := kvsink.New(ctx, js, kvsink.Config{Bucket: "foreign", Logger: quiet()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lease := leasehold.Lease{Scope: "orders", Partition: 2, Epoch: 5, Acquisition: "a5", Holder: "w"}
+	header := func() map[string][]string {
+		return map[string][]string{
+			"Nats-Expected-Stream": {"elsewhere"},
+			"Nats-Msg-Id":          {"one-id-for-all"},
+			"Nats-TTL":             {"1s"},
+			"X-Custom":             {"dropped"},
+			"traceparent":          {"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+			"tracestate":           {"vendor=1"},
+			"baggage":              {"user=alice"},
+			"Leasehold-Job":        {"17"},
+			"leasehold-epoch":      {"999"}, // the stamp says otherwise, and wins
+		}
+	}
+	stream, err := js.Stream(ctx, "KV_foreign")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, key := range []string{"order-1", "order-2"} {
+		st := lease.Stamp(key)
+		if err := s.Apply(ctx, sink.Effect{Stamp: st, Subject: "orders." + key, Data: []byte(key), Header: header()}); err != nil {
+			t.Fatalf("Apply(%s) with foreign headers: %v", key, err)
+		}
+		m, err := stream.GetLastMsgForSubject(ctx, "$KV.foreign.orders."+key)
+		if err != nil {
+			t.Fatalf("%s was not written: %v", key, err)
+		}
+		for k := range m.Header {
+			if strings.EqualFold(k, "X-Custom") || strings.EqualFold(k, "Nats-Expected-Stream") || strings.EqualFold(k, "Nats-Msg-Id") || strings.EqualFold(k, "Nats-TTL") {
+				t.Errorf("%s: the value carries %s", key, k)
+			}
+		}
+		for _, k := range []string{"traceparent", "tracestate", "baggage", "Leasehold-Job"} {
+			if m.Header.Get(k) == "" && len(m.Header[k]) == 0 {
+				t.Errorf("%s: the value lost %s: %v", key, k, m.Header)
+			}
+		}
+		e, ok, err := s.Get(ctx, "orders."+key)
+		if err != nil || !ok || e.Stamp != st {
+			t.Fatalf("Get(%s) = %+v, %v, %v; want the stamp %+v", key, e.Stamp, ok, err, st)
+		}
+		for k := range e.Header {
+			if strings.HasPrefix(strings.ToLower(k), "nats-") {
+				t.Errorf("Get(%s) returns the server's header %s", key, k)
+			}
+		}
 	}
 }
