@@ -27,7 +27,8 @@ const maxEffects = 333
 
 // maxAttempts bounds how often one Apply or Advance decides again after
 // another writer moved a fence or applied a key first, or an answer was
-// lost. With the backoff that is about a quarter of a minute.
+// lost. With the backoff between attempts (up to a quarter of a second)
+// that is about ten seconds of waiting, besides the requests.
 const maxAttempts = 64
 
 // Apply writes the effects in one atomic batch if every one is admitted.
