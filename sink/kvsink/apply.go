@@ -185,8 +185,9 @@ func (s *Sink) batch(effects []sink.Effect, keys []keyState, ids []leasehold.Fen
 		if keys[i].dup {
 			continue
 		}
-		d := nats.NewMsg(s.prefix + dedupeKey(e.Stamp.Scope, e.Stamp.Key))
-		d.Data = dedupeValue(e.Stamp.Scope, e.Stamp.Key)
+		dv := dedupeValue(e.Stamp.Scope, e.Stamp.Key)
+		d := nats.NewMsg(s.prefix + dedupeName(dv))
+		d.Data = dv
 		d.Header[jetstream.ExpectedLastSubjSeqHeader] = []string{strconv.FormatUint(keys[i].rev, 10)}
 		if ttl != "" {
 			d.Header[jetstream.MsgTTLHeader] = []string{ttl}
@@ -210,14 +211,6 @@ const expectedLastSubjSeqSubjHeader = "Nats-Expected-Last-Subject-Sequence-Subje
 
 // dedupeID is an idempotency key within its scope.
 type dedupeID struct{ scope, key string }
-
-// dedupeValue is a dedupe key's value: the bytes its name is the hash of.
-func dedupeValue(scope, key string) []byte {
-	b := make([]byte, 0, len(scope)+1+len(key))
-	b = append(b, scope...)
-	b = append(b, dedupeSep)
-	return append(b, key...)
-}
 
 // copyHeader copies into dst the headers of an effect that may travel with
 // its value: leasehold's own (but the stamp's, which the stamp writes) and

@@ -134,15 +134,22 @@ const MaxFenceKeyLen = len(fencePrefix) + 3*leasehold.MaxScopeLen + len(".65535"
 const dedupeSep = 0
 
 // dedupeKey is the key that records that (scope, key) was applied.
-func dedupeKey(scope, key string) string {
-	h := sha256.New()
-	h.Write([]byte(scope))
-	h.Write([]byte{dedupeSep})
-	h.Write([]byte(key))
-	var sum [sha256.Size]byte
+func dedupeKey(scope, key string) string { return dedupeName(dedupeValue(scope, key)) }
+
+// dedupeValue is a dedupe key's value: the bytes its name is the hash of.
+func dedupeValue(scope, key string) []byte {
+	b := make([]byte, 0, len(scope)+1+len(key))
+	b = append(b, scope...)
+	b = append(b, dedupeSep)
+	return append(b, key...)
+}
+
+// dedupeName is the name of the dedupe key whose value is v.
+func dedupeName(v []byte) string {
+	sum := sha256.Sum256(v)
 	b := make([]byte, len(dedupePrefix), len(dedupePrefix)+2*sha256.Size)
 	copy(b, dedupePrefix)
-	return string(hex.AppendEncode(b, h.Sum(sum[:0])))
+	return string(hex.AppendEncode(b, sum[:]))
 }
 
 // legacyDedupeKey is the key that recorded key as applied in a bucket
