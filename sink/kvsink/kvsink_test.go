@@ -2,8 +2,6 @@ package kvsink_test
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"log/slog"
 	"strings"
@@ -38,7 +36,7 @@ func TestConformance(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			inst := sinktest.Instance{Sink: perScope{s}}
+			inst := sinktest.Instance{Sink: s}
 			inst.Applied = func(ctx context.Context) ([]sink.Effect, error) { return s.Effects(ctx) }
 			inst.Reopen = func(ctx context.Context) (sink.Sink, error) {
 				s2, err := kvsink.New(ctx, srv.JetStream(t), cfg)
@@ -46,7 +44,7 @@ func TestConformance(t *testing.T) {
 					return nil, err
 				}
 				s = s2
-				return perScope{s2}, nil
+				return s2, nil
 			}
 			return inst
 		})
@@ -64,25 +62,8 @@ func TestConformanceCluster(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			return sinktest.Instance{Sink: perScope{s}, Applied: s.Effects}
+			return sinktest.Instance{Sink: s, Applied: s.Effects}
 		})
-}
-
-// perScope gives each scope's effects keys of their own. The conformance
-// suite writes the same effect names in several scopes, and a KV bucket
-// keeps one value per key, the application's: two job streams that write
-// one key overwrite each other's values by design, whatever the fences
-// say. The fences and dedupe records under test are the sink's own.
-type perScope struct{ *kvsink.Sink }
-
-func (p perScope) Apply(ctx context.Context, effects ...sink.Effect) error {
-	es := make([]sink.Effect, len(effects))
-	for i, e := range effects {
-		sum := sha256.Sum256([]byte(e.Stamp.Scope))
-		e.Subject = "s" + hex.EncodeToString(sum[:6]) + "." + e.Subject
-		es[i] = e
-	}
-	return p.Sink.Apply(ctx, es...)
 }
 
 func TestBadSubject(t *testing.T) {

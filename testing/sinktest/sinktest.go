@@ -26,6 +26,7 @@ package sinktest
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"strings"
@@ -161,11 +162,17 @@ func (h *harness) effect(p leasehold.Partition, e leasehold.Epoch, name string) 
 }
 
 // effectIn builds an effect in scope; its key is the same whatever the
-// scope, so that scopes that share a sink also share key spellings.
+// scope, so that scopes that share a sink also share key spellings. Its
+// subject is the scope's own (a destination keeps one value per subject).
 func (h *harness) effectIn(scope string, p leasehold.Partition, e leasehold.Epoch, name string) sink.Effect {
+	subject := name
+	if scope != h.scope {
+		sum := sha256.Sum256([]byte(scope))
+		subject = name + "-" + hex.EncodeToString(sum[:4])
+	}
 	return sink.Effect{
 		Stamp:   leasehold.Stamp{Scope: scope, Partition: p, Epoch: e, Acquisition: acq(e), Key: h.name + "." + name, Worker: "w" + e.String()},
-		Subject: h.inst.Subject(name),
+		Subject: h.inst.Subject(subject),
 		Data:    []byte("data of " + name),
 	}
 }
