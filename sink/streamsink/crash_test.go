@@ -31,7 +31,7 @@ func history(t *testing.T, ctx context.Context, js jetstream.JetStream, prefix s
 	want, stale = map[string]bool{}, map[string]bool{}
 	pub := func(p leasehold.Partition, e leasehold.Epoch, key string, barrier bool) {
 		h := nats.Header{}
-		leasehold.Stamp{Partition: p, Epoch: e, Key: key, Worker: fmt.Sprintf("w%d", e)}.SetHeader(h)
+		leasehold.Stamp{Scope: prefix, Partition: p, Epoch: e, Acquisition: fmt.Sprintf("a%d", e), Key: key, Worker: fmt.Sprintf("w%d", e)}.SetHeader(h)
 		subject := fmt.Sprintf("%s.out.p%d", prefix, p)
 		if barrier {
 			h.Set(leasehold.HeaderBarrier, "1")
@@ -144,7 +144,7 @@ func TestCrashMidBatch(t *testing.T) {
 	}
 	checkApplied(t, ctx, js, "crash-fenced", want, stale)
 	for p := range leasehold.Partition(4) {
-		if m := final.MaxEpoch(p); m != 7 {
+		if m := final.Fence(leasehold.FenceID{Scope: "crash", Partition: p}).Epoch; m != 7 {
 			t.Errorf("partition %d: max %d, want 7", p, m)
 		}
 	}
@@ -302,7 +302,7 @@ func testHandler(t *testing.T, mode string) {
 			t.Fatalf("partition 0 handed over out of log order: %v", order)
 		}
 	}
-	if n := r.Dropped(0); n != 10 {
+	if n := r.Dropped(leasehold.FenceID{Scope: "hand", Partition: 0}); n != 10 {
 		t.Errorf("Dropped(0) = %d, want 10", n)
 	}
 }
@@ -340,7 +340,7 @@ func TestResumeOnAnotherNode(t *testing.T) {
 			t.Fatalf("runner on node %d resumes at %d, want the saved %d", node, r.Position(), last)
 		}
 		for p := range leasehold.Partition(4) {
-			if m := r.MaxEpoch(p); m != 7 {
+			if m := r.Fence(leasehold.FenceID{Scope: "resume", Partition: p}).Epoch; m != 7 {
 				t.Errorf("runner on node %d: partition %d max %d, want the saved 7", node, p, m)
 			}
 		}
