@@ -180,8 +180,9 @@ func (t *fenceTable) add(id leasehold.FenceID, r rise) {
 type work struct {
 	seq    uint64
 	raised map[leasehold.FenceID]rise
-	added  int         // fences in raised that the table does not hold
-	extra  map[int]int // bytes those reserve, by shard
+	shards map[int][]leasehold.FenceID // the fences in raised, by shard
+	added  int                         // fences in raised that the table does not hold
+	extra  map[int]int                 // bytes those reserve, by shard
 }
 
 // fence returns id's state as of w.seq, and whether the fence exists.
@@ -211,14 +212,18 @@ func (w *work) room(t *fenceTable, id leasehold.FenceID, key string, max int) er
 func (w *work) raise(t *fenceTable, id leasehold.FenceID, r rise) {
 	if w.raised == nil {
 		w.raised = make(map[leasehold.FenceID]rise)
+		w.shards = make(map[int][]leasehold.FenceID)
 	}
-	_, inBatch := w.raised[id]
-	if _, inTable := t.fences[id]; !inTable && !inBatch {
-		w.added++
-		if w.extra == nil {
-			w.extra = make(map[int]int)
+	if _, inBatch := w.raised[id]; !inBatch {
+		k := shardOf(id, t.n)
+		w.shards[k] = append(w.shards[k], id)
+		if _, inTable := t.fences[id]; !inTable {
+			w.added++
+			if w.extra == nil {
+				w.extra = make(map[int]int)
+			}
+			w.extra[k] += reserve(id)
 		}
-		w.extra[shardOf(id, t.n)] += reserve(id)
 	}
 	w.raised[id] = r
 }
@@ -228,12 +233,12 @@ func (w *work) dirty(t *fenceTable) []int {
 	if len(w.raised) == 0 && len(t.stale) == 0 {
 		return nil
 	}
-	set := make(map[int]bool, len(w.raised)+len(t.stale))
+	set := make(map[int]bool, len(w.shards)+len(t.stale))
 	for k := range t.stale {
 		set[k] = true
 	}
-	for id := range w.raised {
-		set[shardOf(id, t.n)] = true
+	for k := range w.shards {
+		set[k] = true
 	}
 	out := make([]int, 0, len(set))
 	for k := range set {
@@ -249,10 +254,8 @@ func (w *work) history(t *fenceTable, k int) map[leasehold.FenceID][]rise {
 	for _, id := range t.members[k] {
 		out[id] = []rise{t.fences[id]}
 	}
-	for id, r := range w.raised {
-		if shardOf(id, t.n) == k {
-			out[id] = append(out[id], r)
-		}
+	for _, id := range w.shards[k] {
+		out[id] = append(out[id], w.raised[id])
 	}
 	return out
 }
