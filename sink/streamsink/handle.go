@@ -355,12 +355,22 @@ func (r *Runner) deliver(ctx context.Context, outs []outcome) error {
 // as Nats-Msg-Id so that the server drops a repeat.
 func (r *Runner) republished(ctx context.Context, m *logMsg, st leasehold.Stamp) *nats.Msg {
 	out := nats.NewMsg(r.cfg.Subject(m.subject))
+	canonical := true
 	for k, vs := range m.header {
-		if keepHeader(k) {
+		switch {
+		case isCanonicalStampHeader(k):
+			out.Header[k] = vs
+		case isStampHeader(k):
+			canonical = false // written below, from the stamp
+		case keepHeader(k):
 			out.Header[k] = vs
 		}
 	}
-	st.SetHeader(out.Header)
+	if !canonical {
+		// The stamp was read, so every spelling of a header agrees; it is
+		// written back under the names readers look up.
+		st.SetHeader(out.Header)
+	}
 	r.rep.Telemetry().Propagator.Inject(ctx, telemetry.HeaderCarrier(out.Header))
 	out.Header[jetstream.MsgIDHeader] = []string{MessageID(st)}
 	out.Data = m.data

@@ -41,7 +41,7 @@ func headerGet(h nats.Header, name string) (string, bool) {
 		return vs[0], true
 	}
 	for k, vs := range h {
-		if strings.EqualFold(k, name) && len(vs) > 0 {
+		if len(k) == len(name) && len(vs) > 0 && strings.EqualFold(k, name) {
 			return vs[0], true
 		}
 	}
@@ -66,6 +66,16 @@ func keepHeader(name string) bool {
 		return !isStampHeader(name)
 	}
 	return strings.EqualFold(name, "traceparent") || strings.EqualFold(name, "tracestate") || strings.EqualFold(name, "baggage")
+}
+
+// isCanonicalStampHeader reports whether name is a stamp header spelled as
+// leasehold spells it: the common case, told without folding case.
+func isCanonicalStampHeader(name string) bool {
+	switch name {
+	case leasehold.HeaderScope, leasehold.HeaderPartition, leasehold.HeaderEpoch, leasehold.HeaderAcquisition, leasehold.HeaderKey, leasehold.HeaderWorker:
+		return true
+	}
+	return false
 }
 
 func isStampHeader(name string) bool {
