@@ -131,7 +131,7 @@ func (r *Runner) loadState(ctx context.Context) (loaded, error) {
 // shards and the position record over the old value.
 func (r *Runner) adoptLegacy(t *fenceTable, s *legacyState) error {
 	if len(s.Fences) > 0 && r.cfg.LegacyScope == "" {
-		return fmt.Errorf("%w (%s/%s holds %d fences with no scope): set Config.LegacyScope (`leasehold sink --legacy-scope`) to the scope that wrote it, normally the job stream's prefix, and the runner converts it in place; or use a fresh state bucket or consumer name, knowing that the runner then decides the whole log again",
+		return fmt.Errorf("%w (%s/%s holds %d fences with no scope): set Config.LegacyScope to the scope that wrote it, normally the job stream's prefix, and the runner converts it in place; or use a fresh state bucket or consumer name, knowing that the runner then decides the whole log again",
 			ErrLegacyState, r.cfg.StateBucket, r.positionKey(), len(s.Fences))
 	}
 	for p, f := range s.Fences {
