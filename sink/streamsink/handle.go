@@ -38,42 +38,42 @@ func (r *Runner) handle(ctx context.Context, msgs []*logMsg) error {
 	sort.Slice(msgs, func(i, j int) bool { return msgs[i].seq < msgs[j].seq })
 	// Only this goroutine changes the position and the fence table, so it
 	// reads them without the lock.
-	work := &work{seq: r.seq}
-	start := work.seq
+	w := &work{seq: r.seq}
+	start := w.seq
 	var outs []outcome
 	var handled []jetstream.Msg // at or below the saved position: ack only
 	var stopErr error
 	rest := len(msgs)
 	for i, m := range msgs {
-		if m.seq <= work.seq {
+		if m.seq <= w.seq {
 			handled = append(handled, m.msg)
 			continue
 		}
-		if m.seq > work.seq+1 {
+		if m.seq > w.seq+1 {
 			// Something between the saved position and this message
 			// was delivered earlier (to a runner that died) or not at
 			// all: read it from the log, in order.
-			if stopErr = r.fill(ctx, work, m.seq, &outs); stopErr != nil {
+			if stopErr = r.fill(ctx, w, m.seq, &outs); stopErr != nil {
 				rest = i
 				break
 			}
 		}
-		o, err := r.decide(ctx, work, m)
+		o, err := r.decide(ctx, w, m)
 		if err != nil {
 			stopErr, rest = err, i
 			break
 		}
 		outs = append(outs, o)
-		work.seq = m.seq
+		w.seq = m.seq
 	}
 	for _, m := range msgs[rest:] {
-		if m.msg != nil && m.seq > work.seq {
+		if m.msg != nil && m.seq > w.seq {
 			_ = m.msg.NakWithDelay(time.Second)
 		}
 	}
-	if work.seq > start {
+	if w.seq > start {
 		r.startSpans(ctx, outs, began)
-		err := r.settle(ctx, outs, work)
+		err := r.settle(ctx, outs, w)
 		endSpans(outs, err)
 		if err != nil {
 			return err
@@ -167,7 +167,7 @@ func (r *Runner) at(point string) error {
 	return nil
 }
 
-// fill decides the log messages after work.Seq and before upto, read from
+// fill decides the log messages after w.seq and before upto, read from
 // the stream.
 func (r *Runner) fill(ctx context.Context, w *work, upto uint64, outs *[]outcome) error {
 	for {
