@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/telemetry"
 )
@@ -28,14 +29,27 @@ type Config struct {
 	// Consumer is the durable consumer's name. Default "<prefix>-sink".
 	Consumer string
 	// StateBucket is the KV bucket holding the runner's progress: the
-	// fence maxima and the last log position handled. Default
-	// "<prefix>-sink-state".
+	// last log position handled (key "<consumer>") and the fences (keys
+	// "<consumer>.fences.<shard>"). Default "<prefix>-sink-state".
 	StateBucket string
+	// MaxFences bounds the fences (scope and partition pairs) the runner
+	// keeps. An effect or barrier that would create one more is refused
+	// for good (see ErrFenceLimit) and the runner goes on. Default
+	// 131072 (DefaultMaxFences: two job streams of 65536 partitions, or
+	// one and 65536 locks); at most 262144 (MaxFencesLimit).
+	MaxFences int
+	// LegacyScope is the scope that wrote state saved before fence scopes
+	// (one value holding the position and every partition's fence),
+	// normally the job stream's prefix. New then converts that state in
+	// place: its fences become this scope's. Without it New refuses such
+	// state (ErrLegacyState). Once converted, the setting is no longer
+	// needed.
+	LegacyScope string
 
 	// Handler, when set, receives each accepted effect, in log order,
 	// instead of the republish. It must be idempotent by the effect's
-	// idempotency key: after a crash, effects handled since the last
-	// saved position are handed over again.
+	// scope and idempotency key: after a crash, effects handled since the
+	// last saved position are handed over again.
 	Handler func(ctx context.Context, e sink.Effect) error
 	// BatchHandler, when set, receives the accepted effects of each batch
 	// the runner fetched, in log order, in one call, instead of the
@@ -45,7 +59,9 @@ type Config struct {
 	// Set Handler or BatchHandler, not both.
 	BatchHandler func(ctx context.Context, effects []sink.Effect) error
 	// Downstream is the stream accepted effects are republished into, with
-	// Nats-Msg-Id set to the idempotency key. Default "<prefix>-fenced";
+	// Nats-Msg-Id set to the scope and the idempotency key ("<scope>
+	// <key>"), so that the server drops a repeat of the same key in the
+	// same scope, and only that. Default "<prefix>-fenced";
 	// New creates it on "<prefix>.fenced.>" when it is missing. Its
 	// duplicate window must be longer than AckWait plus the longest outage
 	// you plan for, since a runner that crashes republishes what it had
@@ -134,6 +150,9 @@ func (c *Config) setDefaults() {
 	if c.Name == "" {
 		c.Name = "stream"
 	}
+	if c.MaxFences == 0 {
+		c.MaxFences = DefaultMaxFences
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -165,6 +184,14 @@ func (c Config) Validate() error {
 	}
 	if c.MaxBackoff <= 0 || c.RequestTimeout <= 0 {
 		errs = append(errs, errors.New("max backoff and request timeout must be positive"))
+	}
+	if c.MaxFences < 1 || c.MaxFences > MaxFencesLimit {
+		errs = append(errs, fmt.Errorf("max fences %d: use 1 to %d", c.MaxFences, MaxFencesLimit))
+	}
+	if c.LegacyScope != "" {
+		if err := leasehold.ValidateScope(c.LegacyScope); err != nil {
+			errs = append(errs, fmt.Errorf("legacy scope %q: %w", c.LegacyScope, err))
+		}
 	}
 	if c.Replicas < 1 || c.Replicas > 5 {
 		errs = append(errs, fmt.Errorf("replicas %d: use 1, 3 or 5", c.Replicas))
