@@ -107,7 +107,71 @@ func (s Stamp) SetMetadata(m map[string]string) {
 // regard to case, since proxies and other clients may lower-case them; a
 // header given twice with different values is an error.
 func StampFromHeader(h map[string][]string) (Stamp, error) {
-	return parseStamp(func(name string) (string, error) { return headerValue(h, name) })
+	// One pass over h gathers every spelling of every stamp header; a
+	// lookup per name would walk h once per name, on every message a sink
+	// reads.
+	var found [len(stampHeaders)]struct {
+		v        string
+		n        int
+		conflict bool
+	}
+	for k, vs := range h {
+		i := stampHeaderIndex(k)
+		if i < 0 {
+			continue
+		}
+		f := &found[i]
+		for _, v := range vs {
+			if f.n == 0 {
+				f.v = v
+			} else if v != f.v {
+				f.conflict = true
+			}
+			f.n++
+		}
+	}
+	return parseStamp(func(name string) (string, error) {
+		f := found[stampHeaderIndex(name)]
+		switch {
+		case f.n == 0:
+			return "", errMissing
+		case f.conflict:
+			return "", errConflict
+		}
+		return f.v, nil
+	})
+}
+
+// stampHeaders are the headers a stamp is read from.
+var stampHeaders = [...]string{HeaderScope, HeaderPartition, HeaderEpoch, HeaderAcquisition, HeaderKey, HeaderWorker}
+
+// stampHeaderIndex returns the index in stampHeaders of the header name,
+// matched without regard to case, or -1.
+func stampHeaderIndex(name string) int {
+	switch name {
+	case HeaderScope:
+		return 0
+	case HeaderPartition:
+		return 1
+	case HeaderEpoch:
+		return 2
+	case HeaderAcquisition:
+		return 3
+	case HeaderKey:
+		return 4
+	case HeaderWorker:
+		return 5
+	}
+	const prefix = "Leasehold-"
+	if len(name) <= len(prefix) || !strings.EqualFold(name[:len(prefix)], prefix) {
+		return -1
+	}
+	for i, h := range stampHeaders {
+		if len(h) == len(name) && strings.EqualFold(h, name) {
+			return i
+		}
+	}
+	return -1
 }
 
 // StampFromMetadata reads a stamp from Watermill-style metadata.
@@ -181,29 +245,6 @@ func parseStamp(get func(string) (string, error)) (Stamp, error) {
 		s.Worker = w
 	}
 	return s, nil
-}
-
-// headerValue looks a header up by exact name first (the common, cheap
-// case), then without regard to case.
-func headerValue(h map[string][]string, name string) (string, error) {
-	var vals []string
-	if vs, ok := h[name]; ok {
-		vals = vs
-	}
-	for k, vs := range h {
-		if k != name && strings.EqualFold(k, name) {
-			vals = append(vals[:len(vals):len(vals)], vs...)
-		}
-	}
-	if len(vals) == 0 {
-		return "", errMissing
-	}
-	for _, v := range vals[1:] {
-		if v != vals[0] {
-			return "", errConflict
-		}
-	}
-	return vals[0], nil
 }
 
 func validKey(k string) error {

@@ -31,6 +31,10 @@ const (
 	// another acquisition; nothing was applied. Err is a
 	// *leasehold.StaleEpochError matching leasehold.ErrSplitBrain.
 	SplitBrain
+	// OverLimit: recording the effect's fence would take the sink beyond
+	// a bound of its own (how many fences it keeps, the size of its saved
+	// state); nothing was applied. Err says which bound.
+	OverLimit
 	// Failed: the sink could not decide or apply (a network or database
 	// error); the effect may be retried. Err says why. It stays last.
 	Failed
@@ -52,6 +56,8 @@ func (o Outcome) String() string {
 		return "advanced"
 	case SplitBrain:
 		return "split_brain"
+	case OverLimit:
+		return "over_limit"
 	case Failed:
 		return "failed"
 	}
@@ -61,7 +67,7 @@ func (o Outcome) String() string {
 // Dropped reports whether the outcome refused the effect for good: it will
 // not be applied however often it is retried.
 func (o Outcome) Dropped() bool {
-	return o == Stale || o == BadStamp || o == Unverified || o == SplitBrain
+	return o == Stale || o == BadStamp || o == Unverified || o == SplitBrain || o == OverLimit
 }
 
 // Decision is one sink decision, as an Observer sees it.

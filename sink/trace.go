@@ -163,6 +163,8 @@ func annotate(span trace.Span, d *Decision) {
 		telemetry.RecordError(span, telemetry.ErrorTypeUnverified, d.Err)
 	case BadStamp:
 		telemetry.RecordError(span, telemetry.ErrorTypeBadStamp, d.Err)
+	case OverLimit:
+		telemetry.RecordError(span, telemetry.ErrorTypeOverLimit, d.Err)
 	case Failed:
 		telemetry.RecordError(span, "", d.Err)
 	}
@@ -187,6 +189,8 @@ func errorType(o Outcome) string {
 		return telemetry.ErrorTypeUnverified
 	case BadStamp:
 		return telemetry.ErrorTypeBadStamp
+	case OverLimit:
+		return telemetry.ErrorTypeOverLimit
 	}
 	return telemetry.ErrorTypeOther
 }
@@ -206,6 +210,8 @@ func outcomeLabel(o Outcome) string {
 		return telemetry.OutcomeRejectedUnverified
 	case BadStamp:
 		return telemetry.OutcomeRejectedBadStamp
+	case OverLimit:
+		return telemetry.OutcomeRejectedOverLimit
 	case Advanced:
 		return telemetry.OutcomeAdvanced
 	}

@@ -58,6 +58,7 @@ const (
 	OutcomeRejectedSplitBrain = "rejected_split_brain"
 	OutcomeRejectedUnverified = "rejected_unverified"
 	OutcomeRejectedBadStamp   = "rejected_bad_stamp"
+	OutcomeRejectedOverLimit  = "rejected_over_limit"
 	OutcomeAdvanced           = "advanced" // a barrier or Advance raised a partition's maximum
 	OutcomeError              = "error"
 )

@@ -44,6 +44,7 @@ const (
 	ErrorTypeSplitBrain = "split_brain"      // a sink refused a write: its epoch is the fence's, from another acquisition
 	ErrorTypeUnverified = "unverified_epoch" // a sink refused an epoch the lease bucket never issued
 	ErrorTypeBadStamp   = "bad_stamp"        // a stamp was missing or malformed
+	ErrorTypeOverLimit  = "over_limit"       // a sink refused a write that would take it beyond a bound of its own
 	ErrorTypeLeaseLost  = "lease_lost"       // the work outlived its lease
 	ErrorTypePanic      = "panic"            // a handler panicked
 	ErrorTypeTimeout    = "timeout"          // a deadline passed

@@ -249,11 +249,8 @@ func (r *Runner) decide(ctx context.Context, w *work, m *logMsg) (outcome, error
 	return o, nil
 }
 
-// outcomeFenceLimit is the outcome of an effect refused by ErrFenceLimit:
-// a drop, counted per fence and terminated like a bad stamp, the nearest
-// outcome package sink defines for a write that can never be applied as
-// it stands.
-const outcomeFenceLimit = sink.BadStamp
+// outcomeFenceLimit is the outcome of an effect refused by ErrFenceLimit.
+const outcomeFenceLimit = sink.OverLimit
 
 // deliver republishes, or hands over, the accepted effects in log order,
 // retrying until they are delivered or ctx ends.
