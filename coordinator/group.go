@@ -29,6 +29,8 @@ func (c *Coordinator) Run(ctx context.Context) error {
 		held:      map[leasehold.Partition]*Lease{},
 		draining:  map[leasehold.Partition]bool{},
 		acquiring: map[leasehold.Partition]context.CancelFunc{},
+		retryAt:   map[leasehold.Partition]time.Time{},
+		warned:    map[string]uint64{},
 		watchCh:   make(chan watchEvent, 256),
 		lostCh:    make(chan *Lease, 16),
 		acqCh:     make(chan acquireResult, 16),
@@ -72,9 +74,10 @@ type watchEvent struct {
 }
 
 type acquireResult struct {
-	p     leasehold.Partition
-	lease *Lease
-	err   error
+	p        leasehold.Partition
+	lease    *Lease
+	err      error
+	takeover uint64 // the revision of the foreign record it was to replace
 }
 
 type group struct {
@@ -87,7 +90,9 @@ type group struct {
 	acquiring map[leasehold.Partition]context.CancelFunc // cancels an acquisition not yet started
 	member    *Lease
 
-	view, next    *view // next: the snapshot being read after a rescan
+	view, next    *view                             // next: the snapshot being read after a rescan
+	retryAt       map[leasehold.Partition]time.Time // a failed acquisition is not retried before
+	warned        map[string]uint64                 // the revision of each record already warned about
 	scores        scoreCache
 	ready         bool      // the first snapshot is complete
 	membersSince  time.Time // when membership last changed
@@ -194,22 +199,42 @@ func settlePause(partitions int) time.Duration {
 }
 
 // register takes this worker's member key, waiting out an earlier
-// incarnation's registration under the same ID.
+// incarnation's registration under the same ID, and taking over a record
+// leasehold did not write there once it has stayed unchanged for a TTL.
 func (g *group) register(ctx context.Context) error {
+	var (
+		foreignRev   uint64
+		foreignSince time.Time
+		takeover     uint64
+	)
 	for attempt := 0; ; attempt++ {
-		l, err := g.c.acquireKey(ctx, memberKey(g.c.cfg.Worker), 0, true)
+		l, err := g.c.acquireKey(ctx, memberTarget(g.c.cfg.Worker), takeover)
 		if err == nil {
 			l.startKeepalive()
 			g.member = l
 			g.watchLoss(l)
 			return nil
 		}
-		var held *HeldError
-		if !errors.As(err, &held) && attempt > 3 {
+		var (
+			held    *HeldError
+			foreign *ForeignRecordError
+		)
+		switch {
+		case errors.As(err, &foreign):
+			if foreign.Revision != foreignRev {
+				foreignRev, foreignSince = foreign.Revision, time.Now()
+				g.c.cfg.Logger.Warn("this worker's member key holds a record leasehold did not write; taking it over if it stays unchanged for a TTL",
+					"worker", g.c.cfg.Worker, "revision", foreign.Revision, "reason", foreign.Reason)
+			} else if time.Since(foreignSince) >= g.c.cfg.TTL {
+				takeover = foreignRev
+				continue
+			}
+		case errors.As(err, &held):
+			if attempt == 0 {
+				g.c.cfg.Logger.Warn("another registration under this worker ID is live; waiting for it to expire", "worker", g.c.cfg.Worker)
+			}
+		case attempt > 3:
 			return fmt.Errorf("coordinator: register worker %s: %w", g.c.cfg.Worker, err)
-		}
-		if attempt == 0 && held != nil {
-			g.c.cfg.Logger.Warn("another registration under this worker ID is live; waiting for it to expire", "worker", g.c.cfg.Worker)
 		}
 		select {
 		case <-ctx.Done():
@@ -218,6 +243,8 @@ func (g *group) register(ctx context.Context) error {
 		}
 	}
 }
+
+func memberTarget(worker string) target { return target{kind: kindMember, key: memberKey(worker)} }
 
 // watch starts new watchers on the partition and member keys; their
 // initial snapshots replace the view once both are complete.
@@ -324,6 +351,7 @@ func (g *group) onWatch(ctx context.Context, ev watchEvent) bool {
 		if g.snapshots--; g.snapshots > 0 {
 			return false // the other watcher's snapshot is still coming
 		}
+		g.next.inherit(g.view)
 		g.view, g.next, g.ready = g.next, nil, true
 		return true
 	}
@@ -349,7 +377,7 @@ func (g *group) reconcile(ctx context.Context) {
 		// Lost the registration (a pause, a partition from the server):
 		// register again before taking anything.
 		rctx, cancel := context.WithTimeout(ctx, 2*g.c.cfg.RequestTimeout)
-		l, err := g.c.acquireKey(rctx, memberKey(me), 0, true)
+		l, err := g.c.acquireKey(rctx, memberTarget(me), 0)
 		cancel()
 		if err == nil {
 			l.startKeepalive()
@@ -357,11 +385,23 @@ func (g *group) reconcile(ctx context.Context) {
 			g.watchLoss(l)
 		}
 	}
+	now := time.Now()
 	members := make([]string, 0, len(g.view.members)+1)
-	for m := range g.view.members {
-		if m != me {
-			members = append(members, m)
+	live := make(map[string]bool, len(g.view.members)+1)
+	for id, m := range g.view.members {
+		if id == me {
+			continue
 		}
+		if m.suspect(now, g.c.cfg.TTL) {
+			g.checkMember(ctx, id, m)
+		}
+		if m.dead() {
+			g.warnOnce(memberKey(id), m.rev, "a member record that is not a live registration: ignoring it; `leasehold fence --repair` removes it",
+				"worker", id, "does_not_decode", m.foreign, "no_ttl", m.ttlless)
+			continue
+		}
+		members = append(members, id)
+		live[id] = true
 	}
 	if g.member != nil {
 		members = append(members, me)
@@ -376,7 +416,7 @@ func (g *group) reconcile(ctx context.Context) {
 	for p := range g.held {
 		owners[p] = me
 	}
-	g.scores.keep(g.view.members, me)
+	g.scores.keep(live, me)
 	target := assign(g.n, members, owners, &g.scores)
 
 	settled := time.Since(g.membersSince) >= g.c.cfg.RebalanceDelay || g.member == nil
@@ -403,8 +443,20 @@ func (g *group) reconcile(ctx context.Context) {
 	}
 	for i, m := range target {
 		p := leasehold.Partition(i)
-		if m != me || g.held[p] != nil || g.acquiring[p] != nil || g.view.slots[i].holder != "" {
+		if m != me || g.held[p] != nil || g.acquiring[p] != nil || now.Before(g.retryAt[p]) {
 			continue
+		}
+		var takeover uint64
+		if s := g.view.slots[i]; s.holder != "" {
+			if !s.stuck(now, g.c.cfg.TTL) {
+				continue
+			}
+			// Its record has outlived any lease: the server does not
+			// expire it. The acquisition checks that through the leader
+			// and overwrites exactly this revision.
+			takeover = s.rev
+			g.warnOnce(partitionKey(p), s.rev, "partition record has stayed unchanged for longer than a lease can: taking the partition over",
+				"partition", p, "revision", s.rev, "holder", s.holder, "unchanged_for", now.Sub(s.since).Round(time.Millisecond))
 		}
 		queued, call := context.WithCancel(ctx)
 		g.acquiring[p] = call
@@ -427,8 +479,8 @@ func (g *group) reconcile(ctx context.Context) {
 			// group's context: its outcome is settled, not abandoned.
 			actx, cancel := context.WithTimeout(ctx, g.c.cfg.TTL)
 			defer cancel()
-			l, err := g.c.Acquire(actx, p)
-			g.acqCh <- acquireResult{p: p, lease: l, err: err}
+			l, err := g.c.acquire(actx, partitionTarget(p), acquireOpts{takeover: takeover})
+			g.acqCh <- acquireResult{p: p, lease: l, err: err, takeover: takeover}
 		}()
 	}
 }
@@ -440,26 +492,74 @@ var errCalledOff = errors.New("the assignment moved the partition elsewhere befo
 func (g *group) onAcquired(r acquireResult) {
 	delete(g.acquiring, r.p)
 	if r.err != nil {
-		var held *HeldError
-		if errors.Is(r.err, errCalledOff) {
-			return
-		}
-		if errors.As(r.err, &held) {
-			g.view.slots[r.p] = slot{holder: held.Lease.Holder, epoch: held.Lease.Epoch}
-		} else {
+		var (
+			held    *HeldError
+			foreign *ForeignRecordError
+		)
+		switch {
+		case errors.Is(r.err, errCalledOff):
+		case errors.As(r.err, &held) && r.takeover == 0:
+			if s := &g.view.slots[r.p]; s.holder != held.Lease.Holder || s.epoch != held.Lease.Epoch {
+				s.holder, s.epoch, s.sum = held.Lease.Holder, held.Lease.Epoch, 0
+			}
+		case errors.As(r.err, &foreign):
+			// The watch shows the record, and it is taken over once it is
+			// stuck; until the watch has caught up, do not spin on it.
+			g.retryAt[r.p] = time.Now().Add(g.c.cfg.RenewEvery)
+			g.warnOnce(foreign.Key, foreign.Revision, "partition record is not a lease leasehold wrote: taking the partition over if it stays unchanged for a TTL",
+				"partition", r.p, "revision", foreign.Revision, "reason", foreign.Reason)
+		default:
+			// Not retried before a renewal interval has passed: a record
+			// that keeps an acquisition failing must not make it spin.
+			g.retryAt[r.p] = time.Now().Add(g.c.cfg.RenewEvery)
 			g.c.cfg.Logger.Warn("acquire failed; retrying", "partition", r.p, "err", r.err)
 		}
 		return
 	}
+	delete(g.retryAt, r.p)
 	l := r.lease
+	if r.takeover != 0 {
+		g.c.cfg.Logger.Warn("took the partition over from a record the server did not expire", "partition", r.p, "revision", r.takeover, "epoch", l.info.Epoch)
+	}
 	g.mu.Lock()
 	g.held[r.p] = l
 	g.mu.Unlock()
-	g.view.slots[r.p] = slot{holder: l.info.Holder, epoch: l.info.Epoch}
+	g.view.slots[r.p] = slot{holder: l.info.Holder, epoch: l.info.Epoch, rev: uint64(l.info.Epoch), since: time.Now(), ttl: g.c.cfg.TTL}
 	g.watchLoss(l)
 	if g.c.cfg.OnAcquire != nil {
 		g.c.cfg.OnAcquire(l)
 	}
+}
+
+// checkMember reads member id's record through the stream leader, once it
+// has looked stale at its revision: by its headers, not by timing, so that
+// a registration whose renewals this worker saw late is never dropped.
+func (g *group) checkMember(ctx context.Context, id string, m *member) {
+	rctx, cancel := context.WithTimeout(ctx, g.c.cfg.RequestTimeout)
+	e, err := g.c.b.last(rctx, memberKey(id))
+	cancel()
+	if err != nil {
+		return // looked at again at the next reconciliation
+	}
+	switch {
+	case e.kind != entryValue:
+		// Gone: the watch will say so.
+	case e.rev != m.rev:
+		m.rev, m.since, m.sum = e.rev, time.Now(), 0 // the watch is behind
+	default:
+		_, reason := foreignReason(e.data, e.header)
+		m.checked, m.ttlless = true, reason != ""
+	}
+}
+
+// warnOnce logs msg at WARN the first time it is told about revision rev
+// of key.
+func (g *group) warnOnce(key string, rev uint64, msg string, args ...any) {
+	if g.warned[key] == rev {
+		return
+	}
+	g.warned[key] = rev
+	g.c.cfg.Logger.Warn(msg, append(args, "key", key, "bucket", g.c.b.name)...)
 }
 
 // watchLoss forwards l's loss to the loop. Released leases end the same
