@@ -26,13 +26,16 @@ var ErrSingletonFailing = errors.New("coordinator: singleton campaigns keep fail
 // fail for reasons other than another holder.
 const maxFailedCampaigns = 10
 
-// RunSingleton runs fn while this worker holds the lock name, so that at
-// most one fn in the whole deployment runs with a live lease: it campaigns,
-// calls fn with a context that ends when the lease is lost (or ctx ends),
-// and when the lease was lost campaigns again and calls fn anew under the
-// new, higher epoch. fn writes through sinks stamped with l.Info().Stamp,
-// so a run that overstays its lease, paused or partitioned, is refused by
-// the sinks once its successor has written.
+// RunSingleton runs fn while this worker holds the lock name: it
+// campaigns, calls fn with a context that ends when the lease is lost (or
+// ctx ends), and when the lease was lost campaigns again and calls fn anew
+// under the new, higher epoch. The server lets one lease on name live at a
+// time, and a fn whose lease is lost has its context cancelled at the next
+// refused renewal or at its local deadline; but a process cannot see its
+// own pauses, so two fns may run for a while, one of them on a lease it no
+// longer has. That is what the epoch is for: fn writes through sinks
+// stamped with l.Info().Stamp, and a run that overstays its lease is
+// refused by the sinks once its successor has written.
 //
 // RunSingleton returns when ctx ends (nil), when fn returns while still
 // holding the lease (fn's result, after releasing the lease, so the next
