@@ -7,7 +7,6 @@ import (
 	"io"
 	"log/slog"
 	"os"
-	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -47,7 +46,7 @@ func ExampleCoordinator_Lock() {
 		got <- lb
 	}()
 
-	time.Sleep(50 * time.Millisecond) // B is waiting (nothing depends on it)
+	// B waits on a watch of the lock's key: the release wakes it at once.
 	if err := la.Release(ctx); err != nil {
 		panic(err)
 	}
