@@ -50,6 +50,13 @@ func (c *Coordinator) FenceLock(ctx context.Context, name string) (FenceResult, 
 
 func (c *Coordinator) fence(ctx context.Context, t target) (FenceResult, error) {
 	var res FenceResult
+	if t.kind == kindPartition {
+		// A partition the job stream does not have is not fenced into
+		// existence. Without a job stream there is nothing to check.
+		if n, err := c.b.partitionCount(ctx); err == nil && int(t.p) >= n {
+			return res, fmt.Errorf("coordinator: fence partition %d: job stream %s has %d partitions", t.p, jobsStream(c.b.scope), n)
+		}
+	}
 	for attempt := 0; attempt < 5; attempt++ {
 		l, err := c.acquire(ctx, t, acquireOpts{manual: true, repair: true})
 		if err == nil {

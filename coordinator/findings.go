@@ -141,7 +141,7 @@ func (c *Coordinator) Repair(ctx context.Context, f Finding) (FenceResult, error
 	case FindingUnknownKey, FindingOutOfRange:
 		return FenceResult{}, fmt.Errorf("coordinator: repair %s: leasehold does not use this key and leaves it alone: %s", f.Key, f.Fix)
 	}
-	if f.Bucket == c.b.name && strings.HasPrefix(f.Key, memberKeyPrefix) {
+	if f.Bucket == c.b.name && f.Kind == FindingForeign && (strings.HasPrefix(f.Key, memberKeyPrefix) || f.Fence == nil) {
 		if err := c.b.purge(ctx, f.Key, f.Revision, c.b.markerTTL); err != nil {
 			if isConflict(err) {
 				return FenceResult{}, fmt.Errorf("coordinator: repair %s: it changed since revision %d; look again", f.Key, f.Revision)

@@ -159,7 +159,8 @@ func (sn *snapshotter) lease(m scanned) error {
 			sn.find(at.unknownKey())
 			return nil
 		}
-		if sn.partitions > 0 && int(p) >= sn.partitions {
+		outside := sn.partitions > 0 && int(p) >= sn.partitions
+		if outside {
 			sn.find(at.outOfRange(p, sn.partitions))
 		}
 		ps := sn.part(p)
@@ -168,7 +169,11 @@ func (sn *snapshotter) lease(m scanned) error {
 		if foreign != "" {
 			ps.Holder = "?"
 			f := at.foreign(foreign, "the partition is held by nobody until the record goes")
-			f.Fence = &leasehold.FenceID{Scope: sn.b.scope, Partition: p}
+			if !outside {
+				// Repaired by fencing the partition; one outside the job
+				// stream is only removed.
+				f.Fence = &leasehold.FenceID{Scope: sn.b.scope, Partition: p}
+			}
 			sn.find(f)
 			return nil
 		}
