@@ -124,7 +124,7 @@ func (v *view) inherit(old *view) {
 	}
 	for id, m := range v.members {
 		if o := old.members[id]; o != nil && o.rev == m.rev {
-			m.since = o.since
+			m.since, m.checked, m.ttlless = o.since, o.checked, o.ttlless
 		}
 	}
 }

@@ -65,8 +65,13 @@ func TestClusterKillAndRestartLeader(t *testing.T) {
 	}
 	var ack *jetstream.PubAck
 	var err error
+	// One attempt per two seconds: a publish sent while the stream has no
+	// leader gets no answer at all, and would otherwise wait out ctx.
 	for ctx.Err() == nil {
-		if ack, err = js.Publish(ctx, "s.1", []byte("b")); err == nil {
+		actx, acancel := context.WithTimeout(ctx, 2*time.Second)
+		ack, err = js.Publish(actx, "s.1", []byte("b"), jetstream.WithMsgID("b"))
+		acancel()
+		if err == nil {
 			break
 		}
 		time.Sleep(50 * time.Millisecond)
