@@ -112,7 +112,9 @@ func (c *Coordinator) TryLock(ctx context.Context, name string, opts ...AcquireO
 // Lock takes the lock on resource name, waiting while another holder has
 // it: it watches the lock's key and tries again when the holder releases
 // it or its lease expires, so a graceful hand-off takes one round trip,
-// not a TTL. It returns when it holds the lock, or with ctx's error. A
+// not a TTL. It returns when it holds the lock, with ctx's error, or with
+// the error of an attempt that failed for another reason than a holder (no
+// answer from the server, a fence record that refuses the acquisition). A
 // record leasehold did not write on the key is taken over once it has
 // stayed unchanged for a TTL.
 func (c *Coordinator) Lock(ctx context.Context, name string, opts ...AcquireOption) (*Lease, error) {
@@ -150,14 +152,13 @@ func (c *Coordinator) Lock(ctx context.Context, name string, opts ...AcquireOpti
 				o.takeover = foreignRev
 				continue
 			}
-		case errors.As(err, &held):
+		case errors.Is(err, ErrHeld):
 			o.takeover = 0
-		case ctx.Err() != nil:
-			return nil, err
+			errors.As(err, &held)
 		default:
-			// No answer, or the acquisition lost its fence step: try again
-			// after a pause, as long as ctx lasts.
-			c.cfg.Logger.Debug("lock attempt failed; retrying", "lock", name, "err", err)
+			// No answer, or the fence step refused: the caller decides
+			// (RunSingleton retries a bounded number of times).
+			return nil, err
 		}
 		if err := waitForChange(ctx, w, heldTTL); err != nil {
 			return nil, fmt.Errorf("coordinator: lock %q: %w (last attempt: %v)", name, err, errLast(held, foreign, err))

@@ -316,3 +316,28 @@ func TestRunSingleton(t *testing.T) {
 	}
 	t.Logf("led by %s, then by %s after the fence", first.worker, second.worker)
 }
+
+// A lock key holding a record leasehold did not write does not keep the
+// lock from everyone for ever: Lock takes it over once it has stayed
+// unchanged for a TTL.
+func TestLockTakesOverAForeignRecord(t *testing.T) {
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	ctx := ctxFor(t, 20*time.Second)
+	key := "lock." + coordinator.EncodeLockName("nightly")
+	if _, err := b.KeyValue().Put(ctx, key, []byte(`{"holder":"ghost","token":"t","ttl_ms":1000}`)); err != nil {
+		t.Fatal(err)
+	}
+	c := newCoord(t, b, "a", time.Second)
+	if _, err := c.TryLock(ctx, "nightly"); !errors.Is(err, coordinator.ErrForeignRecord) {
+		t.Fatalf("TryLock over a record without a TTL: %v", err)
+	}
+	l, err := c.Lock(ctx, "nightly")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Release(ctx)
+	if h, ok, err := c.LockHolder(ctx, "nightly"); err != nil || !ok || h.Holder != "a" {
+		t.Fatalf("after the take-over: %+v, %v, %v", h, ok, err)
+	}
+}
