@@ -1,7 +1,6 @@
 package coordinator_test
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"strings"
@@ -222,11 +221,4 @@ func TestProvisionFresh(t *testing.T) {
 			t.Fatalf("Provision over a fence bucket that loses records: %v; want it to say %q", err, want)
 		}
 	}
-}
-
-// recreateCtx is a context for the long re-creation measurement.
-func recreateCtx(t testing.TB) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	t.Cleanup(cancel)
-	return ctx
 }
