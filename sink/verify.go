@@ -29,15 +29,33 @@ type UnverifiedEpochError struct {
 	Epoch     leasehold.Epoch // the epoch the write carried
 	Fenced    leasehold.Epoch // the highest epoch the lease bucket issued
 	Key       string
+	// Err, when set, is why the lease bucket issues no epochs at all for
+	// the fence (another scope, a partition outside the job stream).
+	Err error
 }
 
 func (e *UnverifiedEpochError) Error() string {
+	if e.Err != nil {
+		return fmt.Sprintf("sink: scope %s partition %d: epoch %d cannot have been issued: %v: the stamp is forged or garbled, and the write was not applied; key %q",
+			e.Scope, e.Partition, e.Epoch, e.Err, e.Key)
+	}
 	return fmt.Sprintf("sink: scope %s partition %d: epoch %d was never issued by the lease bucket (the highest issued is %d): the stamp is forged or garbled, and the write was not applied; key %q",
 		e.Scope, e.Partition, e.Epoch, e.Fenced, e.Key)
 }
 
 // Is makes errors.Is(err, ErrUnverifiedEpoch) true.
 func (e *UnverifiedEpochError) Is(target error) bool { return target == ErrUnverifiedEpoch }
+
+// Unwrap returns why the fence is unknown, if it is.
+func (e *UnverifiedEpochError) Unwrap() error { return e.Err }
+
+// unverified reports whether a verifier's error is a verdict on the stamp
+// (coordinator.UnknownFenceError: a fence the lease bucket does not serve)
+// rather than a failure to ask.
+func unverified(err error) bool {
+	var u interface{ Unverified() bool }
+	return errors.As(err, &u) && u.Unverified()
+}
 
 // EpochCheck decides whether an epoch above a partition's recorded maximum
 // may raise it. It caches the fenced epoch of each partition and reads it
@@ -84,6 +102,9 @@ func (c *EpochCheck) Check(ctx context.Context, s leasehold.Stamp) error {
 		return nil
 	}
 	fenced, err := c.v.IssuedEpoch(ctx, id)
+	if unverified(err) {
+		return &UnverifiedEpochError{Scope: s.Scope, Partition: s.Partition, Epoch: s.Epoch, Key: s.Key, Err: err}
+	}
 	if err != nil {
 		return fmt.Errorf("sink: verify epoch %d of %s against the lease bucket: %w", s.Epoch, id, err)
 	}

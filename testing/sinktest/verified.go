@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
+
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink"
@@ -21,6 +23,14 @@ func testForged(t *testing.T, h *harness) {
 	js := srv.JetStream(t)
 	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: "leases", Scope: "jobs-" + h.name, MarkerTTL: time.Second})
 	if err != nil {
+		t.Fatal(err)
+	}
+	// The lease bucket verifies partitions of its job stream only.
+	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{
+		Name:     "jobs-" + h.name + "-jobs",
+		Subjects: []string{"jobs-" + h.name + ".jobs.>"},
+		Metadata: map[string]string{"leasehold.partitions": "32"},
+	}); err != nil {
 		t.Fatal(err)
 	}
 	coord, err := coordinator.New(bucket, coordinator.Config{Worker: "holder", TTL: 5 * time.Second})
@@ -73,6 +83,14 @@ func testForged(t *testing.T, h *harness) {
 	h.mustApply(ctx, s, successor)
 	h.wantMax(ctx, s, p, next.Epoch())
 	h.wantApplied(ctx, []sink.Effect{legit, again, successor}, []sink.Effect{forged})
+
+	// A partition the job stream does not have is refused as unverified,
+	// not retried, and creates no fence.
+	outside := h.stampedBy(next.Info(), "outside")
+	outside.Stamp.Partition = 9999
+	if err := s.Apply(ctx, outside); !errors.Is(err, sink.ErrUnverifiedEpoch) {
+		t.Fatalf("Apply(partition 9999 of a 32-partition stream) = %v, want an error matching sink.ErrUnverifiedEpoch", err)
+	}
 }
 
 // stampedBy builds an effect named name written under lease l.
