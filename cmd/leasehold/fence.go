@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"os"
 
@@ -32,6 +33,13 @@ an epoch never issued, progress beyond the job stream's last sequence.
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if n := len(args) + boolInt(lock != "") + boolInt(repair); n != 1 {
 				return fmt.Errorf("give one of PARTITION, --lock NAME and --repair")
+			}
+			var p leasehold.Partition
+			if len(args) == 1 {
+				var err error
+				if p, err = leasehold.ParsePartition(args[0]); err != nil {
+					return fmt.Errorf("PARTITION: %w", err)
+				}
 			}
 			ctx := cmd.Context()
 			nc, js, err := conn.connect(ctx, "leasehold fence")
@@ -72,11 +80,12 @@ an epoch never issued, progress beyond the job stream's last sequence.
 			if lock != "" {
 				res, err = c.FenceLock(ctx, lock)
 			} else {
-				p, perr := leasehold.ParsePartition(args[0])
-				if perr != nil {
-					return fmt.Errorf("PARTITION: %w", perr)
-				}
 				what = "partition " + p.String()
+				// A partition the job stream does not have is refused, not
+				// fenced into a record nothing will ever read.
+				if _, err := b.IssuedEpoch(ctx, leasehold.FenceID{Scope: b.Scope(), Partition: p}); errors.Is(err, coordinator.ErrUnknownFence) {
+					return fmt.Errorf("PARTITION: %w", err)
+				}
 				res, err = c.Fence(ctx, p)
 			}
 			if err != nil {

@@ -20,11 +20,11 @@ import (
 
 func newInit() *cobra.Command {
 	var (
-		conn       natsFlags
-		partitions int
-		replicas   int
-		markerTTL  time.Duration
-		monitor    string
+		conn            natsFlags
+		partitions      int
+		replicas        int
+		markerTTL       time.Duration
+		monitor         string
 		fenceBucket     string
 		epochFloor      uint64
 		restartProgress bool

@@ -150,7 +150,7 @@ func play(ctx context.Context, out io.Writer, cfg config) (res received, err err
 	tr.mu.Unlock()
 	s.say("worker-a's epochs by partition: %s", epochsA)
 	s.say("On acquiring each partition it published a barrier into %q (worker.Config.Fences),", topic)
-	s.say("and the middleware raised the partition's maximum: partition %d's is now %d.", zombieOrder.Partition, maxEpoch(ctx, fence, zombieOrder.Partition))
+	s.say("and the middleware raised the partition's maximum: partition %d's is now %d.", zombieOrder.Partition, maxEpoch(ctx, fence, leasehold.FenceID{Scope: cfg.Prefix, Partition: zombieOrder.Partition}))
 
 	// 2. The orders go in.
 	s.step(fmt.Sprintf("%s enqueued: order o-N goes to partition (N-1) mod %d", count(len(orders), "order"), cfg.Partitions))
@@ -196,7 +196,7 @@ func play(ctx context.Context, out io.Writer, cfg config) (res received, err err
 	tr.mu.Unlock()
 	s.step(fmt.Sprintf("worker-b takes partition %d at a higher epoch; its barrier reaches the downstream", zombieOrder.Partition))
 	s.say("worker-b holds partition %d at epoch %d > worker-a's %d.", zombieOrder.Partition, e2, stamp.Epoch)
-	s.say("The middleware's maximum for partition %d is now %d: older messages are dropped.", zombieOrder.Partition, maxEpoch(ctx, fence, zombieOrder.Partition))
+	s.say("The middleware's maximum for partition %d is now %d: older messages are dropped.", zombieOrder.Partition, maxEpoch(ctx, fence, leasehold.FenceID{Scope: cfg.Prefix, Partition: zombieOrder.Partition}))
 
 	// 6. worker-b ships the rest.
 	if err := tr.wait(ctx, "every order to be shipped", func() bool { return len(tr.byKeyOrders()) == len(orders) }); err != nil {
@@ -281,7 +281,7 @@ func play(ctx context.Context, out io.Writer, cfg config) (res received, err err
 		s.say("  from %s: %s", w, list)
 	}
 	s.say("%s: shipped from %s under epoch %d", zombieOrder.ID, zombieShip.Stamp.Worker, zombieShip.Stamp.Epoch)
-	s.say("stale messages dropped by the middleware: %d (partition %d)", fencer.Dropped(zombieOrder.Partition), zombieOrder.Partition)
+	s.say("stale messages dropped by the middleware: %d (partition %d)", fencer.Dropped(leasehold.FenceID{Scope: cfg.Prefix, Partition: zombieOrder.Partition}), zombieOrder.Partition)
 	return res, s.err
 }
 
@@ -396,12 +396,12 @@ func hasAll(have []string, want []string) bool {
 	return true
 }
 
-func maxEpoch(ctx context.Context, f sink.Fence, p leasehold.Partition) leasehold.Epoch {
-	e, err := f.MaxEpoch(ctx, p)
+func maxEpoch(ctx context.Context, f sink.Fencer, id leasehold.FenceID) leasehold.Epoch {
+	fs, err := f.Fence(ctx, id)
 	if err != nil {
 		return 0
 	}
-	return e
+	return fs.Epoch
 }
 
 // count says "1 order", "2 orders".

@@ -87,7 +87,7 @@ func (e *env) pairedWrites(ctx context.Context, what string, fenced, plain write
 
 func effect(i int, data []byte) sink.Effect {
 	return sink.Effect{
-		Stamp:   leasehold.Stamp{Partition: leasehold.Partition(i & 15), Epoch: 7, Key: fmt.Sprintf("k-%d", i+1000)},
+		Stamp:   leasehold.Stamp{Scope: "bench", Partition: leasehold.Partition(i & 15), Epoch: 7, Acquisition: "a7", Key: fmt.Sprintf("k-%d", i+1000)},
 		Subject: fmt.Sprintf("s-%d", i+1000),
 		Data:    data,
 	}

@@ -39,7 +39,7 @@ func TestZombieEmitDoesNotHideItsSuccessorsEffect(t *testing.T) {
 	const pfx = "emitdup"
 	srv := natstest.Start(t, natstest.Listen())
 	js := srv.JetStream(t)
-	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{MarkerTTL: time.Second})
+	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: pfx + "-leases", MarkerTTL: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -85,7 +85,7 @@ func TestZombieEmitDoesNotHideItsSuccessorsEffect(t *testing.T) {
 	}
 	defer ncA.Close()
 	jsA, _ := jetstream.New(ncA)
-	bucketA, err := coordinator.OpenBucket(ctx, jsA, "")
+	bucketA, err := coordinator.OpenBucket(ctx, jsA, pfx+"-leases")
 	if err != nil {
 		t.Fatal(err)
 	}
