@@ -86,6 +86,11 @@ type Config struct {
 	// and no acquisition. Keep it set for as long as the bucket holds
 	// records of before. Default "": New refuses a bucket that holds any.
 	LegacyScope string
+	// MinReplicas is the fewest replicas the bucket may have: set it to the
+	// lease bucket's, since a sink that loses a fence record (a lost disk
+	// of a single replica) admits the writes the record refused. Default 0:
+	// no floor beyond one replica.
+	MinReplicas int
 	// Name names the sink in decisions and logs. Default "kv".
 	Name string
 	// Verifier, when set, turns on verified epochs (see sink.EpochCheck).
@@ -129,6 +134,9 @@ func (c Config) Validate() error {
 	}
 	if c.RequestTimeout <= 0 {
 		errs = append(errs, fmt.Errorf("request timeout %v must be positive", c.RequestTimeout))
+	}
+	if c.MinReplicas < 0 || c.MinReplicas > 5 {
+		errs = append(errs, fmt.Errorf("min replicas %d: use 0 to 5", c.MinReplicas))
 	}
 	if c.LegacyScope != "" {
 		if err := leasehold.ValidateScope(c.LegacyScope); err != nil {
@@ -195,6 +203,9 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Sink, error)
 	}
 	if sc.MaxMsgsPerSubject != 1 {
 		return nil, fmt.Errorf("kvsink: bucket %s keeps a history of %d; the sink needs a history of 1: use another bucket", cfg.Bucket, sc.MaxMsgsPerSubject)
+	}
+	if err := checkDurable(cfg, sc); err != nil {
+		return nil, err
 	}
 	kv, err := js.KeyValue(ctx, cfg.Bucket)
 	if err != nil {
@@ -336,4 +347,34 @@ func (s *Sink) Effects(ctx context.Context) ([]sink.Effect, error) {
 		}
 	}
 	return out, nil
+}
+
+// ErrUnsafeBucket is matched by the error New returns for a bucket that
+// can lose a fence record: a sink that forgets a fence admits the writes it
+// refused (measured: a fence of 100 gone to 0 after a restart of a memory
+// bucket, and a write of epoch 50 applied).
+var ErrUnsafeBucket = errors.New("kvsink: bucket can lose fence records")
+
+// checkDurable refuses a bucket that can lose a record on its own: memory
+// storage, a bucket TTL, limits that discard old records, or fewer
+// replicas than asked for.
+func checkDurable(cfg Config, sc jetstream.StreamConfig) error {
+	var probs []string
+	if sc.Storage != jetstream.FileStorage {
+		probs = append(probs, "its storage is memory, so a server restart forgets every fence")
+	}
+	if sc.MaxAge > 0 {
+		probs = append(probs, fmt.Sprintf("its TTL is %v, which expires fence records", sc.MaxAge))
+	}
+	if sc.Discard == jetstream.DiscardOld && (sc.MaxBytes > 0 || sc.MaxMsgs > 0) {
+		probs = append(probs, "it is bounded and discards old records when full, fence records among them")
+	}
+	if floor := max(cfg.MinReplicas, 1); sc.Replicas < floor {
+		probs = append(probs, fmt.Sprintf("it has %d replicas and the lease bucket has %d: a lost disk would lose fences the lease bucket still remembers", sc.Replicas, floor))
+	}
+	if len(probs) == 0 {
+		return nil
+	}
+	return fmt.Errorf("%w: bucket %s: %s; give the sink a bucket with file storage, no TTL and no discard of old records (kvsink.New creates one)",
+		ErrUnsafeBucket, cfg.Bucket, strings.Join(probs, "; "))
 }
