@@ -12,7 +12,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/wmsink"
 	"github.com/leasehold/leasehold/telemetry"
 )
@@ -25,7 +24,7 @@ func TestMiddlewareSpans(t *testing.T) {
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	defer tp.Shutdown(context.Background())
 	prop := propagation.TraceContext{}
-	f, err := wmsink.New(wmsink.Config{Fence: sink.NewMemory(sink.MemoryConfig{Logger: quiet()}), Logger: quiet(),
+	f, err := wmsink.New(wmsink.Config{ArrivalOrder: true, Logger: quiet(),
 		Telemetry: telemetry.Config{TracerProvider: tp, Propagator: prop}})
 	if err != nil {
 		t.Fatal(err)
@@ -79,12 +78,13 @@ func TestStaleMessageOutsideSampledTrace(t *testing.T) {
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	defer tp.Shutdown(context.Background())
 	prop := propagation.TraceContext{}
-	mem := sink.NewMemory(sink.MemoryConfig{Logger: quiet()})
-	if err := mem.Advance(context.Background(), leasehold.Lease{Scope: "orders", Partition: 1, Epoch: 9, Acquisition: "a9", Holder: "b"}); err != nil {
+	f, err := wmsink.New(wmsink.Config{ArrivalOrder: true, Logger: quiet(), Telemetry: telemetry.Config{TracerProvider: tp, Propagator: prop}})
+	if err != nil {
 		t.Fatal(err)
 	}
-	f, err := wmsink.New(wmsink.Config{Fence: mem, Logger: quiet(), Telemetry: telemetry.Config{TracerProvider: tp, Propagator: prop}})
-	if err != nil {
+	barrier := map[string]string{leasehold.HeaderBarrier: "1"}
+	leasehold.Stamp{Scope: "orders", Partition: 1, Epoch: 9, Acquisition: "a9", Key: "barrier", Worker: "b"}.SetMetadata(barrier)
+	if err := f.Fence(context.Background(), barrier, nil); err != nil {
 		t.Fatal(err)
 	}
 	msg := message.NewMessage("old", nil)
@@ -94,10 +94,10 @@ func TestStaleMessageOutsideSampledTrace(t *testing.T) {
 		t.Fatal(err)
 	}
 	spans := rec.Ended()
-	if len(spans) != 1 {
-		t.Fatalf("%d spans, want the refusal's", len(spans))
+	if len(spans) != 2 {
+		t.Fatalf("%d spans, want the barrier's and the refusal's", len(spans))
 	}
-	s := spans[0]
+	s := spans[1]
 	if s.SpanKind() != trace.SpanKindConsumer || s.Parent().IsValid() || len(s.Links()) != 1 || s.Links()[0].SpanContext.SpanID().String() != "00f067aa0ba902b7" {
 		t.Fatalf("refusal span %q: kind %v, parent %v, links %v; want a consumer root linked to the sender", s.Name(), s.SpanKind(), s.Parent(), s.Links())
 	}

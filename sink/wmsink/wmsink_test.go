@@ -24,12 +24,11 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
 
-// fenced presents a Fencer and the store its handler writes to as a
-// sink.Sink, for the conformance suite.
+// fenced presents a Fencer in arrival order and the store its handler
+// writes to as a sink.Sink, for the conformance suite.
 type fenced struct {
-	f     *wmsink.Fencer
-	fence sink.Fencer
-	name  string
+	f    *wmsink.Fencer
+	name string
 
 	mu      sync.Mutex
 	applied []sink.Effect
@@ -67,10 +66,7 @@ func (x *fenced) Advance(ctx context.Context, l leasehold.Lease) error {
 		return err
 	}
 	st := l.Stamp(leasehold.BarrierKey(l.Scope, l.Partition, l.Epoch))
-	fs, err := x.fence.Fence(ctx, l.Fence())
-	if err != nil {
-		return err
-	}
+	fs := x.f.State(l.Fence())
 	if v, _ := leasehold.Judge(fs, st); v != leasehold.Admit {
 		return leasehold.Refusal(fs, st, v)
 	}
@@ -80,19 +76,21 @@ func (x *fenced) Advance(ctx context.Context, l leasehold.Lease) error {
 }
 
 func (x *fenced) Fence(ctx context.Context, id leasehold.FenceID) (leasehold.FenceState, error) {
-	return x.fence.Fence(ctx, id)
+	if err := ctx.Err(); err != nil {
+		return leasehold.FenceState{}, err
+	}
+	return x.f.State(id), nil
 }
 
 func (x *fenced) Dropped(id leasehold.FenceID) uint64 { return x.f.Dropped(id) }
 
 func TestConformance(t *testing.T) {
 	sinktest.Run(t, sinktest.Features{VerifiedEpochs: true, Headers: true}, func(t *testing.T, st sinktest.Setup) sinktest.Instance {
-		fence := sink.NewMemory(sink.MemoryConfig{Logger: quiet()})
-		f, err := wmsink.New(wmsink.Config{Fence: fence, Observer: st.Observer, Verifier: st.Verifier, Logger: quiet()})
+		f, err := wmsink.New(wmsink.Config{ArrivalOrder: true, Observer: st.Observer, Verifier: st.Verifier, Logger: quiet()})
 		if err != nil {
 			t.Fatal(err)
 		}
-		x := &fenced{f: f, fence: fence, name: st.Name}
+		x := &fenced{f: f, name: st.Name}
 		return sinktest.Instance{
 			Sink: x,
 			Applied: func(context.Context) ([]sink.Effect, error) {
@@ -114,7 +112,8 @@ func TestConformance(t *testing.T) {
 
 // Through a Watermill router: the handler sees the admitted messages only,
 // a stale one is acked (never redelivered) and reported, a barrier raises
-// the fence, and bad metadata is a clear error.
+// the fence, and a message with bad metadata is reported and moved to the
+// poison topic with leasehold's headers and trace context only.
 func TestRouter(t *testing.T) {
 	for _, decorate := range []bool{false, true} {
 		name := "middleware"
@@ -132,9 +131,11 @@ func TestRouter(t *testing.T) {
 			handled := make(chan string, 100)
 			decided := make(chan sink.Decision, 100)
 			f, err := wmsink.New(wmsink.Config{
-				Fence:    sink.NewMemory(sink.MemoryConfig{Logger: quiet()}),
-				Logger:   quiet(),
-				Observer: sink.ObserverFunc(func(_ context.Context, d sink.Decision) { decided <- d }),
+				ArrivalOrder: true,
+				Logger:       quiet(),
+				Observer:     sink.ObserverFunc(func(_ context.Context, d sink.Decision) { decided <- d }),
+				Poison:       pubsub,
+				PoisonTopic:  "poison",
 			})
 			if err != nil {
 				t.Fatal(err)
@@ -143,25 +144,11 @@ func TestRouter(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			// The poison queue, outside the fence, moves aside messages
-			// with bad metadata, which would otherwise come back forever.
-			// (Watermill's middleware.PoisonQueue does this in production.)
-			poison := func(h message.HandlerFunc) message.HandlerFunc {
-				return func(msg *message.Message) ([]*message.Message, error) {
-					out, err := h(msg)
-					if errors.Is(err, leasehold.ErrBadStamp) {
-						bad := msg.Copy()
-						bad.Metadata.Set("reason_poisoned", err.Error())
-						return nil, pubsub.Publish("poison", bad)
-					}
-					return out, err
-				}
-			}
 			poisoned, err := pubsub.Subscribe(ctx, "poison")
 			if err != nil {
 				t.Fatal(err)
 			}
-			router.AddMiddleware(poison, f.Middleware)
+			router.AddMiddleware(f.Middleware)
 			if decorate {
 				router.AddSubscriberDecorators(f.Subscriber())
 			}
@@ -233,6 +220,9 @@ func TestRouter(t *testing.T) {
 			bad.Metadata.Set(leasehold.HeaderPartition, "1")
 			bad.Metadata.Set(leasehold.HeaderEpoch, "007")
 			bad.Metadata.Set(leasehold.HeaderKey, "bad")
+			bad.Metadata.Set("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+			bad.Metadata.Set("Nats-Expected-Stream", "elsewhere")
+			bad.Metadata.Set("app", "private")
 			if err := pubsub.Publish("effects", bad); err != nil {
 				t.Fatal(err)
 			}
@@ -243,8 +233,16 @@ func TestRouter(t *testing.T) {
 			select {
 			case m := <-poisoned:
 				m.Ack()
-				if m.UUID != bad.UUID || !strings.Contains(m.Metadata.Get("reason_poisoned"), "Leasehold-Epoch") {
-					t.Fatalf("poisoned message %s, reason %q", m.UUID, m.Metadata.Get("reason_poisoned"))
+				if m.UUID != bad.UUID || !strings.Contains(m.Metadata.Get(wmsink.HeaderBadStamp), "Leasehold-Epoch") {
+					t.Fatalf("poisoned message %s, reason %q", m.UUID, m.Metadata.Get(wmsink.HeaderBadStamp))
+				}
+				for k := range m.Metadata {
+					if !strings.HasPrefix(k, "Leasehold-") && k != "traceparent" {
+						t.Fatalf("the poisoned copy carries %s: %v", k, m.Metadata)
+					}
+				}
+				if m.Metadata.Get(leasehold.HeaderEpoch) != "007" || m.Metadata.Get("traceparent") == "" {
+					t.Fatalf("the poisoned copy lost the stamp or trace headers: %v", m.Metadata)
 				}
 			case <-ctx.Done():
 				t.Fatal("the message with bad metadata did not reach the poison queue")
