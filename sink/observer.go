@@ -35,6 +35,16 @@ const (
 	// a bound of its own (how many fences it keeps, the size of its saved
 	// state); nothing was applied. Err says which bound.
 	OverLimit
+	// Discarded: the effect belongs to a job attempt that did not complete
+	// (it was aborted, superseded by a later attempt, or abandoned when a
+	// later job or a later holder's stamp passed it); it was admitted by
+	// the fence and, by the all-or-none rule, not applied.
+	Discarded
+	// DeadLettered: the sink could not apply the effect (every attempt
+	// failed, or it can never be applied: too large, a destination that
+	// refuses it) and moved it to its dead-letter stream with the error;
+	// it was not applied.
+	DeadLettered
 	// Failed: the sink could not decide or apply (a network or database
 	// error); the effect may be retried. Err says why. It stays last.
 	Failed
@@ -58,6 +68,10 @@ func (o Outcome) String() string {
 		return "split_brain"
 	case OverLimit:
 		return "over_limit"
+	case Discarded:
+		return "discarded"
+	case DeadLettered:
+		return "dead_lettered"
 	case Failed:
 		return "failed"
 	}

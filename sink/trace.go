@@ -165,6 +165,8 @@ func annotate(span trace.Span, d *Decision) {
 		telemetry.RecordError(span, telemetry.ErrorTypeBadStamp, d.Err)
 	case OverLimit:
 		telemetry.RecordError(span, telemetry.ErrorTypeOverLimit, d.Err)
+	case DeadLettered:
+		telemetry.RecordError(span, outcomeDeadLettered, d.Err)
 	case Failed:
 		telemetry.RecordError(span, "", d.Err)
 	}
@@ -214,9 +216,20 @@ func outcomeLabel(o Outcome) string {
 		return telemetry.OutcomeRejectedOverLimit
 	case Advanced:
 		return telemetry.OutcomeAdvanced
+	case Discarded:
+		return outcomeDiscarded
+	case DeadLettered:
+		return outcomeDeadLettered
 	}
 	return telemetry.OutcomeError
 }
+
+// The leasehold_outcome labels of the outcomes of all-or-none job effects
+// and of the poison path.
+const (
+	outcomeDiscarded    = "discarded"
+	outcomeDeadLettered = "dead_lettered"
+)
 
 // newInstruments prepares what the Reporter's spans and counts reuse.
 func (r *Reporter) newInstruments(cfg telemetry.Config) {

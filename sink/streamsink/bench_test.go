@@ -58,7 +58,7 @@ func BenchmarkRunnerVsRaw(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	cfg := streamsink.Config{Prefix: "bench", Logger: quiet()}
+	cfg := streamsink.Config{Prefix: "bench", Provision: true, Logger: quiet()}
 	if _, err := streamsink.New(ctx, js, cfg); err != nil {
 		b.Fatal(err)
 	}

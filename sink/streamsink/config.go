@@ -18,11 +18,29 @@ type Config struct {
 	// Prefix names the deployment. Default "leasehold".
 	Prefix string
 	// Stream is the effect log the runner consumes. Default
-	// "<prefix>-effects"; New creates it on Subjects when it is missing.
+	// "<prefix>-effects".
 	Stream string
+	// Provision has New create the effect log, on Subjects, when it is
+	// missing: file storage, no limits, DenyDelete and DenyPurge (so that
+	// it is trimmed by nothing and can have no holes). Off by default:
+	// the log belongs to the job streams (`leasehold init`,
+	// worker.ProvisionJobs), and init refuses a log it did not create.
+	// Without it New fails on a missing log with an error matching
+	// ErrNoLog that says to run init. Set it for a log no job stream
+	// provisions.
+	Provision bool
 	// Subjects of the effect log when New creates it. Default
 	// ["<prefix>.out.>"].
 	Subjects []string
+	// AllowTrimming accepts an effect log whose settings can remove
+	// messages the runner has not handled: MaxAge, MaxMsgs or MaxBytes
+	// with DiscardOld, MaxMsgsPerSubject, per-message TTLs, a work-queue
+	// or interest retention. A runner that falls behind them meets a gap
+	// and stops there (see ErrGap); Runner.Retention states how far
+	// behind it may fall. Without it New refuses such a log, since a gap
+	// can hide a take-over's barrier and there is no safe way past one
+	// but an operator's (Runner.Resume).
+	AllowTrimming bool
 	// FilterSubject limits the runner to part of the log. Default: all of
 	// it.
 	FilterSubject string
@@ -70,6 +88,43 @@ type Config struct {
 	// Subject maps an effect's log subject to its republish subject.
 	// Default: "<prefix>.out.X" becomes "<prefix>.fenced.X".
 	Subject func(logSubject string) string
+
+	// HandlerBatch is the most effects one BatchHandler call holds,
+	// except for a job whose effects are more: they come in one call of
+	// their own. Default Batch. Set it to the most the destination takes
+	// in one atomic write (kvsink.MaxBatch).
+	HandlerBatch int
+
+	// MaxDeliveries bounds how often the runner tries to deliver (republish,
+	// or hand over) an effect, or a job's effects, before it moves them to
+	// the dead-letter stream and goes on. The waits between tries double
+	// up to MaxBackoff: with the defaults, 10 tries take about 6.5
+	// seconds, so a destination away for longer has effects moved there
+	// (`leasehold dlq` lists and replays them). An effect that can never
+	// be delivered (larger than the server's max payload once the sink's
+	// headers are added, or a handler's error matching ErrPoison) goes
+	// there at once. Default 10.
+	MaxDeliveries int
+	// DeadLetter is the sink's dead-letter stream. Default
+	// "<prefix>-sink-dlq"; New creates it on "<prefix>.sinkdlq.>" when
+	// it is missing. Each dead letter is published on DeadLetterSubject
+	// with the effect's data, its leasehold and trace headers, and
+	// Leasehold-Sink-* headers that name the sink, the log, the effect's
+	// subject and position, the tries and the error.
+	DeadLetter string
+	// DeadLetterSubject is the subject of the runner's dead letters.
+	// Default "<prefix>.sinkdlq.<consumer>".
+	DeadLetterSubject string
+	// StallAfter is how long the runner may go without saving a decision
+	// while the log holds messages for it before Ready reports it stalled.
+	// Default 2 minutes.
+	StallAfter time.Duration
+	// MaxOpenGroups bounds the jobs whose effects the runner holds while
+	// it waits for the rest of them (see the package doc on all-or-none
+	// job effects). An effect that would open one more is refused
+	// (sink.OverLimit) and the runner goes on. The held effects are kept
+	// in memory. Default 16384 (DefaultMaxOpenGroups).
+	MaxOpenGroups int
 
 	// Batch is how many messages one fetch asks for. Default 100.
 	Batch int
@@ -153,6 +208,24 @@ func (c *Config) setDefaults() {
 	if c.MaxFences == 0 {
 		c.MaxFences = DefaultMaxFences
 	}
+	if c.HandlerBatch == 0 {
+		c.HandlerBatch = c.Batch
+	}
+	if c.MaxDeliveries == 0 {
+		c.MaxDeliveries = 10
+	}
+	if c.DeadLetter == "" {
+		c.DeadLetter = c.Prefix + "-sink-dlq"
+	}
+	if c.DeadLetterSubject == "" {
+		c.DeadLetterSubject = c.Prefix + ".sinkdlq." + c.Consumer
+	}
+	if c.StallAfter == 0 {
+		c.StallAfter = 2 * time.Minute
+	}
+	if c.MaxOpenGroups == 0 {
+		c.MaxOpenGroups = DefaultMaxOpenGroups
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -162,7 +235,7 @@ func (c *Config) setDefaults() {
 func (c Config) Validate() error {
 	c.setDefaults()
 	var errs []error
-	for what, name := range map[string]string{"stream": c.Stream, "consumer": c.Consumer, "state bucket": c.StateBucket, "downstream stream": c.Downstream} {
+	for what, name := range map[string]string{"stream": c.Stream, "consumer": c.Consumer, "state bucket": c.StateBucket, "downstream stream": c.Downstream, "dead-letter stream": c.DeadLetter} {
 		if !validName(name) {
 			errs = append(errs, fmt.Errorf("%s name %q: use letters, digits, '-' and '_'", what, name))
 		}
@@ -184,6 +257,21 @@ func (c Config) Validate() error {
 	}
 	if c.MaxBackoff <= 0 || c.RequestTimeout <= 0 {
 		errs = append(errs, errors.New("max backoff and request timeout must be positive"))
+	}
+	if c.DeadLetter == c.Stream || c.DeadLetter == c.Downstream {
+		errs = append(errs, errors.New("the dead-letter stream must be a stream of its own"))
+	}
+	if c.HandlerBatch < 1 || c.HandlerBatch > 10000 {
+		errs = append(errs, fmt.Errorf("handler batch %d: use 1 to 10000", c.HandlerBatch))
+	}
+	if c.MaxDeliveries < 1 || c.MaxDeliveries > 1000 {
+		errs = append(errs, fmt.Errorf("max deliveries %d: use 1 to 1000", c.MaxDeliveries))
+	}
+	if c.StallAfter < 0 {
+		errs = append(errs, fmt.Errorf("stall after %v: use a positive time", c.StallAfter))
+	}
+	if c.MaxOpenGroups < 1 || c.MaxOpenGroups > MaxOpenGroupsLimit {
+		errs = append(errs, fmt.Errorf("max open groups %d: use 1 to %d", c.MaxOpenGroups, MaxOpenGroupsLimit))
 	}
 	if c.MaxFences < 1 || c.MaxFences > MaxFencesLimit {
 		errs = append(errs, fmt.Errorf("max fences %d: use 1 to %d", c.MaxFences, MaxFencesLimit))

@@ -135,7 +135,7 @@ func TestCrashMidBatch(t *testing.T) {
 	ctx := ctxFor(t, 2*time.Minute)
 	js := srv.JetStream(t)
 	refused := &refusals{}
-	cfg := streamsink.Config{Prefix: "crash", Batch: 16, AckWait: time.Second, Logger: quiet(), Observer: refused}
+	cfg := streamsink.Config{Prefix: "crash", Provision: true, Batch: 16, AckWait: time.Second, Logger: quiet(), Observer: refused}
 	// Create the log and its consumer before anything is published.
 	if _, err := streamsink.New(ctx, js, cfg); err != nil {
 		t.Fatal(err)
@@ -222,7 +222,7 @@ func TestRedeliveryJudgedByPosition(t *testing.T) {
 	var mu sync.Mutex
 	handed := map[string]int{}
 	rec := &positions{}
-	cfg := streamsink.Config{Prefix: scope, Batch: 2, AckWait: time.Second, Logger: quiet(), Observer: rec,
+	cfg := streamsink.Config{Prefix: scope, Provision: true, Batch: 2, AckWait: time.Second, Logger: quiet(), Observer: rec,
 		Handler: func(_ context.Context, e sink.Effect) error {
 			mu.Lock()
 			defer mu.Unlock()
@@ -318,7 +318,7 @@ func TestNATSRestart(t *testing.T) {
 	ctx := ctxFor(t, 2*time.Minute)
 	js := srv.JetStream(t)
 	logs := &lockedBuffer{retry: make(chan struct{}, 1)}
-	cfg := streamsink.Config{Prefix: "restart", Batch: 4, AckWait: time.Second, MaxBackoff: 200 * time.Millisecond, RequestTimeout: 500 * time.Millisecond,
+	cfg := streamsink.Config{Prefix: "restart", Provision: true, Batch: 4, AckWait: time.Second, MaxBackoff: 200 * time.Millisecond, RequestTimeout: 500 * time.Millisecond,
 		Logger: slog.New(slog.NewTextHandler(logs, nil))}
 	r, err := streamsink.New(ctx, srv.JetStream(t), cfg)
 	if err != nil {
@@ -406,7 +406,7 @@ func testHandler(t *testing.T, mode string) {
 			order = append(order, e.Stamp.Epoch)
 		}
 	}
-	cfg := streamsink.Config{Prefix: "hand"}
+	cfg := streamsink.Config{Prefix: "hand", Provision: true}
 	if mode == "batch" {
 		cfg.BatchHandler = func(ctx context.Context, es []sink.Effect) error {
 			if !failOnce.Swap(true) {
@@ -468,7 +468,7 @@ func TestResumeOnAnotherNode(t *testing.T) {
 	cl := natstest.StartCluster(t)
 	ctx := ctxFor(t, 2*time.Minute)
 	js := cl.JetStream(t)
-	cfg := streamsink.Config{Prefix: "resume", Replicas: 3, Batch: 16, AckWait: time.Second, Logger: quiet()}
+	cfg := streamsink.Config{Prefix: "resume", Provision: true, Replicas: 3, Batch: 16, AckWait: time.Second, Logger: quiet()}
 	if _, err := streamsink.New(ctx, js, cfg); err != nil {
 		t.Fatal(err)
 	}

@@ -64,6 +64,9 @@ type Runner struct {
 	// stops Run there, as a crash would.
 	hook func(point string) error
 
+	retention Retention // what the log's settings can remove
+	logFirst  uint64    // the log's first sequence as configured: none below it ever existed
+
 	mu       sync.Mutex
 	seq      uint64        // the saved position
 	rev      uint64        // the position record's revision; only Run's goroutine uses it
@@ -72,9 +75,11 @@ type Runner struct {
 	running  bool
 }
 
-// New prepares a runner: it creates the effect log, the downstream stream,
-// the state bucket and the durable consumer when they are missing, and
-// loads the saved progress.
+// New prepares a runner: it finds the effect log (or creates it, with
+// Config.Provision) and checks what its settings can remove (see
+// Retention), creates the downstream stream, the dead-letter stream, the
+// state bucket and the durable consumer when they are missing, and loads
+// the saved progress.
 func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Runner, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("streamsink: invalid config: %w", err)
@@ -117,16 +122,11 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Runner, erro
 
 func (r *Runner) provision(ctx context.Context) error {
 	cfg := r.cfg
-	if _, err := r.js.Stream(ctx, cfg.Stream); errors.Is(err, jetstream.ErrStreamNotFound) {
-		_, err = r.js.CreateStream(ctx, jetstream.StreamConfig{
-			Name: cfg.Stream, Subjects: cfg.Subjects, Storage: jetstream.FileStorage, Replicas: cfg.Replicas,
-			Description: "leasehold effect log",
-		})
-		if err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
-			return fmt.Errorf("streamsink: create the effect log %s: %w", cfg.Stream, err)
-		}
-	} else if err != nil {
-		return fmt.Errorf("streamsink: look up the effect log %s: %w", cfg.Stream, err)
+	if err := r.provisionLog(ctx); err != nil {
+		return err
+	}
+	if err := r.provisionDeadLetter(ctx); err != nil {
+		return err
 	}
 	if cfg.Handler == nil && cfg.BatchHandler == nil {
 		if _, err := r.js.Stream(ctx, cfg.Downstream); errors.Is(err, jetstream.ErrStreamNotFound) {

@@ -25,7 +25,7 @@ func TestScopesShareOneLog(t *testing.T) {
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)
 	refused := &refusals{}
-	r := start(t, js, streamsink.Config{Prefix: "shared", Batch: 16, Observer: refused})
+	r := start(t, js, streamsink.Config{Prefix: "shared", Provision: true, Batch: 16, Observer: refused})
 
 	const orders, payments = "orders", "payments"
 	lock := leasehold.LockScope("leases", "report:1")
@@ -171,7 +171,7 @@ func TestRepublishHeaders(t *testing.T) {
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)
-	r := start(t, js, streamsink.Config{Prefix: "hdr"})
+	r := start(t, js, streamsink.Config{Prefix: "hdr", Provision: true})
 	st := leasehold.Stamp{Scope: "hdr", Partition: 3, Epoch: 4, Acquisition: "a4", Key: "k-1", Worker: "w4"}
 	h := nats.Header{}
 	for k, v := range map[string][]string(stampHeaders(st)) {

@@ -57,7 +57,7 @@ func TestStateSizeBound(t *testing.T) {
 	srv := natstest.Start(t)
 	ctx := testCtx(t, 5*time.Minute)
 	js := srv.JetStream(t)
-	cfg := Config{Prefix: "size", Logger: slog.New(slog.DiscardHandler)}
+	cfg := Config{Prefix: "size", Provision: true, Logger: slog.New(slog.DiscardHandler)}
 	r, err := New(ctx, js, cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -173,7 +173,7 @@ func TestAheadEntryWrittenOver(t *testing.T) {
 	srv := natstest.Start(t)
 	ctx := testCtx(t, time.Minute)
 	js := srv.JetStream(t)
-	cfg := Config{Prefix: "ahead", Logger: slog.New(slog.DiscardHandler)}
+	cfg := Config{Prefix: "ahead", Provision: true, Logger: slog.New(slog.DiscardHandler)}
 	r, err := New(ctx, js, cfg)
 	if err != nil {
 		t.Fatal(err)

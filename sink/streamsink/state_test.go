@@ -39,7 +39,7 @@ func TestLegacyStateConverted(t *testing.T) {
 	js := srv.JetStream(t)
 	const prefix = "legacy"
 	rec := &positions{}
-	cfg := streamsink.Config{Prefix: prefix, Logger: quiet(), Observer: rec}
+	cfg := streamsink.Config{Prefix: prefix, Provision: true, Logger: quiet(), Observer: rec}
 	if _, err := streamsink.New(ctx, js, cfg); err != nil {
 		t.Fatal(err)
 	}
@@ -151,7 +151,7 @@ func TestLegacyStateWithoutFences(t *testing.T) {
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)
-	cfg := streamsink.Config{Prefix: "empty", Logger: quiet()}
+	cfg := streamsink.Config{Prefix: "empty", Provision: true, Logger: quiet()}
 	if _, err := streamsink.New(ctx, js, cfg); err != nil {
 		t.Fatal(err)
 	}
@@ -181,7 +181,7 @@ func TestFenceLimit(t *testing.T) {
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)
 	rec := &positions{}
-	cfg := streamsink.Config{Prefix: "limit", MaxFences: 3, Logger: quiet(), Observer: rec}
+	cfg := streamsink.Config{Prefix: "limit", Provision: true, MaxFences: 3, Logger: quiet(), Observer: rec}
 	r := start(t, js, cfg)
 	var last uint64
 	pub := func(p leasehold.Partition, key string) uint64 {

@@ -196,7 +196,7 @@ func TestConformance(t *testing.T) {
 		func(t *testing.T, st sinktest.Setup) sinktest.Instance {
 			rec := &positions{}
 			js := srv.JetStream(t)
-			cfg := streamsink.Config{Prefix: st.Name, Observer: sink.Observers{st.Observer, rec}, Verifier: st.Verifier, Logger: quiet()}
+			cfg := streamsink.Config{Prefix: st.Name, Provision: true, Observer: sink.Observers{st.Observer, rec}, Verifier: st.Verifier, Logger: quiet()}
 			l := &logSink{js: js, r: start(t, js, cfg), rec: rec, prefix: st.Name}
 			return sinktest.Instance{
 				Sink:    l,
