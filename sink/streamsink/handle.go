@@ -215,7 +215,12 @@ func (r *Runner) decide(ctx context.Context, work *state, m *logMsg) (outcome, e
 		return o, nil
 	}
 	if st.Epoch > f.Epoch {
-		if err := r.check.Check(ctx, st); err != nil {
+		// The verifier may be the user's: bound it, or one unanswered
+		// request stops the runner for good.
+		cctx, cancel := context.WithTimeout(ctx, r.cfg.RequestTimeout)
+		err := r.check.Check(cctx, st)
+		cancel()
+		if err != nil {
 			if !errors.Is(err, sink.ErrUnverifiedEpoch) {
 				return outcome{}, err
 			}
