@@ -11,6 +11,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/internal/leader"
+	"github.com/leasehold/leasehold/internal/retry"
 )
 
 // DefaultBucket is the lease bucket's name when none is configured.
@@ -91,7 +92,7 @@ func Provision(ctx context.Context, js jetstream.JetStream, cfg BucketConfig) (*
 	}
 	cfg.setDefaults()
 	stream := "KV_" + cfg.Bucket
-	if _, err := js.Stream(ctx, stream); err == nil {
+	if _, err := retry.Value(ctx, func(ctx context.Context) (jetstream.Stream, error) { return js.Stream(ctx, stream) }); err == nil {
 		return open(ctx, js, cfg.Bucket, cfg.Replicas)
 	} else if !errors.Is(err, jetstream.ErrStreamNotFound) {
 		return nil, fmt.Errorf("coordinator: look up lease bucket %s: %w", cfg.Bucket, err)
@@ -100,7 +101,7 @@ func Provision(ctx context.Context, js jetstream.JetStream, cfg BucketConfig) (*
 	if f := uint64(cfg.EpochFloor) + 1; f > first {
 		first = f
 	}
-	_, err := js.CreateStream(ctx, jetstream.StreamConfig{
+	sc := jetstream.StreamConfig{
 		Name:                   stream,
 		Description:            "leasehold leases, members and fenced progress",
 		Subjects:               []string{"$KV." + cfg.Bucket + ".>"},
@@ -120,7 +121,10 @@ func Provision(ctx context.Context, js jetstream.JetStream, cfg BucketConfig) (*
 		SubjectDeleteMarkerTTL: cfg.MarkerTTL,
 		FirstSeq:               first,
 		Metadata:               map[string]string{"leasehold": "lease-bucket"},
-	})
+	}
+	// Right after a delete of the same bucket the server may refuse the
+	// create for a moment (10049).
+	err := retry.Do(ctx, func(ctx context.Context) error { _, err := js.CreateStream(ctx, sc); return err })
 	if err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
 		return nil, fmt.Errorf("coordinator: create lease bucket %s: %w", cfg.Bucket, err)
 	}
@@ -136,7 +140,7 @@ func OpenBucket(ctx context.Context, js jetstream.JetStream, bucket string) (*Bu
 }
 
 func open(ctx context.Context, js jetstream.JetStream, bucket string, replicas int) (*Bucket, error) {
-	s, err := js.Stream(ctx, "KV_"+bucket)
+	s, err := retry.Value(ctx, func(ctx context.Context) (jetstream.Stream, error) { return js.Stream(ctx, "KV_"+bucket) })
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
 		return nil, fmt.Errorf("coordinator: lease bucket %s does not exist: create it with coordinator.Provision or `leasehold init`", bucket)
 	}
@@ -146,7 +150,7 @@ func open(ctx context.Context, js jetstream.JetStream, bucket string, replicas i
 	if err := checkStream(bucket, s.CachedInfo().Config, replicas); err != nil {
 		return nil, err
 	}
-	kv, err := js.KeyValue(ctx, bucket)
+	kv, err := retry.Value(ctx, func(ctx context.Context) (jetstream.KeyValue, error) { return js.KeyValue(ctx, bucket) })
 	if err != nil {
 		return nil, fmt.Errorf("coordinator: bind lease bucket %s: %w", bucket, err)
 	}
