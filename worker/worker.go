@@ -14,6 +14,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/internal/retry"
 	"github.com/leasehold/leasehold/telemetry"
 )
 
@@ -252,7 +253,10 @@ func claimBucket(ctx context.Context, b *coordinator.Bucket, prefix string) erro
 				break
 			}
 		}
-		if _, err = b.KeyValue().Create(ctx, bucketOwnerKey, []byte(prefix)); err == nil {
+		create := func(ctx context.Context) (uint64, error) {
+			return b.KeyValue().Create(ctx, bucketOwnerKey, []byte(prefix))
+		}
+		if _, err = retry.Value(ctx, create); err == nil {
 			return nil
 		}
 		got, ok, rerr := b.Lookup(ctx, bucketOwnerKey)
