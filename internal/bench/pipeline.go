@@ -13,6 +13,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/internal/retry"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/streamsink"
 	"github.com/leasehold/leasehold/worker"
@@ -236,8 +237,10 @@ func (e *env) startRaw(ctx context.Context, js jetstream.JetStream, prefix strin
 	if err != nil {
 		return nil, err
 	}
-	scons, err := sjs.CreateOrUpdateConsumer(ctx, worker.EffectsStream(prefix), jetstream.ConsumerConfig{
-		Durable: "raw-sink", AckPolicy: jetstream.AckExplicitPolicy, AckWait: 30 * time.Second, MaxAckPending: 10000,
+	scons, err := retry.Value(ctx, func(ctx context.Context) (jetstream.Consumer, error) {
+		return sjs.CreateOrUpdateConsumer(ctx, worker.EffectsStream(prefix), jetstream.ConsumerConfig{
+			Durable: "raw-sink", AckPolicy: jetstream.AckExplicitPolicy, AckWait: 30 * time.Second, MaxAckPending: 10000,
+		})
 	})
 	if err != nil {
 		e.release(snc)
@@ -254,12 +257,14 @@ func (e *env) startRaw(ctx context.Context, js jetstream.JetStream, prefix strin
 		var parts []func(context.Context)
 		for p := w; p < pipePartitions; p += pipeWorkers {
 			part := leasehold.Partition(p)
-			cons, err := wjs.CreateOrUpdateConsumer(ctx, worker.JobsStream(prefix), jetstream.ConsumerConfig{
-				Durable:       fmt.Sprintf("raw-p%d", p),
-				FilterSubject: worker.JobSubject(prefix, part),
-				AckPolicy:     jetstream.AckExplicitPolicy,
-				AckWait:       30 * time.Second,
-				MaxAckPending: 10000,
+			cons, err := retry.Value(ctx, func(ctx context.Context) (jetstream.Consumer, error) {
+				return wjs.CreateOrUpdateConsumer(ctx, worker.JobsStream(prefix), jetstream.ConsumerConfig{
+					Durable:       fmt.Sprintf("raw-p%d", p),
+					FilterSubject: worker.JobSubject(prefix, part),
+					AckPolicy:     jetstream.AckExplicitPolicy,
+					AckWait:       30 * time.Second,
+					MaxAckPending: 10000,
+				})
 			})
 			if err != nil {
 				e.release(wnc)

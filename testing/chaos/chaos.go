@@ -44,6 +44,7 @@ import (
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/history"
+	"github.com/leasehold/leasehold/internal/retry"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -355,7 +356,11 @@ func (h *harness) provision(ctx context.Context) error {
 		return fmt.Errorf("chaos: %w", err)
 	}
 	for _, b := range []string{sinkKV, prefix + "-" + "sink-state"} {
-		if _, err := h.js.CreateKeyValue(pctx, jetstream.KeyValueConfig{Bucket: b, History: 1, Storage: jetstream.FileStorage, Replicas: replicas}); err != nil {
+		err := retry.Do(pctx, func(ctx context.Context) error {
+			_, err := h.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: b, History: 1, Storage: jetstream.FileStorage, Replicas: replicas})
+			return err
+		})
+		if err != nil {
 			return fmt.Errorf("chaos: create bucket %s: %w", b, err)
 		}
 	}
@@ -480,7 +485,7 @@ func (h *harness) collect(ctx context.Context) (Input, error) {
 	if in.Events, err = history.Read(h.histDir); err != nil {
 		return in, err
 	}
-	err = retry(rctx, func() (err error) {
+	err = retryUntil(rctx, func() (err error) {
 		if in.Jobs, err = readJobs(rctx, h.js, prefix); err != nil {
 			return err
 		}
@@ -499,9 +504,9 @@ func (h *harness) collect(ctx context.Context) (Input, error) {
 	return in, err
 }
 
-// retry runs f until it succeeds or ctx ends: a cluster that has just
+// retryUntil runs f until it succeeds or ctx ends: a cluster that has just
 // had a node back may not answer every request at once.
-func retry(ctx context.Context, f func() error) error {
+func retryUntil(ctx context.Context, f func() error) error {
 	for {
 		err := f()
 		if err == nil {
