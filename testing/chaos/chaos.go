@@ -19,7 +19,9 @@
 // the job stream, the effect log and the sink's final contents and reports
 // violations of: (a) no stale application, (b) every job's effect applied
 // exactly once, (c) per-partition epochs that strictly increase, (d) one
-// holder per epoch. Run returns the figures `leasehold chaos` prints.
+// holder per epoch, (e) liveness: no partition stalls (pending jobs, a live
+// holder, no progress) for longer than the TTL + 5s, and no job is left
+// unapplied. Run returns the figures `leasehold chaos` prints.
 //
 // Children run Config.Binary, the leasehold command. The leasehold command
 // and its tests run themselves; other callers build the command first
@@ -315,11 +317,13 @@ func (h *harness) run(ctx context.Context) (*Result, error) {
 	if err != nil {
 		return nil, err
 	}
+	end := time.Now()
 	h.stopAll()
 	in, err := h.collect(ctx)
 	if err != nil {
 		return nil, err
 	}
+	in.End, in.LivenessBound = end, h.cfg.TTL+5*time.Second
 	a := Check(in)
 	h.mu.Lock()
 	skipped := append([]string(nil), h.skipped...)
