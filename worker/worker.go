@@ -37,6 +37,8 @@ type Worker struct {
 	stopped chan struct{} // closed when Run returns
 
 	stalls atomic.Int64 // pull requests that expired while jobs waited
+
+	hangs map[leasehold.Partition]hangRecord // jobs whose handler hung here; guarded by mu
 }
 
 type runState int
@@ -208,7 +210,7 @@ func (w *Worker) onAcquire(l *coordinator.Lease) {
 	w.mu.Unlock()
 	r.event(r.ctx, Event{Kind: EventPartitionAcquired, Seq: l.Progress()})
 	go func() {
-		defer w.tasks.Done()
+		defer r.untrack()
 		defer w.forget(r)
 		r.run()
 	}()
