@@ -63,14 +63,25 @@ func (a *applied) add(data []byte) {
 	}
 }
 
-func (a *applied) wait(ctx context.Context, timeout time.Duration) error {
-	select {
-	case <-a.done:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-time.After(timeout):
-		return fmt.Errorf("%d of %d effects applied within %v", a.n.Load(), a.want, timeout)
+// wait waits until every effect is applied, or until none has been for
+// quiet: a slow machine gets there late, a stalled pipeline fails.
+func (a *applied) wait(ctx context.Context, quiet time.Duration) error {
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	last, since := a.n.Load(), time.Now()
+	for {
+		select {
+		case <-a.done:
+			return nil
+		case <-ctx.Done():
+			return fmt.Errorf("%d of %d effects applied: %w", a.n.Load(), a.want, ctx.Err())
+		case <-tick.C:
+		}
+		if n := a.n.Load(); n != last {
+			last, since = n, time.Now()
+		} else if time.Since(since) > quiet {
+			return fmt.Errorf("%d of %d effects applied, and none for %v", n, a.want, quiet)
+		}
 	}
 }
 
@@ -429,8 +440,8 @@ func (e *env) throughput(ctx context.Context, raw bool, prefix string, n int) (f
 	if err := enqueueAll(ctx, p.prod, n); err != nil {
 		return 0, err
 	}
-	if err := ap.wait(ctx, 2*time.Minute); err != nil {
-		return 0, err
+	if err := ap.wait(ctx, time.Minute); err != nil {
+		return 0, fmt.Errorf("pipeline %s: %w", prefix, err)
 	}
 	return float64(n) / time.Since(t0).Seconds(), nil
 }
