@@ -12,6 +12,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/internal/leader"
+	"github.com/leasehold/leasehold/internal/retry"
 )
 
 // DefaultBucket is the lease bucket's name when none is configured.
@@ -151,7 +152,7 @@ func OpenBucket(ctx context.Context, js jetstream.JetStream, bucket string) (*Bu
 }
 
 func open(ctx context.Context, js jetstream.JetStream, bucket string, replicas int) (*Bucket, error) {
-	s, err := js.Stream(ctx, "KV_"+bucket)
+	s, err := retry.Value(ctx, func(ctx context.Context) (jetstream.Stream, error) { return js.Stream(ctx, "KV_"+bucket) })
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
 		return nil, fmt.Errorf("coordinator: lease bucket %s does not exist: create it with coordinator.Provision or `leasehold init`", bucket)
 	}
@@ -172,7 +173,7 @@ func open(ctx context.Context, js jetstream.JetStream, bucket string, replicas i
 		return nil, fmt.Errorf("%w: bucket %s keeps progress records in itself (it was created by an earlier leasehold): run `leasehold init` (or coordinator.Provision) once to move them to its fence-record bucket",
 			ErrBucketConfig, bucket)
 	}
-	fs, err := js.Stream(ctx, "KV_"+fenceName)
+	fs, err := retry.Value(ctx, func(ctx context.Context) (jetstream.Stream, error) { return js.Stream(ctx, "KV_"+fenceName) })
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
 		return nil, fmt.Errorf("%w: the fence-record bucket %s of lease bucket %s is missing, and with it every partition's progress: run `leasehold init` (coordinator.Provision) to find out how to go on",
 			ErrBucketConfig, fenceName, bucket)
@@ -183,7 +184,7 @@ func open(ctx context.Context, js jetstream.JetStream, bucket string, replicas i
 	if err := checkFenceStream(fenceName, bucket, scope, fs.CachedInfo().Config, sc.Replicas); err != nil {
 		return nil, err
 	}
-	kv, err := js.KeyValue(ctx, bucket)
+	kv, err := retry.Value(ctx, func(ctx context.Context) (jetstream.KeyValue, error) { return js.KeyValue(ctx, bucket) })
 	if err != nil {
 		return nil, fmt.Errorf("coordinator: bind lease bucket %s: %w", bucket, err)
 	}

@@ -483,13 +483,12 @@ func (g *group) onAcquired(r acquireResult) {
 	}
 }
 
-// watchLoss forwards l's loss to the loop. Released leases end the same
-// way; the loop tells them apart.
+// watchLoss forwards l's end to the loop: a loss, or a release. The loop
+// drops a released lease it is not draining itself (OnAcquire's owner gave
+// it up, as a worker does when a handler hangs), so that the partition can
+// be taken again; the ones it drains it drops when the drain ends.
 func (g *group) watchLoss(l *Lease) {
 	context.AfterFunc(l.ctx, func() {
-		if errors.Is(context.Cause(l.ctx), ErrReleased) {
-			return
-		}
 		select {
 		case g.lostCh <- l:
 		case <-g.done:

@@ -10,6 +10,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/internal/leader"
+	"github.com/leasehold/leasehold/internal/retry"
 )
 
 // wallClock is the clock Provision reads for a new bucket's first revision; a
@@ -42,7 +43,7 @@ func Provision(ctx context.Context, js jetstream.JetStream, cfg BucketConfig) (*
 		return nil, err
 	}
 	cfg.setDefaults()
-	s, err := js.Stream(ctx, "KV_"+cfg.Bucket)
+	s, err := retry.Value(ctx, func(ctx context.Context) (jetstream.Stream, error) { return js.Stream(ctx, "KV_"+cfg.Bucket) })
 	switch {
 	case err == nil:
 		if err := upgrade(ctx, js, s, cfg); err != nil {

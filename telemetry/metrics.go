@@ -33,6 +33,10 @@ type Metrics struct {
 	// leasehold_sink_effects_total{leasehold_sink, leasehold_outcome}, the
 	// outcome one of the Outcome* constants.
 	SinkEffects metric.Int64Counter
+	// JobsHung counts handlers that did not return after their context
+	// ended, whose partition the worker gave up:
+	// leasehold_jobs_hung_total{leasehold_partition, leasehold_worker}.
+	JobsHung metric.Int64Counter
 
 	meter metric.Meter
 	once  sync.Once // registers the gauges' callback on first use
@@ -74,6 +78,7 @@ func newMetrics(m metric.Meter) *Metrics {
 	ms.JobsProcessed, _ = m.Int64Counter("leasehold.jobs.processed", metric.WithDescription("Handler attempts that succeeded."), metric.WithUnit("{job}"))
 	ms.JobsFailed, _ = m.Int64Counter("leasehold.jobs.failed", metric.WithDescription("Handler attempts that failed (errors, panics, effects not stored)."), metric.WithUnit("{job}"))
 	ms.JobsDeadLettered, _ = m.Int64Counter("leasehold.jobs.dead_lettered", metric.WithDescription("Jobs sent to the dead-letter subject."), metric.WithUnit("{job}"))
+	ms.JobsHung, _ = m.Int64Counter("leasehold.jobs.hung", metric.WithDescription("Handlers that did not return after their context ended (HandleTimeout, a lost lease); their partition was released."), metric.WithUnit("{job}"))
 	ms.HandlerDuration, _ = m.Float64Histogram("leasehold.handler.duration", metric.WithDescription("Time a handler took for one attempt."), metric.WithUnit("s"),
 		metric.WithExplicitBucketBoundaries(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30))
 	ms.EffectsEmitted, _ = m.Int64Counter("leasehold.effects.emitted", metric.WithDescription("Stamped effects published or applied by handlers."), metric.WithUnit("{effect}"))

@@ -25,7 +25,9 @@ type Job struct {
 	Seq       uint64 // the job's sequence in the job stream
 	Partition leasehold.Partition
 	// Attempt counts the runs of this job by this worker since it took the
-	// partition, from 1. A job re-run after a fail-over starts at 1 again.
+	// partition, from 1; after a hang (see Config.HangGrace) it counts on
+	// when this worker takes the partition again. A job re-run after a
+	// fail-over starts at 1 again.
 	Attempt int
 	Lease   leasehold.Lease // the lease the job is handled under
 	ID      string          // the job's Nats-Msg-Id

@@ -41,6 +41,11 @@ type runner struct {
 	prev *runner       // the partition's previous runner in this worker, if any
 	done chan struct{} // closed when run returns
 
+	// abandoned is closed when its handler hung and the runner was given
+	// up on (see hang.go).
+	abandoned                chan struct{}
+	abandonOnce, untrackOnce sync.Once
+
 	dmu       sync.Mutex
 	drainCtx  context.Context
 	drainAt   time.Time
@@ -121,6 +126,7 @@ func newRunner(w *Worker, l *coordinator.Lease, prev *runner) *runner {
 		retries:  map[uint64]retryState{},
 	}
 	r.spans = newSpans(r)
+	r.abandoned = make(chan struct{})
 	return r
 }
 
@@ -162,8 +168,11 @@ func (r *runner) run() {
 	defer r.cancel(errRunnerDone)
 	if r.prev != nil {
 		// The previous lease on this partition is gone; its runner only
-		// settles what it started.
-		<-r.prev.done
+		// settles what it started, unless its handler hung.
+		select {
+		case <-r.prev.done:
+		case <-r.prev.abandoned:
+		}
 		r.prev = nil
 	}
 	// Report a loss when it happens, not when the runner gets to it: a
@@ -178,6 +187,10 @@ func (r *runner) run() {
 	r.committed = r.lease.Progress()
 	r.committedSeq.Store(r.committed)
 	r.finished, r.handled = r.committed, r.committed
+	if h, ok := r.w.recallHang(r.p, r.committed); ok {
+		// The job hung here before: its failures count on.
+		r.retries[h.seq] = retryState{runs: h.failures, failures: h.failures, err: h.err, dead: h.failures >= r.w.cfg.MaxAttempts}
+	}
 	r.lastCommit = time.Now()
 	r.touch()
 	select {
@@ -306,15 +319,20 @@ func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream
 		ctx := context.WithValue(r.ctx, jobKey{}, job)
 		ctx = r.w.tel.Propagator.Extract(ctx, telemetry.HeaderCarrier(job.Header))
 		ctx, span := r.startProcess(ctx, job)
-		var cancel context.CancelFunc = func() {}
-		if r.w.cfg.HandleTimeout > 0 {
-			ctx, cancel = context.WithTimeout(ctx, r.w.cfg.HandleTimeout)
-		}
+		ctx, cancel := context.WithTimeoutCause(ctx, r.w.cfg.HandleTimeout, ErrHandleTimeout)
 		r.event(ctx, Event{Kind: EventJobStarted, Job: job, Seq: seq, Attempt: st.runs})
 		start := time.Now()
+		dog := r.watch(ctx, job, st, start)
 		err := call(ctx, r.w.handler, job)
 		took := time.Since(start)
+		hung := dog.done()
+		err = attemptError(ctx, err)
 		cancel()
+		if hung {
+			// Given up on: the partition is released, and the slot.
+			r.measure(ctx, span, took, err)
+			return nil, 0, outLost
+		}
 		r.releaseSlot()
 		futs, effErr := job.close()
 		r.measure(ctx, span, took, cmp.Or(err, effErr))

@@ -14,6 +14,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/internal/retry"
 	"github.com/leasehold/leasehold/telemetry"
 )
 
@@ -36,6 +37,8 @@ type Worker struct {
 	stopped chan struct{} // closed when Run returns
 
 	stalls atomic.Int64 // pull requests that expired while jobs waited
+
+	hangs map[leasehold.Partition]hangRecord // jobs whose handler hung here; guarded by mu
 }
 
 type runState int
@@ -221,7 +224,7 @@ func (w *Worker) onAcquire(l *coordinator.Lease) {
 	w.mu.Unlock()
 	r.event(r.ctx, Event{Kind: EventPartitionAcquired, Seq: l.Progress()})
 	go func() {
-		defer w.tasks.Done()
+		defer r.untrack()
 		defer w.forget(r)
 		r.run()
 	}()
@@ -251,7 +254,8 @@ func (w *Worker) forget(r *runner) {
 // stream: every acquisition would retry its barrier for ever.
 func (w *Worker) checkBarrierSubjects(ctx context.Context) error {
 	for _, subj := range w.cfg.BarrierSubjects(0) {
-		if _, err := w.cfg.JetStream.StreamNameBySubject(ctx, subj); err != nil {
+		byName := func(ctx context.Context) (string, error) { return w.cfg.JetStream.StreamNameBySubject(ctx, subj) }
+		if _, err := retry.Value(ctx, byName); err != nil {
 			if errors.Is(err, jetstream.ErrStreamNotFound) {
 				return fmt.Errorf("%w: no stream stores the barrier subject %s (a job stream provisioned with NoEffects has no default output): set Config.BarrierSubjects to return the subjects your sinks consume, or nil to publish no barriers",
 					ErrStreamConfig, subj)

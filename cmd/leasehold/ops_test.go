@@ -15,9 +15,9 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/leasehold/leasehold/coordinator"
-	"github.com/leasehold/leasehold/worker"
 	"github.com/leasehold/leasehold/internal/fleet"
 	"github.com/leasehold/leasehold/testing/natstest"
+	"github.com/leasehold/leasehold/worker"
 )
 
 func TestMain(m *testing.M) {

@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/retry"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/kvsink"
 	"github.com/leasehold/leasehold/sink/pgsink"
@@ -131,7 +132,9 @@ func (e *env) fenceCost(ctx context.Context) ([]Row, error) {
 	if err != nil {
 		return rows, err
 	}
-	kv, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "fence-plain", History: 1, Storage: jetstream.FileStorage})
+	kv, err := retry.Value(ctx, func(ctx context.Context) (jetstream.KeyValue, error) {
+		return js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "fence-plain", History: 1, Storage: jetstream.FileStorage})
+	})
 	if err != nil {
 		return rows, err
 	}

@@ -53,6 +53,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/internal/leader"
+	"github.com/leasehold/leasehold/internal/retry"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/telemetry"
 )
@@ -176,19 +177,23 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Sink, error)
 	}
 	cfg.setDefaults()
 	stream := "KV_" + cfg.Bucket
-	info, err := js.Stream(ctx, stream)
+	lookup := func(ctx context.Context) (jetstream.Stream, error) { return js.Stream(ctx, stream) }
+	info, err := retry.Value(ctx, lookup)
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
-		_, err = js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
-			Bucket:      cfg.Bucket,
-			Description: "leasehold fenced effects",
-			History:     1,
-			Storage:     jetstream.FileStorage,
-			Replicas:    cfg.Replicas,
+		err = retry.Do(ctx, func(ctx context.Context) error {
+			_, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
+				Bucket:      cfg.Bucket,
+				Description: "leasehold fenced effects",
+				History:     1,
+				Storage:     jetstream.FileStorage,
+				Replicas:    cfg.Replicas,
+			})
+			return err
 		})
 		if err != nil && !errors.Is(err, jetstream.ErrBucketExists) {
 			return nil, fmt.Errorf("kvsink: create bucket %s: %w", cfg.Bucket, err)
 		}
-		info, err = js.Stream(ctx, stream)
+		info, err = retry.Value(ctx, lookup)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("kvsink: look up bucket %s: %w", cfg.Bucket, err)
@@ -197,7 +202,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Sink, error)
 	if !sc.AllowAtomicPublish || (cfg.DedupeTTL > 0 && !sc.AllowMsgTTL) {
 		sc.AllowAtomicPublish = true
 		sc.AllowMsgTTL = sc.AllowMsgTTL || cfg.DedupeTTL > 0
-		if _, err := js.UpdateStream(ctx, sc); err != nil {
+		if err := retry.Do(ctx, func(ctx context.Context) error { _, err := js.UpdateStream(ctx, sc); return err }); err != nil {
 			return nil, fmt.Errorf("kvsink: bucket %s does not allow atomic batches and could not be changed to (it needs nats-server 2.12 or later): %w", cfg.Bucket, err)
 		}
 	}
@@ -207,7 +212,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Sink, error)
 	if err := checkDurable(cfg, sc); err != nil {
 		return nil, err
 	}
-	kv, err := js.KeyValue(ctx, cfg.Bucket)
+	kv, err := retry.Value(ctx, func(ctx context.Context) (jetstream.KeyValue, error) { return js.KeyValue(ctx, cfg.Bucket) })
 	if err != nil {
 		return nil, fmt.Errorf("kvsink: bind bucket %s: %w", cfg.Bucket, err)
 	}

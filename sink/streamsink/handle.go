@@ -218,7 +218,12 @@ func (r *Runner) decide(ctx context.Context, w *work, m *logMsg) (outcome, error
 		return o, nil
 	}
 	if raise {
-		if err := r.check.CheckAbove(ctx, st, f.Epoch); err != nil {
+		// The verifier may be the user's: bound it, or one unanswered
+		// request stops the runner for good.
+		cctx, cancel := context.WithTimeout(ctx, r.cfg.RequestTimeout)
+		err := r.check.CheckAbove(cctx, st, f.Epoch)
+		cancel()
+		if err != nil {
 			if !errors.Is(err, sink.ErrUnverifiedEpoch) {
 				return outcome{}, err
 			}

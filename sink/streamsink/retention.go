@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold/internal/retry"
 )
 
 // ErrNoLog is matched by the error New returns when the effect log does
@@ -105,12 +107,12 @@ func (r *Runner) Retention() Retention { return r.retention }
 // and checks what its settings can remove.
 func (r *Runner) provisionLog(ctx context.Context) error {
 	cfg := r.cfg
-	s, err := r.js.Stream(ctx, cfg.Stream)
+	s, err := retry.Value(ctx, r.lookup(cfg.Stream))
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
 		if !cfg.Provision {
 			return fmt.Errorf("%w: %s: run `leasehold init` first (it creates the job streams and their effect log), or set Config.Provision to have the runner create a log that no job stream provisions", ErrNoLog, cfg.Stream)
 		}
-		s, err = r.js.CreateStream(ctx, jetstream.StreamConfig{
+		s, err = r.create(ctx, jetstream.StreamConfig{
 			Name: cfg.Stream, Subjects: cfg.Subjects, Storage: jetstream.FileStorage, Replicas: cfg.Replicas,
 			Description: "leasehold effect log",
 			// Trimmed by nothing and never by hand: a message the runner
@@ -118,7 +120,7 @@ func (r *Runner) provisionLog(ctx context.Context) error {
 			DenyDelete: true, DenyPurge: true,
 		})
 		if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
-			s, err = r.js.Stream(ctx, cfg.Stream)
+			s, err = retry.Value(ctx, r.lookup(cfg.Stream))
 		}
 		if err != nil {
 			return fmt.Errorf("streamsink: create the effect log %s: %w", cfg.Stream, err)
@@ -144,8 +146,8 @@ func (r *Runner) provisionLog(ctx context.Context) error {
 // that it stores the runner's dead-letter subject.
 func (r *Runner) provisionDeadLetter(ctx context.Context) error {
 	cfg := r.cfg
-	if _, err := r.js.Stream(ctx, cfg.DeadLetter); errors.Is(err, jetstream.ErrStreamNotFound) {
-		_, err = r.js.CreateStream(ctx, jetstream.StreamConfig{
+	if _, err := retry.Value(ctx, r.lookup(cfg.DeadLetter)); errors.Is(err, jetstream.ErrStreamNotFound) {
+		_, err = r.create(ctx, jetstream.StreamConfig{
 			Name: cfg.DeadLetter, Subjects: []string{cfg.Prefix + ".sinkdlq.>"}, Storage: jetstream.FileStorage,
 			Replicas: cfg.Replicas, Duplicates: 10 * time.Minute, Description: "leasehold sink dead letters: effects a sink could not apply",
 		})

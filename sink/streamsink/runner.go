@@ -44,6 +44,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/internal/leader"
+	"github.com/leasehold/leasehold/internal/retry"
 	"github.com/leasehold/leasehold/sink"
 )
 
@@ -101,7 +102,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Runner, erro
 	if max := js.Conn().MaxPayload(); max > 0 && max < shardBytes+4096 {
 		return nil, fmt.Errorf("streamsink: the server's max payload of %d bytes is below the %d a shard of the runner's saved fences may take: raise max_payload (default 1 MiB)", max, shardBytes+4096)
 	}
-	st, err := r.loadState(ctx)
+	st, err := retry.Value(ctx, r.loadState)
 	if err != nil {
 		return nil, err
 	}
@@ -129,8 +130,8 @@ func (r *Runner) provision(ctx context.Context) error {
 		return err
 	}
 	if cfg.Handler == nil && cfg.BatchHandler == nil {
-		if _, err := r.js.Stream(ctx, cfg.Downstream); errors.Is(err, jetstream.ErrStreamNotFound) {
-			_, err = r.js.CreateStream(ctx, jetstream.StreamConfig{
+		if _, err := retry.Value(ctx, r.lookup(cfg.Downstream)); errors.Is(err, jetstream.ErrStreamNotFound) {
+			_, err = r.create(ctx, jetstream.StreamConfig{
 				Name: cfg.Downstream, Subjects: []string{cfg.Prefix + ".fenced.>"}, Storage: jetstream.FileStorage,
 				Replicas: cfg.Replicas, Duplicates: 10 * time.Minute, Description: "leasehold fenced effects",
 			})
@@ -141,14 +142,17 @@ func (r *Runner) provision(ctx context.Context) error {
 			return fmt.Errorf("streamsink: look up the downstream stream %s: %w", cfg.Downstream, err)
 		}
 	}
-	kv, err := r.js.KeyValue(ctx, cfg.StateBucket)
+	bind := func(ctx context.Context) (jetstream.KeyValue, error) { return r.js.KeyValue(ctx, cfg.StateBucket) }
+	kv, err := retry.Value(ctx, bind)
 	if errors.Is(err, jetstream.ErrBucketNotFound) {
-		kv, err = r.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
-			Bucket: cfg.StateBucket, History: 1, Storage: jetstream.FileStorage, Replicas: cfg.Replicas,
-			Description: "leasehold stream sink progress",
+		kv, err = retry.Value(ctx, func(ctx context.Context) (jetstream.KeyValue, error) {
+			return r.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
+				Bucket: cfg.StateBucket, History: 1, Storage: jetstream.FileStorage, Replicas: cfg.Replicas,
+				Description: "leasehold stream sink progress",
+			})
 		})
 		if errors.Is(err, jetstream.ErrBucketExists) {
-			kv, err = r.js.KeyValue(ctx, cfg.StateBucket)
+			kv, err = retry.Value(ctx, bind)
 		}
 	}
 	if err != nil {
@@ -156,7 +160,7 @@ func (r *Runner) provision(ctx context.Context) error {
 	}
 	r.stateKV = kv
 	r.state = leader.NewReader(r.js, "KV_"+cfg.StateBucket)
-	cons, err := r.js.CreateOrUpdateConsumer(ctx, cfg.Stream, jetstream.ConsumerConfig{
+	cc := jetstream.ConsumerConfig{
 		Durable:       cfg.Consumer,
 		Description:   "leasehold stream sink",
 		AckPolicy:     jetstream.AckExplicitPolicy,
@@ -165,12 +169,25 @@ func (r *Runner) provision(ctx context.Context) error {
 		MaxAckPending: 4 * cfg.Batch,
 		FilterSubject: cfg.FilterSubject,
 		DeliverPolicy: jetstream.DeliverAllPolicy,
+	}
+	cons, err := retry.Value(ctx, func(ctx context.Context) (jetstream.Consumer, error) {
+		return r.js.CreateOrUpdateConsumer(ctx, cfg.Stream, cc)
 	})
 	if err != nil {
 		return fmt.Errorf("streamsink: consumer %s on %s: %w", cfg.Consumer, cfg.Stream, err)
 	}
 	r.cons = cons
 	return nil
+}
+
+func (r *Runner) lookup(name string) func(context.Context) (jetstream.Stream, error) {
+	return func(ctx context.Context) (jetstream.Stream, error) { return r.js.Stream(ctx, name) }
+}
+
+// create creates a stream, retrying the server's transient refusals (10049
+// right after a delete of the same name).
+func (r *Runner) create(ctx context.Context, sc jetstream.StreamConfig) (jetstream.Stream, error) {
+	return retry.Value(ctx, func(ctx context.Context) (jetstream.Stream, error) { return r.js.CreateStream(ctx, sc) })
 }
 
 // Fence returns what the runner records for fence id as of the handled

@@ -1,6 +1,7 @@
 package chaos
 
 import (
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -156,7 +157,11 @@ func TestCheckFindsStaleApplication(t *testing.T) {
 
 func TestCheckFindsLostAndDuplicated(t *testing.T) {
 	s := newStory()
+	// Job 2's effect is neither in the sink nor in the effect log, and b
+	// committed past it: nothing can apply it any more.
 	delete(s.in.Final, s.key(2))
+	s.in.Log = slices.DeleteFunc(s.in.Log, func(l LogEntry) bool { return l.Stamp.Key == s.key(2) })
+	s.ev(12, Event{Proc: "b", Kind: KindCommit, Epoch: 20, Seq: 2})
 	s.ev(14, Event{Proc: "sink", Kind: KindDecision, Reason: ApplyStage, Epoch: 20, Key: s.key(1), Outcome: "accepted"})
 	a := Check(s.in)
 	if a.JobsLost != 1 || a.JobsDuplicated != 1 || checks(a) != CheckDuplicate+","+CheckLost {
