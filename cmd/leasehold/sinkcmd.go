@@ -63,7 +63,7 @@ resumes with nothing applied twice or lost. Run one runner per effect log.`,
 	fs.StringVar(&f.postgresURL, "postgres-url", "", "PostgreSQL connection URL for --kind postgres (env DATABASE_URL too)")
 	fs.StringVar(&f.kvBucket, "kv-bucket", "leasehold-sink", "KV bucket for --kind kv")
 	fs.StringVar(&f.downstream, "downstream", "", "stream accepted effects are republished into, for --kind stream (default <prefix>-fenced)")
-	fs.BoolVar(&f.verifyEpochs, "verify-epochs", false, "check every new epoch against the lease bucket before it may raise a fence (refuses forged epochs)")
+	fs.BoolVar(&f.verifyEpochs, "verify-epochs", true, "check every new epoch against the lease bucket before it may raise a fence, refusing forged epochs (needs read access to the lease bucket; --verify-epochs=false trusts every stamp)")
 	fs.StringVar(&f.legacyScope, "legacy-scope", "", "the scope (normally the job stream's prefix) that wrote progress saved before fence scopes: it is converted in place; without it such progress is refused")
 	fs.StringVar(&f.httpAddr, "http", ":8081", "address for /metrics, /livez and /readyz ('' to serve nothing)")
 	fs.StringVar(&f.historyDir, "history", "", "directory to append this process's decision history to (for the chaos checker)")

@@ -30,6 +30,8 @@ type workerFlags struct {
 	historyDir   string
 	logLevel     string
 	otlp         string
+	stallAfter   time.Duration
+	handleTO     time.Duration
 }
 
 func newWorkerCmd() *cobra.Command {
@@ -40,7 +42,9 @@ func newWorkerCmd() *cobra.Command {
 		Long: `worker joins the worker group in the lease bucket, takes its share of the job
 stream's partitions and runs the example handler on each job: it emits one
 stamped effect per job to <prefix>.out.<partition>, which ` + "`leasehold sink`" + ` applies.
-It serves /metrics, /livez and /readyz on --http, and on SIGTERM stops taking
+It serves /metrics, /livez and /readyz on --http; /readyz fails while NATS is
+unreachable or a held partition with waiting jobs has committed nothing for
+--stall-after (the leasehold_partition_stalled gauge says which). On SIGTERM it stops taking
 jobs, finishes what it has, commits progress and releases its partitions
 within --drain-timeout. Run ` + "`leasehold init`" + ` once first.`,
 		Args: cobra.NoArgs,
@@ -56,6 +60,8 @@ within --drain-timeout. Run ` + "`leasehold init`" + ` once first.`,
 	fs.StringVar(&f.httpAddr, "http", ":8080", "address for /metrics, /livez and /readyz ('' to serve nothing)")
 	fs.DurationVar(&f.workTime, "work-time", 0, "time the example handler spends on each job")
 	fs.BoolVar(&f.writeBehind, "write-behind", false, "example handler takes its stamp before the work and publishes afterwards (makes zombie writes when paused)")
+	fs.DurationVar(&f.stallAfter, "stall-after", 2*time.Minute, "how long a held partition with waiting jobs may commit nothing before it counts as stalled (keep it above the longest job)")
+	fs.DurationVar(&f.handleTO, "handle-timeout", 5*time.Minute, "bound on one attempt of a job; past it the attempt fails and counts towards the dead-letter stream")
 	fs.StringVar(&f.historyDir, "history", "", "directory to append this process's event history to (for the chaos checker)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&f.otlp, "otlp", "", "OTLP/HTTP endpoint to send traces to, such as http://127.0.0.1:4318 (default $OTEL_EXPORTER_OTLP_ENDPOINT; none: no traces)")
@@ -117,6 +123,8 @@ func runWorker(ctx context.Context, f workerFlags) error {
 		},
 		Telemetry:      tel.Config(),
 		MaxConcurrency: f.concurrency,
+		StallAfter:     f.stallAfter,
+		HandleTimeout:  f.handleTO,
 		Logger:         log,
 		Observer:       observer,
 	})
@@ -124,7 +132,7 @@ func runWorker(ctx context.Context, f workerFlags) error {
 		return err
 	}
 	httpCtx, stopHTTP := context.WithCancel(context.Background())
-	wait, err := serveHTTP(httpCtx, f.httpAddr, telemetry.Mux(metrics, telemetry.NATSReady(nc, js)), log)
+	wait, err := serveHTTP(httpCtx, f.httpAddr, telemetry.Mux(metrics, telemetry.NATSReady(nc, js), w.Ready), log)
 	if err != nil {
 		stopHTTP()
 		return err
