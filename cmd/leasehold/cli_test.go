@@ -85,7 +85,7 @@ func TestInitWorkerSink(t *testing.T) {
 	addrs := []string{freeAddr(t), freeAddr(t), freeAddr(t)}
 	background(t, "worker", "--nats", s.URL(), "--partitions", "4", "--worker-id", "w1", "--ttl", "2s", "--http", addrs[0], "--log-level", "warn")
 	background(t, "worker", "--nats", s.URL(), "--partitions", "4", "--worker-id", "w2", "--ttl", "2s", "--http", addrs[1], "--log-level", "warn")
-	background(t, "sink", "--nats", s.URL(), "--kind", "kv", "--http", addrs[2], "--verify-epochs", "--log-level", "warn")
+	background(t, "sink", "--nats", s.URL(), "--kind", "kv", "--http", addrs[2], "--log-level", "warn")
 
 	js := s.JetStream(t)
 	if out, err := run(t, ctx, "enqueue", "--nats", s.URL(), "--partitions", "4", "-n", "50"); err != nil || !strings.Contains(out, "enqueued 50 jobs") {
