@@ -183,7 +183,15 @@ func runSink(ctx context.Context, f sinkFlags) error {
 func newApplier(ctx context.Context, js jetstream.JetStream, f sinkFlags, obs sink.Observer, log *slog.Logger) (*applier, error) {
 	switch f.kind {
 	case "kv":
-		s, err := kvsink.New(ctx, js, kvsink.Config{Bucket: f.kvBucket, Name: f.name, Logger: log, Observer: obs, Telemetry: f.tel})
+		// The sink's fence records must be as durable as the lease
+		// bucket's: a lost record admits the writes it refused.
+		replicas := 1
+		if ls, err := js.Stream(ctx, "KV_"+f.conn.leaseBucket()); err == nil {
+			replicas = max(ls.CachedInfo().Config.Replicas, 1)
+		} else if !errors.Is(err, jetstream.ErrStreamNotFound) {
+			return nil, fmt.Errorf("look up the lease bucket %s: %w", f.conn.leaseBucket(), err)
+		}
+		s, err := kvsink.New(ctx, js, kvsink.Config{Bucket: f.kvBucket, Replicas: replicas, MinReplicas: replicas, Name: f.name, Logger: log, Observer: obs, Telemetry: f.tel})
 		if err != nil {
 			return nil, err
 		}
