@@ -73,7 +73,7 @@ them. It exits non-zero when the checker finds a violation.`,
 	fs.DurationVar(&cfg.WorkTime, "work-time", 50*time.Millisecond, "time each job takes between its stamp and its effect")
 	fs.IntVar(&cfg.Rate, "rate", 25, "jobs enqueued per second")
 	fs.DurationVar(&cfg.FaultGap, "fault-gap", 2*time.Second, "mean quiet time between faults")
-	fs.StringSliceVar(&faults, "faults", nil, "fault types to inject (default all): pause, kill, term, sink_kill, sink_term, nats_restart, node_kill, partition, forged_epoch, garbage")
+	fs.StringSliceVar(&faults, "faults", nil, "fault types to inject (default all): pause, kill, term, sink_kill, sink_term, nats_restart, node_kill, partition, forged_epoch, garbage, lease_garbage, msgid_preempt")
 	fs.DurationVar(&cfg.Settle, "settle", 2*time.Minute, "how long to wait for the sink to catch up after the faults")
 	fs.StringVar(&cfg.Dir, "dir", "", "directory for stores, histories and logs (default: a temporary one, kept only when the check fails)")
 	fs.Uint64Var(&cfg.Seed, "seed", 0, "seed of the fault schedule (default: random; printed)")

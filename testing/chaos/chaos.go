@@ -12,7 +12,9 @@
 // paused mid-job really writes with its old epoch when it wakes), SIGKILL,
 // graceful SIGTERM, a NATS server restart, killing a cluster node, a
 // network partition of one worker (as root, with ip and nft; skipped with
-// the reason otherwise), and forged or garbage messages in the effect log.
+// the reason otherwise), forged or garbage messages in the effect log,
+// messages pre-empting an effect's message ID, and garbage records in the
+// lease bucket.
 // A producer enqueues jobs throughout.
 //
 // Every process appends to its own history file; Check merges them with
@@ -163,7 +165,7 @@ func (c Config) Validate() error {
 	}
 	for _, f := range c.Faults {
 		if !faultKinds[f] {
-			errs = append(errs, fmt.Errorf("fault %q: use one of pause, kill, term, sink_kill, sink_term, nats_restart, node_kill, partition, forged_epoch, garbage", f))
+			errs = append(errs, fmt.Errorf("fault %q: use one of pause, kill, term, sink_kill, sink_term, nats_restart, node_kill, partition, forged_epoch, garbage, lease_garbage, msgid_preempt", f))
 		}
 	}
 	return errors.Join(errs...)

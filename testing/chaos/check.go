@@ -263,7 +263,7 @@ func (c *checker) index() {
 					c.windows[e.Proc] = append(c.windows[e.Proc], [2]time.Time{s, e.Time})
 					delete(open, e.Proc)
 				}
-			case FaultForged, FaultGarbage:
+			case FaultForged, FaultGarbage, FaultPreempt:
 				c.out.Injected++
 				if e.Position != 0 {
 					c.injected[e.Position] = e

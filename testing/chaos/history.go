@@ -57,6 +57,16 @@ const (
 	// FaultGarbage publishes garbage into the effect log: no stamp,
 	// malformed epochs and keys, random payloads.
 	FaultGarbage = "garbage"
+	// FaultLeaseGarbage writes records leasehold never writes into the
+	// lease bucket, by blind puts without a TTL: at a partition's lease
+	// key, at a member key, and at a key leasehold does not use.
+	FaultLeaseGarbage = "lease_garbage"
+	// FaultPreempt publishes, before a pending job's effect is sent,
+	// messages with no valid stamp under the message IDs the job's effect
+	// would have had if they were derived from its key and epoch alone:
+	// a worker must not take the log's "duplicate" answer for its own
+	// effect stored.
+	FaultPreempt = "msgid_preempt"
 )
 
 // Records of the harness that end a fault or restart what it stopped; they
@@ -72,6 +82,7 @@ const (
 var faultKinds = map[string]bool{
 	FaultPause: true, FaultKill: true, FaultTerm: true, FaultSinkKill: true, FaultSinkTerm: true,
 	FaultNATSRestart: true, FaultNodeKill: true, FaultPartition: true, FaultForged: true, FaultGarbage: true,
+	FaultLeaseGarbage: true, FaultPreempt: true,
 }
 
 // removesHolder reports whether a fault takes a worker's partitions away

@@ -19,7 +19,7 @@ import (
 var weights = map[string]int{
 	FaultPause: 4, FaultKill: 2, FaultTerm: 1, FaultPartition: 2,
 	FaultSinkKill: 1, FaultSinkTerm: 1, FaultNATSRestart: 1, FaultNodeKill: 1,
-	FaultForged: 1, FaultGarbage: 1,
+	FaultForged: 1, FaultGarbage: 1, FaultLeaseGarbage: 1, FaultPreempt: 1,
 }
 
 // planFaults settles which faults this run injects.
@@ -43,7 +43,7 @@ func (h *harness) planFaults() {
 				h.skip(f, fmt.Errorf("restarts the single server; a cluster kills nodes instead"))
 			}
 			continue
-		case (f == FaultForged || f == FaultGarbage) && h.cfg.Unfenced:
+		case (f == FaultForged || f == FaultGarbage || f == FaultLeaseGarbage || f == FaultPreempt) && h.cfg.Unfenced:
 			// The unfenced sink applies whatever it reads: it is there to
 			// show what a missing fence lets through, not to be attacked.
 			continue
@@ -131,6 +131,10 @@ func (h *harness) inject(ctx context.Context, f string) error {
 		return h.forge(ctx)
 	case FaultGarbage:
 		return h.garbage(ctx)
+	case FaultLeaseGarbage:
+		return h.leaseGarbage(ctx)
+	case FaultPreempt:
+		return h.preempt(ctx)
 	}
 	return fmt.Errorf("unknown fault %q", f)
 }
@@ -391,6 +395,57 @@ func (h *harness) garbage(ctx context.Context) error {
 			msg.Data[i] = byte(h.rnd.Uint32())
 		}
 		h.publishInjected(gctx, msg, history.Event{Proc: effectProc, Reason: FaultGarbage, Partition: uint32(p), Key: key})
+	}
+	return nil
+}
+
+// leaseGarbage puts, without a TTL, random bytes at a partition's lease
+// key (its holder's next renewal fails, and the group takes the partition
+// over once the record has stayed unchanged for a TTL), at a member key (it
+// must not count as a worker, or the assignment would leave its share
+// unheld), and at a key leasehold does not use.
+func (h *harness) leaseGarbage(ctx context.Context) error {
+	p := leasehold.Partition(h.rnd.IntN(h.cfg.Partitions))
+	gctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	junk := make([]byte, 1+h.rnd.IntN(64))
+	for i := range junk {
+		junk[i] = byte(h.rnd.Uint32())
+	}
+	n := h.rnd.Uint64()
+	keys := []string{"partition." + p.String(), fmt.Sprintf("member.chaos-ghost-%d", n), fmt.Sprintf("chaos.garbage.%d", n)}
+	for _, k := range keys {
+		if _, err := h.bucket.KeyValue().Put(gctx, k, junk); err != nil {
+			h.log.Warn("chaos: lease-bucket garbage not stored", "key", k, "err", err)
+		}
+	}
+	h.record(history.Event{Proc: "lease-bucket", Reason: FaultLeaseGarbage, Partition: uint32(p)})
+	return nil
+}
+
+// preempt publishes unstamped messages under the message IDs that the
+// effect of partition p's newest enqueued job would have if they were its
+// key and epoch alone. The job's real effect must still be stored and
+// applied, and the injected messages refused.
+func (h *harness) preempt(ctx context.Context) error {
+	p := leasehold.Partition(h.rnd.IntN(h.cfg.Partitions))
+	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	cur, ok := h.newestStamp(pctx, p)
+	if !ok {
+		return nil
+	}
+	job, err := leader.NewReader(h.js, worker.JobsStream(prefix)).Last(pctx, worker.JobSubject(prefix, p))
+	if err != nil || job == nil {
+		return nil
+	}
+	for _, e := range []leasehold.Epoch{cur.Epoch, cur.Epoch + 1} {
+		key := leasehold.EffectKey(prefix, p, job.Seq, 0)
+		msg := nats.NewMsg(worker.OutputSubject(prefix, p))
+		msg.Header.Set(nats.MsgIdHdr, key+"@"+e.String())
+		msg.Header.Set(leasehold.HeaderKey, key)
+		msg.Data = []byte("pre-empted")
+		h.publishInjected(pctx, msg, history.Event{Proc: effectProc, Reason: FaultPreempt, Partition: uint32(p), Epoch: uint64(e)})
 	}
 	return nil
 }
