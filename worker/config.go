@@ -107,7 +107,11 @@ type Config struct {
 	// acknowledgement; a job counts as done when all of its effects are
 	// acknowledged. With 1, a job's effects are acknowledged before the next
 	// job starts, which keeps the effect log in job order even when a
-	// publish is lost and retried. Default 128.
+	// publish is refused or lost and the partition runs again from its job.
+	// With more, such an effect lands after the effects of later jobs that
+	// were already stored (their re-runs are deduplicated), and sinks apply
+	// in log order: a destination that keeps the last write per key needs
+	// 1. Default 128.
 	MaxInFlight int
 	// EffectTimeout is how long an effect publish may wait for its
 	// acknowledgement before it counts as failed and its job is run again.
