@@ -39,7 +39,7 @@ type Config struct {
 	// and stops there (see ErrGap); Runner.Retention states how far
 	// behind it may fall. Without it New refuses such a log, since a gap
 	// can hide a take-over's barrier and there is no safe way past one
-	// but an operator's (Runner.Resume).
+	// but an operator's (Runner.ResumeAfterGap).
 	AllowTrimming bool
 	// FilterSubject limits the runner to part of the log. Default: all of
 	// it.
@@ -115,8 +115,10 @@ type Config struct {
 	// DeadLetterSubject is the subject of the runner's dead letters.
 	// Default "<prefix>.sinkdlq.<consumer>".
 	DeadLetterSubject string
-	// StallAfter is how long the runner may go without saving a decision
-	// while the log holds messages for it before Ready reports it stalled.
+	// StallAfter is how long Run may go without finishing a step (a
+	// batch handled and saved, or a fetch that found nothing) before
+	// Ready reports it stalled: its retries of the lease bucket, of the
+	// state bucket or of NATS, or a hung handler, keep it from advancing.
 	// Default 2 minutes.
 	StallAfter time.Duration
 	// MaxOpenGroups bounds the jobs whose effects the runner holds while

@@ -57,6 +57,12 @@ func (r *Runner) handle(ctx context.Context, msgs []*logMsg) error {
 				rest = i
 				break
 			}
+			if m.seq > w.seq+1 {
+				if stopErr = r.checkGap(ctx, w.seq+1, m.seq-1); stopErr != nil {
+					rest = i
+					break
+				}
+			}
 		}
 		o, err := r.decide(ctx, w, m)
 		if err != nil {
@@ -177,6 +183,11 @@ func (r *Runner) fill(ctx context.Context, w *work, upto uint64, outs *[]outcome
 		}
 		if m == nil || m.seq >= upto {
 			return nil
+		}
+		if m.seq > w.seq+1 {
+			if err := r.checkGap(ctx, w.seq+1, m.seq-1); err != nil {
+				return err
+			}
 		}
 		o, err := r.decide(ctx, w, m)
 		if err != nil {
