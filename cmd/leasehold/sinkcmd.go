@@ -211,12 +211,12 @@ func newApplier(ctx context.Context, js jetstream.JetStream, f sinkFlags, obs si
 				for _, e := range effects {
 					e.Subject = e.Stamp.Key
 					if err := kvsink.CheckKey(e.Subject); err != nil {
-						// No retry can make the key usable, and the runner
-						// retries until the handler succeeds: an effect that
-						// can never be applied would stop every one behind it.
-						log.Error("effect refused: its idempotency key cannot be a KV key; no leasehold worker writes such a key, so it is forged or garbled",
-							"key", e.Stamp.Key, "partition", e.Stamp.Partition, "epoch", e.Stamp.Epoch, "worker", e.Stamp.Worker, "err", err)
-						continue
+						// No retry can make the key usable: the runner
+						// hands the batch over one effect at a time and
+						// moves this one to its dead-letter stream at once.
+						// No leasehold worker writes such a key, so it is
+						// forged or garbled.
+						return fmt.Errorf("%w: effect %q of partition %d, epoch %d: its idempotency key cannot be a KV key: %w", streamsink.ErrPoison, e.Stamp.Key, e.Stamp.Partition, e.Stamp.Epoch, err)
 					}
 					good = append(good, e)
 				}

@@ -95,22 +95,33 @@ type Config struct {
 	// in one atomic write (kvsink.MaxBatch).
 	HandlerBatch int
 
-	// MaxDeliveries bounds how often the runner tries to deliver (republish,
-	// or hand over) an effect, or a job's effects, before it moves them to
-	// the dead-letter stream and goes on. The waits between tries double
-	// up to MaxBackoff: with the defaults, 10 tries take about 6.5
-	// seconds, so a destination away for longer has effects moved there
-	// (`leasehold dlq` lists and replays them). An effect that can never
-	// be delivered (larger than the server's max payload once the sink's
+	// MaxDeliveries bounds how often the runner tries to deliver an
+	// accepted effect (the Handler, the BatchHandler or the republish)
+	// before it moves it to the dead-letter stream, reports it
+	// sink.DeadLettered and goes on. The waits between tries double up to
+	// MaxBackoff: with the defaults, 10 tries take about 4.5 seconds, so a
+	// destination away for longer has effects moved there. A BatchHandler's
+	// error fails its whole batch: after one, the runner hands the batch's
+	// effects over one by one (batches of one), so that only the effect
+	// that fails is moved. An effect that can never be delivered (a
+	// republish larger than the server's max payload once the sink's
 	// headers are added, or a handler's error matching ErrPoison) goes
-	// there at once. Default 10.
+	// there at once. A republish that fails while the connection to NATS
+	// is down is not counted. The count is kept in memory, per log
+	// position, and reset by a success: a restarted runner starts it
+	// over. Only delivery counts: reading the lease bucket (verified
+	// epochs) and saving the progress are retried until they succeed,
+	// and Ready reports a runner held up by them (StallAfter). Default 10.
 	MaxDeliveries int
 	// DeadLetter is the sink's dead-letter stream. Default
 	// "<prefix>-sink-dlq"; New creates it on "<prefix>.sinkdlq.>" when
 	// it is missing. Each dead letter is published on DeadLetterSubject
-	// with the effect's data, its leasehold and trace headers, and
-	// Leasehold-Sink-* headers that name the sink, the log, the effect's
-	// subject and position, the tries and the error.
+	// with the effect's data, its stamp, its other leasehold headers and
+	// its trace context (no Nats- header), and the Leasehold-Sink-*
+	// headers (HeaderSinkName and the others) that name the sink, the
+	// log, the effect's subject and position, the tries and the error. An
+	// effect is counted as handled once its dead letter is stored; after
+	// a crash before its progress was saved, it may be stored twice.
 	DeadLetter string
 	// DeadLetterSubject is the subject of the runner's dead letters.
 	// Default "<prefix>.sinkdlq.<consumer>".
