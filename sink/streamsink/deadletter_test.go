@@ -190,3 +190,73 @@ func TestDeadLetterPoisonAtOnce(t *testing.T) {
 		t.Fatalf("decision %v after %d tries, want dead_lettered after 1", d.Outcome, tries)
 	}
 }
+
+// An effect that fits in the log but not, with the sink's headers added,
+// in a republish is dead-lettered at once; its dead letter, too large as
+// well, is stored without the data, which the log keeps. The effects
+// after it are republished.
+func TestDeadLetterRepublishTooLarge(t *testing.T) {
+	srv := natstest.Start(t)
+	ctx := ctxFor(t, time.Minute)
+	nc := srv.Connect(t)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const prefix = "large"
+	rec := &positions{}
+	rr := start(t, js, streamsink.Config{Prefix: prefix, Provision: true, Observer: rec, Logger: quiet()})
+	msg := func(key string, n int) *nats.Msg {
+		m := nats.NewMsg(prefix + ".out.p0")
+		leasehold.Stamp{Scope: prefix, Epoch: 1, Acquisition: "a1", Key: key, Worker: "w1"}.SetHeader(m.Header)
+		m.Data = make([]byte, n)
+		return m
+	}
+	// The largest effect the server takes, found with publishes nothing
+	// stores (the client refuses an oversized one before sending it).
+	fit := int(nc.MaxPayload()) - 512
+	for ; ; fit++ {
+		m := msg("big", fit+1)
+		m.Subject = "nowhere"
+		if err := nc.PublishMsg(m); errors.Is(err, nats.ErrMaxPayload) {
+			break
+		} else if err != nil {
+			t.Fatal(err)
+		}
+	}
+	ack, err := js.PublishMsg(ctx, msg("big", fit))
+	if err != nil {
+		t.Fatal(err)
+	}
+	big := ack.Sequence
+	if ack, err = js.PublishMsg(ctx, msg("small", 10)); err != nil {
+		t.Fatal(err)
+	}
+	if err := rr.WaitPosition(ctx, ack.Sequence); err != nil {
+		t.Fatal(err)
+	}
+	if d, _ := rec.at(big); d.Outcome != sink.DeadLettered || !errors.Is(d.Err, nats.ErrMaxPayload) {
+		t.Fatalf("the oversized republish: %v (%v), want dead_lettered for the max payload", d.Outcome, d.Err)
+	}
+	if d, _ := rec.at(ack.Sequence); d.Outcome != sink.Accepted {
+		t.Fatalf("the effect after it: %v, want accepted", d.Outcome)
+	}
+	dlq, err := js.Stream(ctx, prefix+"-sink-dlq")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := dlq.GetLastMsgForSubject(ctx, prefix+".sinkdlq.>")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.Header.Get(streamsink.HeaderSinkData) != "omitted" || len(m.Data) != 0 || m.Header.Get(streamsink.HeaderSinkPosition) != strconv.FormatUint(big, 10) {
+		t.Fatalf("dead letter: %d bytes, headers %v", len(m.Data), m.Header)
+	}
+	got, err := downstream(ctx, js, prefix+"-fenced")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 1 || got[0].Stamp.Key != "small" {
+		t.Fatalf("downstream holds %d effects, want only the small one", len(got))
+	}
+}

@@ -12,12 +12,36 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/streamsink"
+	"github.com/leasehold/leasehold/telemetry"
 	"github.com/leasehold/leasehold/testing/natstest"
 )
+
+// gapGauge reads leasehold.sink.gap for sink name: 0 when not reported.
+func gapGauge(t *testing.T, reader *sdkmetric.ManualReader, name string) int64 {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	if err := reader.Collect(context.Background(), &rm); err != nil {
+		t.Fatal(err)
+	}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if g, ok := m.Data.(metricdata.Gauge[int64]); ok && m.Name == "leasehold.sink.gap" {
+				for _, p := range g.DataPoints {
+					if v, _ := p.Attributes.Value(telemetry.AttrSink); v.AsString() == name {
+						return p.Value
+					}
+				}
+			}
+		}
+	}
+	return 0
+}
 
 // applied records the keys a Handler was given, in order.
 type applied struct {
@@ -89,7 +113,10 @@ func TestGapAfterTrimStopsTheRunner(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := &applied{}
-	cfg := streamsink.Config{Prefix: prefix, AllowTrimming: true, Handler: got.handle, Logger: quiet()}
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer mp.Shutdown(context.Background())
+	cfg := streamsink.Config{Prefix: prefix, AllowTrimming: true, Handler: got.handle, Logger: quiet(), Telemetry: telemetry.Config{MeterProvider: mp}}
 	subject := prefix + ".out.p0"
 	rr := start(t, js, cfg)
 	var last uint64
@@ -122,6 +149,9 @@ func TestGapAfterTrimStopsTheRunner(t *testing.T) {
 	if !errors.Is(err, streamsink.ErrGap) || !errors.As(err, &gap) || gap.From != from || gap.To != to {
 		t.Fatalf("Ready: %v, want a GapError from %d to %d", err, from, to)
 	}
+	if v := gapGauge(t, reader, "stream"); v != 1 {
+		t.Fatalf("leasehold.sink.gap at the gap: %d, want 1", v)
+	}
 	// The runner may fetch the messages past the gap any number of times:
 	// it must decide none of them. A resume past a position that still
 	// holds a message of the runner's, or past the end of the log, is
@@ -147,6 +177,9 @@ func TestGapAfterTrimStopsTheRunner(t *testing.T) {
 	}
 	if err := rr.Ready(ctx); err != nil {
 		t.Fatalf("Ready after the resume: %v", err)
+	}
+	if v := gapGauge(t, reader, "stream"); v != 0 {
+		t.Fatalf("leasehold.sink.gap after the resume: %d, want 0", v)
 	}
 	now := got.list()
 	if !slices.Contains(now, "new.1") || !slices.Contains(now, "new.2") || slices.Contains(now, "new.0") {
