@@ -106,8 +106,11 @@ type Config struct {
 	// that fails is moved. An effect that can never be delivered (a
 	// republish larger than the server's max payload once the sink's
 	// headers are added, or a handler's error matching ErrPoison) goes
-	// there at once. A republish that fails while the connection to NATS
-	// is down is not counted. The count is kept in memory, per log
+	// there at once. A failure that is NATS's own (the connection is
+	// down, or the server answers that it cannot serve yet: no
+	// responders, a timeout, JetStream not ready) is retried without
+	// being counted, so that a NATS restart moves nothing; a runner held
+	// up by one shows in Ready. The count is kept in memory, per log
 	// position, and reset by a success: a restarted runner starts it
 	// over. Only delivery counts: reading the lease bucket (verified
 	// epochs) and saving the progress are retried until they succeed,

@@ -14,6 +14,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/retry"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/telemetry"
 )
@@ -290,6 +291,15 @@ func (r *Runner) deliver(ctx context.Context, outs []outcome) error {
 	return r.republish(ctx, outs)
 }
 
+// natsAway reports whether a delivery failed because NATS could not serve
+// it for now (the connection is down, no responders, a timeout, JetStream
+// not ready): a failure of NATS, not of the effect, so it does not count
+// towards dead-lettering it. A NATS restart must not move effects to the
+// dead-letter stream; a runner held up for long shows in Ready.
+func (r *Runner) natsAway(err error) bool {
+	return !r.js.Conn().IsConnected() || retry.Transient(err)
+}
+
 func effectOf(o *outcome) sink.Effect {
 	return sink.Effect{Stamp: o.d.Stamp, Subject: o.m.subject, Data: o.m.data, Header: o.m.header}
 }
@@ -347,14 +357,17 @@ func (r *Runner) deliverEach(ctx context.Context, outs []outcome, what string, a
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
-			n := r.failed(o.m.seq)
+			n := r.tries[o.m.seq]
+			if !r.natsAway(err) {
+				n = r.failed(o.m.seq)
+			}
 			if n >= r.cfg.MaxDeliveries || errors.Is(err, ErrPoison) {
 				if err := r.deadLetter(ctx, o, n, err); err != nil {
 					return err
 				}
 				break
 			}
-			if err := r.backoff(ctx, n-1, what, err); err != nil {
+			if err := r.backoff(ctx, max(n-1, 0), what, err); err != nil {
 				return err
 			}
 		}
@@ -363,9 +376,7 @@ func (r *Runner) deliverEach(ctx context.Context, outs []outcome, what string, a
 }
 
 // republish publishes the accepted effects into the downstream stream, all
-// at once, and retries those that fail. A failure while the connection is
-// down is NATS's, not the downstream stream's, and is not counted against
-// the effect.
+// at once, and retries those that fail.
 func (r *Runner) republish(ctx context.Context, outs []outcome) error {
 	todo := make([]int, 0, len(outs))
 	for i := range outs {
@@ -400,14 +411,13 @@ func (r *Runner) republish(ctx context.Context, outs []outcome) error {
 				errs[i] = err
 			case <-timeout:
 				for _, k := range todo[j:] {
-					errs[k] = errors.New("no acknowledgement from the downstream stream")
+					errs[k] = fmt.Errorf("no acknowledgement from the downstream stream within %v: %w", r.cfg.RequestTimeout, nats.ErrTimeout)
 				}
 				break wait
 			case <-ctx.Done():
 				return ctx.Err()
 			}
 		}
-		connected := r.js.Conn().IsConnected()
 		var retry []int
 		var lastErr error
 		for _, i := range todo {
@@ -425,7 +435,7 @@ func (r *Runner) republish(ctx context.Context, outs []outcome) error {
 				}
 				continue
 			}
-			if connected {
+			if !r.natsAway(err) {
 				if n := r.failed(o.m.seq); n >= r.cfg.MaxDeliveries {
 					if err := r.deadLetter(ctx, o, n, err); err != nil {
 						return err
