@@ -67,14 +67,19 @@ type Config struct {
 	// Handler, when set, receives each accepted effect, in log order,
 	// instead of the republish. It must be idempotent by the effect's
 	// scope and idempotency key: after a crash, effects handled since the
-	// last saved position are handed over again.
+	// last saved position are handed over again. An error is retried,
+	// up to MaxDeliveries tries; one matching ErrPoison moves the effect
+	// to the dead-letter stream at once.
 	Handler func(ctx context.Context, e sink.Effect) error
 	// BatchHandler, when set, receives the accepted effects of each batch
 	// the runner fetched, in log order, in one call, instead of the
 	// republish: for destinations where one write of many effects costs
 	// about what one write of one does (a KV sink's atomic batch, one
-	// database transaction). The same idempotency rule as Handler's holds.
-	// Set Handler or BatchHandler, not both.
+	// database transaction). The same idempotency rule as Handler's holds,
+	// and an error fails the whole call: the runner then hands the
+	// batch's effects over again one per call, so that the error of each
+	// is its own (see MaxDeliveries). Set Handler or BatchHandler, not
+	// both.
 	BatchHandler func(ctx context.Context, effects []sink.Effect) error
 	// Downstream is the stream accepted effects are republished into, with
 	// Nats-Msg-Id set to the scope and the idempotency key ("<scope>

@@ -260,3 +260,39 @@ func TestDeadLetterRepublishTooLarge(t *testing.T) {
 		t.Fatalf("downstream holds %d effects, want only the small one", len(got))
 	}
 }
+
+// A failure that is NATS's own (here a timeout, as a handler writing to a
+// restarting server sees) blames no effect: it is retried past
+// MaxDeliveries and applied once NATS answers.
+func TestDeadLetterNotForNATSFailures(t *testing.T) {
+	srv := natstest.Start(t)
+	ctx := ctxFor(t, time.Minute)
+	js := srv.JetStream(t)
+	var calls int
+	rec := &positions{}
+	cfg := streamsink.Config{Prefix: "away", Provision: true, MaxDeliveries: 2, MaxBackoff: 10 * time.Millisecond, Observer: rec, Logger: quiet(),
+		BatchHandler: func(_ context.Context, effects []sink.Effect) error {
+			if calls++; calls <= 5 {
+				return fmt.Errorf("write %d effects: %w", len(effects), nats.ErrTimeout)
+			}
+			return nil
+		}}
+	r, err := streamsink.New(ctx, js, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	publishStamped(t, ctx, js, "away.out.p0", "away", 1, "k0", false)
+	seq := publishStamped(t, ctx, js, "away.out.p0", "away", 1, "k1", false)
+	rr := run(t, r)
+	if err := rr.WaitPosition(ctx, seq); err != nil {
+		t.Fatal(err)
+	}
+	for _, at := range []uint64{seq - 1, seq} {
+		if d, _ := rec.at(at); d.Outcome != sink.Accepted {
+			t.Fatalf("decision at %d: %v (%v), want accepted", at, d.Outcome, d.Err)
+		}
+	}
+	if calls != 6 {
+		t.Fatalf("%d batch handler calls, want 6: the batch tried again whole", calls)
+	}
+}

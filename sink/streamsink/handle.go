@@ -308,7 +308,8 @@ func effectOf(o *outcome) sink.Effect {
 // Its error fails the whole batch without saying which effect failed, so
 // after one failure the effects are handed over one by one, each call a
 // batch of one: the handler's errors are then each effect's own, and only
-// an effect that fails MaxDeliveries times is dead-lettered.
+// an effect that fails MaxDeliveries times is dead-lettered. A failure
+// that is NATS's own blames no effect: the batch is tried again whole.
 func (r *Runner) deliverBatch(ctx context.Context, outs []outcome) error {
 	var effects []sink.Effect
 	for i := range outs {
@@ -319,21 +320,31 @@ func (r *Runner) deliverBatch(ctx context.Context, outs []outcome) error {
 	if len(effects) == 0 {
 		return nil
 	}
-	err := r.cfg.BatchHandler(ctx, effects)
-	if err == nil {
-		for i := range outs {
-			if outs[i].deliver {
-				r.delivered(outs[i].m.seq)
+	for attempt := 0; ; attempt++ {
+		err := r.cfg.BatchHandler(ctx, effects)
+		if err == nil {
+			for i := range outs {
+				if outs[i].deliver {
+					r.delivered(outs[i].m.seq)
+				}
 			}
+			return nil
 		}
-		return nil
-	}
-	if ctx.Err() != nil {
-		return ctx.Err()
-	}
-	if len(effects) > 1 {
-		r.log.LogAttrs(ctx, slog.LevelWarn, "streamsink: the batch handler failed; handing the batch's effects over one by one to find the one that fails",
-			slog.String("sink", r.cfg.Name), slog.Int("effects", len(effects)), slog.Any("error", err))
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if len(effects) == 1 || !r.natsAway(err) {
+			if len(effects) > 1 {
+				r.log.LogAttrs(ctx, slog.LevelWarn, "streamsink: the batch handler failed; handing the batch's effects over one by one to find the one that fails",
+					slog.String("sink", r.cfg.Name), slog.Int("effects", len(effects)), slog.Any("error", err))
+			}
+			break
+		}
+		// NATS is away: no effect is to blame, and the batch is tried
+		// again whole.
+		if err := r.backoff(ctx, attempt, "batch handler", err); err != nil {
+			return err
+		}
 	}
 	return r.deliverEach(ctx, outs, "batch handler", func(o *outcome) error {
 		return r.cfg.BatchHandler(o.ctx, []sink.Effect{effectOf(o)})
@@ -348,7 +359,7 @@ func (r *Runner) deliverEach(ctx context.Context, outs []outcome, what string, a
 		if !o.deliver {
 			continue
 		}
-		for {
+		for attempt := 0; ; attempt++ {
 			err := apply(o)
 			if err == nil {
 				r.delivered(o.m.seq)
@@ -367,7 +378,7 @@ func (r *Runner) deliverEach(ctx context.Context, outs []outcome, what string, a
 				}
 				break
 			}
-			if err := r.backoff(ctx, max(n-1, 0), what, err); err != nil {
+			if err := r.backoff(ctx, attempt, what, err); err != nil {
 				return err
 			}
 		}

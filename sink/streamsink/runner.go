@@ -9,7 +9,10 @@
 // server) or hands them to a function. A stale effect, a split-brain one
 // (an epoch's second acquisition), a bad stamp, an unverified epoch and an
 // effect beyond the fence limit are terminated (Term): never redelivered,
-// never applied, counted and reported.
+// never applied, counted and reported. An accepted effect that its
+// destination keeps refusing is moved to the sink's dead-letter stream
+// after Config.MaxDeliveries tries, reported sink.DeadLettered, and the
+// runner goes on.
 //
 // A barrier (a message with the leasehold.HeaderBarrier header, published
 // by a worker when it acquires a partition) raises the fence at its place
