@@ -45,6 +45,9 @@ type Metrics struct {
 	epochs  map[held]int64 // current epoch of each partition held here
 	lags    map[held]int64 // jobs waiting in each partition held here
 	stalled map[held]bool  // partitions held here that are stalled
+
+	sinkOnce sync.Once       // registers the sink gauges' callback on first use
+	gaps     map[string]bool // sinks of this process stopped at a gap in their log
 }
 
 // held names a partition lease held by a worker of this process.
@@ -68,7 +71,7 @@ const (
 )
 
 func newMetrics(m metric.Meter) *Metrics {
-	ms := &Metrics{meter: m, epochs: map[held]int64{}, lags: map[held]int64{}, stalled: map[held]bool{}}
+	ms := &Metrics{meter: m, epochs: map[held]int64{}, lags: map[held]int64{}, stalled: map[held]bool{}, gaps: map[string]bool{}}
 	// Instrument creation fails only for invalid names; these are constant.
 	ms.LeasesHeld, _ = m.Int64UpDownCounter("leasehold.leases.held", metric.WithDescription("Partition leases held by this process."), metric.WithUnit("{lease}"))
 	ms.Acquisitions, _ = m.Int64Counter("leasehold.lease.acquisitions", metric.WithDescription("Partition leases acquired."), metric.WithUnit("{lease}"))
@@ -147,6 +150,34 @@ func (m *Metrics) SetStalled(worker string, p leasehold.Partition, stalled bool)
 	} else {
 		delete(m.stalled, k)
 	}
+}
+
+// SetSinkGap records whether the sink runner named sink is stopped at a
+// gap in its effect log: leasehold_sink_gap{leasehold_sink} is 1 while it
+// is, until an operator resumes it.
+func (m *Metrics) SetSinkGap(sink string, gap bool) {
+	m.sinkOnce.Do(m.registerSink)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if gap {
+		m.gaps[sink] = true
+	} else {
+		delete(m.gaps, sink)
+	}
+}
+
+// registerSink creates the sink gauges, apart from the workers' so that a
+// worker process exports none of them.
+func (m *Metrics) registerSink() {
+	gap, _ := m.meter.Int64ObservableGauge("leasehold.sink.gap", metric.WithDescription("1 for each sink runner of this process stopped at a gap in its effect log (messages removed before it handled them); it applies nothing until an operator resumes it."))
+	_, _ = m.meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		for s := range m.gaps {
+			o.ObserveInt64(gap, 1, metric.WithAttributes(AttrSink.String(s)))
+		}
+		return nil
+	}, gap)
 }
 
 // SinkOutcome returns the measurement options of one sink's outcome, to

@@ -15,8 +15,9 @@ import (
 
 // An effect whose stamp is valid but whose key the KV sink cannot use as
 // a key ("a*b" passes the stamp's rules, not KV's) must not stop the sink:
-// it is refused, said so in the log, and every effect after it is applied.
-// It used to be retried for ever, and nothing behind it was applied again.
+// it is moved to the sink's dead-letter stream, and every effect after it
+// is applied. It used to be retried for ever, and nothing behind it was
+// applied again.
 func TestSinkSkipsAnEffectItCanNeverApply(t *testing.T) {
 	s := natstest.Start(t, natstest.Listen())
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
@@ -42,14 +43,14 @@ func TestSinkSkipsAnEffectItCanNeverApply(t *testing.T) {
 	publish("poison.bad*key", false)
 	publish("poison.0.2.0", false)
 	var kv jetstream.KeyValue
-	for {
+	for ctx.Err() == nil {
 		var err error
 		if kv == nil {
 			kv, _ = js.KeyValue(ctx, "poison-sink")
 		}
 		if kv != nil {
 			if _, err = kv.Get(ctx, "poison.0.2.0"); err == nil {
-				return
+				break
 			}
 		}
 		select {
@@ -57,5 +58,16 @@ func TestSinkSkipsAnEffectItCanNeverApply(t *testing.T) {
 			t.Fatalf("the effect after the unusable key was never applied: %v", err)
 		case <-time.After(50 * time.Millisecond):
 		}
+	}
+	dlq, err := js.Stream(ctx, "poison-sink-dlq")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := dlq.GetLastMsgForSubject(ctx, "poison.sinkdlq.>")
+	if err != nil {
+		t.Fatalf("the unusable effect is not in the dead-letter stream: %v", err)
+	}
+	if st, err := leasehold.StampFromHeader(m.Header); err != nil || st.Key != "poison.bad*key" {
+		t.Fatalf("dead letter %+v (%v), want the unusable effect", st, err)
 	}
 }

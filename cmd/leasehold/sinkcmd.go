@@ -39,6 +39,7 @@ type sinkFlags struct {
 	logLevel     string
 	noFence      bool
 	otlp         string
+	resumeGap    uint64
 	tel          telemetry.Config // set by runSink
 }
 
@@ -53,7 +54,12 @@ recorded maximum (barriers raise it at the moment of take-over), and applies the
 rest to a KV bucket (--kind kv), a PostgreSQL database (--kind postgres) or a
 downstream stream (--kind stream). Refused effects are terminated, counted,
 logged and traced. Its progress is crash-safe: a runner killed at any point
-resumes with nothing applied twice or lost. Run one runner per effect log.`,
+resumes with nothing applied twice or lost. Run one runner per effect log.
+
+A runner that finds messages of the log removed before it handled them (by the
+log's limits, or by hand) stops at that gap, since one may have been a
+take-over's barrier: /readyz fails and leasehold_sink_gap is 1. Restart it with
+--resume-gap <position> to go on past the gap on purpose.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return runSink(cmd.Context(), f) },
 	}
@@ -70,6 +76,7 @@ resumes with nothing applied twice or lost. Run one runner per effect log.`,
 	fs.StringVar(&f.name, "name", "sink", "name of this runner in logs, history and its durable consumer")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.BoolVar(&f.noFence, "unsafe-no-fence", false, "apply every effect without fencing (--kind kv only): shows what the fence prevents; never use it for real")
+	fs.Uint64Var(&f.resumeGap, "resume-gap", 0, "resume past a gap in the effect log up to this log position, on purpose: whatever the log lost there is given up (the runner stops at a gap and its ERROR line names the position); harmless once passed")
 	fs.StringVar(&f.otlp, "otlp", "", "OTLP/HTTP endpoint to send traces to, such as http://127.0.0.1:4318 (default $OTEL_EXPORTER_OTLP_ENDPOINT; none: no traces)")
 	_ = fs.MarkHidden("history")
 	_ = fs.MarkHidden("unsafe-no-fence")
@@ -164,6 +171,13 @@ func runSink(ctx context.Context, f sinkFlags) error {
 	if err != nil {
 		return err
 	}
+	if f.resumeGap > 0 {
+		if err := r.ResumeAfterGap(ctx, f.resumeGap); err != nil {
+			return fmt.Errorf("--resume-gap %d: %w", f.resumeGap, err)
+		}
+	}
+	// A gap in the log, or a runner that stopped advancing, fails /readyz.
+	checks = append(checks, r.Ready)
 	httpCtx, stopHTTP := context.WithCancel(context.Background())
 	wait, err := serveHTTP(httpCtx, f.httpAddr, telemetry.Mux(metrics, checks...), log)
 	if err != nil {
@@ -205,12 +219,12 @@ func newApplier(ctx context.Context, js jetstream.JetStream, f sinkFlags, obs si
 				for _, e := range effects {
 					e.Subject = e.Stamp.Key
 					if err := kvsink.CheckKey(e.Subject); err != nil {
-						// No retry can make the key usable, and the runner
-						// retries until the handler succeeds: an effect that
-						// can never be applied would stop every one behind it.
-						log.Error("effect refused: its idempotency key cannot be a KV key; no leasehold worker writes such a key, so it is forged or garbled",
-							"key", e.Stamp.Key, "partition", e.Stamp.Partition, "epoch", e.Stamp.Epoch, "worker", e.Stamp.Worker, "err", err)
-						continue
+						// No retry can make the key usable: the runner
+						// hands the batch over one effect at a time and
+						// moves this one to its dead-letter stream at once.
+						// No leasehold worker writes such a key, so it is
+						// forged or garbled.
+						return fmt.Errorf("%w: effect %q of partition %d, epoch %d: its idempotency key cannot be a KV key: %w", streamsink.ErrPoison, e.Stamp.Key, e.Stamp.Partition, e.Stamp.Epoch, err)
 					}
 					good = append(good, e)
 				}

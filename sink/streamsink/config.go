@@ -39,7 +39,7 @@ type Config struct {
 	// and stops there (see ErrGap); Runner.Retention states how far
 	// behind it may fall. Without it New refuses such a log, since a gap
 	// can hide a take-over's barrier and there is no safe way past one
-	// but an operator's (Runner.Resume).
+	// but an operator's (Runner.ResumeAfterGap).
 	AllowTrimming bool
 	// FilterSubject limits the runner to part of the log. Default: all of
 	// it.
@@ -67,14 +67,19 @@ type Config struct {
 	// Handler, when set, receives each accepted effect, in log order,
 	// instead of the republish. It must be idempotent by the effect's
 	// scope and idempotency key: after a crash, effects handled since the
-	// last saved position are handed over again.
+	// last saved position are handed over again. An error is retried,
+	// up to MaxDeliveries tries; one matching ErrPoison moves the effect
+	// to the dead-letter stream at once.
 	Handler func(ctx context.Context, e sink.Effect) error
 	// BatchHandler, when set, receives the accepted effects of each batch
 	// the runner fetched, in log order, in one call, instead of the
 	// republish: for destinations where one write of many effects costs
 	// about what one write of one does (a KV sink's atomic batch, one
-	// database transaction). The same idempotency rule as Handler's holds.
-	// Set Handler or BatchHandler, not both.
+	// database transaction). The same idempotency rule as Handler's holds,
+	// and an error fails the whole call: the runner then hands the
+	// batch's effects over again one per call, so that the error of each
+	// is its own (see MaxDeliveries). Set Handler or BatchHandler, not
+	// both.
 	BatchHandler func(ctx context.Context, effects []sink.Effect) error
 	// Downstream is the stream accepted effects are republished into, with
 	// Nats-Msg-Id set to the scope and the idempotency key ("<scope>
@@ -95,28 +100,44 @@ type Config struct {
 	// in one atomic write (kvsink.MaxBatch).
 	HandlerBatch int
 
-	// MaxDeliveries bounds how often the runner tries to deliver (republish,
-	// or hand over) an effect, or a job's effects, before it moves them to
-	// the dead-letter stream and goes on. The waits between tries double
-	// up to MaxBackoff: with the defaults, 10 tries take about 6.5
-	// seconds, so a destination away for longer has effects moved there
-	// (`leasehold dlq` lists and replays them). An effect that can never
-	// be delivered (larger than the server's max payload once the sink's
+	// MaxDeliveries bounds how often the runner tries to deliver an
+	// accepted effect (the Handler, the BatchHandler or the republish)
+	// before it moves it to the dead-letter stream, reports it
+	// sink.DeadLettered and goes on. The waits between tries double up to
+	// MaxBackoff: with the defaults, 10 tries take about 4.5 seconds, so a
+	// destination away for longer has effects moved there. A BatchHandler's
+	// error fails its whole batch: after one, the runner hands the batch's
+	// effects over one by one (batches of one), so that only the effect
+	// that fails is moved. An effect that can never be delivered (a
+	// republish larger than the server's max payload once the sink's
 	// headers are added, or a handler's error matching ErrPoison) goes
-	// there at once. Default 10.
+	// there at once. A failure that is NATS's own (the connection is
+	// down, or the server answers that it cannot serve yet: no
+	// responders, a timeout, JetStream not ready) is retried without
+	// being counted, so that a NATS restart moves nothing; a runner held
+	// up by one shows in Ready. The count is kept in memory, per log
+	// position, and reset by a success: a restarted runner starts it
+	// over. Only delivery counts: reading the lease bucket (verified
+	// epochs) and saving the progress are retried until they succeed,
+	// and Ready reports a runner held up by them (StallAfter). Default 10.
 	MaxDeliveries int
 	// DeadLetter is the sink's dead-letter stream. Default
 	// "<prefix>-sink-dlq"; New creates it on "<prefix>.sinkdlq.>" when
 	// it is missing. Each dead letter is published on DeadLetterSubject
-	// with the effect's data, its leasehold and trace headers, and
-	// Leasehold-Sink-* headers that name the sink, the log, the effect's
-	// subject and position, the tries and the error.
+	// with the effect's data, its stamp, its other leasehold headers and
+	// its trace context (no Nats- header), and the Leasehold-Sink-*
+	// headers (HeaderSinkName and the others) that name the sink, the
+	// log, the effect's subject and position, the tries and the error. An
+	// effect is counted as handled once its dead letter is stored; after
+	// a crash before its progress was saved, it may be stored twice.
 	DeadLetter string
 	// DeadLetterSubject is the subject of the runner's dead letters.
 	// Default "<prefix>.sinkdlq.<consumer>".
 	DeadLetterSubject string
-	// StallAfter is how long the runner may go without saving a decision
-	// while the log holds messages for it before Ready reports it stalled.
+	// StallAfter is how long Run may go without finishing a step (a
+	// batch handled and saved, or a fetch that found nothing) before
+	// Ready reports it stalled: its retries of the lease bucket, of the
+	// state bucket or of NATS, or a hung handler, keep it from advancing.
 	// Default 2 minutes.
 	StallAfter time.Duration
 	// MaxOpenGroups bounds the jobs whose effects the runner holds while

@@ -129,6 +129,8 @@ func (r *Runner) provisionLog(ctx context.Context) error {
 		return fmt.Errorf("streamsink: look up the effect log %s: %w", cfg.Stream, err)
 	}
 	sc := s.CachedInfo().Config
+	r.logStream = s
+	r.wholeLog = cfg.FilterSubject == "" || cfg.FilterSubject == ">" || len(sc.Subjects) == 1 && sc.Subjects[0] == cfg.FilterSubject
 	r.retention = retentionOf(sc)
 	r.logFirst = max(sc.FirstSeq, 1)
 	if r.retention.Trims() && !cfg.AllowTrimming {

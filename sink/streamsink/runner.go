@@ -9,7 +9,10 @@
 // server) or hands them to a function. A stale effect, a split-brain one
 // (an epoch's second acquisition), a bad stamp, an unverified epoch and an
 // effect beyond the fence limit are terminated (Term): never redelivered,
-// never applied, counted and reported.
+// never applied, counted and reported. An accepted effect that its
+// destination keeps refusing is moved to the sink's dead-letter stream
+// after Config.MaxDeliveries tries, reported sink.DeadLettered, and the
+// runner goes on.
 //
 // A barrier (a message with the leasehold.HeaderBarrier header, published
 // by a worker when it acquires a partition) raises the fence at its place
@@ -29,6 +32,21 @@
 // decision, and messages that arrive out of order (redeliveries after a
 // crash) are put back in order by reading the log. Nothing is applied
 // twice or lost. The saved state is bounded: see Config.MaxFences.
+//
+// The log must keep every message until the runner has handled it: a
+// message removed before, by the log's limits (MaxAge, MaxMsgs, MaxBytes,
+// MaxMsgsPerSubject, message TTLs, a work-queue or interest retention) or
+// by hand, may be a take-over's barrier. The log Config.Provision creates
+// has no limits and denies deletes and purges. New refuses a log with
+// limits unless Config.AllowTrimming, and Runner.Retention then states how
+// far behind the runner may fall. A runner that finds messages gone stops
+// at the gap (ErrGap): it applies nothing past it, says so in an ERROR
+// line, the leasehold_sink_gap gauge and Ready, and goes on only when an
+// operator resumes it (Runner.ResumeAfterGap, `leasehold sink
+// --resume-gap`). A runner whose Config.FilterSubject covers part of the
+// log cannot tell whether removed messages were its own, since the server
+// keeps no record of them, and stops at every gap among the positions it
+// has not passed: give it a log that nothing trims, or a log of its own.
 package streamsink
 
 import (
@@ -65,8 +83,16 @@ type Runner struct {
 	// stops Run there, as a crash would.
 	hook func(point string) error
 
-	retention Retention // what the log's settings can remove
-	logFirst  uint64    // the log's first sequence as configured: none below it ever existed
+	retention Retention        // what the log's settings can remove
+	logFirst  uint64           // the log's first sequence as configured: none below it ever existed
+	logStream jetstream.Stream // the effect log, for its state
+	wholeLog  bool             // the consumer's filter covers every subject of the log
+
+	// stepMu is held by Run for each batch and by ResumeAfterGap, which
+	// both move the saved position.
+	stepMu sync.Mutex
+	skips  []skip         // the operators' resumes the position record keeps
+	tries  map[uint64]int // failed deliveries by log position; deadLettered once moved
 
 	mu       sync.Mutex
 	seq      uint64        // the saved position
@@ -74,6 +100,10 @@ type Runner struct {
 	fences   *fenceTable   // as of seq
 	progress chan struct{} // closed and replaced when seq advances
 	running  bool
+	lastOK   time.Time     // when Run last finished a step without error
+	lastErr  error         // the error of the last failed step, nil after a good one
+	gap      *GapError     // the gap Run stopped at, until resumed
+	resumed  chan struct{} // closed and replaced on a resume past a gap
 }
 
 // New prepares a runner: it finds the effect log (or creates it, with
@@ -91,6 +121,8 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Runner, erro
 		rep:      sink.NewReporter(sink.ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger, Telemetry: cfg.Telemetry}),
 		check:    sink.NewEpochCheck(cfg.Verifier),
 		progress: make(chan struct{}),
+		resumed:  make(chan struct{}),
+		tries:    make(map[uint64]int),
 		filter:   cfg.FilterSubject,
 	}
 	if r.filter == "" {
@@ -106,7 +138,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Runner, erro
 	if err != nil {
 		return nil, err
 	}
-	r.seq, r.rev, r.fences = st.seq, st.rev, st.fences
+	r.seq, r.rev, r.fences, r.skips = st.seq, st.rev, st.fences, st.skips
 	if st.legacy {
 		// Convert at once, so that a runner built before fence scopes
 		// finds state it refuses rather than state it would trust.
@@ -234,15 +266,17 @@ func (r *Runner) WaitPosition(ctx context.Context, seq uint64) error {
 func (r *Runner) Dropped(id leasehold.FenceID) uint64 { return r.rep.Dropped(id) }
 
 // Run consumes the log until ctx ends, retrying with backoff while NATS is
-// away. It returns nil when ctx ends and ErrStateConflict when another
-// runner saves progress under the same consumer name. One Run at a time.
+// away. At a gap in the log (see ErrGap) it stops applying and waits for
+// ResumeAfterGap. It returns nil when ctx ends and ErrStateConflict when
+// another runner saves progress under the same consumer name. One Run at a
+// time.
 func (r *Runner) Run(ctx context.Context) error {
 	r.mu.Lock()
 	if r.running {
 		r.mu.Unlock()
 		return errors.New("streamsink: Run is already running")
 	}
-	r.running = true
+	r.running, r.lastOK, r.lastErr = true, time.Now(), nil
 	r.mu.Unlock()
 	defer func() {
 		r.mu.Lock()
@@ -250,8 +284,26 @@ func (r *Runner) Run(ctx context.Context) error {
 		r.mu.Unlock()
 	}()
 	failures := 0
+	checked := false // the log's first position, against the saved one
 	for ctx.Err() == nil {
-		err := r.step(ctx)
+		if gap, resumed := r.gapWait(); gap != nil {
+			select {
+			case <-ctx.Done():
+			case <-resumed:
+			}
+			continue
+		}
+		r.stepMu.Lock()
+		var err error
+		if !checked {
+			err = r.checkStart(ctx)
+			checked = err == nil
+		}
+		if err == nil {
+			err = r.step(ctx)
+		}
+		r.stepMu.Unlock()
+		r.stepped(err)
 		if err == nil {
 			failures = 0
 			continue
@@ -262,6 +314,10 @@ func (r *Runner) Run(ctx context.Context) error {
 		if errors.Is(err, ErrStateConflict) || errors.Is(err, errStop) {
 			return err
 		}
+		if gap := (*GapError)(nil); errors.As(err, &gap) {
+			r.stopAt(ctx, gap)
+			continue
+		}
 		failures++
 		wait := min(r.cfg.MaxBackoff, 10*time.Millisecond<<min(failures, 10))
 		r.log.LogAttrs(ctx, slog.LevelWarn, "streamsink: retrying", slog.String("sink", r.cfg.Name),
@@ -270,6 +326,42 @@ func (r *Runner) Run(ctx context.Context) error {
 		case <-ctx.Done():
 		case <-time.After(wait):
 		}
+	}
+	return nil
+}
+
+// stepped records how a step ended, for Ready.
+func (r *Runner) stepped(err error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if err == nil {
+		r.lastOK, r.lastErr = time.Now(), nil
+	} else if !errors.Is(err, ErrGap) {
+		r.lastErr = err
+	}
+}
+
+// Ready returns nil while the runner is running and advancing: an error
+// matching ErrGap while it is stopped at a gap, and an error saying it is
+// stalled when its last step without an error (a batch handled and saved,
+// or a fetch that found nothing) ended more than Config.StallAfter ago:
+// reading the lease bucket, saving the progress, a handler or NATS itself
+// has been failing or hanging since. For a readiness probe.
+func (r *Runner) Ready(context.Context) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.gap != nil {
+		return r.gap
+	}
+	if !r.running {
+		return fmt.Errorf("streamsink: sink %s is not running", r.cfg.Name)
+	}
+	if d := time.Since(r.lastOK); d > r.cfg.StallAfter {
+		why := "one batch has been in progress all that time: a handler or a request that does not return"
+		if r.lastErr != nil {
+			why = "the last error: " + r.lastErr.Error()
+		}
+		return fmt.Errorf("streamsink: sink %s has made no progress for %v (Config.StallAfter %v) at log position %d; %s", r.cfg.Name, d.Round(time.Second), r.cfg.StallAfter, r.seq, why)
 	}
 	return nil
 }

@@ -45,6 +45,9 @@ type position struct {
 	// before fence scopes reads an object, so that such a runner refuses
 	// this state instead of starting over with no fences.
 	Fences string `json:"fences"`
+	// Skipped lists the latest gaps an operator resumed past: log
+	// positions given up for lost.
+	Skipped []skip `json:"skipped,omitempty"`
 }
 
 // legacyState is the progress a runner built before fence scopes saved.
@@ -60,7 +63,8 @@ func (r *Runner) positionKey() string { return r.cfg.Consumer }
 
 func (r *Runner) encodePosition(seq uint64) []byte {
 	b, _ := json.Marshal(position{Format: positionFormat, Seq: seq, Shards: r.fences.n,
-		Fences: "in keys " + r.cfg.Consumer + ".fences.<shard>; read by leasehold stream sinks with fence scopes"})
+		Fences:  "in keys " + r.cfg.Consumer + ".fences.<shard>; read by leasehold stream sinks with fence scopes",
+		Skipped: r.skips})
 	return b
 }
 
@@ -69,6 +73,7 @@ type loaded struct {
 	seq    uint64
 	rev    uint64 // the position record's revision; 0: none saved
 	fences *fenceTable
+	skips  []skip
 	legacy bool // converted from progress saved before fence scopes: to be saved at once
 }
 
@@ -87,10 +92,11 @@ func (r *Runner) loadState(ctx context.Context) (loaded, error) {
 	var legacy *legacyState
 	if m != nil && !leader.IsMarker(m.Header) {
 		var probe struct {
-			Format int             `json:"format"`
-			Seq    uint64          `json:"seq"`
-			Shards int             `json:"shards"`
-			Fences json.RawMessage `json:"fences"`
+			Format  int             `json:"format"`
+			Seq     uint64          `json:"seq"`
+			Shards  int             `json:"shards"`
+			Fences  json.RawMessage `json:"fences"`
+			Skipped []skip          `json:"skipped"`
 		}
 		if err := json.Unmarshal(m.Data, &probe); err != nil {
 			return loaded{}, fmt.Errorf("streamsink: progress %s is not leasehold's JSON (%v): fix or delete the key and its %s.fences.* keys, knowing that the runner then starts over", where, err, r.positionKey())
@@ -106,6 +112,10 @@ func (r *Runner) loadState(ctx context.Context) (loaded, error) {
 				return loaded{}, fmt.Errorf("streamsink: progress %s names %d fence shards: not leasehold's; fix or delete the key and its %s.fences.* keys, knowing that the runner then starts over", where, probe.Shards, r.positionKey())
 			}
 			out.fences = newFenceTable(probe.Shards)
+			if len(probe.Skipped) > maxSkips {
+				probe.Skipped = probe.Skipped[len(probe.Skipped)-maxSkips:]
+			}
+			out.skips = probe.Skipped
 		default:
 			return loaded{}, fmt.Errorf("streamsink: progress %s has format %d, which this runner does not know: it was saved by a later version; run that version", where, probe.Format)
 		}
