@@ -35,11 +35,6 @@ const (
 	// a bound of its own (how many fences it keeps, the size of its saved
 	// state); nothing was applied. Err says which bound.
 	OverLimit
-	// Discarded: the effect belongs to a job attempt that did not complete
-	// (it was aborted, superseded by a later attempt, or abandoned when a
-	// later job or a later holder's stamp passed it); it was admitted by
-	// the fence and, by the all-or-none rule, not applied.
-	Discarded
 	// DeadLettered: the sink could not apply the effect (every attempt
 	// failed, or it can never be applied: too large, a destination that
 	// refuses it) and moved it to its dead-letter stream with the error;
@@ -68,8 +63,6 @@ func (o Outcome) String() string {
 		return "split_brain"
 	case OverLimit:
 		return "over_limit"
-	case Discarded:
-		return "discarded"
 	case DeadLettered:
 		return "dead_lettered"
 	case Failed:

@@ -216,20 +216,14 @@ func outcomeLabel(o Outcome) string {
 		return telemetry.OutcomeRejectedOverLimit
 	case Advanced:
 		return telemetry.OutcomeAdvanced
-	case Discarded:
-		return outcomeDiscarded
 	case DeadLettered:
 		return outcomeDeadLettered
 	}
 	return telemetry.OutcomeError
 }
 
-// The leasehold_outcome labels of the outcomes of all-or-none job effects
-// and of the poison path.
-const (
-	outcomeDiscarded    = "discarded"
-	outcomeDeadLettered = "dead_lettered"
-)
+// outcomeDeadLettered is the leasehold_outcome label of the poison path.
+const outcomeDeadLettered = "dead_lettered"
 
 // newInstruments prepares what the Reporter's spans and counts reuse.
 func (r *Reporter) newInstruments(cfg telemetry.Config) {

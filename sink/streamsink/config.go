@@ -140,12 +140,6 @@ type Config struct {
 	// state bucket or of NATS, or a hung handler, keep it from advancing.
 	// Default 2 minutes.
 	StallAfter time.Duration
-	// MaxOpenGroups bounds the jobs whose effects the runner holds while
-	// it waits for the rest of them (see the package doc on all-or-none
-	// job effects). An effect that would open one more is refused
-	// (sink.OverLimit) and the runner goes on. The held effects are kept
-	// in memory. Default 16384 (DefaultMaxOpenGroups).
-	MaxOpenGroups int
 
 	// Batch is how many messages one fetch asks for. Default 100.
 	Batch int
@@ -244,9 +238,6 @@ func (c *Config) setDefaults() {
 	if c.StallAfter == 0 {
 		c.StallAfter = 2 * time.Minute
 	}
-	if c.MaxOpenGroups == 0 {
-		c.MaxOpenGroups = DefaultMaxOpenGroups
-	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -290,9 +281,6 @@ func (c Config) Validate() error {
 	}
 	if c.StallAfter < 0 {
 		errs = append(errs, fmt.Errorf("stall after %v: use a positive time", c.StallAfter))
-	}
-	if c.MaxOpenGroups < 1 || c.MaxOpenGroups > MaxOpenGroupsLimit {
-		errs = append(errs, fmt.Errorf("max open groups %d: use 1 to %d", c.MaxOpenGroups, MaxOpenGroupsLimit))
 	}
 	if c.MaxFences < 1 || c.MaxFences > MaxFencesLimit {
 		errs = append(errs, fmt.Errorf("max fences %d: use 1 to %d", c.MaxFences, MaxFencesLimit))
