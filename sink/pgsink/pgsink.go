@@ -50,8 +50,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"log/slog"
 	"regexp"
+	"slices"
 	"strconv"
 	"time"
 
@@ -330,19 +332,29 @@ func (s *Sink) applyBatch(ctx context.Context, effects []sink.Effect) (err error
 		}
 	}()
 	b := &pgx.Batch{}
+	locks := s.fenceLocks(effects)
+	for _, k := range locks {
+		b.Queue(lockFence, k)
+	}
 	for i := range effects {
 		b.Queue(s.sql.one, s.upsertArgs(&effects[i])...)
 	}
 	res := tx.SendBatch(ctx, b)
+	for range locks {
+		if _, err := res.Exec(); err != nil {
+			res.Close()
+			return s.failed(ctx, effects[0].Stamp, effects[0].Subject, err)
+		}
+	}
 	inserted := make([]int, len(effects))
+	fenced := make([]int, len(effects))
 	refusedAt := -1
 	for i := range effects {
-		var f int
-		if err := res.QueryRow().Scan(&f, &inserted[i]); err != nil {
+		if err := res.QueryRow().Scan(&fenced[i], &inserted[i]); err != nil {
 			res.Close()
 			return s.failed(ctx, effects[i].Stamp, effects[i].Subject, err)
 		}
-		if f == 0 && refusedAt < 0 {
+		if fenced[i] == 0 && refusedAt < 0 {
 			refusedAt = i
 		}
 	}
@@ -350,11 +362,8 @@ func (s *Sink) applyBatch(ctx context.Context, effects []sink.Effect) (err error
 		return s.failed(ctx, effects[0].Stamp, effects[0].Subject, err)
 	}
 	if refusedAt >= 0 {
-		// The transaction holds the refusing fence row locked: the state
-		// read is the one that refused the effect.
-		e := &effects[refusedAt]
-		rerr := s.refuse(ctx, tx, e.Stamp, e.Subject)
 		_ = tx.Rollback(context.WithoutCancel(ctx))
+		rerr := s.refuseInBatch(ctx, effects, fenced, refusedAt)
 		return fmt.Errorf("pgsink: effect %d of %d: %w (no effect of the batch was applied)", refusedAt+1, len(effects), rerr)
 	}
 	if err := tx.Commit(ctx); err != nil {
@@ -364,6 +373,65 @@ func (s *Sink) applyBatch(ctx context.Context, effects []sink.Effect) (err error
 		s.report(ctx, &effects[i], inserted[i] == 1)
 	}
 	return nil
+}
+
+// lockFence takes a transaction's advisory lock on one fence.
+const lockFence = `SELECT pg_advisory_xact_lock($1)`
+
+// fenceLocks returns the advisory lock keys of the fences of a batch that
+// touches more than one, in ascending order. A batch locks its fence rows
+// in the order of its effects, so two batches that name two fences in
+// opposite orders would each hold one row and wait for the other, until
+// PostgreSQL broke the deadlock by failing one (SQLSTATE 40P01). Taking
+// the fences' advisory locks first, in one order for everyone, makes the
+// second batch wait for the first instead, and keeps the effects in the
+// order given. A batch of one fence, like a single effect, locks one row
+// and needs none.
+func (s *Sink) fenceLocks(effects []sink.Effect) []int64 {
+	seen := map[leasehold.FenceID]bool{}
+	var keys []int64
+	for i := range effects {
+		id := effects[i].Stamp.Fence()
+		if seen[id] {
+			continue
+		}
+		seen[id] = true
+		h := fnv.New64a()
+		h.Write([]byte(s.t.Fence))
+		h.Write([]byte{0})
+		h.Write([]byte(id.Scope))
+		h.Write([]byte{0})
+		h.Write([]byte(id.Partition.String()))
+		keys = append(keys, int64(h.Sum64()))
+	}
+	if len(keys) < 2 {
+		return nil
+	}
+	slices.Sort(keys)
+	return slices.Compact(keys)
+}
+
+// refuseInBatch reports and returns the refusal of effects[i] by its
+// batch. The fence that refused it is the one the batch's earlier effects
+// of that fence left, when one was admitted, and the recorded one when none
+// was. It is not the row as the transaction left it: a later effect of the
+// batch may have raised it, and that raise was rolled back with the rest.
+// The recorded fence is read after the rollback, and may have risen since:
+// it refuses the effect too (see refuse).
+func (s *Sink) refuseInBatch(ctx context.Context, effects []sink.Effect, fenced []int, i int) error {
+	e := &effects[i]
+	for j := i - 1; j >= 0; j-- {
+		prev := &effects[j].Stamp
+		if prev.Fence() != e.Stamp.Fence() || fenced[j] == 0 {
+			continue
+		}
+		f := leasehold.FenceState{Epoch: prev.Epoch, Acquisition: prev.Acquisition, Holder: prev.Worker}
+		if v, _ := leasehold.Judge(f, e.Stamp); v != leasehold.Admit {
+			return s.refused(ctx, e.Stamp, e.Subject, f, v)
+		}
+		break
+	}
+	return s.refuse(ctx, s.db, e.Stamp, e.Subject)
 }
 
 func (s *Sink) verify(ctx context.Context, st leasehold.Stamp, subject string) error {

@@ -206,9 +206,11 @@ func TestConformance(t *testing.T) {
 					if err := l.r.stop(); err != nil {
 						return nil, err
 					}
+					// The next reopen stops this runner: one runner reads
+					// the log at a time.
 					js2 := srv.JetStream(t)
-					l2 := &logSink{js: js2, r: start(t, js2, cfg), rec: rec, prefix: st.Name}
-					return l2, nil
+					l = &logSink{js: js2, r: start(t, js2, cfg), rec: rec, prefix: st.Name}
+					return l, nil
 				},
 				ApplyHeader: func(ctx context.Context, h map[string][]string, subject string, data []byte) error {
 					return l.publish(ctx, subject, nats.Header(h), data)

@@ -18,7 +18,11 @@
 // new holder writes and refusing to go back, maxima that survive a reopen,
 // all-or-nothing batches, many goroutines racing with mixed epochs, dedupe,
 // cancelled contexts, bad stamps and headers, and forged epochs under
-// verification against a real lease bucket.
+// verification against a real lease bucket. Last, the case Properties
+// (also callable alone as RunProperties) runs random sequences of calls,
+// some of them concurrent, against new sinks and compares every result with
+// a reference model of the contract; rapid shrinks a failing sequence to a
+// minimal one.
 //
 // Import it from tests only.
 package sinktest
@@ -55,6 +59,19 @@ type Features struct {
 	// RaceGoroutines and RaceOps size the race case: goroutines, and
 	// effects per goroutine. Defaults 8 and 40.
 	RaceGoroutines, RaceOps int
+	// PropertyRuns is how many random sequences the Properties case runs,
+	// each against a new sink. Default DefaultPropertyRuns; the environment
+	// variable PropertyRunsEnv overrides it.
+	PropertyRuns int
+}
+
+func (f *Features) setDefaults() {
+	if f.RaceGoroutines == 0 {
+		f.RaceGoroutines = 8
+	}
+	if f.RaceOps == 0 {
+		f.RaceOps = 40
+	}
 }
 
 // Setup is what the suite gives a Constructor.
@@ -78,6 +95,10 @@ type Instance struct {
 	// Reopen closes the sink and opens it again on the same storage.
 	// Required with Features.Durable.
 	Reopen func(ctx context.Context) (sink.Sink, error)
+	// Crash stops the sink as a crash of its process would, with nothing
+	// flushed or closed in order, and opens it again on the same storage.
+	// Optional: the Properties case then crashes it as well as reopening it.
+	Crash func(ctx context.Context) (sink.Sink, error)
 	// ApplyHeader applies one effect whose stamp travels in raw headers.
 	// Required with Features.Headers.
 	ApplyHeader func(ctx context.Context, h map[string][]string, subject string, data []byte) error
@@ -93,12 +114,7 @@ type Constructor func(t *testing.T, s Setup) Instance
 // Run runs every case that features allow against sinks built by newSink.
 func Run(t *testing.T, features Features, newSink Constructor) {
 	t.Helper()
-	if features.RaceGoroutines == 0 {
-		features.RaceGoroutines = 8
-	}
-	if features.RaceOps == 0 {
-		features.RaceOps = 40
-	}
+	features.setDefaults()
 	cases := []struct {
 		name string
 		run  func(t *testing.T, h *harness)
@@ -119,6 +135,7 @@ func Run(t *testing.T, features Features, newSink Constructor) {
 		{"Dedupe", testDedupe, features.Dedupe},
 		{"BadHeaders", testHeaders, features.Headers},
 		{"ForgedEpochRefused", testForged, features.VerifiedEpochs},
+		{"Properties", testProperties, true},
 	}
 	for _, c := range cases {
 		if !c.need {

@@ -172,7 +172,11 @@ func newFlawed(flaw string) sinktest.Constructor {
 	}
 }
 
-var features = sinktest.Features{Dedupe: true, AtomicBatch: true, RaceGoroutines: 8, RaceOps: 200}
+// propertyRuns is the flawed sinks' budget of random sequences: a race
+// shows in about one sequence in ten, so 200 leave it no room to hide.
+const propertyRuns = 200
+
+var features = sinktest.Features{Dedupe: true, AtomicBatch: true, RaceGoroutines: 8, RaceOps: 200, PropertyRuns: propertyRuns}
 
 // TestFlawless: the flawed sink with no flaw passes the suite, so that
 // each flaw below is what fails it.
@@ -192,22 +196,26 @@ func TestFlawedSink(t *testing.T) {
 
 // TestSuiteCatchesFlaws runs the suite against each flawed sink in a child
 // test process and requires that exactly the cases named fail it, with a
-// message that says what went wrong.
+// message that says what went wrong; the property test among them, with
+// its own message (a shrunk sequence where the failure reproduces).
 func TestSuiteCatchesFlaws(t *testing.T) {
 	if os.Getenv("SINKTEST_FLAW") != "" {
 		t.Skip("inside the child process")
 	}
 	for _, c := range []struct {
-		flaw  string
-		cases []string
-		say   string
+		flaw     string
+		cases    []string
+		say      string
+		property string
 	}{
-		{"check-then-write", []string{"Race"}, "a stale write landed after the fence rose"},
-		{"partition-only", []string{"ScopesIndependent", "BatchAllOrNothing", "Dedupe"}, "below the recorded"},
-		{"ignore-acquisition", []string{"SplitBrainRefused", "BatchAllOrNothing"}, "want a split-brain"},
+		// A race reproduces only now and then, so rapid may not shrink it.
+		{"check-then-write", []string{"Race", "Properties"}, "a stale write landed after the fence rose", "no order of the concurrent calls"},
+		{"partition-only", []string{"ScopesIndependent", "BatchAllOrNothing", "Dedupe", "Properties"}, "below the recorded", "[rapid] failed after"},
+		{"ignore-acquisition", []string{"SplitBrainRefused", "BatchAllOrNothing", "Properties"}, "want a split-brain", "[rapid] failed after"},
 	} {
 		t.Run(c.flaw, func(t *testing.T) {
-			cmd := exec.Command(os.Args[0], "-test.run=^TestFlawedSink$", "-test.v", "-test.count=1")
+			cmd := exec.Command(os.Args[0], "-test.run=^TestFlawedSink$", "-test.v", "-test.count=1",
+				fmt.Sprintf("-rapid.checks=%d", propertyRuns), "-rapid.nofailfile")
 			cmd.Env = append(os.Environ(), "SINKTEST_FLAW="+c.flaw)
 			out, err := cmd.CombinedOutput()
 			if err == nil {
@@ -217,7 +225,8 @@ func TestSuiteCatchesFlaws(t *testing.T) {
 			failed := map[string]bool{}
 			for _, line := range strings.Split(text, "\n") {
 				if name, ok := strings.CutPrefix(strings.TrimSpace(line), "--- FAIL: TestFlawedSink/"); ok {
-					failed[strings.Fields(name)[0]] = true
+					name, _, _ = strings.Cut(strings.Fields(name)[0], "/")
+					failed[name] = true
 				}
 			}
 			for _, want := range c.cases {
@@ -228,8 +237,10 @@ func TestSuiteCatchesFlaws(t *testing.T) {
 			if len(failed) > len(c.cases) {
 				t.Errorf("the flaw %s failed %d cases (%v), want only %v", c.flaw, len(failed), keys(failed), c.cases)
 			}
-			if !strings.Contains(text, c.say) {
-				t.Errorf("the output for %s does not say %q", c.flaw, c.say)
+			for _, say := range []string{c.say, c.property} {
+				if !strings.Contains(text, say) {
+					t.Errorf("the output for %s does not say %q", c.flaw, say)
+				}
 			}
 			if t.Failed() {
 				t.Logf("child output:\n%s", text)
