@@ -241,7 +241,7 @@ end:
        if
        :: FAULT(nloss, MAXLOSS) -> TAKE(nloss)  /* lost in flight */
        :: ccur >= lfirst && !dec[ccur - 1] -> decide(ccur - 1); dec[ccur - 1] = 1
-       :: else -> skip
+       :: ccur < lfirst || dec[ccur - 1] -> skip
        fi
      }
   :: atomic {

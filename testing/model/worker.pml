@@ -167,7 +167,7 @@ fencing:
              /* the handler failed after emitting: abort marker, run it again */
              publish(ABORT, f, e, a, nxt, att[nxt], 0, 0, 0, res);
              res = 0; res0 = 0
-          :: else ->
+          :: skip ->     /* it returned: the held effect goes out, final */
              setPrev(); publishSecond(f, e, a, nxt, att[nxt], pv, res); pv = 0;
              ok[nxt] = res0 && res; res = 0; res0 = 0; nxt++
           fi
