@@ -50,8 +50,16 @@ end:
        counter = y; CLEARLAST; x = 0; y = 0
      }
 #endif
-  /* the effect log is trimmed from the front by its limits */
-  :: atomic { FAULT(ntrim, MAXTRIM) && lfirst <= llen -> TAKE(ntrim); lfirst++ }
+  /* the effect log is trimmed from the front by its limits: through the
+   * first position the runner has not saved (trimming what it saved is
+   * harmless and not counted as a fault) */
+  :: atomic {
+       FAULT(ntrim, MAXTRIM) && lfirst <= llen && savedPos < llen -> TAKE(ntrim);
+       if
+       :: lfirst <= savedPos + 1 -> lfirst = savedPos + 2
+       :: else -> lfirst++
+       fi
+     }
   /* forged: a barrier or a write with an epoch above every issued one */
   :: atomic {
        FAULT(nforge, MAXFORGE) -> TAKE(nforge);

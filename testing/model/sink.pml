@@ -208,6 +208,23 @@ inline saveFences() {
   vi = 0
 }
 
+/* Once no forger can replay them, the positions up to the saved one are
+ * never read again: clear them, so that they do not tell states apart. */
+inline forgetSaved() {
+  if
+  :: !FAULT(nforge, MAXFORGE) ->
+     vi = 0;
+     do
+     :: vi < savedPos ->
+        log[vi].kind = 0; log[vi].f = 0; log[vi].e = 0; log[vi].a = 0; log[vi].j = 0;
+        log[vi].k = 0; log[vi].idx = 0; log[vi].fin = 0; log[vi].prev = 0; vi++
+     :: else -> break
+     od;
+     vi = 0
+  :: else -> skip
+  fi
+}
+
 inline restore() {
   pos = savedPos;
   vi = 0;
@@ -276,7 +293,7 @@ end:
        :: stopped == 0 && pos < llen && pos + 1 >= lfirst ->
           decide(pos); pos++;
           if
-          :: NOOPEN -> savedPos = pos; saveFences()
+          :: NOOPEN -> savedPos = pos; saveFences(); forgetSaved()
           :: else -> skip
           fi;
 #ifdef ONEBYONE

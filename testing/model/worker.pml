@@ -81,8 +81,8 @@ idle:
    * its own. (coordinator/acquire.go acquireKey) */
   :: atomic {
        if
-       :: ACQOK(0) && !lease[0].live && WANT(0) -> f = 0
-       :: NP > 1 && ACQOK(1) && !lease[1].live && WANT(1) -> f = 1
+       :: LOCKGATE && ACQOK(0) && !lease[0].live && WANT(0) -> f = 0
+       :: LOCKGATE && NP > 1 && ACQOK(1) && !lease[1].live && WANT(1) -> f = 1
 #ifdef LOCKSTEPS
        :: ACQOK(LOCKF) && !lease[LOCKF].live && WANT(LOCKF) -> f = LOCKF
 #endif
@@ -90,7 +90,7 @@ idle:
        acquire()
      };
      goto fencing
-#ifndef LOCKSTEPS
+#if !defined(LOCKSTEPS) && !defined(LOCKFIRST)
   /* The lock, in one step: acquired, fenced, its barrier and its one write
    * (no job headers: it applies on its own) published, released. With
    * -DLOCKSTEPS these are steps of their own, as for a partition. */
@@ -146,7 +146,7 @@ fencing:
        append(BARRIER, f, e, a, 0, 0, 0, 0, 0); append(EFFECT, f, e, a, 0, 0, 0, 1, 0);
        release(); lockDone = 1; held[w] = 0; forget(); goto idle
      }
-  :: else -> d_step { append(BARRIER, f, e, a, 0, 0, 0, 0, 0) }
+  :: f != LOCKF -> d_step { append(BARRIER, f, e, a, 0, 0, 0, 0, 0) }
   fi;
   d_step { fin = prog; nxt = prog + 1; start = prog + 1 };
   do
@@ -221,3 +221,21 @@ crashed:
 finished:
   skip
 }
+
+#ifdef LOCKFIRST
+/* With -DLOCKFIRST the lock is taken, fenced, written (its barrier and its
+ * one write) and released before any partition is acquired, in one step:
+ * its epoch then does not shift every partition epoch after it, nor its
+ * messages every log position, which keeps the state space small. */
+proctype Locker() {
+  byte f = LOCKF, e, a;
+  atomic {
+    assert(counter < 31); counter++; nacq++; nacqf[f]++; LASTWRITE(f);
+    lease[f].live = 1; lease[f].rev = counter; lease[f].acq = nacq;
+    e = counter; a = nacq; acqEpoch[a] = e; acqFence[a] = f;
+    frec[f].e = e; frec[f].a = a; fenced[f] = fenced[f] | (1 << a);
+    append(BARRIER, f, e, a, 0, 0, 0, 0, 0); append(EFFECT, f, e, a, 0, 0, 0, 1, 0);
+    release(); lockDone = 1; f = 0; e = 0; a = 0
+  }
+}
+#endif
