@@ -3,6 +3,7 @@
  */
 
 inline expire(x) {
+  printf("MSC: the lease of fence %d expires\n", x);
   assert(counter < 31); counter++; LASTWRITE(x);
   lease[x].live = 0; lease[x].rev = counter; lease[x].acq = 0
 }
@@ -32,6 +33,7 @@ end:
 #if MAXRB > 0
   :: atomic {
        FAULT(nrb, MAXRB) && lastKey != NONE -> TAKE(nrb);
+       printf("MSC: the lease bucket loses its last write (revision %d, key %d)\n", counter, lastKey);
        lease[lastKey].live = lastPrev.live; lease[lastKey].rev = lastPrev.rev; lease[lastKey].acq = lastPrev.acq;
        counter--; lastKey = NONE; lastPrev.live = 0; lastPrev.rev = 0; lastPrev.acq = 0
      }
@@ -41,6 +43,7 @@ end:
 #if MAXREC > 0
   :: atomic {
        FAULT(nrec, MAXREC) -> TAKE(nrec);
+       printf("MSC: the lease bucket is re-created\n");
        x = 0; y = 0;
        do
        :: x < NF -> lease[x].live = 0; lease[x].rev = 0; lease[x].acq = 0;
@@ -55,6 +58,7 @@ end:
    * harmless and not counted as a fault) */
   :: atomic {
        FAULT(ntrim, MAXTRIM) && lfirst <= llen && savedPos < llen -> TAKE(ntrim);
+       printf("MSC: the log is trimmed\n");
        if
        :: lfirst <= savedPos + 1 -> lfirst = savedPos + 2
        :: else -> lfirst++
@@ -63,6 +67,7 @@ end:
   /* forged: a barrier or a write with an epoch above every issued one */
   :: atomic {
        FAULT(nforge, MAXFORGE) -> TAKE(nforge);
+       printf("MSC: forged:\n");
        select (x : 0 .. NF - 1);
        if
        :: append(BARRIER, x, counter + 1, FORGED, 0, 0, 0, 0, 0)
@@ -76,6 +81,7 @@ end:
        select (x : 1 .. MAXACQ);
        if
        :: x <= nacq -> TAKE(nforge);
+          printf("MSC: forged:\n");
           if
           :: KNOWABLE(x) -> append(BARRIER, acqFence[x], acqEpoch[x], x, 0, 0, 0, 0, 0)
           :: append(BARRIER, acqFence[x], acqEpoch[x], FORGED, 0, 0, 0, 0, 0)
@@ -91,6 +97,7 @@ end:
        select (x : 1 .. LOGMAX);
        if
        :: x >= lfirst && x <= llen -> TAKE(nforge);
+          printf("MSC: replayed:\n");
           append(log[x-1].kind, log[x-1].f, log[x-1].e, log[x-1].a, log[x-1].j, log[x-1].k, log[x-1].idx, log[x-1].fin, log[x-1].prev)
        :: else -> skip
        fi;

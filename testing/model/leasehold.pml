@@ -155,6 +155,7 @@ byte lfirst = 1;        /* first position not trimmed */
 
 inline append(K, F, E, A, J, KK, I, FIN, PREV) {
   assert(llen < LOGMAX);
+  printf("MSC: log %d: kind %d fence %d epoch %d acq %d job %d attempt %d idx %d final %d prev %d\n", llen + 1, K, F, E, A, J, KK, I, FIN, PREV);
   log[llen].kind = K; log[llen].f = F; log[llen].e = E; log[llen].a = A;
   log[llen].j = J; log[llen].k = KK; log[llen].idx = I; log[llen].fin = FIN;
   log[llen].prev = PREV;

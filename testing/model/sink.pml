@@ -64,6 +64,7 @@ inline tryApply(ff, jj) {
      od;
      vi = 0;
      jobApplied[si] = 1;
+     printf("MSC: sink applies job %d of fence %d (epoch %d acquisition %d attempt %d)\n", jj, ff, slot[si].e, slot[si].a, slot[si].k);
 #ifdef WRITTEN_STATE
      memApplied[si] = 1;
 #endif
@@ -151,6 +152,7 @@ inline decide(p) {
            /* the fence rises at this position; open attempts below it are
             * abandoned (their jobs were not committed: see README) */
            fence[fs].e = log[p].e; fence[fs].a = log[p].a; fence[fs].setter = log[p].f;
+           printf("MSC: sink raises fence %d to %d/%d at position %d\n", fs, log[p].e, log[p].a, p + 1);
            if
            :: log[p].f < NP ->
               vi = 1;
@@ -188,10 +190,12 @@ inline decide(p) {
            /* a write without job headers: applies on its own (I3) */
            assert(log[p].e == gF[log[p].f].e && log[p].a == gF[log[p].f].a);
            assert(log[p].a != FORGED);
-           lockKey[log[p].a] = 1
+           lockKey[log[p].a] = 1;
+           printf("MSC: sink applies the write of fence %d epoch %d acquisition %d\n", log[p].f, log[p].e, log[p].a)
         :: else -> onJobEffect(p)
         fi
-     :: else -> skip                     /* refused: stale, split brain or unverified */
+     :: else ->                          /* refused: stale, split brain or unverified */
+        printf("MSC: sink refuses position %d (verdict %d: 2 stale, 3 split brain, 4 unverified; fence %d/%d)\n", p + 1, v, fence[fs].e, fence[fs].a)
      fi;
      v = 0; fs = 0
   fi
@@ -286,9 +290,11 @@ end:
        :: stopped == 0 && pos < llen && pos + 1 < lfirst ->
           /* positions trimmed before the runner saw them */
 #ifdef VARIANT_A
+          printf("MSC: sink skips positions %d..%d (trimmed)\n", pos + 1, lfirst - 1);
           pos = lfirst - 1       /* skipped */
 #else
-          stopped = GAP          /* stop, never skip: an operator resumes it */
+          stopped = GAP;         /* stop, never skip: an operator resumes it */
+          printf("MSC: sink stops: positions after %d were trimmed\n", pos)
 #endif
        :: stopped == 0 && pos < llen && pos + 1 >= lfirst ->
           decide(pos); pos++;
@@ -305,7 +311,7 @@ end:
        od
      }
   /* crash, and resume from what was saved */
-  :: atomic { FAULT(nscrash, MAXSCRASH) -> TAKE(nscrash); restore() }
+  :: atomic { FAULT(nscrash, MAXSCRASH) -> TAKE(nscrash); printf("MSC: sink crashes; resumes after position %d\n", savedPos); restore() }
   od
 #endif
 }

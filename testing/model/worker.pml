@@ -12,8 +12,10 @@
 inline publish(K, F, E, A, J, KK, I, FIN, PREV, res) {
   if
   :: append(K, F, E, A, J, KK, I, FIN, PREV); res = 1
-  :: FAULT(nloss, MAXLOSS) -> TAKE(nloss); append(K, F, E, A, J, KK, I, FIN, PREV); res = 0
-  :: FAULT(nloss, MAXLOSS) -> TAKE(nloss); res = 0
+  :: FAULT(nloss, MAXLOSS) -> TAKE(nloss); append(K, F, E, A, J, KK, I, FIN, PREV); res = 0;
+     printf("MSC: (its acknowledgement is lost)\n")
+  :: FAULT(nloss, MAXLOSS) -> TAKE(nloss); res = 0;
+     printf("MSC: a publish (kind %d job %d) is lost\n", K, J)
   fi
 }
 
@@ -25,6 +27,7 @@ inline publishSecond(F, E, A, J, KK, PREV, res) {
   if
   :: publish(EFFECT, F, E, A, J, KK, 1, 1, PREV, res)
   :: FAULT(nforge, MAXFORGE) -> TAKE(nforge);
+     printf("MSC: a forger stores garbage under the Nats-Msg-Id of the next effect\n");
      append(GARBAGE, F, 0, 0, 0, 0, 0, 0, 0);
 #ifdef VARIANT_E
      res = 1    /* trusted: the worker believes its effect stored */
@@ -64,7 +67,8 @@ inline acquire() {
   assert(counter < 31); counter++; nacq++; nacqf[f]++; LASTWRITE(f);
   lease[f].live = 1; lease[f].rev = counter; lease[f].acq = nacq;
   e = counter; a = nacq; acqEpoch[a] = e; acqFence[a] = f;
-  held[w] = a
+  held[w] = a;
+  printf("MSC: worker %d acquires fence %d: epoch %d acquisition %d\n", w, f, e, a)
 }
 
 proctype Worker(byte w) {
@@ -119,7 +123,8 @@ fencing:
   :: atomic {
        if
        :: frec[f].e < e ->
-          frec[f].e = e; frec[f].a = a; fenced[f] = fenced[f] | (1 << a); prog = frec[f].seq
+          frec[f].e = e; frec[f].a = a; fenced[f] = fenced[f] | (1 << a); prog = frec[f].seq;
+          printf("MSC: worker %d fences record %d at epoch %d acquisition %d, progress %d\n", w, f, e, a, prog)
 #ifdef TODAY_PROGRESS
        :: frec[f].e == e ->
           /* "an earlier attempt of ours landed": taken as our own.
@@ -127,7 +132,8 @@ fencing:
           assert(frec[f].a == a);
           fenced[f] = fenced[f] | (1 << a); prog = frec[f].seq
 #endif
-       :: else -> lost = 1     /* a later epoch, or this epoch for another acquisition */
+       :: else -> lost = 1;    /* a later epoch, or this epoch for another acquisition */
+          printf("MSC: worker %d: fence record %d refuses epoch %d acquisition %d (it holds %d/%d)\n", w, f, e, a, frec[f].e, frec[f].a)
        fi
      }
   fi;
@@ -164,6 +170,7 @@ fencing:
      :: atomic {
           if
           :: FAULT(nhfail, MAXHFAIL) -> TAKE(nhfail);
+             printf("MSC: worker %d: the handler of job %d fails\n", w, nxt);
              /* the handler failed after emitting: abort marker, run it again */
              publish(ABORT, f, e, a, nxt, att[nxt], 0, 0, 0, res);
              res = 0; res0 = 0
@@ -185,7 +192,8 @@ fencing:
   :: atomic {
        fin + 1 < nxt && ok[fin + 1] -> fin++; ok[fin] = 0;
        if
-       :: frec[f].e == e && frec[f].a == a -> frec[f].seq = fin; prog = fin
+       :: frec[f].e == e && frec[f].a == a -> frec[f].seq = fin; prog = fin;
+          printf("MSC: worker %d commits job %d of fence %d (epoch %d)\n", w, fin, f, e)
 #ifdef TODAY_PROGRESS
        :: frec[f].e == e && frec[f].a != a ->
           /* the read-back finds "its" epoch and takes the record over */
@@ -198,6 +206,7 @@ fencing:
        :: else ->
           /* refused: a successor fenced the record; give the key back if
            * it is still ours */
+          printf("MSC: worker %d: commit of job %d refused (epoch %d)\n", w, fin, e);
           release(); held[w] = 0; forget(); goto idle
        fi;
        if
@@ -216,7 +225,7 @@ fencing:
 
 crashed:
   /* a crash: everything local is gone; the lease stays until it expires */
-  atomic { held[w] = 0; forget(); goto idle };
+  atomic { printf("MSC: worker %d crashes\n", w); held[w] = 0; forget(); goto idle };
 
 finished:
   skip
