@@ -20,7 +20,10 @@ func FuzzStampHeaders(f *testing.F) {
 	f.Add("Leasehold-Partition", "1", "Leasehold-Epoch", "2", "Leasehold-Key", "k", "leasehold-EPOCH", "3")
 	f.Add("Leasehold-Partition", "1", "Leasehold-Epoch", "01", "Leasehold-Key", "k\x00", "Nats-Msg-Id", "k")
 	f.Fuzz(func(t *testing.T, n1, v1, n2, v2, n3, v3, n4, v4 string) {
-		h := map[string][]string{}
+		h := map[string][]string{
+			leasehold.HeaderScope:       {"orders"},
+			leasehold.HeaderAcquisition: {"a1b2"},
+		}
 		for _, kv := range [][2]string{{n1, v1}, {n2, v2}, {n3, v3}, {n4, v4}} {
 			h[kv[0]] = append(h[kv[0]], kv[1])
 		}
@@ -66,11 +69,13 @@ func FuzzStampMetadata(f *testing.F) {
 	f.Add("", "", "", "", "")
 	f.Fuzz(func(t *testing.T, p, e, k, extraName, extraValue string) {
 		md := map[string]string{
-			leasehold.HeaderPartition: p,
-			leasehold.HeaderEpoch:     e,
-			leasehold.HeaderKey:       k,
-			extraName:                 extraValue,
+			leasehold.HeaderScope:       "orders",
+			leasehold.HeaderAcquisition: "a1b2",
+			leasehold.HeaderPartition:   p,
+			leasehold.HeaderEpoch:       e,
+			leasehold.HeaderKey:         k,
 		}
+		md[extraName] = extraValue
 		s, err := leasehold.StampFromMetadata(md)
 		if err != nil {
 			if !errors.Is(err, leasehold.ErrBadStamp) || s != (leasehold.Stamp{}) {

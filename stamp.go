@@ -10,10 +10,17 @@ import (
 // Header names of the stamp every effect carries. W3C trace context
 // (traceparent, tracestate) travels beside them.
 const (
+	// HeaderScope names the fencing scope: the job stream (its prefix) for
+	// partitions, "<namespace>/<name>" for a named lock.
+	HeaderScope     = "Leasehold-Scope"
 	HeaderPartition = "Leasehold-Partition"
 	HeaderEpoch     = "Leasehold-Epoch"
-	HeaderKey       = "Leasehold-Key" // the effect's idempotency key
-	HeaderWorker    = "Leasehold-Worker"
+	// HeaderAcquisition identifies the acquisition that issued the epoch, so
+	// that two acquisitions handed one revision (a storage rollback) are
+	// told apart.
+	HeaderAcquisition = "Leasehold-Acquisition"
+	HeaderKey         = "Leasehold-Key" // the effect's idempotency key
+	HeaderWorker      = "Leasehold-Worker"
 	// HeaderBarrier marks a barrier: a message with a stamp and no effect,
 	// which a worker publishes into an effect log when it acquires a
 	// partition, so that a sink consuming the log in order raises the
@@ -25,29 +32,43 @@ const (
 // Nats-Msg-Id and an indexed database column.
 const MaxKeyLen = 256
 
-// Stamp is what a sink needs to fence an effect: the partition it belongs
-// to, the epoch of the lease it was produced under, and its idempotency key.
-// Worker names the producing worker for logs and traces; it is informative
-// and never trusted for fencing.
+// SinkHeaderRoom is the room, in bytes, a sink may take under the server's
+// max payload for headers of its own when it stores an effect (a KV sink's
+// batch and compare-and-set headers, a republished effect's trace context
+// and message ID). Workers refuse an effect that leaves less, so that no
+// sink is handed an effect it cannot store.
+const SinkHeaderRoom = 1024
+
+// Stamp is what a sink needs to fence an effect: the fence it belongs to
+// (scope and partition), the epoch of the lease it was produced under and
+// the acquisition that issued that epoch, and its idempotency key. Worker
+// names the producing worker for logs and traces; it is informative and
+// never trusted for fencing.
 type Stamp struct {
-	Partition Partition
-	Epoch     Epoch
-	Key       string
-	Worker    string
+	Scope       string
+	Partition   Partition
+	Epoch       Epoch
+	Acquisition string
+	Key         string
+	Worker      string
 }
 
-// Admits reports whether a write stamped with epoch e may be applied when
-// the partition's recorded maximum is max. Equal epochs are admitted: one
-// holder writes many times.
-func Admits(max, e Epoch) bool { return e >= max }
+// Fence is the fence s belongs to.
+func (s Stamp) Fence() FenceID { return FenceID{Scope: s.Scope, Partition: s.Partition} }
 
 // Validate reports whether s can be written as headers and read back.
 func (s Stamp) Validate() error {
+	if err := ValidateScope(s.Scope); err != nil {
+		return &StampError{Header: HeaderScope, Value: s.Scope, Err: err}
+	}
 	if s.Epoch == 0 || s.Epoch > MaxEpoch {
 		return &StampError{Header: HeaderEpoch, Value: s.Epoch.String(), Err: fmt.Errorf("epoch %d is outside 1..%d", s.Epoch, MaxEpoch)}
 	}
 	if s.Partition >= MaxPartitions {
 		return &StampError{Header: HeaderPartition, Value: s.Partition.String(), Err: fmt.Errorf("partition %d is not below %d", s.Partition, MaxPartitions)}
+	}
+	if err := ValidateAcquisition(s.Acquisition); err != nil {
+		return &StampError{Header: HeaderAcquisition, Value: s.Acquisition, Err: err}
 	}
 	if err := validKey(s.Key); err != nil {
 		return &StampError{Header: HeaderKey, Value: s.Key, Err: err}
@@ -58,8 +79,10 @@ func (s Stamp) Validate() error {
 // SetHeader writes s into h under the leasehold header names, replacing any
 // values already there. nats.Header and http.Header convert to h's type.
 func (s Stamp) SetHeader(h map[string][]string) {
+	h[HeaderScope] = []string{s.Scope}
 	h[HeaderPartition] = []string{s.Partition.String()}
 	h[HeaderEpoch] = []string{s.Epoch.String()}
+	h[HeaderAcquisition] = []string{s.Acquisition}
 	h[HeaderKey] = []string{s.Key}
 	if s.Worker != "" {
 		h[HeaderWorker] = []string{s.Worker}
@@ -70,8 +93,10 @@ func (s Stamp) SetHeader(h map[string][]string) {
 
 // SetMetadata writes s into Watermill-style metadata.
 func (s Stamp) SetMetadata(m map[string]string) {
+	m[HeaderScope] = s.Scope
 	m[HeaderPartition] = s.Partition.String()
 	m[HeaderEpoch] = s.Epoch.String()
+	m[HeaderAcquisition] = s.Acquisition
 	m[HeaderKey] = s.Key
 	if s.Worker != "" {
 		m[HeaderWorker] = s.Worker
@@ -82,7 +107,71 @@ func (s Stamp) SetMetadata(m map[string]string) {
 // regard to case, since proxies and other clients may lower-case them; a
 // header given twice with different values is an error.
 func StampFromHeader(h map[string][]string) (Stamp, error) {
-	return parseStamp(func(name string) (string, error) { return headerValue(h, name) })
+	// One pass over h gathers every spelling of every stamp header; a
+	// lookup per name would walk h once per name, on every message a sink
+	// reads.
+	var found [len(stampHeaders)]struct {
+		v        string
+		n        int
+		conflict bool
+	}
+	for k, vs := range h {
+		i := stampHeaderIndex(k)
+		if i < 0 {
+			continue
+		}
+		f := &found[i]
+		for _, v := range vs {
+			if f.n == 0 {
+				f.v = v
+			} else if v != f.v {
+				f.conflict = true
+			}
+			f.n++
+		}
+	}
+	return parseStamp(func(name string) (string, error) {
+		f := found[stampHeaderIndex(name)]
+		switch {
+		case f.n == 0:
+			return "", errMissing
+		case f.conflict:
+			return "", errConflict
+		}
+		return f.v, nil
+	})
+}
+
+// stampHeaders are the headers a stamp is read from.
+var stampHeaders = [...]string{HeaderScope, HeaderPartition, HeaderEpoch, HeaderAcquisition, HeaderKey, HeaderWorker}
+
+// stampHeaderIndex returns the index in stampHeaders of the header name,
+// matched without regard to case, or -1.
+func stampHeaderIndex(name string) int {
+	switch name {
+	case HeaderScope:
+		return 0
+	case HeaderPartition:
+		return 1
+	case HeaderEpoch:
+		return 2
+	case HeaderAcquisition:
+		return 3
+	case HeaderKey:
+		return 4
+	case HeaderWorker:
+		return 5
+	}
+	const prefix = "Leasehold-"
+	if len(name) <= len(prefix) || !strings.EqualFold(name[:len(prefix)], prefix) {
+		return -1
+	}
+	for i, h := range stampHeaders {
+		if len(h) == len(name) && strings.EqualFold(h, name) {
+			return i
+		}
+	}
+	return -1
 }
 
 // StampFromMetadata reads a stamp from Watermill-style metadata.
@@ -114,7 +203,15 @@ var (
 
 func parseStamp(get func(string) (string, error)) (Stamp, error) {
 	var s Stamp
-	v, err := get(HeaderPartition)
+	v, err := get(HeaderScope)
+	if err == nil {
+		err = ValidateScope(v)
+	}
+	if err != nil {
+		return Stamp{}, &StampError{Header: HeaderScope, Value: v, Err: err}
+	}
+	s.Scope = v
+	v, err = get(HeaderPartition)
 	if err == nil {
 		s.Partition, err = ParsePartition(v)
 	}
@@ -128,6 +225,14 @@ func parseStamp(get func(string) (string, error)) (Stamp, error) {
 	if err != nil {
 		return Stamp{}, &StampError{Header: HeaderEpoch, Value: v, Err: err}
 	}
+	v, err = get(HeaderAcquisition)
+	if err == nil {
+		err = ValidateAcquisition(v)
+	}
+	if err != nil {
+		return Stamp{}, &StampError{Header: HeaderAcquisition, Value: v, Err: err}
+	}
+	s.Acquisition = v
 	v, err = get(HeaderKey)
 	if err == nil {
 		err = validKey(v)
@@ -140,29 +245,6 @@ func parseStamp(get func(string) (string, error)) (Stamp, error) {
 		s.Worker = w
 	}
 	return s, nil
-}
-
-// headerValue looks a header up by exact name first (the common, cheap
-// case), then without regard to case.
-func headerValue(h map[string][]string, name string) (string, error) {
-	var vals []string
-	if vs, ok := h[name]; ok {
-		vals = vs
-	}
-	for k, vs := range h {
-		if k != name && strings.EqualFold(k, name) {
-			vals = append(vals[:len(vals):len(vals)], vs...)
-		}
-	}
-	if len(vals) == 0 {
-		return "", errMissing
-	}
-	for _, v := range vals[1:] {
-		if v != vals[0] {
-			return "", errConflict
-		}
-	}
-	return vals[0], nil
 }
 
 func validKey(k string) error {

@@ -54,7 +54,7 @@ func TestParsePartitionStrict(t *testing.T) {
 }
 
 func TestStampRoundTrip(t *testing.T) {
-	s := leasehold.Stamp{Partition: 7, Epoch: 1234, Key: leasehold.EffectKey("orders", 7, 99, 2), Worker: "w-1"}
+	s := leasehold.Stamp{Scope: "orders", Partition: 7, Epoch: 1234, Acquisition: "9f3a", Key: leasehold.EffectKey("orders", 7, 99, 2), Worker: "w-1"}
 	if err := s.Validate(); err != nil {
 		t.Fatal(err)
 	}
@@ -76,7 +76,7 @@ func TestStampRoundTrip(t *testing.T) {
 
 func TestStampMetadataConflictAcrossCase(t *testing.T) {
 	md := map[string]string{}
-	leasehold.Stamp{Partition: 3, Epoch: 4, Key: "k"}.SetMetadata(md)
+	leasehold.Stamp{Scope: "orders", Partition: 3, Epoch: 4, Acquisition: "a", Key: "k"}.SetMetadata(md)
 	md["leasehold-epoch"] = "9"
 	if _, err := leasehold.StampFromMetadata(md); !errors.Is(err, leasehold.ErrBadStamp) {
 		t.Fatalf("two spellings of the epoch with different values: %v, want ErrBadStamp", err)
@@ -85,15 +85,17 @@ func TestStampMetadataConflictAcrossCase(t *testing.T) {
 
 func TestStampHeaderNamesIgnoreCase(t *testing.T) {
 	h := map[string][]string{
-		"leasehold-partition": {"3"},
-		"LEASEHOLD-EPOCH":     {"17"},
-		"Leasehold-Key":       {"k"},
+		"leasehold-scope":       {"orders"},
+		"leasehold-partition":   {"3"},
+		"LEASEHOLD-EPOCH":       {"17"},
+		"leasehold-acquisition": {"a1"},
+		"Leasehold-Key":         {"k"},
 	}
 	s, err := leasehold.StampFromHeader(h)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s.Partition != 3 || s.Epoch != 17 || s.Key != "k" {
+	if s.Scope != "orders" || s.Partition != 3 || s.Epoch != 17 || s.Acquisition != "a1" || s.Key != "k" {
 		t.Fatalf("got %+v", s)
 	}
 }
@@ -101,9 +103,11 @@ func TestStampHeaderNamesIgnoreCase(t *testing.T) {
 func TestStampBadHeaders(t *testing.T) {
 	valid := func() map[string][]string {
 		return map[string][]string{
-			leasehold.HeaderPartition: {"3"},
-			leasehold.HeaderEpoch:     {"17"},
-			leasehold.HeaderKey:       {"k"},
+			leasehold.HeaderScope:       {"orders"},
+			leasehold.HeaderPartition:   {"3"},
+			leasehold.HeaderEpoch:       {"17"},
+			leasehold.HeaderAcquisition: {"a1"},
+			leasehold.HeaderKey:         {"k"},
 		}
 	}
 	cases := []struct {
@@ -123,6 +127,13 @@ func TestStampBadHeaders(t *testing.T) {
 		{"epoch in two cases", func(h map[string][]string) { h["leasehold-epoch"] = []string{"99"} }, leasehold.HeaderEpoch},
 		{"missing partition", func(h map[string][]string) { delete(h, leasehold.HeaderPartition) }, leasehold.HeaderPartition},
 		{"garbled partition", func(h map[string][]string) { h[leasehold.HeaderPartition] = []string{"3x"} }, leasehold.HeaderPartition},
+		{"missing scope", func(h map[string][]string) { delete(h, leasehold.HeaderScope) }, leasehold.HeaderScope},
+		{"empty scope", func(h map[string][]string) { h[leasehold.HeaderScope] = []string{""} }, leasehold.HeaderScope},
+		{"scope with a space", func(h map[string][]string) { h[leasehold.HeaderScope] = []string{"a b"} }, leasehold.HeaderScope},
+		{"scope too long", func(h map[string][]string) { h[leasehold.HeaderScope] = []string{strings.Repeat("s", 257)} }, leasehold.HeaderScope},
+		{"two scopes", func(h map[string][]string) { h["leasehold-scope"] = []string{"payments"} }, leasehold.HeaderScope},
+		{"missing acquisition", func(h map[string][]string) { delete(h, leasehold.HeaderAcquisition) }, leasehold.HeaderAcquisition},
+		{"garbled acquisition", func(h map[string][]string) { h[leasehold.HeaderAcquisition] = []string{"a.b"} }, leasehold.HeaderAcquisition},
 		{"missing key", func(h map[string][]string) { delete(h, leasehold.HeaderKey) }, leasehold.HeaderKey},
 		{"key with a newline", func(h map[string][]string) { h[leasehold.HeaderKey] = []string{"a\nb"} }, leasehold.HeaderKey},
 		{"key too long", func(h map[string][]string) { h[leasehold.HeaderKey] = []string{strings.Repeat("k", 300)} }, leasehold.HeaderKey},
@@ -186,15 +197,17 @@ func TestPartitionForMatchesKafka(t *testing.T) {
 }
 
 func FuzzStampFromHeader(f *testing.F) {
-	f.Add("3", "17", "k")
-	f.Add("", "0", "")
-	f.Add("03", "+1", "a b")
-	f.Add("65535", "9223372036854775807", "orders.1.2.3")
-	f.Fuzz(func(t *testing.T, p, e, k string) {
+	f.Add("orders", "3", "17", "a1", "k")
+	f.Add("", "", "0", "", "")
+	f.Add("a b", "03", "+1", "a.b", "a b")
+	f.Add("locks/account:42", "65535", "9223372036854775807", "0123456789abcdef01234567", "orders.1.2.3")
+	f.Fuzz(func(t *testing.T, scope, p, e, acq, k string) {
 		h := map[string][]string{
-			leasehold.HeaderPartition: {p},
-			leasehold.HeaderEpoch:     {e},
-			leasehold.HeaderKey:       {k},
+			leasehold.HeaderScope:       {scope},
+			leasehold.HeaderPartition:   {p},
+			leasehold.HeaderEpoch:       {e},
+			leasehold.HeaderAcquisition: {acq},
+			leasehold.HeaderKey:         {k},
 		}
 		s, err := leasehold.StampFromHeader(h)
 		if err != nil {
@@ -206,7 +219,7 @@ func FuzzStampFromHeader(f *testing.F) {
 		if s.Epoch == 0 || s.Epoch > leasehold.MaxEpoch {
 			t.Fatalf("accepted epoch %d from %q", s.Epoch, e)
 		}
-		if s.Epoch.String() != e || s.Partition.String() != p {
+		if s.Epoch.String() != e || s.Partition.String() != p || s.Scope != scope || s.Acquisition != acq {
 			t.Fatalf("accepted a non-canonical spelling: %q/%q read as %d/%d", p, e, s.Partition, s.Epoch)
 		}
 		if err := s.Validate(); err != nil {
@@ -218,4 +231,47 @@ func FuzzStampFromHeader(f *testing.F) {
 			t.Fatalf("round trip: %+v, %v", s2, err)
 		}
 	})
+}
+
+func TestJudge(t *testing.T) {
+	st := func(e leasehold.Epoch, acq string) leasehold.Stamp {
+		return leasehold.Stamp{Scope: "orders", Partition: 1, Epoch: e, Acquisition: acq, Key: "k"}
+	}
+	cases := []struct {
+		name  string
+		fence leasehold.FenceState
+		s     leasehold.Stamp
+		v     leasehold.Verdict
+		raise bool
+	}{
+		{"no fence yet", leasehold.FenceState{}, st(5, "a"), leasehold.Admit, true},
+		{"higher epoch", leasehold.FenceState{Epoch: 5, Acquisition: "a"}, st(6, "b"), leasehold.Admit, true},
+		{"same acquisition", leasehold.FenceState{Epoch: 5, Acquisition: "a"}, st(5, "a"), leasehold.Admit, false},
+		{"fence without acquisition learns it", leasehold.FenceState{Epoch: 5}, st(5, "a"), leasehold.Admit, true},
+		{"lower epoch", leasehold.FenceState{Epoch: 5, Acquisition: "a"}, st(4, "a"), leasehold.Stale, false},
+		{"one epoch, two acquisitions", leasehold.FenceState{Epoch: 5, Acquisition: "a"}, st(5, "b"), leasehold.SplitBrain, false},
+	}
+	for _, c := range cases {
+		v, raise := leasehold.Judge(c.fence, c.s)
+		if v != c.v || raise != c.raise {
+			t.Errorf("%s: Judge = %v, %v; want %v, %v", c.name, v, raise, c.v, c.raise)
+		}
+	}
+}
+
+func TestSplitBrainError(t *testing.T) {
+	f := leasehold.FenceState{Epoch: 5, Acquisition: "a", Holder: "w-a"}
+	s := leasehold.Stamp{Scope: "orders", Partition: 1, Epoch: 5, Acquisition: "b", Key: "k", Worker: "w-b"}
+	err := error(leasehold.Refusal(f, s, leasehold.SplitBrain))
+	if !errors.Is(err, leasehold.ErrStaleEpoch) || !errors.Is(err, leasehold.ErrSplitBrain) {
+		t.Fatalf("%v: want both ErrStaleEpoch and ErrSplitBrain", err)
+	}
+	if stale := leasehold.Refusal(f, leasehold.Stamp{Scope: "orders", Partition: 1, Epoch: 4, Acquisition: "a", Key: "k"}, leasehold.Stale); errors.Is(stale, leasehold.ErrSplitBrain) {
+		t.Fatalf("a stale refusal matches ErrSplitBrain: %v", stale)
+	}
+	for _, want := range []string{"scope orders partition 1", "another acquisition", "sync_interval"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("message %q lacks %q", err, want)
+		}
+	}
 }

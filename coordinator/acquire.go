@@ -18,26 +18,54 @@ var ErrHeld = errors.New("coordinator: partition is held by another lease")
 // HeldError reports the live lease that stopped an acquisition.
 type HeldError struct {
 	Lease leasehold.Lease // the live lease, as far as its record tells
+	Lock  string          // the lock's name, for a lock
 }
 
 func (e *HeldError) Error() string {
-	return fmt.Sprintf("coordinator: partition %d is held by %s at epoch %d: wait for its release or expiry",
-		e.Lease.Partition, e.Lease.Holder, e.Lease.Epoch)
+	what := fmt.Sprintf("partition %d", e.Lease.Partition)
+	if e.Lock != "" {
+		what = fmt.Sprintf("lock %q", e.Lock)
+	}
+	return fmt.Sprintf("coordinator: %s is held by %s at epoch %d: wait for its release or expiry",
+		what, e.Lease.Holder, e.Lease.Epoch)
 }
 
 // Is makes errors.Is(err, ErrHeld) true.
 func (e *HeldError) Is(target error) bool { return target == ErrHeld }
 
+// ErrForeignRecord is matched by errors about a lease key that holds a
+// record leasehold did not write.
+var ErrForeignRecord = errors.New("coordinator: the lease key holds a record leasehold did not write")
+
+// ForeignRecordError reports a lease key (a partition, lock or member key)
+// whose value is not a lease: it does not decode, or carries no per-message
+// TTL, so the server would never expire it. Acquire does not overwrite it;
+// Fence does, and a worker group takes it over once it has stayed
+// unchanged for a TTL.
+type ForeignRecordError struct {
+	Bucket   string
+	Key      string
+	Revision uint64
+	Reason   string
+}
+
+func (e *ForeignRecordError) Error() string {
+	return fmt.Sprintf("coordinator: %s of lease bucket %s (revision %d) is not a lease leasehold wrote: %s; %s",
+		e.Key, e.Bucket, e.Revision, e.Reason, repairHint(e.Key))
+}
+
+// Is makes errors.Is(err, ErrForeignRecord) true.
+func (e *ForeignRecordError) Is(target error) bool { return target == ErrForeignRecord }
+
 // Coordinator is one worker's access to the lease bucket: it acquires
-// leases under the worker's ID and, through Run, balances partitions with
-// the other live workers.
+// leases on partitions and locks under the worker's ID and, through Run,
+// balances partitions with the other live workers.
 type Coordinator struct {
 	b   *Bucket
 	cfg Config
 
 	mu    sync.Mutex
 	group *group // set while Run runs
-
 }
 
 // New returns a Coordinator for the worker cfg describes.
@@ -61,37 +89,89 @@ func (c *Coordinator) Config() Config { return c.cfg }
 // Bucket is the lease bucket.
 func (c *Coordinator) Bucket() *Bucket { return c.b }
 
-// AcquireOption adjusts one Acquire call.
+// AcquireOption adjusts one Acquire or Lock call.
 type AcquireOption func(*acquireOpts)
 
-type acquireOpts struct{ manual bool }
+type acquireOpts struct {
+	manual bool
+	// takeover is the revision of a foreign record the acquisition may
+	// overwrite.
+	takeover uint64
+	// repair lets the fence step rewrite a fence record that does not
+	// decode or claims an epoch the lease bucket never issued.
+	repair bool
+}
 
 // ManualRenew leaves renewal to the caller: the lease does not renew
 // itself, and is lost at its local deadline unless Renew is called.
 func ManualRenew() AcquireOption { return func(o *acquireOpts) { o.manual = true } }
 
-// Acquire takes partition p if no other lease on it is live, and fences
-// its progress record under the new epoch. It returns a *HeldError
-// (matching ErrHeld) when another lease is live.
-func (c *Coordinator) Acquire(ctx context.Context, p leasehold.Partition, opts ...AcquireOption) (*Lease, error) {
+func optionsOf(opts []AcquireOption) acquireOpts {
 	var o acquireOpts
 	for _, opt := range opts {
 		opt(&o)
 	}
-	l, err := c.acquireKey(ctx, partitionKey(p), p, false)
+	return o
+}
+
+// leaseKind says what a lease is on.
+type leaseKind int
+
+const (
+	kindPartition leaseKind = iota
+	kindMember
+	kindLock
+)
+
+// target is what an acquisition is for.
+type target struct {
+	kind leaseKind
+	key  string
+	p    leasehold.Partition
+	name string // the lock's name
+}
+
+func partitionTarget(p leasehold.Partition) target {
+	return target{kind: kindPartition, key: partitionKey(p), p: p}
+}
+
+func (t target) String() string {
+	switch t.kind {
+	case kindLock:
+		return fmt.Sprintf("lock %q", t.name)
+	case kindMember:
+		return "membership"
+	}
+	return "partition " + t.p.String()
+}
+
+// Acquire takes partition p if no other lease on it is live, and fences
+// it: the fence record is rewritten under the new epoch and acquisition
+// before the lease is returned, so that no earlier holder can commit
+// progress any more. It returns a *HeldError (matching ErrHeld) when
+// another lease is live, and a *ForeignRecordError when the key holds a
+// record leasehold did not write.
+func (c *Coordinator) Acquire(ctx context.Context, p leasehold.Partition, opts ...AcquireOption) (*Lease, error) {
+	return c.acquire(ctx, partitionTarget(p), optionsOf(opts))
+}
+
+// acquire takes the lease key of t, then fences t's record, then hands the
+// lease out.
+func (c *Coordinator) acquire(ctx context.Context, t target, o acquireOpts) (*Lease, error) {
+	l, err := c.acquireKey(ctx, t, o.takeover)
 	if err != nil {
 		return nil, err
 	}
-	if err := l.fenceProgress(ctx); err != nil {
+	if err := l.fence(ctx, o.repair); err != nil {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.RequestTimeout)
 		defer cancel()
 		if !errors.Is(err, leasehold.ErrLeaseLost) {
 			_ = l.Release(rctx)
 		}
-		return nil, fmt.Errorf("coordinator: acquire partition %d: fence progress: %w", p, err)
+		return nil, fmt.Errorf("coordinator: acquire %s: fence: %w", t, err)
 	}
-	c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventAcquired, Lease: l.info, Time: time.Now()})
-	c.cfg.Logger.Debug("lease acquired", "partition", p, "epoch", l.info.Epoch, "worker", c.cfg.Worker)
+	c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventAcquired, Lease: l.info, Lock: l.name, Time: time.Now()})
+	c.cfg.Logger.Debug("lease acquired", "lease", t.String(), "epoch", l.info.Epoch, "worker", c.cfg.Worker)
 	if !o.manual {
 		l.startKeepalive()
 	}
@@ -103,10 +183,11 @@ func (l *Lease) startKeepalive() {
 	go l.keepalive()
 }
 
-// acquireKey writes a fresh lease record to key if the key holds no live
-// record. Each attempt that gets no answer is settled by reading the key
-// from the stream leader: the record's token tells whether the write landed.
-func (c *Coordinator) acquireKey(ctx context.Context, key string, p leasehold.Partition, member bool) (*Lease, error) {
+// acquireKey writes a fresh lease record to t's key if the key holds no
+// live record (or holds the foreign record at revision takeover). Each
+// attempt that gets no answer is settled by reading the key from the stream
+// leader: the record's token tells whether the write landed.
+func (c *Coordinator) acquireKey(ctx context.Context, t target, takeover uint64) (*Lease, error) {
 	rec := record{
 		Holder:   c.cfg.Worker,
 		Token:    newToken(),
@@ -118,7 +199,7 @@ func (c *Coordinator) acquireKey(ctx context.Context, key string, p leasehold.Pa
 		return nil, err
 	}
 	var (
-		expect    uint64
+		expect    uint64 // takeover is written over only once read and checked
 		firstSent time.Time
 		lastErr   error
 		transient bool // the last attempt failed without an answer: back off
@@ -127,7 +208,7 @@ func (c *Coordinator) acquireKey(ctx context.Context, key string, p leasehold.Pa
 		if transient {
 			select {
 			case <-ctx.Done():
-				return nil, fmt.Errorf("coordinator: acquire %s: %w (last error: %v)", key, ctx.Err(), lastErr)
+				return nil, fmt.Errorf("coordinator: acquire %s: %w (last error: %v)", t, ctx.Err(), lastErr)
 			case <-time.After(backoff(attempt)):
 			}
 		}
@@ -136,19 +217,19 @@ func (c *Coordinator) acquireKey(ctx context.Context, key string, p leasehold.Pa
 			firstSent = sent
 		}
 		rctx, cancel := context.WithTimeout(ctx, c.cfg.RequestTimeout)
-		rev, err := c.b.put(rctx, key, value, expect, c.cfg.TTL)
+		rev, err := c.b.put(rctx, t.key, value, expect, c.cfg.TTL)
 		cancel()
 		if err == nil {
-			return c.newLease(key, p, member, rec, rev, sent), nil
+			return c.newLease(t, rec, rev, sent), nil
 		}
 		lastErr = err
 		if isRefusal(err) && !isConflict(err) {
-			return nil, fmt.Errorf("coordinator: acquire %s: %w", key, err)
+			return nil, fmt.Errorf("coordinator: acquire %s: %w", t, err)
 		}
 		transient = !isRefusal(err)
 		// The key holds something, or the outcome is unknown: read it.
 		rctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), c.cfg.RequestTimeout)
-		e, rerr := c.b.last(rctx, key)
+		e, rerr := c.b.last(rctx, t.key)
 		cancel()
 		if rerr != nil {
 			lastErr = fmt.Errorf("%w (reading the key back: %v)", err, rerr)
@@ -161,29 +242,43 @@ func (c *Coordinator) acquireKey(ctx context.Context, key string, p leasehold.Pa
 		case entryMarker:
 			expect = e.rev
 		case entryValue:
-			r, derr := decodeRecord(e.data)
-			if derr != nil {
-				return nil, fmt.Errorf("coordinator: acquire %s: the key holds a value leasehold did not write (%v): remove it with `nats kv del %s %s`", key, derr, c.b.name, key)
-			}
-			if r.Token == rec.Token {
+			r, foreign := foreignReason(e.data, e.header)
+			if foreign == "" && r.Token == rec.Token {
 				// An earlier attempt landed. Count the lease from the first
 				// send, the earliest it can have been stored.
-				l := c.newLease(key, p, member, rec, e.rev, firstSent)
+				l := c.newLease(t, rec, e.rev, firstSent)
 				if ctx.Err() != nil {
 					_ = l.Release(context.WithoutCancel(ctx))
-					return nil, fmt.Errorf("coordinator: acquire %s: %w", key, ctx.Err())
+					return nil, fmt.Errorf("coordinator: acquire %s: %w", t, ctx.Err())
 				}
 				return l, nil
 			}
-			return nil, &HeldError{Lease: leasehold.Lease{Partition: p, Epoch: epochOf(r, e.rev), Holder: r.Holder, Acquired: r.Acquired}}
+			if foreign != "" {
+				if e.rev == takeover {
+					expect = e.rev
+					continue
+				}
+				return nil, &ForeignRecordError{Bucket: c.b.name, Key: t.key, Revision: e.rev, Reason: foreign}
+			}
+			return nil, &HeldError{Lease: c.b.leaseOf(t, r, e.rev), Lock: t.name}
 		}
 		if ctx.Err() != nil {
-			return nil, fmt.Errorf("coordinator: acquire %s: %w", key, ctx.Err())
+			return nil, fmt.Errorf("coordinator: acquire %s: %w", t, ctx.Err())
 		}
 	}
 	// The key changed hands between every read and write: others are
 	// acquiring and releasing it as fast as this worker can look.
-	return nil, fmt.Errorf("%w: %s changed hands %d times while this worker tried to take it (last refusal: %v)", ErrHeld, key, 8, lastErr)
+	return nil, fmt.Errorf("%w: %s changed hands %d times while this worker tried to take it (last refusal: %v)", ErrHeld, t, 8, lastErr)
+}
+
+// leaseOf describes the lease whose record r is the value of t's key at
+// revision rev.
+func (b *Bucket) leaseOf(t target, r record, rev uint64) leasehold.Lease {
+	l := leasehold.Lease{Scope: b.scope, Partition: t.p, Epoch: epochOf(r, rev), Acquisition: r.Token, Holder: r.Holder, Acquired: r.Acquired}
+	if t.kind == kindLock {
+		l.Scope, l.Partition = leasehold.LockScope(b.scope, t.name), 0
+	}
+	return l
 }
 
 func backoff(attempt int) time.Duration {

@@ -2,6 +2,7 @@ package coordinator_test
 
 import (
 	"context"
+	"strconv"
 	"testing"
 	"time"
 
@@ -19,7 +20,8 @@ import (
 //
 // raw-cas is kv.Update with the expected revision; renew is a lease renewal
 // (compare-and-set carrying the TTL); acquire+release is a full cycle:
-// acquire (create, read and fence the progress record) and release (purge).
+// acquire (create the lease, read and fence the fence record) and release
+// (purge); lock+release is the same on a named lock, over 5,000 names.
 func BenchmarkLeaseOps(b *testing.B) {
 	s := natstest.Start(b)
 	js := s.JetStream(b)
@@ -77,4 +79,60 @@ func BenchmarkLeaseOps(b *testing.B) {
 		}
 		b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "ops/s")
 	})
+	b.Run("lock+release", func(b *testing.B) {
+		i := 0
+		for b.Loop() {
+			l, err := c.TryLock(ctx, "account:"+strconv.Itoa(i%5000), coordinator.ManualRenew())
+			if err != nil {
+				b.Fatal(err)
+			}
+			if err := l.Release(ctx); err != nil {
+				b.Fatal(err)
+			}
+			i++
+		}
+		b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "ops/s")
+	})
+}
+
+// BenchmarkRecreate measures re-creating a deleted lease bucket next to a
+// full fence-record bucket (65,536 partitions and 5,000 locks): Provision
+// reads every fence record for the highest epoch.
+//
+//	go test ./coordinator -run '^$' -bench Recreate -benchtime 5x
+func BenchmarkRecreate(b *testing.B) {
+	s := natstest.Start(b)
+	js := s.JetStream(b)
+	ctx := context.Background()
+	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	const partitions, locks = leasehold.MaxPartitions, 5000
+	recent := `[1,2,3,4,5,6,7,8]`
+	for i := range partitions + locks {
+		key := "partition." + strconv.Itoa(i)
+		if i >= partitions {
+			key = "lock.account_3A" + strconv.Itoa(i-partitions)
+		}
+		value := `{"epoch":` + strconv.Itoa(1_700_000_000_000_000+i) + `,"acquisition":"0123456789abcdef01234567","seq":123456,"holder":"worker-0123456789","recent":` + recent + `}`
+		if _, err := js.PublishAsync("$KV."+bucket.FenceBucket()+"."+key, []byte(value)); err != nil {
+			b.Fatal(err)
+		}
+	}
+	select {
+	case <-js.PublishAsyncComplete():
+	case <-time.After(time.Minute):
+		b.Fatal("fence records not stored within a minute")
+	}
+	for b.Loop() {
+		if err := js.DeleteStream(ctx, "KV_"+bucket.Name()); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{}); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(partitions+locks), "records")
+	b.ReportMetric(b.Elapsed().Seconds()*1000/float64(b.N), "ms/recreate")
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"time"
 
@@ -11,38 +12,70 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/internal/leader"
+	"github.com/leasehold/leasehold/internal/retry"
 )
 
 // DefaultBucket is the lease bucket's name when none is configured.
 const DefaultBucket = "leasehold-leases"
 
-// BucketConfig describes the lease bucket Provision creates.
+// BucketConfig describes the lease bucket Provision creates, and its
+// fence-record bucket.
 type BucketConfig struct {
 	// Bucket is the KV bucket name. Default DefaultBucket.
 	Bucket string
-	// Replicas is the stream's replica count: 1 for development, 3 in
-	// production. Default 1.
+	// Scope is the fencing scope the bucket's leases issue epochs for: the
+	// prefix of the job stream whose partitions it leases, and the
+	// namespace of the locks it holds (a lock's scope is
+	// "<scope>/<name>"). It is recorded in the bucket and outlives it: a
+	// bucket re-created with the same scope continues its fences. Letters,
+	// digits, '-' and '_'. Default: the bucket's name without a "-leases"
+	// suffix ("orders-leases" serves "orders").
+	Scope string
+	// FenceBucket names the fence-record bucket: the durable KV bucket
+	// that keeps each partition's and lock's fenced epoch and each
+	// partition's committed progress, and outlives the lease bucket.
+	// Default FenceBucketName(Bucket), "<bucket>-fences".
+	FenceBucket string
+	// Replicas is the replica count of both buckets: 1 for development, 3
+	// in production. Default 1.
 	Replicas int
 	// MarkerTTL is how long release and expiry markers stay in the bucket.
 	// Default one minute; at least one second.
 	MarkerTTL time.Duration
-	// EpochFloor is an epoch the new bucket's revisions must start above,
-	// for example the highest epoch a sink has recorded. Provision always
-	// starts a new bucket at the current time in Unix microseconds or
-	// above, which keeps it above any earlier bucket that issued fewer than
-	// a million revisions a second on average; EpochFloor covers the rest.
+	// EpochFloor is an epoch a new lease bucket's revisions must start
+	// above. A new bucket always starts above the current time in Unix
+	// microseconds and above every epoch its fence-record bucket recorded;
+	// EpochFloor is for when those records are gone too: pass the highest
+	// epoch any sink has recorded for the bucket's scope.
 	EpochFloor leasehold.Epoch
+	// RestartProgress accepts that every partition's progress starts again
+	// at the beginning of the job stream, when Provision finds that the
+	// fence records (which hold progress) are gone while the job stream
+	// has been used. Without it Provision refuses. The jobs the stream
+	// still holds run again; sinks that dedupe apply their effects once
+	// only within their dedupe window.
+	RestartProgress bool
+
+	// Logger receives what Provision changed: a bucket created, progress
+	// records moved. Default slog.Default().
+	Logger *slog.Logger
 }
 
 func (c *BucketConfig) setDefaults() {
 	if c.Bucket == "" {
 		c.Bucket = DefaultBucket
 	}
+	if c.Scope == "" {
+		c.Scope = DefaultScope(c.Bucket)
+	}
 	if c.Replicas == 0 {
 		c.Replicas = 1
 	}
 	if c.MarkerTTL == 0 {
 		c.MarkerTTL = time.Minute
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
 	}
 }
 
@@ -53,81 +86,64 @@ func (c BucketConfig) Validate() error {
 	if !validToken(c.Bucket, false) {
 		errs = append(errs, fmt.Errorf("bucket name %q: use letters, digits, '-' and '_' only", c.Bucket))
 	}
+	if c.FenceBucket != "" && (!validToken(c.FenceBucket, false) || c.FenceBucket == c.Bucket) {
+		errs = append(errs, fmt.Errorf("fence-record bucket name %q: use letters, digits, '-' and '_' only, and not the lease bucket's name", c.FenceBucket))
+	}
+	if !validToken(c.Scope, false) || len(c.Scope) > 64 {
+		errs = append(errs, fmt.Errorf("scope %q: use letters, digits, '-' and '_' only, at most 64 (it is the job stream's prefix)", c.Scope))
+	}
 	if c.Replicas < 1 || c.Replicas > 5 {
 		errs = append(errs, fmt.Errorf("replicas %d: use 1 for development or 3 (or 5) in production", c.Replicas))
 	}
 	if c.MarkerTTL < time.Second || c.MarkerTTL%time.Second != 0 {
 		errs = append(errs, fmt.Errorf("marker TTL %v: use whole seconds, at least 1s", c.MarkerTTL))
 	}
-	if c.EpochFloor > leasehold.MaxEpoch/2 {
+	if c.EpochFloor > maxFloor {
 		errs = append(errs, fmt.Errorf("epoch floor %d leaves no room below %d", c.EpochFloor, leasehold.MaxEpoch))
 	}
 	return errors.Join(errs...)
 }
 
-// Bucket is a lease bucket that has been checked to give leasehold's
-// guarantees.
+// DefaultScope is the scope of a bucket named bucket when none is given:
+// the name without a "-leases" suffix.
+func DefaultScope(bucket string) string {
+	if s, ok := strings.CutSuffix(bucket, "-leases"); ok && s != "" {
+		return s
+	}
+	return bucket
+}
+
+// metaScope is the stream metadata key that records a lease bucket's scope.
+const metaScope = "leasehold.scope"
+
+// Bucket is a lease bucket, with its fence-record bucket, that has been
+// checked to give leasehold's guarantees.
 type Bucket struct {
 	js     jetstream.JetStream
 	kv     jetstream.KeyValue
 	name   string
+	scope  string
 	stream string
 	prefix string // "$KV.<bucket>."
 	leader *leader.Reader
 
+	fences      jetstream.KeyValue
+	fenceName   string
+	fenceStream string
+	fencePrefix string // "$KV.<fence bucket>."
+	fenceLeader *leader.Reader
+
 	markerTTL time.Duration // how long release markers stay
+
+	jobs jobStreamCache
 }
 
 // ErrBucketConfig is matched by errors about a lease bucket that cannot
 // give leasehold's guarantees.
 var ErrBucketConfig = errors.New("coordinator: lease bucket cannot give leasehold's guarantees")
 
-// Provision creates the lease bucket if it does not exist and checks it if
-// it does. A new bucket gets per-key TTLs with limit markers, a history of
-// one, file storage and a first sequence above every earlier bucket's.
-func Provision(ctx context.Context, js jetstream.JetStream, cfg BucketConfig) (*Bucket, error) {
-	if err := cfg.Validate(); err != nil {
-		return nil, err
-	}
-	cfg.setDefaults()
-	stream := "KV_" + cfg.Bucket
-	if _, err := js.Stream(ctx, stream); err == nil {
-		return open(ctx, js, cfg.Bucket, cfg.Replicas)
-	} else if !errors.Is(err, jetstream.ErrStreamNotFound) {
-		return nil, fmt.Errorf("coordinator: look up lease bucket %s: %w", cfg.Bucket, err)
-	}
-	first := uint64(time.Now().UnixMicro())
-	if f := uint64(cfg.EpochFloor) + 1; f > first {
-		first = f
-	}
-	_, err := js.CreateStream(ctx, jetstream.StreamConfig{
-		Name:                   stream,
-		Description:            "leasehold leases, members and fenced progress",
-		Subjects:               []string{"$KV." + cfg.Bucket + ".>"},
-		MaxMsgsPerSubject:      1,
-		MaxMsgs:                -1,
-		MaxBytes:               -1,
-		MaxMsgSize:             -1,
-		MaxConsumers:           -1,
-		Storage:                jetstream.FileStorage,
-		Replicas:               cfg.Replicas,
-		AllowRollup:            true,
-		DenyDelete:             true,
-		AllowDirect:            true,
-		Discard:                jetstream.DiscardNew,
-		Duplicates:             2 * time.Minute,
-		AllowMsgTTL:            true,
-		SubjectDeleteMarkerTTL: cfg.MarkerTTL,
-		FirstSeq:               first,
-		Metadata:               map[string]string{"leasehold": "lease-bucket"},
-	})
-	if err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
-		return nil, fmt.Errorf("coordinator: create lease bucket %s: %w", cfg.Bucket, err)
-	}
-	return open(ctx, js, cfg.Bucket, cfg.Replicas)
-}
-
-// OpenBucket binds to an existing lease bucket and checks it.
+// OpenBucket binds to an existing lease bucket and its fence-record
+// bucket, and checks both.
 func OpenBucket(ctx context.Context, js jetstream.JetStream, bucket string) (*Bucket, error) {
 	if bucket == "" {
 		bucket = DefaultBucket
@@ -136,29 +152,62 @@ func OpenBucket(ctx context.Context, js jetstream.JetStream, bucket string) (*Bu
 }
 
 func open(ctx context.Context, js jetstream.JetStream, bucket string, replicas int) (*Bucket, error) {
-	s, err := js.Stream(ctx, "KV_"+bucket)
+	s, err := retry.Value(ctx, func(ctx context.Context) (jetstream.Stream, error) { return js.Stream(ctx, "KV_"+bucket) })
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
 		return nil, fmt.Errorf("coordinator: lease bucket %s does not exist: create it with coordinator.Provision or `leasehold init`", bucket)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("coordinator: look up lease bucket %s: %w", bucket, err)
 	}
-	if err := checkStream(bucket, s.CachedInfo().Config, replicas); err != nil {
+	sc := s.CachedInfo().Config
+	if err := checkStream(bucket, sc, replicas); err != nil {
 		return nil, err
 	}
-	kv, err := js.KeyValue(ctx, bucket)
+	scope := sc.Metadata[metaScope]
+	if scope == "" {
+		return nil, fmt.Errorf("%w: bucket %s records no scope (it was created by an earlier leasehold): run `leasehold init` (or coordinator.Provision) once with its job stream's prefix to upgrade it in place",
+			ErrBucketConfig, bucket)
+	}
+	fenceName := sc.Metadata[metaFences]
+	if fenceName == "" {
+		return nil, fmt.Errorf("%w: bucket %s keeps progress records in itself (it was created by an earlier leasehold): run `leasehold init` (or coordinator.Provision) once to move them to its fence-record bucket",
+			ErrBucketConfig, bucket)
+	}
+	fs, err := retry.Value(ctx, func(ctx context.Context) (jetstream.Stream, error) { return js.Stream(ctx, "KV_"+fenceName) })
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		return nil, fmt.Errorf("%w: the fence-record bucket %s of lease bucket %s is missing, and with it every partition's progress: run `leasehold init` (coordinator.Provision) to find out how to go on",
+			ErrBucketConfig, fenceName, bucket)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("coordinator: look up fence-record bucket %s: %w", fenceName, err)
+	}
+	if err := checkFenceStream(fenceName, bucket, scope, fs.CachedInfo().Config, sc.Replicas); err != nil {
+		return nil, err
+	}
+	kv, err := retry.Value(ctx, func(ctx context.Context) (jetstream.KeyValue, error) { return js.KeyValue(ctx, bucket) })
 	if err != nil {
 		return nil, fmt.Errorf("coordinator: bind lease bucket %s: %w", bucket, err)
+	}
+	fkv, err := js.KeyValue(ctx, fenceName)
+	if err != nil {
+		return nil, fmt.Errorf("coordinator: bind fence-record bucket %s: %w", fenceName, err)
 	}
 	return &Bucket{
 		js:     js,
 		kv:     kv,
 		name:   bucket,
+		scope:  scope,
 		stream: "KV_" + bucket,
 		prefix: "$KV." + bucket + ".",
 		leader: leader.NewReader(js, "KV_"+bucket),
 
-		markerTTL: s.CachedInfo().Config.SubjectDeleteMarkerTTL,
+		fences:      fkv,
+		fenceName:   fenceName,
+		fenceStream: "KV_" + fenceName,
+		fencePrefix: "$KV." + fenceName + ".",
+		fenceLeader: leader.NewReader(js, "KV_"+fenceName),
+
+		markerTTL: sc.SubjectDeleteMarkerTTL,
 	}, nil
 }
 
@@ -200,6 +249,17 @@ func checkStream(bucket string, c jetstream.StreamConfig, replicas int) error {
 // Name is the bucket name.
 func (b *Bucket) Name() string { return b.name }
 
+// Scope is the fencing scope the bucket issues epochs for: its job
+// stream's prefix, and the namespace of its locks.
+func (b *Bucket) Scope() string { return b.scope }
+
+// FenceBucket is the name of the fence-record bucket.
+func (b *Bucket) FenceBucket() string { return b.fenceName }
+
+// FenceRecords is the fence-record bucket as a jetstream.KeyValue, for
+// reading.
+func (b *Bucket) FenceRecords() jetstream.KeyValue { return b.fences }
+
 // KeyValue is the bucket as a jetstream.KeyValue, for watching.
 func (b *Bucket) KeyValue() jetstream.KeyValue { return b.kv }
 
@@ -222,7 +282,10 @@ func (b *Bucket) Lookup(ctx context.Context, key string) (value []byte, ok bool,
 const (
 	partitionKeyPrefix = "partition."
 	memberKeyPrefix    = "member."
-	progressKeyPrefix  = "progress."
+	lockKeyPrefix      = "lock."
+	// progressKeyPrefix names the progress records an earlier leasehold
+	// kept in the lease bucket; Provision moves them out.
+	progressKeyPrefix = "progress."
 )
 
 func partitionKey(p leasehold.Partition) string { return partitionKeyPrefix + p.String() }

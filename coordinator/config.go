@@ -45,6 +45,8 @@ type Config struct {
 
 	// OnAcquire is called by Run when it has acquired a partition and fenced
 	// its progress. The lease is live; start consuming. It must not block.
+	// Releasing the lease gives the partition up: Run may acquire it again
+	// later, as the assignment says.
 	OnAcquire func(*Lease)
 	// OnRevoke is called by Run, in its own goroutine, before it releases a
 	// partition that should move to another worker or when Run stops: stop

@@ -16,11 +16,21 @@
 //     TTL minus a safety margin, on the monotonic clock. A paused process
 //     cannot see its own pause, so this is a courtesy, not the safety net:
 //     sinks fence by epoch.
-//   - Every acquisition also fences the partition's input progress: the
-//     progress record is rewritten under the new epoch before the lease is
-//     handed out, and a holder's Commit is a compare-and-set on that record.
-//     A former holder can therefore never move progress past work whose
-//     effects a sink refused.
+//   - Every acquisition also fences the partition's record in the
+//     fence-record bucket (<bucket>-fences, durable, no TTL): the record is
+//     rewritten under the new epoch and acquisition before the lease is
+//     handed out, and a holder's Commit of input progress is a
+//     compare-and-set on that record. A former holder can therefore never
+//     move progress past work whose effects a sink refused. The record
+//     outlives the lease bucket: a lease bucket re-created beside it starts
+//     above every epoch it recorded, and progress carries over.
+//   - Locks on named resources (Lock, TryLock, RunSingleton) are leases
+//     with the same guarantees; a lock's scope is "<scope>/<name>".
+//   - IssuedEpoch tells sinks the highest epoch issued for a fence, from
+//     the server's revisions of its lease key only.
+//   - Records a client left that leasehold never writes (garbage, leases
+//     without a TTL) are reported by Findings, repaired by Fence and Repair,
+//     and taken over by the worker group once they outlive any lease.
 //   - Outcomes that a timeout leaves open are settled by reading the key
 //     from the stream leader, never by assuming.
 //

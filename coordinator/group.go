@@ -29,6 +29,8 @@ func (c *Coordinator) Run(ctx context.Context) error {
 		held:      map[leasehold.Partition]*Lease{},
 		draining:  map[leasehold.Partition]bool{},
 		acquiring: map[leasehold.Partition]context.CancelFunc{},
+		retryAt:   map[leasehold.Partition]time.Time{},
+		warned:    map[string]uint64{},
 		watchCh:   make(chan watchEvent, 256),
 		lostCh:    make(chan *Lease, 16),
 		acqCh:     make(chan acquireResult, 16),
@@ -72,9 +74,10 @@ type watchEvent struct {
 }
 
 type acquireResult struct {
-	p     leasehold.Partition
-	lease *Lease
-	err   error
+	p        leasehold.Partition
+	lease    *Lease
+	err      error
+	takeover uint64 // the revision of the foreign record it was to replace
 }
 
 type group struct {
@@ -87,7 +90,9 @@ type group struct {
 	acquiring map[leasehold.Partition]context.CancelFunc // cancels an acquisition not yet started
 	member    *Lease
 
-	view, next    *view // next: the snapshot being read after a rescan
+	view, next    *view                             // next: the snapshot being read after a rescan
+	retryAt       map[leasehold.Partition]time.Time // a failed acquisition is not retried before
+	warned        map[string]uint64                 // the revision of each record already warned about
 	scores        scoreCache
 	ready         bool      // the first snapshot is complete
 	membersSince  time.Time // when membership last changed
@@ -191,32 +196,6 @@ func (g *group) run(ctx context.Context) error {
 // of seconds.
 func settlePause(partitions int) time.Duration {
 	return 5*time.Millisecond + time.Duration(partitions/1024)*5*time.Millisecond
-}
-
-// register takes this worker's member key, waiting out an earlier
-// incarnation's registration under the same ID.
-func (g *group) register(ctx context.Context) error {
-	for attempt := 0; ; attempt++ {
-		l, err := g.c.acquireKey(ctx, memberKey(g.c.cfg.Worker), 0, true)
-		if err == nil {
-			l.startKeepalive()
-			g.member = l
-			g.watchLoss(l)
-			return nil
-		}
-		var held *HeldError
-		if !errors.As(err, &held) && attempt > 3 {
-			return fmt.Errorf("coordinator: register worker %s: %w", g.c.cfg.Worker, err)
-		}
-		if attempt == 0 && held != nil {
-			g.c.cfg.Logger.Warn("another registration under this worker ID is live; waiting for it to expire", "worker", g.c.cfg.Worker)
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("coordinator: register worker %s: %w", g.c.cfg.Worker, ctx.Err())
-		case <-time.After(min(g.c.cfg.RenewEvery, time.Second)):
-		}
-	}
 }
 
 // watch starts new watchers on the partition and member keys; their
@@ -324,6 +303,7 @@ func (g *group) onWatch(ctx context.Context, ev watchEvent) bool {
 		if g.snapshots--; g.snapshots > 0 {
 			return false // the other watcher's snapshot is still coming
 		}
+		g.next.inherit(g.view)
 		g.view, g.next, g.ready = g.next, nil, true
 		return true
 	}
@@ -349,7 +329,7 @@ func (g *group) reconcile(ctx context.Context) {
 		// Lost the registration (a pause, a partition from the server):
 		// register again before taking anything.
 		rctx, cancel := context.WithTimeout(ctx, 2*g.c.cfg.RequestTimeout)
-		l, err := g.c.acquireKey(rctx, memberKey(me), 0, true)
+		l, err := g.c.acquireKey(rctx, memberTarget(me), 0)
 		cancel()
 		if err == nil {
 			l.startKeepalive()
@@ -357,11 +337,23 @@ func (g *group) reconcile(ctx context.Context) {
 			g.watchLoss(l)
 		}
 	}
+	now := time.Now()
 	members := make([]string, 0, len(g.view.members)+1)
-	for m := range g.view.members {
-		if m != me {
-			members = append(members, m)
+	live := make(map[string]bool, len(g.view.members)+1)
+	for id, m := range g.view.members {
+		if id == me {
+			continue
 		}
+		if m.suspect(now, g.c.cfg.TTL) {
+			g.checkMember(ctx, id, m)
+		}
+		if m.dead() {
+			g.warnOnce(memberKey(id), m.rev, "a member record that is not a live registration: ignoring it; `leasehold fence --repair` removes it",
+				"worker", id, "does_not_decode", m.foreign, "no_ttl", m.ttlless)
+			continue
+		}
+		members = append(members, id)
+		live[id] = true
 	}
 	if g.member != nil {
 		members = append(members, me)
@@ -376,7 +368,7 @@ func (g *group) reconcile(ctx context.Context) {
 	for p := range g.held {
 		owners[p] = me
 	}
-	g.scores.keep(g.view.members, me)
+	g.scores.keep(live, me)
 	target := assign(g.n, members, owners, &g.scores)
 
 	settled := time.Since(g.membersSince) >= g.c.cfg.RebalanceDelay || g.member == nil
@@ -403,8 +395,20 @@ func (g *group) reconcile(ctx context.Context) {
 	}
 	for i, m := range target {
 		p := leasehold.Partition(i)
-		if m != me || g.held[p] != nil || g.acquiring[p] != nil || g.view.slots[i].holder != "" {
+		if m != me || g.held[p] != nil || g.acquiring[p] != nil || now.Before(g.retryAt[p]) {
 			continue
+		}
+		var takeover uint64
+		if s := g.view.slots[i]; s.holder != "" {
+			if !s.stuck(now, g.c.cfg.TTL) {
+				continue
+			}
+			// Its record has outlived any lease: the server does not
+			// expire it. The acquisition checks that through the leader
+			// and overwrites exactly this revision.
+			takeover = s.rev
+			g.warnOnce(partitionKey(p), s.rev, "partition record has stayed unchanged for longer than a lease can: taking the partition over",
+				"partition", p, "revision", s.rev, "holder", s.holder, "unchanged_for", now.Sub(s.since).Round(time.Millisecond))
 		}
 		queued, call := context.WithCancel(ctx)
 		g.acquiring[p] = call
@@ -427,8 +431,8 @@ func (g *group) reconcile(ctx context.Context) {
 			// group's context: its outcome is settled, not abandoned.
 			actx, cancel := context.WithTimeout(ctx, g.c.cfg.TTL)
 			defer cancel()
-			l, err := g.c.Acquire(actx, p)
-			g.acqCh <- acquireResult{p: p, lease: l, err: err}
+			l, err := g.c.acquire(actx, partitionTarget(p), acquireOpts{takeover: takeover})
+			g.acqCh <- acquireResult{p: p, lease: l, err: err, takeover: takeover}
 		}()
 	}
 }
@@ -440,35 +444,51 @@ var errCalledOff = errors.New("the assignment moved the partition elsewhere befo
 func (g *group) onAcquired(r acquireResult) {
 	delete(g.acquiring, r.p)
 	if r.err != nil {
-		var held *HeldError
-		if errors.Is(r.err, errCalledOff) {
-			return
-		}
-		if errors.As(r.err, &held) {
-			g.view.slots[r.p] = slot{holder: held.Lease.Holder, epoch: held.Lease.Epoch}
-		} else {
+		var (
+			held    *HeldError
+			foreign *ForeignRecordError
+		)
+		switch {
+		case errors.Is(r.err, errCalledOff):
+		case errors.As(r.err, &held) && r.takeover == 0:
+			if s := &g.view.slots[r.p]; s.holder != held.Lease.Holder || s.epoch != held.Lease.Epoch {
+				s.holder, s.epoch, s.sum = held.Lease.Holder, held.Lease.Epoch, 0
+			}
+		case errors.As(r.err, &foreign):
+			// The watch shows the record, and it is taken over once it is
+			// stuck; until the watch has caught up, do not spin on it.
+			g.retryAt[r.p] = time.Now().Add(g.c.cfg.RenewEvery)
+			g.warnOnce(foreign.Key, foreign.Revision, "partition record is not a lease leasehold wrote: taking the partition over if it stays unchanged for a TTL",
+				"partition", r.p, "revision", foreign.Revision, "reason", foreign.Reason)
+		default:
+			// Not retried before a renewal interval has passed: a record
+			// that keeps an acquisition failing must not make it spin.
+			g.retryAt[r.p] = time.Now().Add(g.c.cfg.RenewEvery)
 			g.c.cfg.Logger.Warn("acquire failed; retrying", "partition", r.p, "err", r.err)
 		}
 		return
 	}
+	delete(g.retryAt, r.p)
 	l := r.lease
+	if r.takeover != 0 {
+		g.c.cfg.Logger.Warn("took the partition over from a record the server did not expire", "partition", r.p, "revision", r.takeover, "epoch", l.info.Epoch)
+	}
 	g.mu.Lock()
 	g.held[r.p] = l
 	g.mu.Unlock()
-	g.view.slots[r.p] = slot{holder: l.info.Holder, epoch: l.info.Epoch}
+	g.view.slots[r.p] = slot{holder: l.info.Holder, epoch: l.info.Epoch, rev: uint64(l.info.Epoch), since: time.Now(), ttl: g.c.cfg.TTL}
 	g.watchLoss(l)
 	if g.c.cfg.OnAcquire != nil {
 		g.c.cfg.OnAcquire(l)
 	}
 }
 
-// watchLoss forwards l's loss to the loop. Released leases end the same
-// way; the loop tells them apart.
+// watchLoss forwards l's end to the loop: a loss, or a release. The loop
+// drops a released lease it is not draining itself (OnAcquire's owner gave
+// it up, as a worker does when a handler hangs), so that the partition can
+// be taken again; the ones it drains it drops when the drain ends.
 func (g *group) watchLoss(l *Lease) {
 	context.AfterFunc(l.ctx, func() {
-		if errors.Is(context.Cause(l.ctx), ErrReleased) {
-			return
-		}
 		select {
 		case g.lostCh <- l:
 		case <-g.done:
@@ -545,14 +565,4 @@ func (g *group) shutdown() {
 	}
 	g.tasks.Wait()
 	g.watchers.Wait()
-}
-
-func (g *group) releaseMember() {
-	if g.member == nil {
-		return
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), g.c.cfg.RequestTimeout*2)
-	defer cancel()
-	_ = g.member.Release(ctx)
-	g.member = nil
 }

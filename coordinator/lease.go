@@ -18,6 +18,8 @@ var ErrReleased = errors.New("coordinator: lease released")
 // leasehold.ErrLeaseLost.
 type LostError struct {
 	Lease  leasehold.Lease
+	Lock   string // the lock's name, for a lock
+	Member bool   // the lease was a membership registration
 	Reason LostReason
 	Holder string // who holds the partition now, when known
 	Err    error  // the refusal, when there was one
@@ -25,7 +27,10 @@ type LostError struct {
 
 func (e *LostError) Error() string {
 	what := "partition " + e.Lease.Partition.String()
-	if e.Lease.Holder != "" && e.Lease.Partition == 0 && e.Lease.Epoch == 0 {
+	switch {
+	case e.Lock != "":
+		what = fmt.Sprintf("lock %q", e.Lock)
+	case e.Member:
 		what = "membership"
 	}
 	msg := fmt.Sprintf("leasehold: lease lost: %s epoch %d held by %s", what, e.Lease.Epoch, e.Lease.Holder)
@@ -50,12 +55,15 @@ func (e *LostError) Is(target error) bool { return target == leasehold.ErrLeaseL
 // Unwrap returns the server's refusal, if any.
 func (e *LostError) Unwrap() error { return e.Err }
 
-// Lease is a live lease on a partition (or a membership registration). It
-// renews itself until Release, or until it is lost; Context and Done report
-// the loss. Its methods are safe for concurrent use.
+// Lease is a live lease on a partition or a named lock (or a membership
+// registration). It renews itself until Release, or until it is lost;
+// Context and Done report the loss. Its methods are safe for concurrent
+// use.
 type Lease struct {
 	c      *Coordinator
-	key    string
+	key    string // the lease key, which is also the fence record's key
+	kind   leaseKind
+	name   string // the lock's name
 	info   leasehold.Lease
 	member bool
 	value  []byte // the renewal value: the record with the epoch filled in
@@ -72,18 +80,22 @@ type Lease struct {
 	timer    *time.Timer
 	ended    error // why the lease ended (*LostError or ErrReleased); nil while held
 
-	pmu      sync.Mutex // serialises writes to the progress key
-	progRev  uint64
-	progSeq  uint64
-	progRead bool // the progress record has been fenced
+	pmu      sync.Mutex // serialises writes to the fence record
+	fenceRev uint64     // revision of the last write on the fence record
+	fenced   fenceRecord
+	progRead bool     // the fence record has been written under this lease
+	repaired []string // what a repairing fence step rewrote
 
 	stopOnce sync.Once
 	stop     chan struct{} // closes to stop the keepalive
 	stopped  chan struct{} // closed when the keepalive has returned
 }
 
-// Partition is the leased partition.
+// Partition is the leased partition (0 for a lock).
 func (l *Lease) Partition() leasehold.Partition { return l.info.Partition }
+
+// Name is the lock's name, or "" for a partition.
+func (l *Lease) Name() string { return l.name }
 
 // Epoch is the lease's fencing token.
 func (l *Lease) Epoch() leasehold.Epoch { return l.info.Epoch }
@@ -119,26 +131,36 @@ func (l *Lease) Deadline() time.Time {
 func (l *Lease) Progress() uint64 {
 	l.pmu.Lock()
 	defer l.pmu.Unlock()
-	return l.progSeq
+	return l.fenced.Seq
 }
 
 func (l *Lease) String() string {
-	return fmt.Sprintf("partition %d epoch %d (%s)", l.info.Partition, l.info.Epoch, l.info.Holder)
+	what := "partition " + l.info.Partition.String()
+	switch l.kind {
+	case kindLock:
+		what = fmt.Sprintf("lock %q", l.name)
+	case kindMember:
+		what = "membership"
+	}
+	return fmt.Sprintf("%s epoch %d (%s)", what, l.info.Epoch, l.info.Holder)
 }
 
-func (c *Coordinator) newLease(key string, p leasehold.Partition, member bool, rec record, rev uint64, sent time.Time) *Lease {
+func (c *Coordinator) newLease(t target, rec record, rev uint64, sent time.Time) *Lease {
 	rec.Epoch = rev
 	value, _ := json.Marshal(rec)
 	l := &Lease{
 		c:      c,
-		key:    key,
-		info:   leasehold.Lease{Partition: p, Epoch: leasehold.Epoch(rev), Holder: rec.Holder, Acquired: rec.Acquired},
-		member: member,
+		key:    t.key,
+		kind:   t.kind,
+		name:   t.name,
+		info:   c.b.leaseOf(t, rec, rev),
+		member: t.kind == kindMember,
 		value:  value,
 		token:  rec.Token,
 		rev:    rev,
 		stop:   make(chan struct{}),
 	}
+	l.info.Epoch = leasehold.Epoch(rev)
 	l.ctx, l.cancel = context.WithCancelCause(context.Background())
 	l.dmu.Lock()
 	l.deadline = sent.Add(c.cfg.TTL - c.cfg.Margin)
@@ -160,15 +182,15 @@ func (l *Lease) deadlinePassed() {
 // release) counts. Observers hear of the loss before the context is
 // cancelled, so whoever waits on Done finds it recorded.
 func (l *Lease) lose(reason LostReason, holder string, err error) *LostError {
-	lerr := &LostError{Lease: l.info, Reason: reason, Holder: holder, Err: err}
+	lerr := &LostError{Lease: l.info, Lock: l.name, Member: l.member, Reason: reason, Holder: holder, Err: err}
 	if prev := l.end(lerr); prev != nil {
 		if prevLost, ok := prev.(*LostError); ok {
 			return prevLost
 		}
 		return lerr
 	}
-	l.c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventLost, Lease: l.info, Member: l.member, Reason: reason, Err: err, Holder: holder, Time: time.Now()})
-	l.c.cfg.Logger.Warn("lease lost", "partition", l.info.Partition, "epoch", l.info.Epoch, "member", l.member, "reason", string(reason), "holder", holder, "err", err)
+	l.c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventLost, Lease: l.info, Member: l.member, Lock: l.name, Reason: reason, Err: err, Holder: holder, Time: time.Now()})
+	l.c.cfg.Logger.Warn("lease lost", "lease", l.String(), "partition", l.info.Partition, "epoch", l.info.Epoch, "member", l.member, "reason", string(reason), "holder", holder, "err", err)
 	l.finish(lerr)
 	return lerr
 }
@@ -229,7 +251,7 @@ func (l *Lease) Renew(ctx context.Context) error {
 	if err == nil {
 		l.rev = rev
 		l.extend(sent)
-		l.c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventRenewed, Lease: l.info, Member: l.member, Latency: time.Since(sent), Time: time.Now()})
+		l.c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventRenewed, Lease: l.info, Member: l.member, Lock: l.name, Latency: time.Since(sent), Time: time.Now()})
 		return nil
 	}
 	err = fmt.Errorf("renew %s: %w", l, err)
@@ -239,7 +261,7 @@ func (l *Lease) Renew(ctx context.Context) error {
 		ours, cerr := l.check(rctx, err)
 		if cerr != nil {
 			if !errors.Is(cerr, leasehold.ErrLeaseLost) {
-				l.c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventRenewFailed, Lease: l.info, Member: l.member, Err: cerr, Time: time.Now()})
+				l.c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventRenewFailed, Lease: l.info, Member: l.member, Lock: l.name, Err: cerr, Time: time.Now()})
 			}
 			return cerr
 		}
@@ -250,7 +272,7 @@ func (l *Lease) Renew(ctx context.Context) error {
 			err = fmt.Errorf("%w (the lease is still held at revision %d; retrying)", err, l.rev)
 		}
 	}
-	l.c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventRenewFailed, Lease: l.info, Member: l.member, Err: err, Time: time.Now()})
+	l.c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventRenewFailed, Lease: l.info, Member: l.member, Lock: l.name, Err: err, Time: time.Now()})
 	return err
 }
 
@@ -321,7 +343,7 @@ func (l *Lease) Release(ctx context.Context) error {
 		l.c.cfg.Logger.Warn("lease release failed", "partition", l.info.Partition, "epoch", l.info.Epoch, "err", err)
 	}
 	if l.end(ErrReleased) == nil {
-		l.c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventReleased, Lease: l.info, Member: l.member, Err: err, Time: time.Now()})
+		l.c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventReleased, Lease: l.info, Member: l.member, Lock: l.name, Err: err, Time: time.Now()})
 		l.finish(ErrReleased)
 	}
 	return err

@@ -2,6 +2,7 @@ package coordinator_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
@@ -302,9 +303,9 @@ func TestFenceRemovesALiveLease(t *testing.T) {
 	}
 }
 
-// Acquire fences the partition's progress whatever the record holds: no
-// record, a record of an earlier epoch (resumed from), a purged record (a
-// marker, which the first, optimistic write does not expect), a garbled
+// Acquire fences the partition's record whatever it holds: no record, a
+// record of an earlier epoch (resumed from), a deleted record (a marker,
+// which the first, optimistic write does not expect), a garbled
 // record (refused with what to fix) and a record fenced at a later epoch
 // than the acquisition (the acquisition is lost, not the later one). The
 // first two land with the optimistic write against a direct get of the
@@ -314,7 +315,7 @@ func TestAcquireFencesProgressWhateverTheRecordHolds(t *testing.T) {
 	b := provision(t, js, 1)
 	c := newCoord(t, b, "a", 2*time.Second)
 	ctx := ctxFor(t, 20*time.Second)
-	kv := b.KeyValue()
+	kv := b.FenceRecords()
 
 	fenced := func(t *testing.T, p leasehold.Partition, want uint64) {
 		t.Helper()
@@ -326,12 +327,23 @@ func TestAcquireFencesProgressWhateverTheRecordHolds(t *testing.T) {
 		if l.Progress() != want {
 			t.Errorf("resumes after %d, want %d", l.Progress(), want)
 		}
-		e, err := kv.Get(ctx, fmt.Sprintf("progress.%d", p))
+		e, err := kv.Get(ctx, fmt.Sprintf("partition.%d", p))
 		if err != nil {
 			t.Fatal(err)
 		}
-		if want := fmt.Sprintf(`{"epoch":%d,"seq":%d,"holder":"a"}`, l.Epoch(), want); string(e.Value()) != want {
-			t.Errorf("progress record %s, want %s", e.Value(), want)
+		var rec struct {
+			Epoch       uint64   `json:"epoch"`
+			Acquisition string   `json:"acquisition"`
+			Seq         uint64   `json:"seq"`
+			Holder      string   `json:"holder"`
+			Recent      []uint64 `json:"recent"`
+		}
+		if err := json.Unmarshal(e.Value(), &rec); err != nil {
+			t.Fatal(err)
+		}
+		info := l.Info()
+		if rec.Epoch != uint64(info.Epoch) || rec.Acquisition != info.Acquisition || rec.Seq != want || rec.Holder != "a" || rec.Recent[len(rec.Recent)-1] != rec.Epoch {
+			t.Errorf("fence record %s, want epoch %d, acquisition %s, seq %d", e.Value(), info.Epoch, info.Acquisition, want)
 		}
 		if err := l.Commit(ctx, want+1); err != nil {
 			t.Errorf("commit after the fence: %v", err)
@@ -339,26 +351,26 @@ func TestAcquireFencesProgressWhateverTheRecordHolds(t *testing.T) {
 	}
 	t.Run("none", func(t *testing.T) { fenced(t, 1, 0) })
 	t.Run("earlier epoch", func(t *testing.T) {
-		if _, err := kv.Put(ctx, "progress.2", []byte(`{"epoch":1,"seq":42,"holder":"old"}`)); err != nil {
+		if _, err := kv.Put(ctx, "partition.2", []byte(`{"epoch":1,"seq":42,"holder":"old"}`)); err != nil {
 			t.Fatal(err)
 		}
 		fenced(t, 2, 42)
 	})
 	t.Run("purged", func(t *testing.T) {
-		if _, err := kv.Put(ctx, "progress.3", []byte(`{"epoch":1,"seq":7,"holder":"old"}`)); err != nil {
+		if _, err := kv.Put(ctx, "partition.3", []byte(`{"epoch":1,"seq":7,"holder":"old"}`)); err != nil {
 			t.Fatal(err)
 		}
-		if err := kv.Purge(ctx, "progress.3"); err != nil {
+		if err := kv.Delete(ctx, "partition.3"); err != nil {
 			t.Fatal(err)
 		}
 		fenced(t, 3, 0)
 	})
 	t.Run("garbled", func(t *testing.T) {
-		if _, err := kv.Put(ctx, "progress.4", []byte(`seq=9`)); err != nil {
+		if _, err := kv.Put(ctx, "partition.4", []byte(`seq=9`)); err != nil {
 			t.Fatal(err)
 		}
 		_, err := c.Acquire(ctx, 4)
-		if err == nil || !strings.Contains(err.Error(), "progress.4") {
+		if err == nil || !strings.Contains(err.Error(), "partition.4") {
 			t.Fatalf("acquire over a garbled progress record: %v, want an error naming the key", err)
 		}
 		if _, err := c.Acquire(ctx, 4); err == nil || errors.Is(err, coordinator.ErrHeld) {
@@ -366,14 +378,14 @@ func TestAcquireFencesProgressWhateverTheRecordHolds(t *testing.T) {
 		}
 	})
 	t.Run("later epoch", func(t *testing.T) {
-		if _, err := kv.Put(ctx, "progress.5", []byte(`{"epoch":9000000000000000000,"seq":5,"holder":"later"}`)); err != nil {
+		if _, err := kv.Put(ctx, "partition.5", []byte(`{"epoch":9000000000000000000,"seq":5,"holder":"later"}`)); err != nil {
 			t.Fatal(err)
 		}
 		_, err := c.Acquire(ctx, 5)
 		if !errors.Is(err, leasehold.ErrLeaseLost) || !strings.Contains(err.Error(), "9000000000000000000") {
 			t.Fatalf("acquire under a later fence: %v, want a lost lease naming the later epoch", err)
 		}
-		e, err := kv.Get(ctx, "progress.5")
+		e, err := kv.Get(ctx, "partition.5")
 		if err != nil || !strings.Contains(string(e.Value()), `"holder":"later"`) {
 			t.Fatalf("the later fence was overwritten: %s (%v)", e.Value(), err)
 		}

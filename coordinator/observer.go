@@ -48,7 +48,8 @@ const (
 type Event struct {
 	Kind      EventKind
 	Lease     leasehold.Lease
-	Member    bool // the lease is a membership registration, not a partition
+	Member    bool   // the lease is a membership registration, not a partition
+	Lock      string // the lock's name, for a lock (Lease.Scope is its scope)
 	Reason    LostReason
 	Latency   time.Duration
 	Err       error

@@ -2,7 +2,6 @@ package coordinator
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 
@@ -11,51 +10,45 @@ import (
 	"github.com/leasehold/leasehold"
 )
 
-var errGarbledProgress = errors.New("progress record is not leasehold's JSON")
-
-// readProgress reads a partition's progress record from the stream leader.
-// It returns the record and the revision to compare against (0 when the key
-// holds no message).
-func (b *Bucket) readProgress(ctx context.Context, p leasehold.Partition) (progressRecord, uint64, error) {
-	e, err := b.last(ctx, progressKey(p))
-	if err != nil {
-		return progressRecord{}, 0, err
-	}
-	switch e.kind {
-	case entryNone:
-		return progressRecord{}, 0, nil
-	case entryMarker:
-		return progressRecord{}, e.rev, nil
-	}
-	var r progressRecord
-	if err := json.Unmarshal(e.data, &r); err != nil {
-		return progressRecord{}, 0, fmt.Errorf("%w: partition %d: %v: fix the key %s (its seq is the last input handled)", errGarbledProgress, p, err, progressKey(p))
-	}
-	return r, e.rev, nil
-}
-
-// FencedEpoch is the epoch under which partition p's progress was last
-// fenced: the epoch of the newest acquisition that has started work. A sink
-// verifying a claimed epoch compares against it. It is 0 when the partition
-// was never acquired.
+// FencedEpoch is the epoch partition p was last fenced under: the epoch of
+// the newest acquisition that has started work, as its fence record says.
+// It is 0 when the partition was never acquired. It is for display;
+// IssuedEpoch is what a sink may trust.
 func (b *Bucket) FencedEpoch(ctx context.Context, p leasehold.Partition) (leasehold.Epoch, error) {
-	r, _, err := b.readProgress(ctx, p)
+	r, _, err := b.readFence(ctx, partitionKey(p))
 	if err != nil {
-		return 0, fmt.Errorf("coordinator: read progress of partition %d: %w", p, err)
+		return 0, fmt.Errorf("coordinator: read the fence record of partition %d: %w", p, err)
 	}
 	return leasehold.Epoch(r.Epoch), nil
 }
 
-// fenceProgress rewrites the progress record under this lease's epoch, so
-// that no earlier holder can commit progress any more; it learns the
-// sequence to resume after.
-func (l *Lease) fenceProgress(ctx context.Context) error {
-	l.pmu.Lock()
-	defer l.pmu.Unlock()
-	key := progressKey(l.info.Partition)
-	if l.fenceFromHint(ctx, key) {
+// Progress is the input sequence committed for partition p, as its fence
+// record says.
+func (b *Bucket) Progress(ctx context.Context, p leasehold.Partition) (uint64, error) {
+	r, _, err := b.readFence(ctx, partitionKey(p))
+	if err != nil {
+		return 0, fmt.Errorf("coordinator: read the fence record of partition %d: %w", p, err)
+	}
+	return r.Seq, nil
+}
+
+// fence rewrites the lease's fence record under its epoch and acquisition,
+// so that no earlier holder can commit progress any more, and learns the
+// sequence to resume after. A record fenced at a later epoch loses the
+// lease; one fenced at the same epoch by another acquisition (the lease
+// bucket handed one revision out twice) loses it too, as a split brain.
+// repair rewrites a record that does not decode, or that claims an epoch
+// above every revision the lease bucket has issued, instead of refusing.
+func (l *Lease) fence(ctx context.Context, repair bool) error {
+	if l.member {
 		return nil
 	}
+	l.pmu.Lock()
+	defer l.pmu.Unlock()
+	if !repair && l.fenceFromHint(ctx) {
+		return nil
+	}
+	epoch := uint64(l.info.Epoch)
 	var lastErr error
 	for attempt := 0; attempt < 8; attempt++ {
 		if attempt > 0 {
@@ -68,29 +61,47 @@ func (l *Lease) fenceProgress(ctx context.Context) error {
 			}
 		}
 		rctx, cancel := context.WithTimeout(ctx, l.c.cfg.RequestTimeout)
-		cur, rev, err := l.c.b.readProgress(rctx, l.info.Partition)
+		cur, rev, err := l.c.b.readFence(rctx, l.key)
 		cancel()
-		if errors.Is(err, errGarbledProgress) {
-			return err
-		}
-		if err != nil {
+		if errors.Is(err, errGarbledFence) {
+			if !repair {
+				return err
+			}
+			l.c.cfg.Logger.Warn("fence record does not decode: rewriting it; progress starts at the job stream's beginning", "lease", l.String(), "err", err)
+			l.repaired = append(l.repaired, fmt.Sprintf("rewrote %s of bucket %s, which did not decode; progress starts at the job stream's beginning", l.key, l.c.b.fenceName))
+			cur = fenceRecord{}
+		} else if err != nil {
 			lastErr = err
 			continue
 		}
-		if cur.Epoch > uint64(l.info.Epoch) {
-			return l.lose(LostRefused, cur.Holder, fmt.Errorf("progress already fenced at epoch %d", cur.Epoch))
+		if cur.Epoch > epoch {
+			if repair && l.neverIssued(ctx, cur.Epoch) {
+				l.c.cfg.Logger.Warn("fence record claims an epoch the lease bucket never issued: rewriting it", "lease", l.String(), "claimed", cur.Epoch)
+				l.repaired = append(l.repaired, fmt.Sprintf("rewrote %s of bucket %s, which claimed epoch %d, above every revision the lease bucket issued (its progress %d is kept)", l.key, l.c.b.fenceName, cur.Epoch, cur.Seq))
+				cur.Epoch, cur.Recent = 0, nil
+			} else {
+				return l.lose(LostRefused, cur.Holder, fmt.Errorf("%s is fenced at epoch %d already (by %s); if no acquisition issued it, the record was forged or the lease bucket lost writes: %s",
+					l.key, cur.Epoch, cur.Holder, repairHint(l.key)))
+			}
 		}
-		if cur.Epoch == uint64(l.info.Epoch) {
-			// An earlier attempt of ours landed.
-			l.progRev, l.progSeq, l.progRead = rev, cur.Seq, true
-			return nil
+		if cur.Epoch == epoch {
+			if cur.Acquisition == l.info.Acquisition {
+				// An earlier attempt of ours landed.
+				l.fenceRev, l.fenced, l.progRead = rev, cur, true
+				return nil
+			}
+			return l.lose(LostRefused, cur.Holder, fmt.Errorf("%w: epoch %d of %s is recorded for another acquisition (%s of %s): the lease bucket issued one revision twice (it lost acknowledged writes, or was restored from a copy); run NATS with sync_interval: always",
+				leasehold.ErrSplitBrain, epoch, l.key, cur.Acquisition, cur.Holder))
 		}
-		next, _ := json.Marshal(progressRecord{Epoch: uint64(l.info.Epoch), Seq: cur.Seq, Holder: l.info.Holder})
+		next := cur.withEpoch(epoch, l.info.Acquisition, l.info.Holder)
+		if l.kind != kindPartition {
+			next.Seq = 0
+		}
 		rctx, cancel = context.WithTimeout(ctx, l.c.cfg.RequestTimeout)
-		nrev, err := l.c.b.put(rctx, key, next, rev, 0)
+		nrev, err := l.c.b.putFence(rctx, l.key, next, rev)
 		cancel()
 		if err == nil {
-			l.progRev, l.progSeq, l.progRead = nrev, cur.Seq, true
+			l.fenceRev, l.fenced, l.progRead = nrev, next, true
 			return nil
 		}
 		lastErr = err
@@ -101,71 +112,91 @@ func (l *Lease) fenceProgress(ctx context.Context) error {
 	return fmt.Errorf("gave up: %w", lastErr)
 }
 
-// fenceFromHint tries the fence once against the progress record as a
-// direct get reads it. A direct get may be answered by a replica that is
-// behind, but the write is a compare-and-set on the revision read, so it
-// lands only if what was read is the record's current state; and a direct
-// get is served by the stream, not queued behind the other JetStream API
-// requests (consumer creations, when many partitions start at once) the
-// way a read through the leader is. It reports whether the fence landed;
-// when it did not, for whatever reason (a stale or missing record, a
-// later epoch, no answer), fenceProgress settles it through the leader, as
-// if the hint had not been tried: an unanswered write that landed shows up
-// there as this lease's own epoch.
-func (l *Lease) fenceFromHint(ctx context.Context, key string) bool {
+// neverIssued reports whether epoch is above every revision the lease
+// bucket has issued.
+func (l *Lease) neverIssued(ctx context.Context, epoch uint64) bool {
+	rctx, cancel := context.WithTimeout(ctx, l.c.cfg.RequestTimeout)
+	defer cancel()
+	last, err := l.c.b.lastRevision(rctx)
+	return err == nil && epoch > last
+}
+
+// fenceFromHint tries the fence once against the fence record as a direct
+// get reads it. A direct get may be answered by a replica that is behind,
+// but the write is a compare-and-set on the revision read, so it lands only
+// if what was read is the record's current state; and a direct get is
+// served by the stream, not queued behind the other JetStream API requests
+// (consumer creations, when many partitions start at once) the way a read
+// through the leader is. It reports whether the fence landed; when it did
+// not, for whatever reason (a stale or missing record, a later epoch, no
+// answer), fence settles it through the leader, as if the hint had not
+// been tried: an unanswered write that landed shows up there as this
+// lease's own acquisition.
+func (l *Lease) fenceFromHint(ctx context.Context) bool {
 	rctx, cancel := context.WithTimeout(ctx, l.c.cfg.RequestTimeout)
 	defer cancel()
 	var (
-		cur progressRecord
+		cur fenceRecord
 		rev uint64 // 0: no record, which the write checks too
 	)
-	switch e, err := l.c.b.kv.Get(rctx, key); {
+	switch e, err := l.c.b.fences.Get(rctx, l.key); {
 	case errors.Is(err, jetstream.ErrKeyNotFound):
 	case err != nil:
 		return false
 	default:
-		if json.Unmarshal(e.Value(), &cur) != nil || cur.Epoch >= uint64(l.info.Epoch) {
+		r, err := decodeFence(e.Value())
+		if err != nil || r.Epoch >= uint64(l.info.Epoch) {
 			return false
 		}
-		rev = e.Revision()
+		cur, rev = r, e.Revision()
 	}
-	next, _ := json.Marshal(progressRecord{Epoch: uint64(l.info.Epoch), Seq: cur.Seq, Holder: l.info.Holder})
-	nrev, err := l.c.b.put(rctx, key, next, rev, 0)
+	next := cur.withEpoch(uint64(l.info.Epoch), l.info.Acquisition, l.info.Holder)
+	if l.kind != kindPartition {
+		next.Seq = 0
+	}
+	nrev, err := l.c.b.putFence(rctx, l.key, next, rev)
 	if err != nil {
 		return false
 	}
-	l.progRev, l.progSeq, l.progRead = nrev, cur.Seq, true
+	l.fenceRev, l.fenced, l.progRead = nrev, next, true
 	return true
 }
 
 // Commit records that every input up to and including seq has been handled
-// and its effects written. It is a compare-and-set on the progress record:
-// once a later holder has fenced the partition, Commit returns an error
-// matching leasehold.ErrLeaseLost and the record keeps the later holder's
-// progress. Commit asks the server even when the lease looks lost locally:
-// the server decides. A seq at or below the committed one is a no-op.
+// and its effects written. It is a compare-and-set on the partition's fence
+// record: once a later holder has fenced the partition, Commit returns an
+// error matching leasehold.ErrLeaseLost and the record keeps the later
+// holder's progress. Commit asks the server even when the lease looks lost
+// locally: the server decides. A seq at or below the committed one is a
+// no-op.
 func (l *Lease) Commit(ctx context.Context, seq uint64) error {
-	if l.member {
-		return errors.New("coordinator: a membership lease has no progress")
+	if l.kind != kindPartition {
+		return fmt.Errorf("coordinator: %s has no progress to commit", l)
 	}
 	l.pmu.Lock()
 	defer l.pmu.Unlock()
 	if !l.progRead {
-		return errors.New("coordinator: Commit on a lease whose progress was not fenced")
+		return errors.New("coordinator: Commit on a lease whose fence record was not written")
 	}
-	if seq <= l.progSeq {
+	if seq <= l.fenced.Seq {
 		return nil
 	}
-	key := progressKey(l.info.Partition)
-	next, _ := json.Marshal(progressRecord{Epoch: uint64(l.info.Epoch), Seq: seq, Holder: l.info.Holder})
+	return l.setProgress(ctx, seq)
+}
+
+// setProgress writes seq into the fence record, which must still be this
+// lease's. l.pmu is held.
+func (l *Lease) setProgress(ctx context.Context, seq uint64) error {
+	next := l.fenced
+	next.Seq = seq
 	var err error
 	for range 3 {
 		rctx, cancel := context.WithTimeout(ctx, l.c.cfg.RequestTimeout)
 		var rev uint64
-		rev, err = l.c.b.put(rctx, key, next, l.progRev, 0)
+		rev, err = l.c.b.putFence(rctx, l.key, next, l.fenceRev)
 		cancel()
 		if err == nil {
-			l.progRev, l.progSeq = rev, seq
+			l.fenceRev, l.fenced = rev, next
 			return nil
 		}
 		if isRefusal(err) && !isConflict(err) {
@@ -173,20 +204,21 @@ func (l *Lease) Commit(ctx context.Context, seq uint64) error {
 		}
 		// Refused by revision, or no answer: read the record back.
 		rctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), l.c.cfg.RequestTimeout)
-		cur, crev, rerr := l.c.b.readProgress(rctx, l.info.Partition)
+		cur, crev, rerr := l.c.b.readFence(rctx, l.key)
 		cancel()
 		if rerr != nil {
-			err = fmt.Errorf("%w (reading progress back: %v)", err, rerr)
+			err = fmt.Errorf("%w (reading the fence record back: %v)", err, rerr)
 			continue
 		}
-		if cur.Epoch != uint64(l.info.Epoch) {
-			lerr := l.lose(LostRefused, cur.Holder, fmt.Errorf("commit progress %d: partition fenced at epoch %d", seq, cur.Epoch))
+		if cur.Epoch != next.Epoch || cur.Acquisition != next.Acquisition {
+			lerr := l.lose(LostRefused, cur.Holder, fmt.Errorf("commit progress %d: %s fenced at epoch %d", seq, l.key, cur.Epoch))
 			return &LostError{Lease: l.info, Reason: LostRefused, Holder: cur.Holder, Err: lerr.Err}
 		}
-		l.progRev, l.progSeq = crev, cur.Seq
-		if cur.Seq >= seq {
+		l.fenceRev, l.fenced = crev, cur
+		if cur.Seq == seq {
 			return nil
 		}
+		next.Seq = seq
 	}
 	return fmt.Errorf("coordinator: commit progress %d of %s: %w", seq, l, err)
 }

@@ -7,7 +7,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -31,14 +33,6 @@ type record struct {
 	Acquired time.Time `json:"acquired"`
 }
 
-// progressRecord is the value of progress.<p>: the last input sequence
-// committed for the partition and the epoch it was committed under.
-type progressRecord struct {
-	Epoch  uint64 `json:"epoch"`
-	Seq    uint64 `json:"seq"`
-	Holder string `json:"holder"`
-}
-
 func newToken() string {
 	var b [12]byte
 	if _, err := rand.Read(b[:]); err != nil {
@@ -58,24 +52,29 @@ const (
 
 // entry is the last message on a key, as the stream leader sees it.
 type entry struct {
-	kind entryKind
-	rev  uint64
-	data []byte
-	time time.Time
+	kind   entryKind
+	rev    uint64
+	data   []byte
+	header nats.Header
+	time   time.Time
 }
 
 // last reads the last message on key through the stream leader. Direct
 // gets (what kv.Get uses) may be answered by a follower that is behind, and
 // ownership must never be decided from a stale read.
 func (b *Bucket) last(ctx context.Context, key string) (entry, error) {
-	m, err := b.leader.Last(ctx, b.prefix+key)
+	return lastOf(ctx, b.leader, b.prefix+key)
+}
+
+func lastOf(ctx context.Context, r *leader.Reader, subject string) (entry, error) {
+	m, err := r.Last(ctx, subject)
 	if err != nil {
 		return entry{}, err
 	}
 	if m == nil {
 		return entry{kind: entryNone}, nil
 	}
-	e := entry{kind: entryValue, rev: m.Seq, time: m.Time, data: m.Data}
+	e := entry{kind: entryValue, rev: m.Seq, time: m.Time, data: m.Data, header: m.Header}
 	if leader.IsMarker(m.Header) {
 		e.kind = entryMarker
 	}
@@ -142,12 +141,53 @@ func decodeRecord(data []byte) (record, error) {
 	return r, nil
 }
 
-// epochOf returns the epoch of the lease whose last write is e.
+// epochOf returns the epoch of the lease whose last write is at revision
+// rev. A renewal repeats the epoch its acquisition got, and no acquisition
+// can have a revision above the write in front of us: an epoch the record
+// claims beyond rev is bounded by rev.
 func epochOf(r record, rev uint64) leasehold.Epoch {
-	if r.Epoch != 0 {
+	if r.Epoch != 0 && r.Epoch < rev {
 		return leasehold.Epoch(r.Epoch)
 	}
 	return leasehold.Epoch(rev)
+}
+
+// foreignReason says why the value of a lease key (a partition, lock or
+// member record) is not a lease leasehold wrote, or "" when it is one: it
+// must decode, and carry the per-message TTL its own ttl_ms names, or the
+// server would never expire it and it would hold the key for ever.
+func foreignReason(data []byte, h nats.Header) (record, string) {
+	r, err := decodeRecord(data)
+	if err != nil {
+		return record{}, err.Error()
+	}
+	ttl, ok := messageTTL(h)
+	switch {
+	case !ok:
+		return r, "the record carries no per-message TTL, so the server would never expire it"
+	case r.TTLMilli <= 0 || ttl != time.Duration(r.TTLMilli)*time.Millisecond:
+		return r, fmt.Sprintf("the record's per-message TTL (%v) is not the %dms it names", ttl, r.TTLMilli)
+	}
+	return r, ""
+}
+
+// messageTTL reads the Nats-TTL header the way the server does: a Go
+// duration or whole seconds, "never" meaning none. ok is false when the
+// message has no TTL that would expire it.
+func messageTTL(h nats.Header) (time.Duration, bool) {
+	v := h.Get(jetstream.MsgTTLHeader)
+	if v == "" || strings.EqualFold(v, "never") {
+		return 0, false
+	}
+	if d, err := time.ParseDuration(v); err == nil {
+		d = d.Truncate(time.Second)
+		return d, d >= time.Second
+	}
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil || n <= 0 || n > math.MaxInt64/int64(time.Second) {
+		return 0, false
+	}
+	return time.Duration(n) * time.Second, true
 }
 
 // timeAfter is time.After; a variable so that backoff waits read the same

@@ -2,7 +2,7 @@ package coordinator
 
 import (
 	"context"
-	"encoding/json"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -13,88 +13,246 @@ import (
 	"github.com/leasehold/leasehold"
 )
 
-// PartitionStatus is what the bucket says about one partition.
+// PartitionStatus is what the buckets say about one partition.
 type PartitionStatus struct {
 	Partition leasehold.Partition `json:"partition"`
 	// Holder and Epoch describe the live lease; Holder is "" when the
-	// partition is free.
+	// partition is free, and "?" when its key holds a record leasehold did
+	// not write (see Status.Findings).
 	Holder   string          `json:"holder,omitempty"`
 	Epoch    leasehold.Epoch `json:"epoch,omitempty"`
 	Acquired time.Time       `json:"acquired,omitzero"`
 	Renewed  time.Time       `json:"renewed,omitzero"` // server time of the last write
 	TTL      time.Duration   `json:"ttl,omitempty"`
-	// FencedEpoch and Progress come from the progress record: the newest
+	// FencedEpoch and Progress come from the fence record: the newest
 	// epoch that started work on the partition and the last input sequence
 	// committed.
 	FencedEpoch leasehold.Epoch `json:"fenced_epoch,omitempty"`
 	Progress    uint64          `json:"progress"`
 }
 
-// Status is a snapshot of the bucket.
-type Status struct {
-	Partitions []PartitionStatus `json:"partitions"`
-	Members    []string          `json:"members"`
+// LockStatus is what the buckets say about one lock.
+type LockStatus struct {
+	Name string `json:"name"`
+	// Holder and Epoch describe the live lease, as for a partition.
+	Holder   string          `json:"holder,omitempty"`
+	Epoch    leasehold.Epoch `json:"epoch,omitempty"`
+	Acquired time.Time       `json:"acquired,omitzero"`
+	Renewed  time.Time       `json:"renewed,omitzero"`
+	TTL      time.Duration   `json:"ttl,omitempty"`
+	// FencedEpoch is the newest epoch the lock was fenced under.
+	FencedEpoch leasehold.Epoch `json:"fenced_epoch,omitempty"`
 }
 
-// Snapshot reads every lease, member and progress record in the bucket. It
-// is for display: it reads through direct gets, which a follower may answer.
+// Status is a snapshot of the lease bucket and its fence records.
+type Status struct {
+	Partitions []PartitionStatus `json:"partitions"`
+	Locks      []LockStatus      `json:"locks,omitempty"`
+	Members    []string          `json:"members"`
+	// Findings are records that are not leasehold's, or claim what cannot
+	// be, with what to do about each.
+	Findings []Finding `json:"findings,omitempty"`
+}
+
+// Snapshot reads every lease, lock, member and fence record, and checks
+// each (see Findings). It reads both buckets through consumers their
+// stream leaders serve; records written meanwhile may or may not show.
 func (b *Bucket) Snapshot(ctx context.Context) (Status, error) {
-	w, err := b.kv.WatchAll(ctx, jetstream.IgnoreDeletes())
-	if err != nil {
-		return Status{}, fmt.Errorf("coordinator: read bucket %s: %w", b.name, err)
+	sn := snapshotter{b: b, parts: map[leasehold.Partition]*PartitionStatus{}, locks: map[string]*LockStatus{}}
+	if err := sn.context(ctx); err != nil {
+		return Status{}, err
 	}
-	defer w.Stop()
-	parts := map[leasehold.Partition]*PartitionStatus{}
-	get := func(p leasehold.Partition) *PartitionStatus {
-		if parts[p] == nil {
-			parts[p] = &PartitionStatus{Partition: p}
-		}
-		return parts[p]
+	if err := scanLast(ctx, b.js, b.stream, b.prefix+">", sn.lease); err != nil {
+		return Status{}, err
 	}
-	var st Status
-	for {
-		var e jetstream.KeyValueEntry
-		select {
-		case <-ctx.Done():
-			return Status{}, fmt.Errorf("coordinator: read bucket %s: %w", b.name, ctx.Err())
-		case e = <-w.Updates():
-		}
-		if e == nil {
-			break
-		}
-		key := e.Key()
-		switch {
-		case strings.HasPrefix(key, memberKeyPrefix):
-			st.Members = append(st.Members, key[len(memberKeyPrefix):])
-		case strings.HasPrefix(key, partitionKeyPrefix):
-			p, err := leasehold.ParsePartition(key[len(partitionKeyPrefix):])
-			if err != nil {
-				continue
-			}
-			ps := get(p)
-			if r, err := decodeRecord(e.Value()); err == nil {
-				ps.Holder, ps.Epoch, ps.Acquired = r.Holder, epochOf(r, e.Revision()), r.Acquired
-				ps.TTL = time.Duration(r.TTLMilli) * time.Millisecond
-			} else {
-				ps.Holder = "?"
-			}
-			ps.Renewed = e.Created()
-		case strings.HasPrefix(key, progressKeyPrefix):
-			p, err := leasehold.ParsePartition(key[len(progressKeyPrefix):])
-			if err != nil {
-				continue
-			}
-			var r progressRecord
-			if json.Unmarshal(e.Value(), &r) == nil {
-				ps := get(p)
-				ps.FencedEpoch, ps.Progress = leasehold.Epoch(r.Epoch), r.Seq
-			}
-		}
+	if err := scanLast(ctx, b.js, b.fenceStream, b.fencePrefix+">", sn.fence); err != nil {
+		return Status{}, err
 	}
-	for _, ps := range parts {
+	st := sn.st
+	for _, ps := range sn.parts {
 		st.Partitions = append(st.Partitions, *ps)
 	}
+	for _, ls := range sn.locks {
+		st.Locks = append(st.Locks, *ls)
+	}
 	slices.SortFunc(st.Partitions, func(a, b PartitionStatus) int { return int(a.Partition) - int(b.Partition) })
+	slices.SortFunc(st.Locks, func(a, b LockStatus) int { return strings.Compare(a.Name, b.Name) })
 	slices.Sort(st.Members)
+	slices.SortStableFunc(st.Findings, func(a, b Finding) int {
+		return strings.Compare(a.Bucket+" "+a.Key, b.Bucket+" "+b.Key)
+	})
 	return st, nil
+}
+
+// snapshotter folds the scanned records into a Status.
+type snapshotter struct {
+	b     *Bucket
+	st    Status
+	parts map[leasehold.Partition]*PartitionStatus
+	locks map[string]*LockStatus
+
+	lastRev    uint64 // the lease bucket's last revision when the snapshot began
+	partitions int    // the job stream's partition count; 0 when not known
+	jobsLast   uint64 // the job stream's last sequence
+	haveJobs   bool
+}
+
+// context reads what the records are checked against: the lease bucket's
+// last revision and the job stream's partitions and last sequence.
+func (sn *snapshotter) context(ctx context.Context) error {
+	var err error
+	if sn.lastRev, err = sn.b.lastRevision(ctx); err != nil {
+		return err
+	}
+	s, err := sn.b.js.Stream(ctx, jobsStream(sn.b.scope))
+	switch {
+	case errors.Is(err, jetstream.ErrStreamNotFound):
+		return nil
+	case err != nil:
+		return fmt.Errorf("coordinator: look up job stream %s: %w", jobsStream(sn.b.scope), err)
+	}
+	sn.haveJobs, sn.jobsLast = true, s.CachedInfo().State.LastSeq
+	if n, err := sn.b.partitionCount(ctx); err == nil {
+		sn.partitions = n
+	}
+	return nil
+}
+
+func (sn *snapshotter) part(p leasehold.Partition) *PartitionStatus {
+	if sn.parts[p] == nil {
+		sn.parts[p] = &PartitionStatus{Partition: p}
+	}
+	return sn.parts[p]
+}
+
+func (sn *snapshotter) lock(name string) *LockStatus {
+	if sn.locks[name] == nil {
+		sn.locks[name] = &LockStatus{Name: name}
+	}
+	return sn.locks[name]
+}
+
+func (sn *snapshotter) find(f Finding) { sn.st.Findings = append(sn.st.Findings, f) }
+
+// lease folds one record of the lease bucket.
+func (sn *snapshotter) lease(m scanned) error {
+	if m.marker {
+		return nil
+	}
+	key := strings.TrimPrefix(m.subject, sn.b.prefix)
+	at := Finding{Bucket: sn.b.name, Key: key, Revision: m.seq, Written: m.time}
+	switch {
+	case strings.HasPrefix(key, memberKeyPrefix):
+		id := key[len(memberKeyPrefix):]
+		r, foreign := foreignReason(m.data, m.header)
+		if foreign == "" && r.Holder != id {
+			foreign = fmt.Sprintf("the record names holder %q, not %q", r.Holder, id)
+		}
+		if foreign != "" {
+			sn.find(at.foreign(foreign, "an unknown member: worker groups ignore it once it has stayed unchanged for a TTL, but it shows as a live worker"))
+			return nil
+		}
+		sn.st.Members = append(sn.st.Members, id)
+	case strings.HasPrefix(key, partitionKeyPrefix):
+		p, err := leasehold.ParsePartition(key[len(partitionKeyPrefix):])
+		if err != nil {
+			sn.find(at.unknownKey())
+			return nil
+		}
+		outside := sn.partitions > 0 && int(p) >= sn.partitions
+		if outside {
+			sn.find(at.outOfRange(p, sn.partitions))
+		}
+		ps := sn.part(p)
+		ps.Renewed = m.time
+		r, foreign := foreignReason(m.data, m.header)
+		if foreign != "" {
+			ps.Holder = "?"
+			f := at.foreign(foreign, "the partition is held by nobody until the record goes")
+			if !outside {
+				// Repaired by fencing the partition; one outside the job
+				// stream is only removed.
+				f.Fence = &leasehold.FenceID{Scope: sn.b.scope, Partition: p}
+			}
+			sn.find(f)
+			return nil
+		}
+		ps.Holder, ps.Epoch, ps.Acquired = r.Holder, epochOf(r, m.seq), r.Acquired
+		ps.TTL = time.Duration(r.TTLMilli) * time.Millisecond
+	case strings.HasPrefix(key, lockKeyPrefix):
+		name, err := decodeLockName(key[len(lockKeyPrefix):])
+		if err != nil {
+			sn.find(at.unknownKey())
+			return nil
+		}
+		ls := sn.lock(name)
+		ls.Renewed = m.time
+		r, foreign := foreignReason(m.data, m.header)
+		if foreign != "" {
+			ls.Holder = "?"
+			f := at.foreign(foreign, "the lock is held by nobody until the record goes")
+			f.Fence = &leasehold.FenceID{Scope: leasehold.LockScope(sn.b.scope, name)}
+			sn.find(f)
+			return nil
+		}
+		ls.Holder, ls.Epoch, ls.Acquired = r.Holder, epochOf(r, m.seq), r.Acquired
+		ls.TTL = time.Duration(r.TTLMilli) * time.Millisecond
+	case strings.HasPrefix(key, progressKeyPrefix):
+		if !isMoved(m.data) {
+			sn.find(at.legacyProgress(sn.b.fenceName))
+		}
+	case key == "jobstream":
+		// What an earlier leasehold recorded; the scope replaced it.
+	default:
+		sn.find(at.unknownKey())
+	}
+	return nil
+}
+
+// fence folds one record of the fence-record bucket.
+func (sn *snapshotter) fence(m scanned) error {
+	if m.marker {
+		return nil
+	}
+	key := strings.TrimPrefix(m.subject, sn.b.fencePrefix)
+	at := Finding{Bucket: sn.b.fenceName, Key: key, Revision: m.seq, Written: m.time}
+	var id leasehold.FenceID
+	switch {
+	case strings.HasPrefix(key, partitionKeyPrefix):
+		p, err := leasehold.ParsePartition(key[len(partitionKeyPrefix):])
+		if err != nil {
+			sn.find(at.unknownKey())
+			return nil
+		}
+		id = leasehold.FenceID{Scope: sn.b.scope, Partition: p}
+	case strings.HasPrefix(key, lockKeyPrefix):
+		name, err := decodeLockName(key[len(lockKeyPrefix):])
+		if err != nil {
+			sn.find(at.unknownKey())
+			return nil
+		}
+		id = leasehold.FenceID{Scope: leasehold.LockScope(sn.b.scope, name)}
+	default:
+		sn.find(at.unknownKey())
+		return nil
+	}
+	at.Fence = &id
+	r, err := decodeFence(m.data)
+	if err != nil {
+		sn.find(at.garbledFence(err))
+		return nil
+	}
+	if h := r.highest(); h > sn.lastRev {
+		sn.find(at.epochAhead(h, sn.lastRev))
+	}
+	if id.Scope != sn.b.scope {
+		sn.lock(strings.TrimPrefix(id.Scope, sn.b.scope+"/")).FencedEpoch = leasehold.Epoch(r.Epoch)
+		return nil
+	}
+	ps := sn.part(id.Partition)
+	ps.FencedEpoch, ps.Progress = leasehold.Epoch(r.Epoch), r.Seq
+	if sn.haveJobs && r.Seq > sn.jobsLast {
+		sn.find(at.progressAhead(r.Seq, sn.jobsLast))
+	}
+	return nil
 }

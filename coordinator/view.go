@@ -3,6 +3,7 @@ package coordinator
 import (
 	"hash/maphash"
 	"strings"
+	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 
@@ -11,9 +12,29 @@ import (
 
 // slot is what the bucket says about one partition.
 type slot struct {
-	holder string // "" when free
+	holder string // "" when free; "?" when the record does not decode
 	epoch  leasehold.Epoch
 	sum    uint64 // hash of the record it was read from; 0 when not read from one
+	// rev is the revision of the last write seen on the key, and since
+	// when this worker first saw it: a lease renews well within its TTL,
+	// so a revision that stays longer than that belongs to a record the
+	// server does not expire.
+	rev   uint64
+	since time.Time
+	ttl   time.Duration // the TTL the record names; 0 when it does not decode
+}
+
+// member is what the bucket says about one member key.
+type member struct {
+	rev     uint64
+	since   time.Time
+	sum     uint64
+	ttl     time.Duration
+	foreign bool // the record does not decode as this member's registration
+	// checked says the record at rev was read through the leader once it
+	// looked stale, and ttlless what that found: a record the server does
+	// not expire.
+	checked, ttlless bool
 }
 
 // recordSeed hashes lease records, so that a renewal, which repeats its
@@ -26,11 +47,11 @@ var recordSeed = maphash.MakeSeed()
 // checks.
 type view struct {
 	slots   []slot
-	members map[string]bool
+	members map[string]*member
 }
 
 func newView(n int) *view {
-	return &view{slots: make([]slot, n), members: map[string]bool{}}
+	return &view{slots: make([]slot, n), members: map[string]*member{}}
 }
 
 // apply folds one watch entry into the view and reports whether ownership
@@ -43,18 +64,29 @@ func (v *view) apply(e jetstream.KeyValueEntry) bool {
 // applyKind is apply that also tells whether the change was to membership.
 func (v *view) applyKind(e jetstream.KeyValueEntry) (changed, membership bool) {
 	live := e.Operation() == jetstream.KeyValuePut
+	now := time.Now()
 	switch key := e.Key(); {
 	case strings.HasPrefix(key, memberKeyPrefix):
-		m := key[len(memberKeyPrefix):]
-		if v.members[m] == live {
+		id := key[len(memberKeyPrefix):]
+		cur := v.members[id]
+		if !live {
+			if cur == nil {
+				return false, false
+			}
+			delete(v.members, id)
+			return true, true
+		}
+		sum := maphash.Bytes(recordSeed, e.Value())
+		if cur != nil && cur.sum == sum {
+			cur.rev, cur.since = e.Revision(), now // a renewal
 			return false, false
 		}
-		if live {
-			v.members[m] = true
-		} else {
-			delete(v.members, m)
+		next := &member{rev: e.Revision(), since: now, sum: sum, foreign: true}
+		if r, err := decodeRecord(e.Value()); err == nil && r.Holder == id && r.TTLMilli > 0 {
+			next.ttl, next.foreign = time.Duration(r.TTLMilli)*time.Millisecond, false
 		}
-		return true, true
+		v.members[id] = next
+		return cur == nil || cur.foreign != next.foreign, true
 	case strings.HasPrefix(key, partitionKeyPrefix):
 		p, err := leasehold.ParsePartition(key[len(partitionKeyPrefix):])
 		if err != nil || int(p) >= len(v.slots) {
@@ -65,11 +97,13 @@ func (v *view) applyKind(e jetstream.KeyValueEntry) (changed, membership bool) {
 		if live {
 			sum := maphash.Bytes(recordSeed, e.Value())
 			if cur.sum == sum && cur.holder != "" {
-				return false, false // a renewal of the lease already known
+				cur.rev, cur.since = e.Revision(), now // a renewal of the lease already known
+				return false, false
 			}
-			next = slot{holder: "?", epoch: leasehold.Epoch(e.Revision()), sum: sum}
+			next = slot{holder: "?", epoch: leasehold.Epoch(e.Revision()), sum: sum, rev: e.Revision(), since: now}
 			if r, err := decodeRecord(e.Value()); err == nil {
 				next.holder, next.epoch = r.Holder, epochOf(r, e.Revision())
+				next.ttl = time.Duration(r.TTLMilli) * time.Millisecond
 			}
 		}
 		changed = cur.holder != next.holder || cur.epoch != next.epoch
@@ -77,4 +111,48 @@ func (v *view) applyKind(e jetstream.KeyValueEntry) (changed, membership bool) {
 		return changed, false
 	}
 	return false, false
+}
+
+// inherit keeps, for every record old saw at the same revision, when old
+// first saw it: a rescan reads every record afresh, and must not make a
+// record that never changes look new again.
+func (v *view) inherit(old *view) {
+	for p := range v.slots {
+		if p < len(old.slots) && v.slots[p].rev != 0 && v.slots[p].rev == old.slots[p].rev {
+			v.slots[p].since = old.slots[p].since
+		}
+	}
+	for id, m := range v.members {
+		if o := old.members[id]; o != nil && o.rev == m.rev {
+			m.since, m.checked, m.ttlless = o.since, o.checked, o.ttlless
+		}
+	}
+}
+
+// staleAfter is how long a record naming ttl may stay unchanged before
+// this worker concludes the server does not expire it: a holder renews
+// several times a TTL, and the server expires a record it stops renewing
+// about a TTL after its last write. A record that names no TTL gets this
+// worker's.
+func staleAfter(ttl, own time.Duration) time.Duration {
+	if ttl <= 0 {
+		ttl = own
+	}
+	return ttl + max(ttl/2, time.Second)
+}
+
+// stuck reports whether the partition record in s has stayed unchanged for
+// longer than a lease could.
+func (s slot) stuck(now time.Time, own time.Duration) bool {
+	return s.holder != "" && s.rev != 0 && now.Sub(s.since) > staleAfter(s.ttl, own)
+}
+
+// dead reports whether m is known not to be a live registration: a record
+// leasehold did not write, or one the server does not expire.
+func (m *member) dead() bool { return m.foreign || m.ttlless }
+
+// suspect reports whether m has stayed unchanged for longer than a
+// registration could, and has not been checked at this revision yet.
+func (m *member) suspect(now time.Time, own time.Duration) bool {
+	return !m.dead() && !m.checked && now.Sub(m.since) > staleAfter(m.ttl, own)
 }

@@ -21,20 +21,21 @@ func ExampleNewMemory() {
 			fmt.Printf("observed: %s on partition %d at epoch %d (key %q)\n", d.Outcome, d.Stamp.Partition, d.Stamp.Epoch, d.Stamp.Key)
 		}),
 	})
-	old := leasehold.Stamp{Partition: 3, Epoch: 41, Key: "orders.3.17.0", Worker: "w1"}
-	_ = m.Apply(ctx, sink.Effect{Stamp: old, Subject: "order-17", Data: []byte("paid")})
+	w1 := leasehold.Lease{Scope: "orders", Partition: 3, Epoch: 41, Acquisition: "a41", Holder: "w1"}
+	_ = m.Apply(ctx, sink.Effect{Stamp: w1.Stamp("orders.3.17.0"), Subject: "order-17", Data: []byte("paid")})
 
 	// w2 acquires partition 3 at epoch 42 and fences it before writing.
-	_ = m.Advance(ctx, 3, 42)
+	w2 := leasehold.Lease{Scope: "orders", Partition: 3, Epoch: 42, Acquisition: "a42", Holder: "w2"}
+	_ = m.Advance(ctx, w2)
 
 	// w1 was paused; its next write arrives late.
-	late := leasehold.Stamp{Partition: 3, Epoch: 41, Key: "orders.3.18.0", Worker: "w1"}
+	late := w1.Stamp("orders.3.18.0")
 	err := m.Apply(ctx, sink.Effect{Stamp: late, Subject: "order-18", Data: []byte("paid")})
 	var stale *leasehold.StaleEpochError
 	if errors.As(err, &stale) {
 		fmt.Printf("refused: epoch %d < %d\n", stale.Epoch, stale.Max)
 	}
-	fmt.Println("dropped on partition 3:", m.Dropped(3))
+	fmt.Println("dropped on partition 3:", m.Dropped(w1.Fence()))
 	// Output:
 	// observed: accepted on partition 3 at epoch 41 (key "orders.3.17.0")
 	// observed: advanced on partition 3 at epoch 42 (key "")

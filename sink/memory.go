@@ -32,7 +32,7 @@ type MemoryConfig struct {
 	Telemetry telemetry.Config
 }
 
-// Memory is the reference sink: it keeps the maxima and the applied
+// Memory is the reference sink: it keeps the fences and the applied
 // effects in memory, behind one mutex, so check and write are one critical
 // section. Batches are all-or-nothing. It is not durable.
 type Memory struct {
@@ -41,17 +41,16 @@ type Memory struct {
 	dedupe bool
 	keep   bool
 
-	mu    sync.Mutex
-	parts map[leasehold.Partition]memPart
-	keys  map[string]struct{}
-	data  map[string]Effect
-	log   []Effect
+	mu     sync.Mutex
+	fences map[leasehold.FenceID]leasehold.FenceState
+	keys   map[dedupeID]struct{}
+	data   map[string]Effect
+	log    []Effect
 }
 
-type memPart struct {
-	max    leasehold.Epoch
-	holder string
-}
+// dedupeID is an idempotency key within its scope: scopes never share
+// dedupe records.
+type dedupeID struct{ scope, key string }
 
 var _ Sink = (*Memory)(nil)
 
@@ -65,8 +64,8 @@ func NewMemory(cfg MemoryConfig) *Memory {
 		check:  NewEpochCheck(cfg.Verifier),
 		dedupe: !cfg.NoDedupe,
 		keep:   cfg.KeepLog,
-		parts:  make(map[leasehold.Partition]memPart),
-		keys:   make(map[string]struct{}),
+		fences: make(map[leasehold.FenceID]leasehold.FenceState),
+		keys:   make(map[dedupeID]struct{}),
 		data:   make(map[string]Effect),
 	}
 }
@@ -98,23 +97,24 @@ func (m *Memory) Apply(ctx context.Context, effects ...Effect) error {
 // applyOne is the common case, kept free of allocations.
 func (m *Memory) applyOne(ctx context.Context, e *Effect) error {
 	s := e.Stamp
+	id := s.Fence()
 	m.mu.Lock()
-	part := m.parts[s.Partition]
-	if s.Epoch < part.max {
+	f := m.fences[id]
+	v, raise := leasehold.Judge(f, s)
+	if v != leasehold.Admit {
 		m.mu.Unlock()
-		err := StaleError(s, part.max, part.holder)
-		m.rep.Report(ctx, Decision{Outcome: Stale, Stamp: s, Subject: e.Subject, Max: part.max, Holder: part.holder, Err: err})
-		return err
+		return m.refused(ctx, e, f, v)
 	}
-	if s.Epoch > part.max || s.Worker != "" {
-		m.parts[s.Partition] = memPart{max: s.Epoch, holder: s.Worker}
+	if raise || (s.Worker != "" && s.Worker != f.Holder) {
+		m.fences[id] = leasehold.FenceState{Epoch: s.Epoch, Acquisition: s.Acquisition, Holder: s.Worker}
 	}
 	outcome := Accepted
 	if m.dedupe {
-		if _, dup := m.keys[s.Key]; dup {
+		k := dedupeID{s.Scope, s.Key}
+		if _, dup := m.keys[k]; dup {
 			outcome = Duplicate
 		} else {
-			m.keys[s.Key] = struct{}{}
+			m.keys[k] = struct{}{}
 		}
 	}
 	if outcome == Accepted {
@@ -125,45 +125,56 @@ func (m *Memory) applyOne(ctx context.Context, e *Effect) error {
 	return nil
 }
 
+// refused reports and returns the refusal of e by fence f.
+func (m *Memory) refused(ctx context.Context, e *Effect, f leasehold.FenceState, v leasehold.Verdict) error {
+	err := leasehold.Refusal(f, e.Stamp, v)
+	m.rep.Report(ctx, Decision{Outcome: Refused(v), Stamp: e.Stamp, Subject: e.Subject, Max: f.Epoch, MaxAcquisition: f.Acquisition, Holder: f.Holder, Err: err})
+	return err
+}
+
 func (m *Memory) applyBatch(ctx context.Context, effects []Effect) error {
 	decisions := make([]Decision, len(effects))
 	m.mu.Lock()
-	// First pass: judge every effect against the maxima as the batch would
+	// First pass: judge every effect against the fences as the batch would
 	// leave them, without changing anything.
-	running := make(map[leasehold.Partition]leasehold.Epoch, 1)
+	running := make(map[leasehold.FenceID]leasehold.FenceState, 1)
 	for i := range effects {
 		s := effects[i].Stamp
-		max, ok := running[s.Partition]
+		id := s.Fence()
+		f, ok := running[id]
 		if !ok {
-			max = m.parts[s.Partition].max
+			f = m.fences[id]
 		}
-		if s.Epoch < max {
-			holder := m.parts[s.Partition].holder
+		v, raise := leasehold.Judge(f, s)
+		if v != leasehold.Admit {
 			m.mu.Unlock()
-			err := StaleError(s, max, holder)
-			m.rep.Report(ctx, Decision{Outcome: Stale, Stamp: s, Subject: effects[i].Subject, Max: max, Holder: holder, Err: err})
+			err := m.refused(ctx, &effects[i], f, v)
 			return fmt.Errorf("sink: effect %d of %d: %w (no effect of the batch was applied)", i+1, len(effects), err)
 		}
-		running[s.Partition] = s.Epoch
+		if raise || (s.Worker != "" && s.Worker != f.Holder) {
+			f = leasehold.FenceState{Epoch: s.Epoch, Acquisition: s.Acquisition, Holder: s.Worker}
+		}
+		running[id] = f
 	}
-	seen := make(map[string]struct{}, len(effects))
+	for id, f := range running {
+		m.fences[id] = f
+	}
+	seen := make(map[dedupeID]struct{}, len(effects))
 	for i := range effects {
 		e := &effects[i]
 		s := e.Stamp
-		if part := m.parts[s.Partition]; s.Epoch > part.max || s.Worker != "" {
-			m.parts[s.Partition] = memPart{max: s.Epoch, holder: s.Worker}
-		}
 		outcome := Accepted
+		k := dedupeID{s.Scope, s.Key}
 		if m.dedupe {
-			_, dup := m.keys[s.Key]
-			_, dupInBatch := seen[s.Key]
+			_, dup := m.keys[k]
+			_, dupInBatch := seen[k]
 			if dup || dupInBatch {
 				outcome = Duplicate
 			} else {
-				m.keys[s.Key] = struct{}{}
+				m.keys[k] = struct{}{}
 			}
 		}
-		seen[s.Key] = struct{}{}
+		seen[k] = struct{}{}
 		if outcome == Accepted {
 			m.write(e)
 		}
@@ -183,14 +194,14 @@ func (m *Memory) write(e *Effect) {
 	}
 }
 
-// verify checks, outside the lock, every epoch that would raise a maximum.
-// The lock is not held across the lease bucket's answer; a maximum that
+// verify checks, outside the lock, every epoch that would raise a fence.
+// The lock is not held across the lease bucket's answer; a fence that
 // rises meanwhile only makes the locked check stricter.
 func (m *Memory) verify(ctx context.Context, effects []Effect) error {
 	for i := range effects {
 		s := effects[i].Stamp
 		m.mu.Lock()
-		max := m.parts[s.Partition].max
+		max := m.fences[s.Fence()].Epoch
 		m.mu.Unlock()
 		if err := m.check.CheckAbove(ctx, s, max); err != nil {
 			d := Decision{Outcome: Unverified, Stamp: s, Subject: effects[i].Subject, Max: max, Err: err}
@@ -204,48 +215,60 @@ func (m *Memory) verify(ctx context.Context, effects []Effect) error {
 	return nil
 }
 
-// Advance raises partition p's maximum to e if it is lower.
-func (m *Memory) Advance(ctx context.Context, p leasehold.Partition, e leasehold.Epoch) error {
+// Advance raises l's fence to l's epoch and acquisition. It returns a
+// *leasehold.StaleEpochError when the fence is above l's epoch, or at it
+// for another acquisition.
+func (m *Memory) Advance(ctx context.Context, l leasehold.Lease) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("sink: advance: %w", err)
 	}
-	if err := ValidateAdvance(p, e); err != nil {
+	if err := ValidateAdvance(l); err != nil {
 		return fmt.Errorf("sink: advance: %w", err)
 	}
-	s := leasehold.Stamp{Partition: p, Epoch: e}
+	s := AdvanceStamp(l)
+	id := l.Fence()
+	report := s
+	report.Key = ""
 	m.mu.Lock()
-	max := m.parts[p].max
+	max := m.fences[id].Epoch
 	m.mu.Unlock()
 	if err := m.check.CheckAbove(ctx, s, max); err != nil {
 		if isUnverified(err) {
-			m.rep.Report(ctx, Decision{Outcome: Unverified, Stamp: s, Max: max, Err: err})
+			m.rep.Report(ctx, Decision{Outcome: Unverified, Stamp: report, Max: max, Err: err})
 		}
 		return err
 	}
 	m.mu.Lock()
-	raised := e > m.parts[p].max
-	if raised {
-		m.parts[p] = memPart{max: e, holder: HolderFrom(ctx)}
+	f := m.fences[id]
+	v, raise := leasehold.Judge(f, s)
+	if v != leasehold.Admit {
+		m.mu.Unlock()
+		err := leasehold.Refusal(f, s, v)
+		m.rep.Report(ctx, Decision{Outcome: Refused(v), Stamp: report, Max: f.Epoch, MaxAcquisition: f.Acquisition, Holder: f.Holder, Err: err})
+		return fmt.Errorf("sink: advance: %w", err)
+	}
+	if raise {
+		m.fences[id] = leasehold.FenceState{Epoch: l.Epoch, Acquisition: l.Acquisition, Holder: l.Holder}
 	}
 	m.mu.Unlock()
-	if raised {
-		m.rep.Report(ctx, Decision{Outcome: Advanced, Stamp: s, Max: e})
+	if raise {
+		m.rep.Report(ctx, Decision{Outcome: Advanced, Stamp: report, Max: l.Epoch})
 	}
 	return nil
 }
 
-// MaxEpoch returns partition p's recorded maximum, 0 if none.
-func (m *Memory) MaxEpoch(ctx context.Context, p leasehold.Partition) (leasehold.Epoch, error) {
+// Fence returns what the sink records for id.
+func (m *Memory) Fence(ctx context.Context, id leasehold.FenceID) (leasehold.FenceState, error) {
 	if err := ctx.Err(); err != nil {
-		return 0, err
+		return leasehold.FenceState{}, err
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return m.parts[p].max, nil
+	return m.fences[id], nil
 }
 
-// Dropped returns how many effects of partition p were refused.
-func (m *Memory) Dropped(p leasehold.Partition) uint64 { return m.rep.Dropped(p) }
+// Dropped returns how many effects of fence id were refused.
+func (m *Memory) Dropped(id leasehold.FenceID) uint64 { return m.rep.Dropped(id) }
 
 // Get returns the latest effect applied to subject.
 func (m *Memory) Get(subject string) (Effect, bool) {

@@ -26,29 +26,29 @@ func TestMemoryConformance(t *testing.T) {
 	})
 }
 
-// Drops are logged at most once per partition per interval, with the
+// Drops are logged at most once per fence per interval, with the
 // number held back.
 func TestDropLogIsRateLimited(t *testing.T) {
 	var buf bytes.Buffer
 	logger := slog.New(slog.NewTextHandler(&buf, nil))
 	m := sink.NewMemory(sink.MemoryConfig{Logger: logger})
 	ctx := context.Background()
-	if err := m.Advance(ctx, 1, 10); err != nil {
-		t.Fatal(err)
-	}
-	if err := m.Advance(ctx, 2, 10); err != nil {
-		t.Fatal(err)
+	for _, p := range []leasehold.Partition{1, 2} {
+		if err := m.Advance(ctx, leasehold.Lease{Scope: "orders", Partition: p, Epoch: 10, Acquisition: "a10", Holder: "w"}); err != nil {
+			t.Fatal(err)
+		}
 	}
 	for i := range 50 {
 		for _, p := range []leasehold.Partition{1, 2} {
-			e := sink.Effect{Stamp: leasehold.Stamp{Partition: p, Epoch: 3, Key: "k" + string(rune('a'+i%26))}}
+			e := sink.Effect{Stamp: leasehold.Stamp{Scope: "orders", Partition: p, Epoch: 3, Acquisition: "a3", Key: "k" + string(rune('a'+i%26))}}
 			if err := m.Apply(ctx, e); err == nil {
 				t.Fatal("a stale effect was accepted")
 			}
 		}
 	}
-	if m.Dropped(1) != 50 || m.Dropped(2) != 50 || m.Dropped(3) != 0 {
-		t.Fatalf("dropped %d, %d, %d; want 50, 50, 0", m.Dropped(1), m.Dropped(2), m.Dropped(3))
+	d := func(p leasehold.Partition) uint64 { return m.Dropped(leasehold.FenceID{Scope: "orders", Partition: p}) }
+	if d(1) != 50 || d(2) != 50 || d(3) != 0 {
+		t.Fatalf("dropped %d, %d, %d; want 50, 50, 0", d(1), d(2), d(3))
 	}
 	// The test runs well within the one-second interval, so each partition
 	// logs its first drop only.
@@ -64,7 +64,7 @@ func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
 func BenchmarkMemoryAdmit(b *testing.B) {
 	m := sink.NewMemory(sink.MemoryConfig{NoDedupe: true, Logger: quiet()})
 	ctx := context.Background()
-	e := sink.Effect{Stamp: leasehold.Stamp{Partition: 3, Epoch: 7, Key: "k"}, Subject: "s", Data: []byte("v")}
+	e := sink.Effect{Stamp: leasehold.Stamp{Scope: "orders", Partition: 3, Epoch: 7, Acquisition: "a7", Key: "k"}, Subject: "s", Data: []byte("v")}
 	b.ReportAllocs()
 	for b.Loop() {
 		if err := m.Apply(ctx, e); err != nil {
@@ -78,8 +78,8 @@ func BenchmarkMemoryAdmit(b *testing.B) {
 func BenchmarkMemoryReject(b *testing.B) {
 	m := sink.NewMemory(sink.MemoryConfig{NoDedupe: true, Logger: quiet()})
 	ctx := context.Background()
-	_ = m.Advance(ctx, 3, 9)
-	e := sink.Effect{Stamp: leasehold.Stamp{Partition: 3, Epoch: 7, Key: "k"}, Subject: "s"}
+	_ = m.Advance(ctx, leasehold.Lease{Scope: "orders", Partition: 3, Epoch: 9, Acquisition: "a9", Holder: "w"})
+	e := sink.Effect{Stamp: leasehold.Stamp{Scope: "orders", Partition: 3, Epoch: 7, Acquisition: "a7", Key: "k"}, Subject: "s"}
 	b.ReportAllocs()
 	for b.Loop() {
 		if err := m.Apply(ctx, e); err == nil {

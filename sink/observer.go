@@ -27,8 +27,26 @@ const (
 	Unverified
 	// Advanced: a barrier or Advance raised the partition's maximum.
 	Advanced
+	// SplitBrain: the effect's epoch equals the fence's but comes from
+	// another acquisition; nothing was applied. Err is a
+	// *leasehold.StaleEpochError matching leasehold.ErrSplitBrain.
+	SplitBrain
+	// OverLimit: recording the effect's fence would take the sink beyond
+	// a bound of its own (how many fences it keeps, the size of its saved
+	// state); nothing was applied. Err says which bound.
+	OverLimit
+	// Discarded: the effect belongs to a job attempt that did not complete
+	// (it was aborted, superseded by a later attempt, or abandoned when a
+	// later job or a later holder's stamp passed it); it was admitted by
+	// the fence and, by the all-or-none rule, not applied.
+	Discarded
+	// DeadLettered: the sink could not apply the effect (every attempt
+	// failed, or it can never be applied: too large, a destination that
+	// refuses it) and moved it to its dead-letter stream with the error;
+	// it was not applied.
+	DeadLettered
 	// Failed: the sink could not decide or apply (a network or database
-	// error); the effect may be retried. Err says why.
+	// error); the effect may be retried. Err says why. It stays last.
 	Failed
 )
 
@@ -46,6 +64,14 @@ func (o Outcome) String() string {
 		return "unverified"
 	case Advanced:
 		return "advanced"
+	case SplitBrain:
+		return "split_brain"
+	case OverLimit:
+		return "over_limit"
+	case Discarded:
+		return "discarded"
+	case DeadLettered:
+		return "dead_lettered"
 	case Failed:
 		return "failed"
 	}
@@ -54,7 +80,9 @@ func (o Outcome) String() string {
 
 // Dropped reports whether the outcome refused the effect for good: it will
 // not be applied however often it is retried.
-func (o Outcome) Dropped() bool { return o == Stale || o == BadStamp || o == Unverified }
+func (o Outcome) Dropped() bool {
+	return o == Stale || o == BadStamp || o == Unverified || o == SplitBrain || o == OverLimit
+}
 
 // Decision is one sink decision, as an Observer sees it.
 type Decision struct {
@@ -63,9 +91,11 @@ type Decision struct {
 	// Stamp is the effect's stamp; for BadStamp, as much of it as was read.
 	Stamp   leasehold.Stamp
 	Subject string
-	// Max is the partition's recorded maximum the effect was judged
-	// against, when the sink knows it.
-	Max leasehold.Epoch
+	// Max is the fence's recorded maximum the effect was judged against,
+	// when the sink knows it, and MaxAcquisition the acquisition that set
+	// it.
+	Max            leasehold.Epoch
+	MaxAcquisition string
 	// Holder is the worker that holds the partition now, when known.
 	Holder string
 	// Position is the effect's place in the log it was read from (a

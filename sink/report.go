@@ -16,9 +16,9 @@ import (
 
 // DropCounter is implemented by sinks that count the effects they refused.
 type DropCounter interface {
-	// Dropped returns how many effects of partition p were refused for
-	// good (stale, bad stamp, unverified epoch).
-	Dropped(p leasehold.Partition) uint64
+	// Dropped returns how many effects of fence id were refused for good
+	// (stale, split brain, bad stamp, unverified epoch).
+	Dropped(id leasehold.FenceID) uint64
 }
 
 // Reporter is what every sink in this module reports its decisions
@@ -40,7 +40,7 @@ type Reporter struct {
 	counts      [Failed + 1][]metric.AddOption // by outcome
 
 	mu    sync.Mutex
-	parts map[leasehold.Partition]*dropState
+	parts map[leasehold.FenceID]*dropState
 }
 
 type dropState struct {
@@ -58,7 +58,7 @@ type ReporterConfig struct {
 	// Logger receives drop lines. Default slog.Default().
 	Logger *slog.Logger
 	// LogEvery is the shortest interval between two drop lines of one
-	// partition. Default one second.
+	// fence. Default one second.
 	LogEvery time.Duration
 	// Telemetry selects the providers of the sink's spans and metrics.
 	// Zero fields mean the OpenTelemetry globals.
@@ -81,7 +81,7 @@ func NewReporter(cfg ReporterConfig) *Reporter {
 	}
 	r := &Reporter{
 		name: cfg.Name, obs: cfg.Observer, log: cfg.Logger, logEvery: cfg.LogEvery, now: time.Now,
-		parts: make(map[leasehold.Partition]*dropState),
+		parts: make(map[leasehold.FenceID]*dropState),
 	}
 	r.newInstruments(cfg.Telemetry)
 	return r
@@ -102,10 +102,21 @@ func (r *Reporter) Report(ctx context.Context, d Decision) {
 		return
 	}
 	r.mu.Lock()
-	st := r.parts[d.Stamp.Partition]
+	id := d.Stamp.Fence()
+	st := r.parts[id]
 	if st == nil {
-		st = &dropState{}
-		r.parts[d.Stamp.Partition] = st
+		if len(r.parts) >= maxDropStates {
+			// Forged stamps can name any number of scopes: count them
+			// under one entry rather than grow without bound.
+			id = overflowFence
+			if st = r.parts[id]; st == nil {
+				st = &dropState{}
+				r.parts[id] = st
+			}
+		} else {
+			st = &dropState{}
+			r.parts[id] = st
+		}
 	}
 	st.n.Add(1)
 	now := r.now()
@@ -120,6 +131,7 @@ func (r *Reporter) Report(ctx context.Context, d Decision) {
 	r.log.LogAttrs(ctx, slog.LevelWarn, "leasehold: effect dropped",
 		slog.String("sink", r.name),
 		slog.String("outcome", d.Outcome.String()),
+		slog.String("scope", d.Stamp.Scope),
 		slog.Uint64("partition", uint64(d.Stamp.Partition)),
 		slog.Uint64("epoch", uint64(d.Stamp.Epoch)),
 		slog.Uint64("max_epoch", uint64(d.Max)),
@@ -131,10 +143,16 @@ func (r *Reporter) Report(ctx context.Context, d Decision) {
 	)
 }
 
-// Dropped returns how many effects of partition p were dropped.
-func (r *Reporter) Dropped(p leasehold.Partition) uint64 {
+// maxDropStates bounds the fences a Reporter counts drops for one by one.
+const maxDropStates = 1 << 17
+
+// overflowFence counts the drops of fences beyond maxDropStates.
+var overflowFence = leasehold.FenceID{Scope: "(other)"}
+
+// Dropped returns how many effects of fence id were dropped.
+func (r *Reporter) Dropped(id leasehold.FenceID) uint64 {
 	r.mu.Lock()
-	st := r.parts[p]
+	st := r.parts[id]
 	r.mu.Unlock()
 	if st == nil {
 		return 0
@@ -142,11 +160,11 @@ func (r *Reporter) Dropped(p leasehold.Partition) uint64 {
 	return st.n.Load()
 }
 
-// Drops returns the drop count of every partition that dropped anything.
-func (r *Reporter) Drops() map[leasehold.Partition]uint64 {
+// Drops returns the drop count of every fence that dropped anything.
+func (r *Reporter) Drops() map[leasehold.FenceID]uint64 {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	out := make(map[leasehold.Partition]uint64, len(r.parts))
+	out := make(map[leasehold.FenceID]uint64, len(r.parts))
 	for p, st := range r.parts {
 		out[p] = st.n.Load()
 	}

@@ -1,34 +1,41 @@
 // Package sink defines the fence contract every leasehold sink keeps, and
 // the sinks that keep it.
 //
-// The contract: a sink records, per partition, the highest epoch it has
-// accepted. It applies an effect only if the effect's epoch is at least that
-// maximum, and the check and the write are one atomic step: there is no
-// moment between them at which a newer epoch could be recorded. Equal
-// epochs are accepted, since one holder writes many times. A stale effect
-// has no effect at all; Apply returns a *leasehold.StaleEpochError, which
-// matches leasehold.ErrStaleEpoch. Sinks that dedupe apply each idempotency
-// key once, and report a repeat as success.
+// The contract: a sink records, per fence (a scope and a partition, see
+// leasehold.FenceID), the highest epoch it has accepted and the acquisition
+// that epoch came from. It applies an effect only if leasehold.Judge
+// admits the effect's stamp against that record, and the check and the
+// write are one atomic step: there is no moment between them at which a
+// newer epoch could be recorded. Equal epochs of one acquisition are
+// accepted, since one holder writes many times; an equal epoch of another
+// acquisition is a split-brain write and is refused. A refused effect has
+// no effect at all; Apply returns a *leasehold.StaleEpochError, which
+// matches leasehold.ErrStaleEpoch (and leasehold.ErrSplitBrain for a split
+// brain). Fences of different scopes never affect each other: one sink
+// serves any number of job streams and locks. Sinks that dedupe apply each
+// (scope, idempotency key) once, and report a repeat as success.
 //
-// Advance raises a partition's maximum without applying anything: a worker
-// calls it when it acquires a partition, so that a former holder's writes
+// Advance raises a fence without applying anything: a worker calls it with
+// its lease when it acquires a partition, so that a former holder's writes
 // are refused from the moment of take-over, not from the new holder's first
-// write. A sink that consumes an effect log in order learns the take-over
-// from the barrier the new holder publishes into the log
-// (leasehold.HeaderBarrier), and from nothing else: an earlier holder's
-// effect published before the barrier may be committed progress.
+// write. Advancing with an epoch below the fence's returns the stale-epoch
+// error: the caller is no longer the newest holder. A sink that consumes an
+// effect log in order learns the take-over from the barrier the new holder
+// publishes into the log (leasehold.HeaderBarrier), and from nothing else:
+// an earlier holder's effect published before the barrier may be committed
+// progress.
 //
-// Every decision (accepted, duplicate, stale, bad stamp, unverified epoch,
-// failure) goes to an Observer and is counted in
-// leasehold_sink_effects_total; drops are counted per partition, logged
-// with rate limiting, traced (a refusal for a stale epoch is a span with
-// error.type=stale_epoch under the writer's span; see Reporter), and
-// returned to the caller.
+// Every decision (accepted, duplicate, stale, split brain, bad stamp,
+// unverified epoch, failure) goes to an Observer and is counted in
+// leasehold_sink_effects_total; drops are counted per fence, logged with
+// rate limiting, traced (a refusal is a span with error.type=stale_epoch or
+// split_brain under the writer's span; see Reporter), and returned to the
+// caller.
 //
 // With verified epochs (an EpochCheck against the lease bucket), an epoch
-// above the recorded maximum raises it only if the lease bucket has fenced
-// the partition at that epoch or later, so a forged or garbled epoch cannot
-// fence out the legitimate holder.
+// above a fence's recorded maximum raises it only if the lease bucket
+// issued it for that fence, so a forged or garbled epoch cannot fence out
+// the legitimate holder.
 //
 // The sinks: Memory (the reference, in this package), kvsink (JetStream
 // KV), streamsink (a runner over a JetStream effect log), pgsink
@@ -61,38 +68,25 @@ type Effect struct {
 type Sink interface {
 	// Apply applies the effects, in order, if every one of them is admitted;
 	// sinks that support atomic batches apply all or none. It returns a
-	// *leasehold.StaleEpochError when an effect is stale, and an error
-	// matching leasehold.ErrBadStamp when a stamp is invalid.
+	// *leasehold.StaleEpochError when an effect is refused by its fence,
+	// and an error matching leasehold.ErrBadStamp when a stamp is invalid.
 	Apply(ctx context.Context, effects ...Effect) error
-	// Advance raises partition p's recorded maximum to e if it is lower.
-	Advance(ctx context.Context, p leasehold.Partition, e leasehold.Epoch) error
-	// MaxEpoch returns partition p's recorded maximum, 0 if none.
-	MaxEpoch(ctx context.Context, p leasehold.Partition) (leasehold.Epoch, error)
+	Fencer
 }
 
-// Fence is the part of a Sink that records the maxima, for consumers that
-// fence in a single-writer critical section of their own (see wmsink).
-type Fence interface {
-	Advance(ctx context.Context, p leasehold.Partition, e leasehold.Epoch) error
-	MaxEpoch(ctx context.Context, p leasehold.Partition) (leasehold.Epoch, error)
+// Fencer is the part of a Sink that records the fences, for consumers that
+// fence in a critical section of their own (see wmsink), and for workers
+// that fence a sink when they acquire a partition.
+type Fencer interface {
+	// Advance raises the fence of l's scope and partition to l's epoch and
+	// acquisition, recording l.Holder as the holder. It returns a
+	// *leasehold.StaleEpochError when the fence is already above l's epoch
+	// (or at it, for another acquisition): l is no longer the newest lease.
+	Advance(ctx context.Context, l leasehold.Lease) error
+	// Fence returns what the sink records for id; the zero FenceState if
+	// nothing.
+	Fence(ctx context.Context, id leasehold.FenceID) (leasehold.FenceState, error)
 }
-
-// WithHolder returns a context that names worker as the one a fence is
-// advanced for. A worker advances its fences under it, and the sinks of
-// this module record the name with the new maximum, so that a refusal
-// between the take-over and the new holder's first write can say who
-// holds the partition.
-func WithHolder(ctx context.Context, worker string) context.Context {
-	return context.WithValue(ctx, holderKey{}, worker)
-}
-
-// HolderFrom returns the worker WithHolder put in ctx, or "".
-func HolderFrom(ctx context.Context) string {
-	h, _ := ctx.Value(holderKey{}).(string)
-	return h
-}
-
-type holderKey struct{}
 
 // ErrEmptyBatch is returned by Apply called with no effects.
 var ErrEmptyBatch = errors.New("sink: Apply needs at least one effect")
@@ -112,12 +106,25 @@ func ValidateEffects(effects []Effect) (int, error) {
 	return -1, nil
 }
 
-// StaleError builds the error for effect stamp s refused under max.
-func StaleError(s leasehold.Stamp, max leasehold.Epoch, holder string) *leasehold.StaleEpochError {
-	return &leasehold.StaleEpochError{Partition: s.Partition, Epoch: s.Epoch, Max: max, Key: s.Key, Worker: s.Worker, Holder: holder}
+// StaleError builds the error for effect stamp s refused as stale under
+// fence f.
+func StaleError(s leasehold.Stamp, f leasehold.FenceState) *leasehold.StaleEpochError {
+	return leasehold.Refusal(f, s, leasehold.Stale)
 }
 
-// ValidateAdvance checks the arguments of Advance.
-func ValidateAdvance(p leasehold.Partition, e leasehold.Epoch) error {
-	return leasehold.Stamp{Partition: p, Epoch: e, Key: "advance"}.Validate()
+// AdvanceStamp is the stamp an Advance with lease l is judged as: l's
+// fence, epoch and acquisition, with no idempotency key of its own.
+func AdvanceStamp(l leasehold.Lease) leasehold.Stamp { return l.Stamp("advance") }
+
+// ValidateAdvance checks the lease given to Advance.
+func ValidateAdvance(l leasehold.Lease) error {
+	return AdvanceStamp(l).Validate()
+}
+
+// Refused reports the outcome a verdict other than Admit gives.
+func Refused(v leasehold.Verdict) Outcome {
+	if v == leasehold.SplitBrain {
+		return SplitBrain
+	}
+	return Stale
 }

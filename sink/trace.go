@@ -147,10 +147,10 @@ func annotate(span trace.Span, d *Decision) {
 		return
 	}
 	switch d.Outcome {
-	case Stale:
+	case Stale, SplitBrain:
 		var se *leasehold.StaleEpochError
 		if !errors.As(d.Err, &se) {
-			se = StaleError(d.Stamp, d.Max, d.Holder)
+			se = leasehold.Refusal(leasehold.FenceState{Epoch: d.Max, Acquisition: d.MaxAcquisition, Holder: d.Holder}, d.Stamp, verdictOf(d.Outcome))
 		}
 		if se.Holder == "" && d.Holder != "" {
 			c := *se
@@ -163,10 +163,21 @@ func annotate(span trace.Span, d *Decision) {
 		telemetry.RecordError(span, telemetry.ErrorTypeUnverified, d.Err)
 	case BadStamp:
 		telemetry.RecordError(span, telemetry.ErrorTypeBadStamp, d.Err)
+	case OverLimit:
+		telemetry.RecordError(span, telemetry.ErrorTypeOverLimit, d.Err)
+	case DeadLettered:
+		telemetry.RecordError(span, outcomeDeadLettered, d.Err)
 	case Failed:
 		telemetry.RecordError(span, "", d.Err)
 	}
 	span.SetAttributes(telemetry.AttrOutcome.String(outcomeLabel(d.Outcome)))
+}
+
+func verdictOf(o Outcome) leasehold.Verdict {
+	if o == SplitBrain {
+		return leasehold.SplitBrain
+	}
+	return leasehold.Stale
 }
 
 // errorType is the error.type of a drop or failure.
@@ -174,10 +185,14 @@ func errorType(o Outcome) string {
 	switch o {
 	case Stale:
 		return telemetry.ErrorTypeStaleEpoch
+	case SplitBrain:
+		return telemetry.ErrorTypeSplitBrain
 	case Unverified:
 		return telemetry.ErrorTypeUnverified
 	case BadStamp:
 		return telemetry.ErrorTypeBadStamp
+	case OverLimit:
+		return telemetry.ErrorTypeOverLimit
 	}
 	return telemetry.ErrorTypeOther
 }
@@ -191,15 +206,30 @@ func outcomeLabel(o Outcome) string {
 		return telemetry.OutcomeDuplicate
 	case Stale:
 		return telemetry.OutcomeRejectedStale
+	case SplitBrain:
+		return telemetry.OutcomeRejectedSplitBrain
 	case Unverified:
 		return telemetry.OutcomeRejectedUnverified
 	case BadStamp:
 		return telemetry.OutcomeRejectedBadStamp
+	case OverLimit:
+		return telemetry.OutcomeRejectedOverLimit
 	case Advanced:
 		return telemetry.OutcomeAdvanced
+	case Discarded:
+		return outcomeDiscarded
+	case DeadLettered:
+		return outcomeDeadLettered
 	}
 	return telemetry.OutcomeError
 }
+
+// The leasehold_outcome labels of the outcomes of all-or-none job effects
+// and of the poison path.
+const (
+	outcomeDiscarded    = "discarded"
+	outcomeDeadLettered = "dead_lettered"
+)
 
 // newInstruments prepares what the Reporter's spans and counts reuse.
 func (r *Reporter) newInstruments(cfg telemetry.Config) {

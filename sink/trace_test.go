@@ -33,11 +33,11 @@ func TestApplySpansAndCounts(t *testing.T) {
 	m := sink.NewMemory(sink.MemoryConfig{Logger: quiet(), Telemetry: telemetry.Config{TracerProvider: tp, MeterProvider: mp}})
 
 	ctx, handler := tp.Tracer("test").Start(context.Background(), "process jobs")
-	old := leasehold.Stamp{Partition: 3, Epoch: 7, Key: "k1", Worker: "a"}
+	old := leasehold.Stamp{Scope: "orders", Acquisition: "a", Partition: 3, Epoch: 7, Key: "k1", Worker: "a"}
 	if err := m.Apply(ctx, sink.Effect{Stamp: old, Subject: "s"}); err != nil {
 		t.Fatal(err)
 	}
-	if err := m.Advance(sink.WithHolder(context.Background(), "b"), 3, 9); err != nil {
+	if err := m.Advance(context.Background(), leasehold.Lease{Scope: "orders", Partition: 3, Epoch: 9, Acquisition: "a9", Holder: "b"}); err != nil {
 		t.Fatal(err)
 	}
 	old.Key = "k2"
@@ -48,8 +48,8 @@ func TestApplySpansAndCounts(t *testing.T) {
 	}
 	handler.End()
 	old.Key = "k3"
-	_ = m.Apply(context.Background(), sink.Effect{Stamp: old, Subject: "s"})                                  // untraced refusal
-	_ = m.Apply(context.Background(), sink.Effect{Stamp: leasehold.Stamp{Partition: 3, Epoch: 9, Key: "k4"}}) // untraced write
+	_ = m.Apply(context.Background(), sink.Effect{Stamp: old, Subject: "s"})                                                                      // untraced refusal
+	_ = m.Apply(context.Background(), sink.Effect{Stamp: leasehold.Stamp{Scope: "orders", Acquisition: "a9", Partition: 3, Epoch: 9, Key: "k4"}}) // untraced write
 
 	var applies []sdktrace.ReadOnlySpan
 	for _, s := range rec.Ended() {
@@ -122,7 +122,7 @@ func TestRefusalOutsideSampledTrace(t *testing.T) {
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec)) // parent-based, roots always sampled
 	defer tp.Shutdown(context.Background())
 	m := sink.NewMemory(sink.MemoryConfig{Logger: quiet(), Telemetry: telemetry.Config{TracerProvider: tp}})
-	if err := m.Advance(context.Background(), 1, 5); err != nil {
+	if err := m.Advance(context.Background(), leasehold.Lease{Scope: "orders", Partition: 1, Epoch: 5, Acquisition: "a5", Holder: "w"}); err != nil {
 		t.Fatal(err)
 	}
 	tid, _ := trace.TraceIDFromHex("4bf92f3577b34da6a3ce929d0e0e4736")
@@ -132,7 +132,7 @@ func TestRefusalOutsideSampledTrace(t *testing.T) {
 	if handler.IsRecording() {
 		t.Fatal("the handler's span records under an unsampled parent")
 	}
-	_ = m.Apply(ctx, sink.Effect{Stamp: leasehold.Stamp{Partition: 1, Epoch: 2, Key: "k", Worker: "a"}})
+	_ = m.Apply(ctx, sink.Effect{Stamp: leasehold.Stamp{Scope: "orders", Acquisition: "a", Partition: 1, Epoch: 2, Key: "k", Worker: "a"}})
 	handler.End()
 	spans := rec.Ended()
 	if len(spans) != 1 {

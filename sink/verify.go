@@ -9,10 +9,10 @@ import (
 	"github.com/leasehold/leasehold"
 )
 
-// Verifier tells the highest epoch the lease bucket has fenced for a
-// partition. *coordinator.Bucket satisfies it.
+// Verifier tells the highest epoch the lease bucket has issued for a
+// fence. *coordinator.Bucket satisfies it for the scopes it serves.
 type Verifier interface {
-	FencedEpoch(ctx context.Context, p leasehold.Partition) (leasehold.Epoch, error)
+	IssuedEpoch(ctx context.Context, id leasehold.FenceID) (leasehold.Epoch, error)
 }
 
 // ErrUnverifiedEpoch is matched by the error a sink with verified epochs
@@ -22,21 +22,40 @@ type Verifier interface {
 // errors.As with *UnverifiedEpochError for the details.
 var ErrUnverifiedEpoch = errors.New("sink: epoch was never issued by the lease bucket")
 
-// UnverifiedEpochError reports an epoch above the partition's fenced epoch.
+// UnverifiedEpochError reports an epoch the lease bucket did not issue.
 type UnverifiedEpochError struct {
+	Scope     string
 	Partition leasehold.Partition
 	Epoch     leasehold.Epoch // the epoch the write carried
-	Fenced    leasehold.Epoch // the highest epoch the lease bucket fenced
+	Fenced    leasehold.Epoch // the highest epoch the lease bucket issued
 	Key       string
+	// Err, when set, is why the lease bucket issues no epochs at all for
+	// the fence (another scope, a partition outside the job stream).
+	Err error
 }
 
 func (e *UnverifiedEpochError) Error() string {
-	return fmt.Sprintf("sink: partition %d: epoch %d was never issued by the lease bucket (the highest fenced epoch is %d): the stamp is forged or garbled, and the write was not applied; key %q",
-		e.Partition, e.Epoch, e.Fenced, e.Key)
+	if e.Err != nil {
+		return fmt.Sprintf("sink: scope %s partition %d: epoch %d cannot have been issued: %v: the stamp is forged or garbled, and the write was not applied; key %q",
+			e.Scope, e.Partition, e.Epoch, e.Err, e.Key)
+	}
+	return fmt.Sprintf("sink: scope %s partition %d: epoch %d was never issued by the lease bucket (the highest issued is %d): the stamp is forged or garbled, and the write was not applied; key %q",
+		e.Scope, e.Partition, e.Epoch, e.Fenced, e.Key)
 }
 
 // Is makes errors.Is(err, ErrUnverifiedEpoch) true.
 func (e *UnverifiedEpochError) Is(target error) bool { return target == ErrUnverifiedEpoch }
+
+// Unwrap returns why the fence is unknown, if it is.
+func (e *UnverifiedEpochError) Unwrap() error { return e.Err }
+
+// unverified reports whether a verifier's error is a verdict on the stamp
+// (coordinator.UnknownFenceError: a fence the lease bucket does not serve)
+// rather than a failure to ask.
+func unverified(err error) bool {
+	var u interface{ Unverified() bool }
+	return errors.As(err, &u) && u.Unverified()
+}
 
 // EpochCheck decides whether an epoch above a partition's recorded maximum
 // may raise it. It caches the fenced epoch of each partition and reads it
@@ -56,7 +75,7 @@ type EpochCheck struct {
 	v Verifier
 
 	mu     sync.Mutex
-	fenced map[leasehold.Partition]leasehold.Epoch
+	fenced map[leasehold.FenceID]leasehold.Epoch
 }
 
 // NewEpochCheck returns a check against v, or nil (no checking) when v is
@@ -65,7 +84,7 @@ func NewEpochCheck(v Verifier) *EpochCheck {
 	if v == nil {
 		return nil
 	}
-	return &EpochCheck{v: v, fenced: make(map[leasehold.Partition]leasehold.Epoch)}
+	return &EpochCheck{v: v, fenced: make(map[leasehold.FenceID]leasehold.Epoch)}
 }
 
 // Check returns nil if stamp s may raise its partition's maximum, an
@@ -75,25 +94,29 @@ func (c *EpochCheck) Check(ctx context.Context, s leasehold.Stamp) error {
 	if c == nil {
 		return nil
 	}
+	id := s.Fence()
 	c.mu.Lock()
-	cached := c.fenced[s.Partition]
+	cached := c.fenced[id]
 	c.mu.Unlock()
 	if s.Epoch <= cached {
 		return nil
 	}
-	fenced, err := c.v.FencedEpoch(ctx, s.Partition)
+	fenced, err := c.v.IssuedEpoch(ctx, id)
+	if unverified(err) {
+		return &UnverifiedEpochError{Scope: s.Scope, Partition: s.Partition, Epoch: s.Epoch, Key: s.Key, Err: err}
+	}
 	if err != nil {
-		return fmt.Errorf("sink: verify epoch %d of partition %d against the lease bucket: %w", s.Epoch, s.Partition, err)
+		return fmt.Errorf("sink: verify epoch %d of %s against the lease bucket: %w", s.Epoch, id, err)
 	}
 	c.mu.Lock()
-	if fenced > c.fenced[s.Partition] {
-		c.fenced[s.Partition] = fenced
+	if fenced > c.fenced[id] {
+		c.fenced[id] = fenced
 	}
 	c.mu.Unlock()
 	if s.Epoch <= fenced {
 		return nil
 	}
-	return &UnverifiedEpochError{Partition: s.Partition, Epoch: s.Epoch, Fenced: fenced, Key: s.Key}
+	return &UnverifiedEpochError{Scope: s.Scope, Partition: s.Partition, Epoch: s.Epoch, Fenced: fenced, Key: s.Key}
 }
 
 // CheckAbove runs Check only when s's epoch is above max: epochs at or

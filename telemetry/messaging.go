@@ -65,6 +65,8 @@ func SubjectTemplate(subject string, p leasehold.Partition) string {
 // the handler's panic type.
 func ErrorType(err error) string {
 	switch {
+	case errors.Is(err, leasehold.ErrSplitBrain):
+		return ErrorTypeSplitBrain
 	case errors.Is(err, leasehold.ErrStaleEpoch):
 		return ErrorTypeStaleEpoch
 	case errors.Is(err, leasehold.ErrBadStamp):
@@ -108,8 +110,9 @@ func RecordStale(span trace.Span, e *leasehold.StaleEpochError) {
 	if !span.IsRecording() {
 		return
 	}
-	attrs := make([]attribute.KeyValue, 0, 7)
+	attrs := make([]attribute.KeyValue, 0, 9)
 	attrs = append(attrs,
+		AttrScope.String(e.Scope),
 		AttrPartition.Int64(int64(e.Partition)),
 		AttrEpoch.Int64(int64(e.Epoch)),
 		AttrMaxEpoch.Int64(int64(e.Max)),
@@ -121,7 +124,14 @@ func RecordStale(span trace.Span, e *leasehold.StaleEpochError) {
 	if e.Holder != "" {
 		attrs = append(attrs, AttrHolder.String(e.Holder))
 	}
+	if e.Acquisition != "" {
+		attrs = append(attrs, AttrAcquisition.String(e.Acquisition))
+	}
 	span.AddEvent(EventFenceRejected, trace.WithAttributes(attrs...))
-	span.SetAttributes(append(attrs, semconv.ErrorTypeKey.String(ErrorTypeStaleEpoch))...)
+	errType := ErrorTypeStaleEpoch
+	if e.SplitBrain {
+		errType = ErrorTypeSplitBrain
+	}
+	span.SetAttributes(append(attrs, semconv.ErrorTypeKey.String(errType))...)
 	span.SetStatus(codes.Error, e.Error())
 }

@@ -26,17 +26,25 @@ type Metrics struct {
 	JobsDeadLettered metric.Int64Counter       // leasehold_jobs_dead_lettered_total
 	HandlerDuration  metric.Float64Histogram   // leasehold_handler_duration_seconds
 	EffectsEmitted   metric.Int64Counter       // leasehold_effects_emitted_total
+	// EffectsPreempted counts effects the stream answered as duplicates of
+	// a message that is not theirs: leasehold_effects_preempted_total.
+	EffectsPreempted metric.Int64Counter
 	// SinkEffects counts sink decisions by sink and outcome:
 	// leasehold_sink_effects_total{leasehold_sink, leasehold_outcome}, the
 	// outcome one of the Outcome* constants.
 	SinkEffects metric.Int64Counter
+	// JobsHung counts handlers that did not return after their context
+	// ended, whose partition the worker gave up:
+	// leasehold_jobs_hung_total{leasehold_partition, leasehold_worker}.
+	JobsHung metric.Int64Counter
 
 	meter metric.Meter
 	once  sync.Once // registers the gauges' callback on first use
 
-	mu     sync.Mutex
-	epochs map[held]int64 // current epoch of each partition held here
-	lags   map[held]int64 // jobs waiting in each partition held here
+	mu      sync.Mutex
+	epochs  map[held]int64 // current epoch of each partition held here
+	lags    map[held]int64 // jobs waiting in each partition held here
+	stalled map[held]bool  // partitions held here that are stalled
 }
 
 // held names a partition lease held by a worker of this process.
@@ -51,14 +59,16 @@ const (
 	OutcomeAccepted           = "accepted"
 	OutcomeDuplicate          = "duplicate"
 	OutcomeRejectedStale      = "rejected_stale"
+	OutcomeRejectedSplitBrain = "rejected_split_brain"
 	OutcomeRejectedUnverified = "rejected_unverified"
 	OutcomeRejectedBadStamp   = "rejected_bad_stamp"
+	OutcomeRejectedOverLimit  = "rejected_over_limit"
 	OutcomeAdvanced           = "advanced" // a barrier or Advance raised a partition's maximum
 	OutcomeError              = "error"
 )
 
 func newMetrics(m metric.Meter) *Metrics {
-	ms := &Metrics{meter: m, epochs: map[held]int64{}, lags: map[held]int64{}}
+	ms := &Metrics{meter: m, epochs: map[held]int64{}, lags: map[held]int64{}, stalled: map[held]bool{}}
 	// Instrument creation fails only for invalid names; these are constant.
 	ms.LeasesHeld, _ = m.Int64UpDownCounter("leasehold.leases.held", metric.WithDescription("Partition leases held by this process."), metric.WithUnit("{lease}"))
 	ms.Acquisitions, _ = m.Int64Counter("leasehold.lease.acquisitions", metric.WithDescription("Partition leases acquired."), metric.WithUnit("{lease}"))
@@ -68,10 +78,12 @@ func newMetrics(m metric.Meter) *Metrics {
 	ms.JobsProcessed, _ = m.Int64Counter("leasehold.jobs.processed", metric.WithDescription("Handler attempts that succeeded."), metric.WithUnit("{job}"))
 	ms.JobsFailed, _ = m.Int64Counter("leasehold.jobs.failed", metric.WithDescription("Handler attempts that failed (errors, panics, effects not stored)."), metric.WithUnit("{job}"))
 	ms.JobsDeadLettered, _ = m.Int64Counter("leasehold.jobs.dead_lettered", metric.WithDescription("Jobs sent to the dead-letter subject."), metric.WithUnit("{job}"))
+	ms.JobsHung, _ = m.Int64Counter("leasehold.jobs.hung", metric.WithDescription("Handlers that did not return after their context ended (HandleTimeout, a lost lease); their partition was released."), metric.WithUnit("{job}"))
 	ms.HandlerDuration, _ = m.Float64Histogram("leasehold.handler.duration", metric.WithDescription("Time a handler took for one attempt."), metric.WithUnit("s"),
 		metric.WithExplicitBucketBoundaries(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30))
 	ms.EffectsEmitted, _ = m.Int64Counter("leasehold.effects.emitted", metric.WithDescription("Stamped effects published or applied by handlers."), metric.WithUnit("{effect}"))
-	ms.SinkEffects, _ = m.Int64Counter("leasehold.sink.effects", metric.WithDescription("Sink decisions by outcome (accepted, duplicate, rejected_stale, rejected_unverified, rejected_bad_stamp, advanced, error)."), metric.WithUnit("{effect}"))
+	ms.EffectsPreempted, _ = m.Int64Counter("leasehold.effects.preempted", metric.WithDescription("Effects answered as duplicates of a message that is not theirs: another publisher used their message ID first."), metric.WithUnit("{effect}"))
+	ms.SinkEffects, _ = m.Int64Counter("leasehold.sink.effects", metric.WithDescription("Sink decisions by outcome (accepted, duplicate, rejected_stale, rejected_split_brain, rejected_unverified, rejected_bad_stamp, advanced, error)."), metric.WithUnit("{effect}"))
 	return ms
 }
 
@@ -80,6 +92,7 @@ func newMetrics(m metric.Meter) *Metrics {
 func (m *Metrics) register() {
 	epoch, _ := m.meter.Int64ObservableGauge("leasehold.partition.epoch", metric.WithDescription("Epoch of each partition lease held by a worker of this process."))
 	lag, _ := m.meter.Int64ObservableGauge("leasehold.consumer.lag", metric.WithDescription("Jobs waiting in each partition held by a worker of this process."), metric.WithUnit("{job}"))
+	stalled, _ := m.meter.Int64ObservableGauge("leasehold.partition.stalled", metric.WithDescription("1 for each partition held by a worker of this process that has jobs waiting and has made no progress for the worker's stall time."))
 	_, _ = m.meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
 		m.mu.Lock()
 		defer m.mu.Unlock()
@@ -89,8 +102,11 @@ func (m *Metrics) register() {
 		for h, l := range m.lags {
 			o.ObserveInt64(lag, l, metric.WithAttributes(AttrPartition.Int64(int64(h.partition)), AttrWorker.String(h.worker)))
 		}
+		for h := range m.stalled {
+			o.ObserveInt64(stalled, 1, metric.WithAttributes(AttrPartition.Int64(int64(h.partition)), AttrWorker.String(h.worker)))
+		}
 		return nil
-	}, epoch, lag)
+	}, epoch, lag, stalled)
 }
 
 // SetEpoch records the epoch of partition p's lease held by worker; 0
@@ -103,6 +119,7 @@ func (m *Metrics) SetEpoch(worker string, p leasehold.Partition, e leasehold.Epo
 	if e == 0 {
 		delete(m.epochs, k)
 		delete(m.lags, k)
+		delete(m.stalled, k)
 		return
 	}
 	m.epochs[k] = int64(e)
@@ -116,6 +133,19 @@ func (m *Metrics) SetLag(worker string, p leasehold.Partition, lag uint64) {
 	defer m.mu.Unlock()
 	if _, ok := m.epochs[k]; ok {
 		m.lags[k] = int64(lag)
+	}
+}
+
+// SetStalled records whether partition p, held by worker, is stalled.
+func (m *Metrics) SetStalled(worker string, p leasehold.Partition, stalled bool) {
+	m.once.Do(m.register)
+	k := held{worker, p}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if stalled {
+		m.stalled[k] = true
+	} else {
+		delete(m.stalled, k)
 	}
 }
 

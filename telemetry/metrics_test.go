@@ -31,7 +31,7 @@ func TestMetricsScrape(t *testing.T) {
 
 	ctx := ctxFor(t, 2*time.Minute)
 	js := natstest.Start(t).JetStream(t)
-	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{MarkerTTL: time.Second})
+	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: "m-leases", MarkerTTL: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -23,7 +23,7 @@ type keepRefusals struct{ base sdktrace.Sampler }
 
 func (k keepRefusals) ShouldSample(p sdktrace.SamplingParameters) sdktrace.SamplingResult {
 	for _, a := range p.Attributes {
-		if a.Key == semconv.ErrorTypeKey && a.Value.AsString() == ErrorTypeStaleEpoch {
+		if a.Key == semconv.ErrorTypeKey && (a.Value.AsString() == ErrorTypeStaleEpoch || a.Value.AsString() == ErrorTypeSplitBrain) {
 			return sdktrace.SamplingResult{
 				Decision:   sdktrace.RecordAndSample,
 				Tracestate: trace.SpanContextFromContext(p.ParentContext).TraceState(),

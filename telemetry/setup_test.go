@@ -213,15 +213,15 @@ func TestSetupKeepsRefusals(t *testing.T) {
 		t.Fatal(err)
 	}
 	mem := sink.NewMemory(sink.MemoryConfig{Logger: quiet(), Telemetry: tel.Config()})
-	if err := mem.Advance(context.Background(), 0, 9); err != nil {
+	if err := mem.Advance(context.Background(), leasehold.Lease{Scope: "orders", Partition: 0, Epoch: 9, Acquisition: "a9", Holder: "b"}); err != nil {
 		t.Fatal(err)
 	}
 	ctx, handler := tel.Tracer.Start(context.Background(), "process jobs")
 	if handler.IsRecording() {
 		t.Fatal("a ratio of 0 sampled the handler's span")
 	}
-	_ = mem.Apply(ctx, sink.Effect{Stamp: leasehold.Stamp{Partition: 0, Epoch: 8, Key: "k", Worker: "a"}})
-	_ = mem.Apply(ctx, sink.Effect{Stamp: leasehold.Stamp{Partition: 0, Epoch: 9, Key: "k2", Worker: "b"}})
+	_ = mem.Apply(ctx, sink.Effect{Stamp: leasehold.Stamp{Scope: "orders", Partition: 0, Epoch: 8, Acquisition: "a8", Key: "k", Worker: "a"}})
+	_ = mem.Apply(ctx, sink.Effect{Stamp: leasehold.Stamp{Scope: "orders", Partition: 0, Epoch: 9, Acquisition: "a9", Key: "k2", Worker: "b"}})
 	handler.End()
 	if err := shutdown(ctxFor(t, 30*time.Second)); err != nil {
 		t.Fatal(err)

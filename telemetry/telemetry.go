@@ -15,21 +15,23 @@ const ScopeName = "github.com/leasehold/leasehold"
 
 // Attribute keys leasehold puts on spans and metrics.
 const (
-	AttrPartition = attribute.Key("leasehold.partition")
-	AttrEpoch     = attribute.Key("leasehold.epoch")     // the epoch a write or lease carries
-	AttrMaxEpoch  = attribute.Key("leasehold.max_epoch") // the partition's recorded maximum at a sink
-	AttrWorker    = attribute.Key("leasehold.worker")    // the worker that wrote, or holds the lease
-	AttrHolder    = attribute.Key("leasehold.holder")    // the current holder of a partition
-	AttrKey       = attribute.Key("leasehold.key")       // an effect's idempotency key
-	AttrReason    = attribute.Key("leasehold.reason")
-	AttrSink      = attribute.Key("leasehold.sink")
-	AttrOutcome   = attribute.Key("leasehold.outcome")
-	AttrAttempt   = attribute.Key("leasehold.attempt")
-	AttrMember    = attribute.Key("leasehold.member")
-	AttrSeq       = attribute.Key("leasehold.seq")      // a job's sequence in the job stream
-	AttrPosition  = attribute.Key("leasehold.position") // a message's sequence in an effect log
-	AttrBarrier   = attribute.Key("leasehold.barrier")  // the message is a barrier
-	AttrEffects   = attribute.Key("leasehold.effects")  // effects in one sink call
+	AttrScope       = attribute.Key("leasehold.scope") // the fencing scope: a job stream, or a lock
+	AttrAcquisition = attribute.Key("leasehold.acquisition")
+	AttrPartition   = attribute.Key("leasehold.partition")
+	AttrEpoch       = attribute.Key("leasehold.epoch")     // the epoch a write or lease carries
+	AttrMaxEpoch    = attribute.Key("leasehold.max_epoch") // the partition's recorded maximum at a sink
+	AttrWorker      = attribute.Key("leasehold.worker")    // the worker that wrote, or holds the lease
+	AttrHolder      = attribute.Key("leasehold.holder")    // the current holder of a partition
+	AttrKey         = attribute.Key("leasehold.key")       // an effect's idempotency key
+	AttrReason      = attribute.Key("leasehold.reason")
+	AttrSink        = attribute.Key("leasehold.sink")
+	AttrOutcome     = attribute.Key("leasehold.outcome")
+	AttrAttempt     = attribute.Key("leasehold.attempt")
+	AttrMember      = attribute.Key("leasehold.member")
+	AttrSeq         = attribute.Key("leasehold.seq")      // a job's sequence in the job stream
+	AttrPosition    = attribute.Key("leasehold.position") // a message's sequence in an effect log
+	AttrBarrier     = attribute.Key("leasehold.barrier")  // the message is a barrier
+	AttrEffects     = attribute.Key("leasehold.effects")  // effects in one sink call
 )
 
 // EventFenceRejected is the span event recorded on a write refused for a
@@ -39,8 +41,10 @@ const EventFenceRejected = "leasehold.fence.rejected"
 // Values of error.type on leasehold's spans.
 const (
 	ErrorTypeStaleEpoch = "stale_epoch"      // a sink refused a write: its epoch is below the partition's maximum
+	ErrorTypeSplitBrain = "split_brain"      // a sink refused a write: its epoch is the fence's, from another acquisition
 	ErrorTypeUnverified = "unverified_epoch" // a sink refused an epoch the lease bucket never issued
 	ErrorTypeBadStamp   = "bad_stamp"        // a stamp was missing or malformed
+	ErrorTypeOverLimit  = "over_limit"       // a sink refused a write that would take it beyond a bound of its own
 	ErrorTypeLeaseLost  = "lease_lost"       // the work outlived its lease
 	ErrorTypePanic      = "panic"            // a handler panicked
 	ErrorTypeTimeout    = "timeout"          // a deadline passed
@@ -95,6 +99,7 @@ func (t *Telemetry) Config() Config { return t.cfg }
 // StampAttrs are the attributes that identify a stamped write.
 func StampAttrs(s leasehold.Stamp) []attribute.KeyValue {
 	attrs := []attribute.KeyValue{
+		AttrScope.String(s.Scope),
 		AttrPartition.Int64(int64(s.Partition)),
 		AttrEpoch.Int64(int64(s.Epoch)),
 		AttrKey.String(s.Key),

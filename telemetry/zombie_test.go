@@ -103,7 +103,7 @@ func runZombie(t *testing.T, tc telemetry.Config) zombieRun {
 	ctx := ctxFor(t, 3*time.Minute)
 	srv := natstest.Start(t, natstest.Listen())
 	js := srv.JetStream(t)
-	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{MarkerTTL: time.Second})
+	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: zombiePrefix + "-leases", MarkerTTL: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -122,7 +122,7 @@ func runZombie(t *testing.T, tc telemetry.Config) zombieRun {
 	if err != nil {
 		t.Fatal(err)
 	}
-	bucketA, err := coordinator.OpenBucket(ctx, jsA, "")
+	bucketA, err := coordinator.OpenBucket(ctx, jsA, zombiePrefix+"-leases")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,13 +2,13 @@ package worker
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
 	"github.com/nats-io/nats.go"
 
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/telemetry"
 )
 
@@ -24,12 +24,7 @@ import (
 func (r *runner) writeBarriers() outcome {
 	fences := r.w.cfg.Fences
 	subjects := r.w.cfg.BarrierSubjects(r.p)
-	stamp := leasehold.Stamp{
-		Partition: r.p,
-		Epoch:     r.info.Epoch,
-		Key:       leasehold.BarrierKey(r.w.cfg.Prefix, r.p, r.info.Epoch),
-		Worker:    r.info.Holder,
-	}
+	stamp := r.info.Stamp(leasehold.BarrierKey(r.info.Scope, r.p, r.info.Epoch))
 	ctx, span := r.startFence()
 	for attempt := 1; ; attempt++ {
 		err := r.barrierRound(ctx, &fences, &subjects, stamp)
@@ -41,6 +36,15 @@ func (r *runner) writeBarriers() outcome {
 		if r.ctx.Err() != nil {
 			endSpan(span, context.Cause(r.ctx))
 			return outLost
+		}
+		if errors.Is(err, leasehold.ErrStaleEpoch) {
+			// A sink has a later epoch (or this one from another
+			// acquisition) for the partition: this lease is not the newest,
+			// whatever the lease bucket says. Handling jobs under it would
+			// only have every write refused.
+			endSpan(span, err)
+			r.log.Error("a sink's fence is above this lease's epoch: not handling the partition; if the lease bucket was re-created with lower epochs, re-create it with a floor above the sinks' (leasehold init --epoch-floor)", "err", err)
+			return outStale
 		}
 		wait := min(50*time.Millisecond<<min(attempt-1, 6), 2*time.Second)
 		r.log.Warn("writing the partition's barriers failed; retrying before handling any job", "attempt", attempt, "backoff", wait, "err", err)
@@ -56,9 +60,9 @@ func (r *runner) writeBarriers() outcome {
 func (r *runner) barrierRound(ctx context.Context, fences *[]Fence, subjects *[]string, stamp leasehold.Stamp) error {
 	timeout := r.w.cfg.EffectTimeout
 	for len(*fences) > 0 {
-		actx, cancel := context.WithTimeout(sink.WithHolder(ctx, r.info.Holder), timeout)
+		actx, cancel := context.WithTimeout(ctx, timeout)
 		actx, span := r.startAdvance(actx, (*fences)[0])
-		err := (*fences)[0].Advance(actx, r.p, r.info.Epoch)
+		err := (*fences)[0].Advance(actx, r.info)
 		cancel()
 		endSpan(span, err)
 		if err != nil {
@@ -72,7 +76,7 @@ func (r *runner) barrierRound(ctx context.Context, fences *[]Fence, subjects *[]
 		msg := &nats.Msg{Subject: subject, Header: nats.Header{leasehold.HeaderBarrier: []string{"1"}}}
 		sctx, span := r.startSend(ctx, subject, stamp)
 		span.SetAttributes(telemetry.AttrBarrier.Bool(true))
-		r.stampHeader(sctx, msg.Header, stamp)
+		r.stampHeader(sctx, msg.Header, stamp, newNonce())
 		err := r.publishSync(sctx, msg, timeout)
 		endSpan(span, err)
 		if err != nil {

@@ -21,7 +21,7 @@ func TestClusterLeaderKill(t *testing.T) {
 	c := natstest.StartCluster(t)
 	js := c.JetStream(t)
 	ctx := ctxFor(t, time.Minute)
-	b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Replicas: 3, MarkerTTL: time.Second})
+	b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: "jobs-leases", Replicas: 3, MarkerTTL: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}

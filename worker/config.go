@@ -20,11 +20,12 @@ import (
 )
 
 // Fence is a sink that can be told about a take-over: on acquiring a
-// partition, a worker advances every fence to its epoch before handling the
+// partition, a worker advances every fence to its lease before handling the
 // first job, so that the previous holder's later writes are refused from
-// that moment on. Every sink in package sink is a Fence.
+// that moment on. A fence that refuses the lease as stale stops the
+// partition. Every sink in package sink is a Fence.
 type Fence interface {
-	Advance(ctx context.Context, p leasehold.Partition, e leasehold.Epoch) error
+	Advance(ctx context.Context, l leasehold.Lease) error
 }
 
 // Config configures a Worker.
@@ -68,9 +69,34 @@ type Config struct {
 	// next. The partition waits with it: order is kept. Default:
 	// exponential from 100ms, doubling up to 30s, with jitter.
 	Backoff func(attempt int) time.Duration
-	// HandleTimeout bounds one attempt: its context ends after it. Default
-	// 0: the lease alone bounds it.
+	// HandleTimeout bounds one attempt, as Kafka's max.poll.interval.ms
+	// bounds the time between polls: past it the handler's context is
+	// cancelled (its cause matches ErrHandleTimeout) and the attempt counts
+	// as failed, towards MaxAttempts and then the dead-letter stream.
+	// Renewal does not depend on the handler, so without this bound a
+	// handler that never returns would hold its partition for good. Raise
+	// it for jobs that take longer. Default 5 minutes.
 	HandleTimeout time.Duration
+	// TransientFor is how long a job's effects may keep failing for the
+	// transport's reasons (timeouts, a lost connection, no responders)
+	// without using up attempts; afterwards every such failure counts
+	// towards MaxAttempts, so an effect subject no stream listens on ends
+	// in the dead-letter stream instead of holding the partition for ever.
+	// Default 1 minute, enough to ride out a server restart.
+	TransientFor time.Duration
+	// StallAfter is how long a held partition may have jobs waiting without
+	// its committed progress moving before it counts as stalled: a WARN
+	// line, the leasehold_partition_stalled gauge and Worker.Ready (the
+	// command's /readyz) report it. Default 2 minutes; keep it above the
+	// longest job.
+	StallAfter time.Duration
+	// HangGrace is how long a handler may take to return once its context
+	// is cancelled (HandleTimeout passed, the lease was lost, or a drain
+	// ran out of time). A handler still running after it has hung: the
+	// worker logs it, counts it in leasehold_jobs_hung_total, reports
+	// EventJobHung and releases the partition, so that another worker can
+	// take it (see ErrHandlerHung). Default 30s.
+	HangGrace time.Duration
 
 	// CommitEvery is how often a partition's progress is committed while
 	// jobs flow; it is always committed on hand-off. A crash re-runs at most
@@ -133,6 +159,12 @@ func (c *Config) setDefaults() {
 	if c.Backoff == nil {
 		c.Backoff = DefaultBackoff
 	}
+	if c.HandleTimeout == 0 {
+		c.HandleTimeout = 5 * time.Minute
+	}
+	if c.HangGrace == 0 {
+		c.HangGrace = 30 * time.Second
+	}
 	if c.CommitEvery == 0 {
 		c.CommitEvery = 250 * time.Millisecond
 	}
@@ -141,6 +173,12 @@ func (c *Config) setDefaults() {
 	}
 	if c.EffectTimeout == 0 {
 		c.EffectTimeout = 10 * time.Second
+	}
+	if c.TransientFor == 0 {
+		c.TransientFor = time.Minute
+	}
+	if c.StallAfter == 0 {
+		c.StallAfter = 2 * time.Minute
 	}
 	if c.FetchBatch == 0 {
 		c.FetchBatch = 100
@@ -210,7 +248,7 @@ func (c Config) Validate() error {
 	if c.MaxAttempts < 1 {
 		errs = append(errs, fmt.Errorf("max attempts %d: use at least 1", c.MaxAttempts))
 	}
-	if c.HandleTimeout < 0 || c.CommitEvery < 0 || c.EffectTimeout < 0 || c.FetchWait < 0 {
+	if c.HandleTimeout < 0 || c.HangGrace < 0 || c.CommitEvery < 0 || c.EffectTimeout < 0 || c.FetchWait < 0 || c.TransientFor < 0 || c.StallAfter < 0 {
 		errs = append(errs, errors.New("timeouts and intervals must not be negative"))
 	}
 	if c.FetchWait > 0 && c.FetchWait < 100*time.Millisecond {

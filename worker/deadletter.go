@@ -62,17 +62,12 @@ func (r *runner) deadLetter(m jetstream.Msg, md *jetstream.MsgMetadata, st retry
 	if jobID != "" {
 		msg.Header.Set(HeaderJobID, jobID)
 	}
-	stamp := leasehold.Stamp{
-		Partition: r.p,
-		Epoch:     r.info.Epoch,
-		Key:       DeadLetterKey(r.w.cfg.Prefix, r.p, md.Sequence.Stream),
-		Worker:    r.info.Holder,
-	}
+	stamp := r.info.Stamp(DeadLetterKey(r.info.Scope, r.p, md.Sequence.Stream))
 	// The dead letter belongs to the job's trace: a child of its enqueue.
 	ctx := r.w.tel.Propagator.Extract(r.ctx, telemetry.HeaderCarrier(m.Headers()))
 	ctx, span := r.startSend(ctx, msg.Subject, stamp)
 	span.SetAttributes(telemetry.AttrSeq.Int64(int64(md.Sequence.Stream)), telemetry.AttrAttempt.Int(st.runs))
-	r.stampHeader(ctx, msg.Header, stamp)
+	r.stampHeader(ctx, msg.Header, stamp, st.dlqNonce)
 	for attempt := 1; ; attempt++ {
 		fut, err := r.publishAsync(r.ctx, msg)
 		if err == nil {

@@ -2,6 +2,8 @@ package worker
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"time"
@@ -66,7 +68,20 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 		msg.Header[k] = vs
 	}
 	sctx, span := j.r.startSend(ctx, subject, stamp)
-	j.r.stampHeader(sctx, msg.Header, stamp)
+	j.r.stampHeader(sctx, msg.Header, stamp, j.nonce)
+	if err := j.r.checkSize(msg); err != nil {
+		err = &EffectError{Subject: subject, Key: stamp.Key, Err: err}
+		endSpan(span, err)
+		j.fail(err)
+		return err
+	}
+	// The last look before the message leaves: a process frozen since the
+	// stamp was reserved must not send it now.
+	if err := j.sendable(); err != nil {
+		endSpan(span, err)
+		j.fail(err)
+		return err
+	}
 	fut, err := j.r.publishAsync(ctx, msg)
 	if err != nil {
 		err = &EffectError{Subject: subject, Key: stamp.Key, Err: err}
@@ -113,22 +128,34 @@ func (j *Job) Apply(ctx context.Context, s sink.Sink, subject string, data []byt
 
 // stampHeader writes the stamp, the trace context and the Nats-Msg-Id.
 //
-// The message ID is the idempotency key and the epoch, not the key alone.
-// With the key alone, a zombie's effect stored in the log (and refused by
-// the sink as stale) would make the stream drop its successor's re-run of
-// the same job as a duplicate, and acknowledge it: the successor would
-// commit past a job whose effect no sink ever applied. Within one epoch the
-// ID still stores a retried publish once; across epochs the sinks dedupe by
-// key.
-func (r *runner) stampHeader(ctx context.Context, h nats.Header, s leasehold.Stamp) {
+// The message ID is the idempotency key, the epoch and a nonce of the
+// attempt, not the key alone. With the key alone, a zombie's effect stored
+// in the log (and refused by the sink as stale) would make the stream drop
+// its successor's re-run of the same job as a duplicate, and acknowledge
+// it: the successor would commit past a job whose effect no sink ever
+// applied. Without the nonce, anyone who can publish on the subject could
+// store a message under the ID a worker is about to use, and the worker's
+// real effect would be dropped as its duplicate; the nonce is not known
+// before the attempt runs. A re-run stores its effects again, and sinks
+// dedupe them by key.
+func (r *runner) stampHeader(ctx context.Context, h nats.Header, s leasehold.Stamp, nonce string) {
 	r.w.tel.Propagator.Inject(ctx, telemetry.HeaderCarrier(h))
 	s.SetHeader(h)
-	h[jetstream.MsgIDHeader] = []string{MessageID(s)}
+	h[jetstream.MsgIDHeader] = []string{MessageID(s, nonce)}
 }
 
-// MessageID is the Nats-Msg-Id the worker gives a message stamped with s:
-// its idempotency key and its epoch.
-func MessageID(s leasehold.Stamp) string { return s.Key + "@" + s.Epoch.String() }
+// MessageID is the Nats-Msg-Id the worker gives a message stamped with s
+// in the attempt whose nonce is given: "<key>@<epoch>~<nonce>".
+func MessageID(s leasehold.Stamp, nonce string) string {
+	return s.Key + "@" + s.Epoch.String() + "~" + nonce
+}
+
+// newNonce returns 8 random bytes, hex-encoded.
+func newNonce() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
 
 // publishAsync sends msg without waiting for its acknowledgement, waiting
 // for room when too many are outstanding.

@@ -106,32 +106,36 @@ func TestFailingJobIsRetriedThenDeadLettered(t *testing.T) {
 	h := m.Headers()
 	lease := rec.all()[0].Lease
 	checks := map[string]string{
-		"subject":               m.Subject(),
-		"data":                  string(m.Data()),
-		worker.HeaderAttempts:   h.Get(worker.HeaderAttempts),
-		worker.HeaderSubject:    h.Get(worker.HeaderSubject),
-		worker.HeaderSeq:        h.Get(worker.HeaderSeq),
-		worker.HeaderJobID:      h.Get(worker.HeaderJobID),
-		"X-Order":               h.Get("X-Order"),
-		leasehold.HeaderEpoch:   h.Get(leasehold.HeaderEpoch),
-		leasehold.HeaderKey:     h.Get(leasehold.HeaderKey),
-		leasehold.HeaderWorker:  h.Get(leasehold.HeaderWorker),
-		"Nats-Msg-Id":           h.Get("Nats-Msg-Id"),
-		"error mentions reason": strconv.FormatBool(strings.Contains(h.Get(worker.HeaderError), "the payment service said no")),
+		"subject":                        m.Subject(),
+		"data":                           string(m.Data()),
+		worker.HeaderAttempts:            h.Get(worker.HeaderAttempts),
+		worker.HeaderSubject:             h.Get(worker.HeaderSubject),
+		worker.HeaderSeq:                 h.Get(worker.HeaderSeq),
+		worker.HeaderJobID:               h.Get(worker.HeaderJobID),
+		"X-Order":                        h.Get("X-Order"),
+		leasehold.HeaderEpoch:            h.Get(leasehold.HeaderEpoch),
+		leasehold.HeaderScope:            h.Get(leasehold.HeaderScope),
+		leasehold.HeaderAcquisition:      h.Get(leasehold.HeaderAcquisition),
+		leasehold.HeaderKey:              h.Get(leasehold.HeaderKey),
+		leasehold.HeaderWorker:           h.Get(leasehold.HeaderWorker),
+		"Nats-Msg-Id is key@epoch~nonce": strconv.FormatBool(strings.HasPrefix(h.Get("Nats-Msg-Id"), worker.DeadLetterKey(e.prefix, 0, enq[1].Seq)+"@"+lease.Epoch.String()+"~") && len(h.Get("Nats-Msg-Id")) == len(worker.MessageID(lease.Stamp(worker.DeadLetterKey(e.prefix, 0, enq[1].Seq)), "0123456789abcdef"))),
+		"error mentions reason":          strconv.FormatBool(strings.Contains(h.Get(worker.HeaderError), "the payment service said no")),
 	}
 	want := map[string]string{
-		"subject":               worker.DLQSubject(e.prefix, 0),
-		"data":                  "job-1",
-		worker.HeaderAttempts:   "3",
-		worker.HeaderSubject:    worker.JobSubject(e.prefix, 0),
-		worker.HeaderSeq:        strconv.FormatUint(enq[1].Seq, 10),
-		worker.HeaderJobID:      "id-1",
-		"X-Order":               "1",
-		leasehold.HeaderEpoch:   lease.Epoch.String(),
-		leasehold.HeaderKey:     worker.DeadLetterKey(e.prefix, 0, enq[1].Seq),
-		leasehold.HeaderWorker:  "w",
-		"Nats-Msg-Id":           worker.MessageID(leasehold.Stamp{Key: worker.DeadLetterKey(e.prefix, 0, enq[1].Seq), Epoch: lease.Epoch}),
-		"error mentions reason": "true",
+		"subject":                        worker.DLQSubject(e.prefix, 0),
+		"data":                           "job-1",
+		worker.HeaderAttempts:            "3",
+		worker.HeaderSubject:             worker.JobSubject(e.prefix, 0),
+		worker.HeaderSeq:                 strconv.FormatUint(enq[1].Seq, 10),
+		worker.HeaderJobID:               "id-1",
+		"X-Order":                        "1",
+		leasehold.HeaderEpoch:            lease.Epoch.String(),
+		leasehold.HeaderScope:            e.prefix,
+		leasehold.HeaderAcquisition:      lease.Acquisition,
+		leasehold.HeaderKey:              worker.DeadLetterKey(e.prefix, 0, enq[1].Seq),
+		leasehold.HeaderWorker:           "w",
+		"Nats-Msg-Id is key@epoch~nonce": "true",
+		"error mentions reason":          "true",
 	}
 	for k, v := range want {
 		if checks[k] != v {
@@ -240,8 +244,9 @@ func equal(a, b []uint64) bool {
 }
 
 // An effect the stream refuses fails its job: the partition is read again
-// from that job (later jobs run again with the same keys, stored once), and
-// after MaxAttempts the job is dead-lettered.
+// from that job (later jobs run again with the same keys, which sinks
+// dedupe; each attempt's message IDs are its own, so the log keeps each
+// attempt's effects once), and after MaxAttempts the job is dead-lettered.
 func TestRefusedEffectFailsTheJob(t *testing.T) {
 	e := newEnv(t, 1)
 	if _, err := e.js.CreateStream(ctxFor(t, 10*time.Second), jetstream.StreamConfig{
@@ -286,13 +291,14 @@ func TestRefusedEffectFailsTheJob(t *testing.T) {
 	if len(dlq) != 1 || !strings.Contains(dlq[0].Headers().Get(worker.HeaderError), "small.x") || dlq[0].Headers().Get(worker.HeaderAttempts) != "3" {
 		t.Fatalf("dead letters: %d, first %v", len(dlq), dlq)
 	}
-	keys := map[string]bool{}
+	keys, ids := map[string]bool{}, map[string]bool{}
 	for _, m := range readStream(t, e.js, worker.EffectsStream(e.prefix)) {
-		k := m.Headers().Get(leasehold.HeaderKey)
-		if keys[k] {
-			t.Fatalf("effect %s stored twice", k)
+		id := m.Headers().Get("Nats-Msg-Id")
+		if ids[id] {
+			t.Fatalf("message %s stored twice", id)
 		}
-		keys[k] = true
+		ids[id] = true
+		keys[m.Headers().Get(leasehold.HeaderKey)] = true
 	}
 	for _, q := range enq {
 		if q.Seq != bad && !keys[leasehold.EffectKey(e.prefix, 0, q.Seq, 0)] {

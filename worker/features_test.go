@@ -214,8 +214,8 @@ func TestFencesAndApply(t *testing.T) {
 	rec := newRecorder()
 	h := worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
 		if j.Seq == enq[0].Seq {
-			m, _ := mem.MaxEpoch(ctx, j.Partition)
-			maxAtFirst.Store(uint64(m))
+			f, _ := mem.Fence(ctx, j.Lease.Fence())
+			maxAtFirst.Store(uint64(f.Epoch))
 			s, _ := j.NextStamp()
 			oldStamp.Store(s)
 		}

@@ -141,6 +141,9 @@ func (f *fetcher) pull(ctx context.Context, cons jetstream.Consumer, next uint64
 		if err := batch.Error(); err != nil && !errors.Is(err, context.DeadlineExceeded) {
 			return next, err
 		}
+		if n == 0 {
+			f.r.touch() // nothing waits: the partition is caught up
+		}
 		if n > 0 && n < cfg.FetchBatch && pending > 0 {
 			// The request ended while jobs were waiting: it expired instead
 			// of being filled. Count it, so that a stall cannot hide.

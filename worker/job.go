@@ -25,14 +25,17 @@ type Job struct {
 	Seq       uint64 // the job's sequence in the job stream
 	Partition leasehold.Partition
 	// Attempt counts the runs of this job by this worker since it took the
-	// partition, from 1. A job re-run after a fail-over starts at 1 again.
+	// partition, from 1; after a hang (see Config.HangGrace) it counts on
+	// when this worker takes the partition again. A job re-run after a
+	// fail-over starts at 1 again.
 	Attempt int
 	Lease   leasehold.Lease // the lease the job is handled under
 	ID      string          // the job's Nats-Msg-Id
 	// Enqueued is when the job stream stored the job.
 	Enqueued time.Time
 
-	r *runner
+	r     *runner
+	nonce string // unique to this attempt: its effects' message IDs carry it
 
 	mu     sync.Mutex
 	next   int // index of the next effect
@@ -71,12 +74,7 @@ func (j *Job) reserve() (leasehold.Stamp, error) {
 	}
 	idx := j.next
 	j.next++
-	return leasehold.Stamp{
-		Partition: j.Partition,
-		Epoch:     j.Lease.Epoch,
-		Key:       leasehold.EffectKey(j.r.w.cfg.Prefix, j.Partition, j.Seq, idx),
-		Worker:    j.Lease.Holder,
-	}, nil
+	return j.Lease.Stamp(leasehold.EffectKey(j.Lease.Scope, j.Partition, j.Seq, idx)), nil
 }
 
 // usable reports why nothing more may be emitted for j; j.mu is held.
@@ -84,8 +82,23 @@ func (j *Job) usable() error {
 	if j.closed {
 		return fmt.Errorf("job %d of partition %d: %w: emit before returning from Handle", j.Seq, j.Partition, ErrJobDone)
 	}
+	return j.sendable()
+}
+
+// sendable reports why j's lease may no longer be written under: the lease
+// is lost, its local deadline has passed (checked against the clock now,
+// not left to the deadline's timer, which a process frozen past the
+// deadline has not run yet when it wakes), or the runner's context ended
+// (a drain that ran out of time).
+func (j *Job) sendable() error {
 	if err := j.r.lease.Err(); err != nil {
 		return j.leaseLost(err)
+	}
+	if d := j.r.lease.Deadline(); !time.Now().Before(d) {
+		return j.leaseLost(fmt.Errorf("the lease's local deadline passed %v ago", time.Since(d).Round(time.Millisecond)))
+	}
+	if err := j.r.ctx.Err(); err != nil {
+		return j.leaseLost(context.Cause(j.r.ctx))
 	}
 	return nil
 }

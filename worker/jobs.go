@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/retry"
 )
 
 // Stream metadata keys that leasehold writes and checks.
@@ -225,14 +226,16 @@ func orUnlimited(n int64) int64 {
 
 func ensureStream(ctx context.Context, js jetstream.JetStream, want jetstream.StreamConfig, partitions int) error {
 	for range 2 {
-		s, err := js.Stream(ctx, want.Name)
+		s, err := retry.Value(ctx, func(ctx context.Context) (jetstream.Stream, error) { return js.Stream(ctx, want.Name) })
 		if err == nil {
 			return checkStream(s.CachedInfo().Config, want, partitions)
 		}
 		if !errors.Is(err, jetstream.ErrStreamNotFound) {
 			return fmt.Errorf("worker: look up stream %s: %w", want.Name, err)
 		}
-		_, err = js.CreateStream(ctx, want)
+		// Right after a delete of the same stream the server may refuse
+		// the create for a moment (10049).
+		err = retry.Do(ctx, func(ctx context.Context) error { _, err := js.CreateStream(ctx, want); return err })
 		if err == nil {
 			return nil
 		}

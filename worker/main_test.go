@@ -59,15 +59,23 @@ func newEnv(t testing.TB, n int, opts ...natstest.Option) *env {
 func (e *env) provision(t testing.TB, js jetstream.JetStream) *coordinator.Bucket {
 	t.Helper()
 	ctx := ctxFor(t, 30*time.Second)
-	b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{MarkerTTL: time.Second})
-	if err != nil {
+	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: e.prefix, Partitions: e.n}); err != nil {
 		t.Fatal(err)
 	}
-	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: e.prefix, Partitions: e.n}); err != nil {
+	return e.provisionBucket(t)
+}
+
+// provisionBucket creates the env's lease bucket, "<prefix>-leases".
+func (e *env) provisionBucket(t testing.TB) *coordinator.Bucket {
+	t.Helper()
+	b, err := coordinator.Provision(ctxFor(t, 30*time.Second), e.js, coordinator.BucketConfig{Bucket: e.prefix + "-leases", MarkerTTL: time.Second})
+	if err != nil {
 		t.Fatal(err)
 	}
 	return b
 }
+
+func natstestStart(t testing.TB) *natstest.Server { return natstest.Start(t) }
 
 func (e *env) producer(t testing.TB) *worker.Producer {
 	t.Helper()

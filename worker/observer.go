@@ -28,6 +28,7 @@ const (
 	EventEffectEmitted                          // an effect was published or applied (Stamp, Subject)
 	EventProgressCommitted                      // progress through Seq was committed
 	EventCommitFailed                           // a commit failed (Err; matches leasehold.ErrLeaseLost when refused)
+	EventJobHung                                // the handler did not return after its context ended; the partition is released (Err, Duration)
 )
 
 var kindNames = [...]string{
@@ -45,6 +46,7 @@ var kindNames = [...]string{
 	EventEffectEmitted:     "effect_emitted",
 	EventProgressCommitted: "progress_committed",
 	EventCommitFailed:      "commit_failed",
+	EventJobHung:           "job_hung",
 }
 
 func (k EventKind) String() string {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -40,6 +41,11 @@ type runner struct {
 	prev *runner       // the partition's previous runner in this worker, if any
 	done chan struct{} // closed when run returns
 
+	// abandoned is closed when its handler hung and the runner was given
+	// up on (see hang.go).
+	abandoned                chan struct{}
+	abandonOnce, untrackOnce sync.Once
+
 	dmu       sync.Mutex
 	drainCtx  context.Context
 	drainAt   time.Time
@@ -55,6 +61,10 @@ type runner struct {
 	lastCommit time.Time
 	fetch      *fetcher
 	pending    uint64 // jobs after the last one handled, as the consumer saw them
+
+	// Read by the stall watch while the runner's goroutine works.
+	progressAt   atomic.Int64  // unix nanoseconds of the last progress, or of being caught up
+	committedSeq atomic.Uint64 // committed, for reports
 }
 
 // retryState follows a job across attempts and re-reads.
@@ -63,6 +73,27 @@ type retryState struct {
 	failures int   // attempts that count towards MaxAttempts
 	err      error // the last failure
 	dead     bool  // the job is to be dead-lettered
+	// transientSince is when the job's effects first failed for the
+	// transport's reasons; such failures use up no attempt until they
+	// have gone on for Config.TransientFor.
+	transientSince time.Time
+	dlqNonce       string // the dead letter's message ID nonce, kept across re-sends
+}
+
+// counts reports whether failure err uses up an attempt: every failure
+// does, but the transport's (a timeout, a lost connection, no responders),
+// until they have gone on for window. An effect subject that no stream
+// listens on, or a permission the worker lacks, fails the same way for
+// ever: it ends in the dead-letter stream instead of holding the partition.
+func (st *retryState) counts(err error, window time.Duration) bool {
+	if !effectTransient(err) {
+		return true
+	}
+	now := time.Now()
+	if st.transientSince.IsZero() {
+		st.transientSince = now
+	}
+	return now.Sub(st.transientSince) >= window
 }
 
 type outcome int
@@ -95,6 +126,7 @@ func newRunner(w *Worker, l *coordinator.Lease, prev *runner) *runner {
 		retries:  map[uint64]retryState{},
 	}
 	r.spans = newSpans(r)
+	r.abandoned = make(chan struct{})
 	return r
 }
 
@@ -136,8 +168,11 @@ func (r *runner) run() {
 	defer r.cancel(errRunnerDone)
 	if r.prev != nil {
 		// The previous lease on this partition is gone; its runner only
-		// settles what it started.
-		<-r.prev.done
+		// settles what it started, unless its handler hung.
+		select {
+		case <-r.prev.done:
+		case <-r.prev.abandoned:
+		}
 		r.prev = nil
 	}
 	// Report a loss when it happens, not when the runner gets to it: a
@@ -150,8 +185,14 @@ func (r *runner) run() {
 	})
 	defer stop()
 	r.committed = r.lease.Progress()
+	r.committedSeq.Store(r.committed)
 	r.finished, r.handled = r.committed, r.committed
+	if h, ok := r.w.recallHang(r.p, r.committed); ok {
+		// The job hung here before: its failures count on.
+		r.retries[h.seq] = retryState{runs: h.failures, failures: h.failures, err: h.err, dead: h.failures >= r.w.cfg.MaxAttempts}
+	}
 	r.lastCommit = time.Now()
+	r.touch()
 	select {
 	case <-r.draining:
 		r.end(outDrain) // revoked before it started
@@ -278,15 +319,20 @@ func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream
 		ctx := context.WithValue(r.ctx, jobKey{}, job)
 		ctx = r.w.tel.Propagator.Extract(ctx, telemetry.HeaderCarrier(job.Header))
 		ctx, span := r.startProcess(ctx, job)
-		var cancel context.CancelFunc = func() {}
-		if r.w.cfg.HandleTimeout > 0 {
-			ctx, cancel = context.WithTimeout(ctx, r.w.cfg.HandleTimeout)
-		}
+		ctx, cancel := context.WithTimeoutCause(ctx, r.w.cfg.HandleTimeout, ErrHandleTimeout)
 		r.event(ctx, Event{Kind: EventJobStarted, Job: job, Seq: seq, Attempt: st.runs})
 		start := time.Now()
+		dog := r.watch(ctx, job, st, start)
 		err := call(ctx, r.w.handler, job)
 		took := time.Since(start)
+		hung := dog.done()
+		err = attemptError(ctx, err)
 		cancel()
+		if hung {
+			// Given up on: the partition is released, and the slot.
+			r.measure(ctx, span, took, err)
+			return nil, 0, outLost
+		}
 		r.releaseSlot()
 		futs, effErr := job.close()
 		r.measure(ctx, span, took, cmp.Or(err, effErr))
@@ -309,7 +355,7 @@ func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream
 			r.log.Error("a sink refused this worker's epoch: another worker has taken the partition over; stopping it", "seq", seq, "err", err)
 			return nil, 0, outStale
 		}
-		if !effectTransient(err) {
+		if st.counts(err, r.w.cfg.TransientFor) {
 			st.failures++
 		}
 		st.err = err
@@ -326,6 +372,10 @@ func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream
 				return nil, 0, out
 			}
 		}
+	}
+	if st.dlqNonce == "" {
+		st.dlqNonce = newNonce()
+		r.retries[seq] = st
 	}
 	futs, out := r.deadLetter(m, md, st)
 	return futs, st.runs, out
@@ -362,6 +412,7 @@ func (r *runner) newJob(m jetstream.Msg, md *jetstream.MsgMetadata, attempt int)
 		ID:        h.Get(jetstream.MsgIDHeader),
 		Enqueued:  md.Timestamp,
 		r:         r,
+		nonce:     newNonce(),
 	}
 }
 

@@ -59,8 +59,8 @@ func (r *runner) reap(ctx context.Context, block bool) (uint64, error) {
 func (r *runner) await(ctx context.Context, e *inflight, block bool) (error, bool) {
 	fut := e.futs[e.acked]
 	select {
-	case <-fut.Ok():
-		return nil, true
+	case ack := <-fut.Ok():
+		return r.confirm(ctx, fut.Msg(), ack), true
 	case err := <-fut.Err():
 		return &EffectError{Subject: fut.Msg().Subject, Key: fut.Msg().Header.Get(jetstream.MsgIDHeader), Err: err}, true
 	default:
@@ -73,8 +73,8 @@ func (r *runner) await(ctx context.Context, e *inflight, block bool) (error, boo
 		t := time.NewTimer(left)
 		defer t.Stop()
 		select {
-		case <-fut.Ok():
-			return nil, true
+		case ack := <-fut.Ok():
+			return r.confirm(ctx, fut.Msg(), ack), true
 		case err := <-fut.Err():
 			return &EffectError{Subject: fut.Msg().Subject, Key: fut.Msg().Header.Get(jetstream.MsgIDHeader), Err: err}, true
 		case <-ctx.Done():
@@ -95,9 +95,9 @@ func (r *runner) rewind(seq uint64, err error) outcome {
 	if len(r.window) > 0 && r.window[0].seq == seq {
 		st.runs = max(st.runs, r.window[0].runs)
 	}
-	if !effectTransient(err) {
+	if st.counts(err, r.w.cfg.TransientFor) {
 		st.failures++
-		st.dead = st.dead || st.failures >= r.w.cfg.MaxAttempts
+		st.dead = st.dead || IsPermanent(err) || st.failures >= r.w.cfg.MaxAttempts
 	}
 	st.err = err
 	r.retries[seq] = st
@@ -149,6 +149,8 @@ func (r *runner) commit(ctx context.Context) error {
 		return err
 	}
 	r.committed = seq
+	r.committedSeq.Store(seq)
+	r.touch()
 	r.event(ctx, Event{Kind: EventProgressCommitted, Seq: seq})
 	if r.w.cfg.TrimCommitted && r.w.jobs != nil {
 		if err := r.w.jobs.Purge(ctx, jetstream.WithPurgeSubject(r.subject), jetstream.WithPurgeSequence(seq+1)); err != nil {

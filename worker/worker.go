@@ -14,6 +14,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/internal/retry"
 	"github.com/leasehold/leasehold/telemetry"
 )
 
@@ -36,6 +37,8 @@ type Worker struct {
 	stopped chan struct{} // closed when Run returns
 
 	stalls atomic.Int64 // pull requests that expired while jobs waited
+
+	hangs map[leasehold.Partition]hangRecord // jobs whose handler hung here; guarded by mu
 }
 
 type runState int
@@ -107,8 +110,16 @@ func (w *Worker) Run(ctx context.Context) error {
 		return err
 	}
 	w.log.Info("worker starting", "partitions", w.cfg.Partitions)
+	wctx, stopWatch := context.WithCancel(ctx)
+	watched := make(chan struct{})
+	go func() {
+		defer close(watched)
+		w.watchStalls(wctx)
+	}()
 	err = c.Run(ctx)
 	w.tasks.Wait()
+	stopWatch()
+	<-watched
 	w.log.Info("worker stopped")
 	return err
 }
@@ -122,6 +133,9 @@ func (w *Worker) start(ctx context.Context) (*coordinator.Coordinator, error) {
 		if bc.Bucket == "" {
 			bc.Bucket = w.cfg.Prefix + "-leases"
 		}
+		if bc.Scope == "" {
+			bc.Scope = w.cfg.Prefix
+		}
 		if b, err = coordinator.Provision(ctx, w.cfg.JetStream, bc); err != nil {
 			return nil, fmt.Errorf("worker: %w", err)
 		}
@@ -129,7 +143,10 @@ func (w *Worker) start(ctx context.Context) (*coordinator.Coordinator, error) {
 	if err := streamPartitions(ctx, w.cfg.JetStream, w.cfg.Prefix, w.cfg.Partitions); err != nil {
 		return nil, err
 	}
-	if err := claimBucket(ctx, b, w.cfg.Prefix); err != nil {
+	if err := checkScope(b, w.cfg.Prefix); err != nil {
+		return nil, err
+	}
+	if err := w.checkBarrierSubjects(ctx); err != nil {
 		return nil, err
 	}
 	s, err := w.cfg.JetStream.Stream(ctx, JobsStream(w.cfg.Prefix))
@@ -207,7 +224,7 @@ func (w *Worker) onAcquire(l *coordinator.Lease) {
 	w.mu.Unlock()
 	r.event(r.ctx, Event{Kind: EventPartitionAcquired, Seq: l.Progress()})
 	go func() {
-		defer w.tasks.Done()
+		defer r.untrack()
 		defer w.forget(r)
 		r.run()
 	}()
@@ -233,41 +250,29 @@ func (w *Worker) forget(r *runner) {
 	w.mu.Unlock()
 }
 
-// bucketOwnerKey names the job stream a lease bucket serves. Lease and
-// progress keys are per partition number, so a bucket serves one job
-// stream: two streams sharing one would share leases and, worse, resume
-// each other's progress.
-const bucketOwnerKey = "jobstream"
-
-// claimBucket records prefix as the job stream of b, or checks that it is.
-// A refused create means the key holds a value, and the value is read
-// through the stream leader: on a cluster, a direct get may be answered by
-// a follower that has not seen it yet. A create that got no answer, or was
-// refused over a key that holds no value (a delete), is tried again.
-func claimBucket(ctx context.Context, b *coordinator.Bucket, prefix string) error {
-	var err error
-	for attempt := range 3 {
-		if attempt > 0 {
-			if serr := sleep(ctx, time.Duration(attempt)*100*time.Millisecond); serr != nil {
-				break
+// checkBarrierSubjects refuses to start when a barrier subject has no
+// stream: every acquisition would retry its barrier for ever.
+func (w *Worker) checkBarrierSubjects(ctx context.Context) error {
+	for _, subj := range w.cfg.BarrierSubjects(0) {
+		byName := func(ctx context.Context) (string, error) { return w.cfg.JetStream.StreamNameBySubject(ctx, subj) }
+		if _, err := retry.Value(ctx, byName); err != nil {
+			if errors.Is(err, jetstream.ErrStreamNotFound) {
+				return fmt.Errorf("%w: no stream stores the barrier subject %s (a job stream provisioned with NoEffects has no default output): set Config.BarrierSubjects to return the subjects your sinks consume, or nil to publish no barriers",
+					ErrStreamConfig, subj)
 			}
+			return fmt.Errorf("worker: look up the stream of barrier subject %s: %w", subj, err)
 		}
-		if _, err = b.KeyValue().Create(ctx, bucketOwnerKey, []byte(prefix)); err == nil {
-			return nil
-		}
-		got, ok, rerr := b.Lookup(ctx, bucketOwnerKey)
-		if rerr != nil {
-			err = fmt.Errorf("%w (reading it back: %v)", err, rerr)
-			continue
-		}
-		if !ok {
-			continue
-		}
-		if string(got) == prefix {
-			return nil
-		}
-		return fmt.Errorf("%w: lease bucket %s serves job stream %q, not %q: give each job stream its own lease bucket, since progress is kept per partition number",
-			ErrStreamConfig, b.Name(), got, prefix)
 	}
-	return fmt.Errorf("worker: record the job stream of lease bucket %s: %w", b.Name(), err)
+	return nil
+}
+
+// checkScope refuses a lease bucket that serves another job stream: lease
+// and progress keys are per partition number, so two streams sharing one
+// would share leases and, worse, resume each other's progress.
+func checkScope(b *coordinator.Bucket, prefix string) error {
+	if b.Scope() != prefix {
+		return fmt.Errorf("%w: lease bucket %s serves job stream %q, not %q: give each job stream its own lease bucket (by default \"<prefix>-leases\")",
+			ErrStreamConfig, b.Name(), b.Scope(), prefix)
+	}
+	return nil
 }

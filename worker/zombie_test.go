@@ -40,7 +40,7 @@ func TestZombieCannotSkipWork(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	bucketA, err := coordinator.OpenBucket(ctxFor(t, 10*time.Second), jsA, "")
+	bucketA, err := coordinator.OpenBucket(ctxFor(t, 10*time.Second), jsA, e.bucket.Name())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -163,19 +163,22 @@ func TestZombieCannotSkipWork(t *testing.T) {
 	// carries A's epoch, so the stream keeps it for the sink to refuse
 	// rather than dropping B's re-run as its duplicate); nothing of B's is
 	// refused, and every job has an accepted effect.
-	var fence leasehold.Epoch
+	var fence leasehold.FenceState
 	accepted := map[uint64]bool{}
 	var refusedKeys []string
 	for _, m := range readStream(t, e.js, worker.EffectsStream(e.prefix)) {
 		s := stampOf(t, m)
-		if !leasehold.Admits(fence, s.Epoch) {
+		v, raise := leasehold.Judge(fence, s)
+		if v != leasehold.Admit {
 			refusedKeys = append(refusedKeys, s.Key)
 			if s.Epoch != epochA {
 				t.Errorf("refused %s of epoch %d, not A's", s.Key, s.Epoch)
 			}
 			continue
 		}
-		fence = max(fence, s.Epoch)
+		if raise {
+			fence = leasehold.FenceState{Epoch: s.Epoch, Acquisition: s.Acquisition}
+		}
 		if !isBarrier(m) {
 			accepted[seqOfKey(t, e.prefix, s)] = true
 		}

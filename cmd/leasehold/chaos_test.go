@@ -28,7 +28,7 @@ func TestChaosCommand(t *testing.T) {
 	if err != nil {
 		t.Fatalf("chaos found violations: %v\n%s\nhistory and logs in %s", err, out, dir)
 	}
-	for _, k := range []string{"faults", "zombie_attempted", "zombie_rejected", "zombie_applied", "jobs_enqueued", "jobs_lost", "jobs_duplicated", "failover_p50_ms", "failover_p99_ms"} {
+	for _, k := range []string{"faults", "zombie_attempted", "zombie_rejected", "zombie_applied", "jobs_enqueued", "jobs_lost", "jobs_duplicated", "failover_p50_ms", "failover_p99_ms", "liveness_max_stall_ms", "liveness_stall_ms", "jobs_not_yet_applied"} {
 		if _, ok := rep[k]; !ok {
 			t.Errorf("the JSON report lacks %q", k)
 		}
@@ -114,5 +114,5 @@ func TestChaosServerRestartsLoseNothing(t *testing.T) {
 		}
 		t.Fatalf("%d restarts: figures %+v; history in %s", res.Faults[chaos.FaultNATSRestart], res.Figures, res.Dir)
 	}
-	t.Logf("%d server restarts, %d jobs, all applied once", res.Faults[chaos.FaultNATSRestart], res.JobsApplied)
+	t.Logf("%d server restarts, %d jobs, all applied once; longest stall %.0f ms", res.Faults[chaos.FaultNATSRestart], res.JobsApplied, res.LongestStallMs)
 }

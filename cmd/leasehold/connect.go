@@ -29,7 +29,16 @@ func (n *natsFlags) register(fs *pflag.FlagSet) {
 	fs.StringVar(&n.tlsKey, "tls-key", "", "client key file for TLS")
 	fs.StringVar(&n.tlsCA, "tls-ca", "", "CA file to verify the server with")
 	fs.StringVar(&n.prefix, "prefix", "leasehold", "subject and stream prefix of the job streams")
-	fs.StringVar(&n.bucket, "bucket", "leasehold-leases", "lease bucket name")
+	fs.StringVar(&n.bucket, "bucket", "", "lease bucket name (default \"<prefix>-leases\": each job stream has its own)")
+}
+
+// leaseBucket is the lease bucket's name: --bucket, or the job stream's
+// own, "<prefix>-leases".
+func (n *natsFlags) leaseBucket() string {
+	if n.bucket != "" {
+		return n.bucket
+	}
+	return n.prefix + "-leases"
 }
 
 func (n *natsFlags) options(name string) ([]nats.Option, error) {

@@ -12,6 +12,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/internal/history"
+	"github.com/leasehold/leasehold/internal/retry"
 	"github.com/leasehold/leasehold/telemetry"
 	"github.com/leasehold/leasehold/worker"
 )
@@ -67,12 +68,16 @@ func (h *exampleHandler) Handle(ctx context.Context, job *worker.Job) error {
 	}
 	msg.Data = h.effect(job, stamp.Epoch)
 	h.hist.Record(history.Event{Kind: history.Effect, Partition: uint32(stamp.Partition), Epoch: uint64(stamp.Epoch), Key: stamp.Key, Seq: job.Seq})
-	pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-	defer cancel()
 	// No Nats-Msg-Id: code doing its own I/O rarely sets one, and the
 	// stream would then drop a zombie's write as a duplicate of its
 	// successor's before any sink could see it. The sink dedupes by key.
-	if _, err := h.js.PublishMsg(pctx, msg); err != nil {
+	// A publish sent while the stream's leader fails over is never
+	// answered: try again after 2 s instead of waiting out the whole 10 s
+	// (a cluster run stalled a partition for 9 s so); a copy stored twice
+	// is deduped by the sink.
+	p := retry.Policy{For: 10 * time.Second, Attempt: 2 * time.Second}
+	err = p.Do(context.WithoutCancel(ctx), func(ctx context.Context) error { _, err := h.js.PublishMsg(ctx, msg); return err })
+	if err != nil {
 		return fmt.Errorf("publish effect %s: %w", stamp.Key, err)
 	}
 	return nil

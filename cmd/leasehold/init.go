@@ -13,24 +13,29 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/spf13/cobra"
 
+	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/worker"
 )
 
 func newInit() *cobra.Command {
 	var (
-		conn       natsFlags
-		partitions int
-		replicas   int
-		markerTTL  time.Duration
-		monitor    string
+		conn            natsFlags
+		partitions      int
+		replicas        int
+		markerTTL       time.Duration
+		monitor         string
+		fenceBucket     string
+		epochFloor      uint64
+		restartProgress bool
 	)
 	cmd := &cobra.Command{
 		Use:   "init",
 		Short: "Provision the lease bucket and streams on a NATS server",
 		Long: `init creates (or checks) everything a deployment needs, with the recommended
 settings: the lease bucket (per-key TTLs, history 1, file storage, an epoch
-floor), the job stream <prefix>-jobs on <prefix>.jobs.<partition>, the
+floor) and its fence-record bucket <bucket>-fences (epochs and progress, no
+TTL), the job stream <prefix>-jobs on <prefix>.jobs.<partition>, the
 dead-letter stream <prefix>-dlq and the effect log <prefix>-effects. Running it
 again is safe: existing resources are checked, and a mismatch is reported with
 what to change. It also reads the servers' settings and says which ones a
@@ -44,11 +49,14 @@ production deployment lacks (sync_interval: always, replicas).`,
 			}
 			defer nc.Close()
 			out := cmd.OutOrStdout()
-			b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: conn.bucket, Replicas: replicas, MarkerTTL: markerTTL})
+			b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{
+				Bucket: conn.leaseBucket(), Scope: conn.prefix, FenceBucket: fenceBucket, Replicas: replicas, MarkerTTL: markerTTL,
+				EpochFloor: leasehold.Epoch(epochFloor), RestartProgress: restartProgress,
+			})
 			if err != nil {
 				return err
 			}
-			fmt.Fprintf(out, "lease bucket %s: ready\n", b.Name())
+			fmt.Fprintf(out, "lease bucket %s and fence records %s: ready\n", b.Name(), b.FenceBucket())
 			if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: conn.prefix, Partitions: partitions, Replicas: replicas}); err != nil {
 				return err
 			}
@@ -64,6 +72,9 @@ production deployment lacks (sync_interval: always, replicas).`,
 	cmd.Flags().IntVar(&partitions, "partitions", 16, "partitions of the job stream")
 	cmd.Flags().IntVar(&replicas, "replicas", 1, "replicas of every stream and of the lease bucket (3 in production)")
 	cmd.Flags().DurationVar(&markerTTL, "marker-ttl", time.Minute, "how long release and expiry markers stay in the lease bucket")
+	cmd.Flags().StringVar(&fenceBucket, "fence-bucket", "", "the fence-record bucket, which keeps epochs and progress and outlives the lease bucket (default <bucket>-fences)")
+	cmd.Flags().Uint64Var(&epochFloor, "epoch-floor", 0, "when the lease bucket and its fence records are both gone: start epochs above this one, the highest any sink has recorded")
+	cmd.Flags().BoolVar(&restartProgress, "restart-progress", false, "when the fence records are gone: accept that every partition's progress starts at the job stream's beginning")
 	cmd.Flags().StringVar(&monitor, "monitor", "", "NATS monitoring URL to read server settings from (default: the server's host, port 8222)")
 	return cmd
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/fleet"
 	"github.com/leasehold/leasehold/testing/natstest"
+	"github.com/leasehold/leasehold/worker"
 )
 
 func TestMain(m *testing.M) {
@@ -45,6 +46,9 @@ func run(t *testing.T, ctx context.Context, args ...string) (string, error) {
 func startFleet(t *testing.T, s *natstest.Server, n, partitions int) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
+	if err := worker.ProvisionJobs(ctx, s.JetStream(t), worker.JobsConfig{Prefix: "leasehold", Partitions: partitions}); err != nil {
+		t.Fatal(err)
+	}
 	b, err := coordinator.Provision(ctx, s.JetStream(t), coordinator.BucketConfig{})
 	if err != nil {
 		t.Fatal(err)
@@ -97,6 +101,12 @@ func TestStatusAndFence(t *testing.T) {
 		time.Sleep(50 * time.Millisecond)
 	}
 	before := st.Partitions[1]
+
+	// A partition the job stream does not have is refused, and no record
+	// appears for it.
+	if out, err := run(t, ctx, "fence", "9", "--nats", s.URL()); err == nil || !strings.Contains(err.Error(), "PARTITION") {
+		t.Fatalf("fence 9 on a 4-partition stream: %v\n%s", err, out)
+	}
 
 	out, err := run(t, ctx, "fence", "1", "--nats", s.URL())
 	if err != nil {

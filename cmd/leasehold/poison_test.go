@@ -28,7 +28,7 @@ func TestSinkSkipsAnEffectItCanNeverApply(t *testing.T) {
 	js := s.JetStream(t)
 	publish := func(key string, barrier bool) {
 		msg := nats.NewMsg(worker.OutputSubject("poison", 0))
-		leasehold.Stamp{Partition: 0, Epoch: 5, Key: key, Worker: "w"}.SetHeader(msg.Header)
+		leasehold.Stamp{Scope: "poison", Partition: 0, Epoch: 5, Acquisition: "a5", Key: key, Worker: "w"}.SetHeader(msg.Header)
 		if barrier {
 			msg.Header.Set(leasehold.HeaderBarrier, "1")
 		}

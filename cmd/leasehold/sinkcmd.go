@@ -32,6 +32,7 @@ type sinkFlags struct {
 	kvBucket     string
 	downstream   string
 	verifyEpochs bool
+	legacyScope  string
 	httpAddr     string
 	historyDir   string
 	name         string
@@ -63,6 +64,7 @@ resumes with nothing applied twice or lost. Run one runner per effect log.`,
 	fs.StringVar(&f.kvBucket, "kv-bucket", "leasehold-sink", "KV bucket for --kind kv")
 	fs.StringVar(&f.downstream, "downstream", "", "stream accepted effects are republished into, for --kind stream (default <prefix>-fenced)")
 	fs.BoolVar(&f.verifyEpochs, "verify-epochs", false, "check every new epoch against the lease bucket before it may raise a fence (refuses forged epochs)")
+	fs.StringVar(&f.legacyScope, "legacy-scope", "", "the scope (normally the job stream's prefix) that wrote progress saved before fence scopes: it is converted in place; without it such progress is refused")
 	fs.StringVar(&f.httpAddr, "http", ":8081", "address for /metrics, /livez and /readyz ('' to serve nothing)")
 	fs.StringVar(&f.historyDir, "history", "", "directory to append this process's decision history to (for the chaos checker)")
 	fs.StringVar(&f.name, "name", "sink", "name of this runner in logs, history and its durable consumer")
@@ -131,9 +133,11 @@ func runSink(ctx context.Context, f sinkFlags) error {
 		Observer:  observers,
 		Logger:    log,
 		Telemetry: f.tel,
+		// Progress saved before fence scopes is converted with this set.
+		LegacyScope: f.legacyScope,
 	}
 	if f.verifyEpochs {
-		b, err := coordinator.OpenBucket(ctx, js, f.conn.bucket)
+		b, err := coordinator.OpenBucket(ctx, js, f.conn.leaseBucket())
 		if err != nil {
 			return fmt.Errorf("--verify-epochs needs the lease bucket: %w", err)
 		}

@@ -23,7 +23,9 @@ func newStatus() *cobra.Command {
 		Short: "Print the partition table from the lease bucket",
 		Long: `status reads the lease bucket and prints, for every partition, who holds it, at
 which epoch, how long ago it was acquired and renewed, the epoch its progress
-was last fenced under, and the last input sequence committed.`,
+was last fenced under, and the last input sequence committed; then every lock
+the same way, and records in either bucket that leasehold did not write, with
+what to do about each (` + "`leasehold fence --repair`" + ` repairs them).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
@@ -32,7 +34,7 @@ was last fenced under, and the last input sequence committed.`,
 				return err
 			}
 			defer nc.Close()
-			b, err := coordinator.OpenBucket(ctx, js, conn.bucket)
+			b, err := coordinator.OpenBucket(ctx, js, conn.leaseBucket())
 			if err != nil {
 				return err
 			}
@@ -71,7 +73,29 @@ func printStatus(out io.Writer, st coordinator.Status, now time.Time) {
 		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t%s\n", p.Partition, holder, epoch, age, renewed, fenced, strconv.FormatUint(p.Progress, 10))
 	}
 	tw.Flush()
+	if len(st.Locks) > 0 {
+		fmt.Fprintln(out)
+		tw = tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, "LOCK\tHOLDER\tEPOCH\tLEASE AGE\tRENEWED\tFENCED EPOCH")
+		for _, l := range st.Locks {
+			holder, epoch, age, renewed := "-", "-", "-", "-"
+			if l.Holder != "" {
+				holder, epoch = l.Holder, l.Epoch.String()
+				age = ago(now, l.Acquired)
+				renewed = ago(now, l.Renewed)
+			}
+			fenced := "-"
+			if l.FencedEpoch != 0 {
+				fenced = l.FencedEpoch.String()
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", l.Name, holder, epoch, age, renewed, fenced)
+		}
+		tw.Flush()
+	}
 	fmt.Fprintf(out, "\n%d live workers: %v\n", len(st.Members), st.Members)
+	for _, f := range st.Findings {
+		fmt.Fprintf(out, "finding: %s\n", f)
+	}
 }
 
 func ago(now, t time.Time) string {

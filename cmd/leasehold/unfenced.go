@@ -12,6 +12,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/internal/history"
+	"github.com/leasehold/leasehold/internal/retry"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -25,17 +26,21 @@ import (
 func runUnfenced(ctx context.Context, js jetstream.JetStream, f sinkFlags, hist *history.Writer, log *slog.Logger) error {
 	kv, err := js.KeyValue(ctx, f.kvBucket)
 	if errors.Is(err, jetstream.ErrBucketNotFound) {
-		kv, err = js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: f.kvBucket, History: 1, Storage: jetstream.FileStorage})
+		kv, err = retry.Value(ctx, func(ctx context.Context) (jetstream.KeyValue, error) {
+			return js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: f.kvBucket, History: 1, Storage: jetstream.FileStorage})
+		})
 	}
 	if err != nil {
 		return fmt.Errorf("bucket %s: %w", f.kvBucket, err)
 	}
-	cons, err := js.CreateOrUpdateConsumer(ctx, worker.EffectsStream(f.conn.prefix), jetstream.ConsumerConfig{
-		Durable:       f.conn.prefix + "-" + f.name + "-unfenced",
-		AckPolicy:     jetstream.AckExplicitPolicy,
-		AckWait:       5 * time.Second,
-		MaxDeliver:    -1,
-		MaxAckPending: 100,
+	cons, err := retry.Value(ctx, func(ctx context.Context) (jetstream.Consumer, error) {
+		return js.CreateOrUpdateConsumer(ctx, worker.EffectsStream(f.conn.prefix), jetstream.ConsumerConfig{
+			Durable:       f.conn.prefix + "-" + f.name + "-unfenced",
+			AckPolicy:     jetstream.AckExplicitPolicy,
+			AckWait:       5 * time.Second,
+			MaxDeliver:    -1,
+			MaxAckPending: 100,
+		})
 	})
 	if err != nil {
 		return fmt.Errorf("consumer on %s: %w", worker.EffectsStream(f.conn.prefix), err)

@@ -77,7 +77,7 @@ func runWorker(ctx context.Context, f workerFlags) error {
 		return err
 	}
 	defer nc.Close()
-	bucket, err := coordinator.OpenBucket(ctx, js, f.conn.bucket)
+	bucket, err := coordinator.OpenBucket(ctx, js, f.conn.leaseBucket())
 	if err != nil {
 		return err
 	}

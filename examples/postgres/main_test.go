@@ -54,7 +54,7 @@ func TestExample(t *testing.T) {
 	}
 	for _, want := range []string{
 		"worker-a pays 17 orders, then freezes in the middle of order o-9 (partition 0)",
-		"refused: leasehold: partition 0: epoch " + e1.String() + " is below the recorded " + e2.String() +
+		"refused: leasehold: scope orders partition 0: epoch " + e1.String() + " is below the recorded " + e2.String() +
 			": worker worker-a lost its lease and the write was not applied",
 		"errors.Is(err, leasehold.ErrStaleEpoch) = true",
 		"worker-b paid o-9, o-13, o-17,",

@@ -137,7 +137,7 @@ func run(ctx context.Context, out io.Writer, cfg config) (err error) {
 	e2 := epochOf(tr, "worker-b", zombieOrder.Partition)
 	s.step(fmt.Sprintf("worker-b takes partition %d at a higher epoch and raises the fence", zombieOrder.Partition))
 	s.say("worker-b holds partition %d at epoch %d > worker-a's %d.", zombieOrder.Partition, e2, stamp.Epoch)
-	max, holder, err := fenceRow(ctx, db, cfg.Schema, zombieOrder.Partition)
+	max, holder, err := fenceRow(ctx, db, cfg.Schema, cfg.Prefix, zombieOrder.Partition)
 	if err != nil {
 		return err
 	}
@@ -214,7 +214,7 @@ func run(ctx context.Context, out io.Writer, cfg config) (err error) {
 	if err := report(ctx, s, db, cfg, len(orders)); err != nil {
 		return err
 	}
-	s.say("stale transactions refused: %d (partition %d)", a.sink.Dropped(zombieOrder.Partition), zombieOrder.Partition)
+	s.say("stale transactions refused: %d (partition %d)", a.sink.Dropped(leasehold.FenceID{Scope: cfg.Prefix, Partition: zombieOrder.Partition}), zombieOrder.Partition)
 	return s.err
 }
 
@@ -337,10 +337,10 @@ func holderNote(h string) string {
 	return ", holder " + h
 }
 
-func fenceRow(ctx context.Context, db *pgxpool.Pool, schema string, p leasehold.Partition) (leasehold.Epoch, string, error) {
+func fenceRow(ctx context.Context, db *pgxpool.Pool, schema, scope string, p leasehold.Partition) (leasehold.Epoch, string, error) {
 	var e int64
 	var holder string
-	err := db.QueryRow(ctx, "SELECT epoch, holder FROM "+pgx.Identifier{schema, "leasehold_fence"}.Sanitize()+" WHERE partition = $1", int32(p)).Scan(&e, &holder)
+	err := db.QueryRow(ctx, "SELECT epoch, holder FROM "+pgx.Identifier{schema, "leasehold_fence"}.Sanitize()+" WHERE scope = $1 AND partition = $2", scope, int32(p)).Scan(&e, &holder)
 	if err != nil {
 		return 0, "", fmt.Errorf("read the fence of partition %d: %w", p, err)
 	}

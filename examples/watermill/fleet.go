@@ -59,7 +59,7 @@ func startMember(ctx context.Context, srv *natsServer, cfg config, name string, 
 		Partitions: cfg.Partitions,
 		Bucket:     bucket,
 		Handler:    worker.JSON(up.handle),
-		Fences:     []worker.Fence{barriers{pub: pub, scope: cfg.Prefix}},
+		Fences:     []worker.Fence{barriers{pub: pub}},
 		// Nothing goes to a JetStream effect log, so no barriers there.
 		BarrierSubjects: func(leasehold.Partition) []string { return nil },
 		Coordinator: coordinator.Config{

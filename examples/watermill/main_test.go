@@ -54,7 +54,7 @@ func TestExample(t *testing.T) {
 	for _, want := range []string{
 		"worker-a ships 6 orders; its message for o-5 hangs in the network",
 		"The middleware's maximum for partition 0 is now " + e2.String(),
-		"leasehold: partition 0: epoch " + e1.String() + " is below the recorded " + e2.String() + ": worker worker-a lost its lease",
+		"leasehold: scope shipping partition 0: epoch " + e1.String() + " is below the recorded " + e2.String() + ": worker worker-a lost its lease",
 		"worker-a's Publish returned nil",
 		"errors.Is(err, leasehold.ErrLeaseLost) = true",
 		"worker-b shipped o-5, o-7,",

@@ -56,16 +56,15 @@ func (u *upstream) ship(ctx context.Context, o shipJob) error {
 // messages are dropped even before the new holder publishes anything. It
 // is what the worker's BarrierSubjects does for JetStream effect logs.
 type barriers struct {
-	pub   message.Publisher // the plain pub/sub: a barrier is stamped here
-	scope string
+	pub message.Publisher // the plain pub/sub: a barrier is stamped here
 }
 
-func (b barriers) Advance(ctx context.Context, p leasehold.Partition, e leasehold.Epoch) error {
+func (b barriers) Advance(ctx context.Context, l leasehold.Lease) error {
 	msg := message.NewMessageWithContext(ctx, watermill.NewUUID(), nil)
-	leasehold.Stamp{Partition: p, Epoch: e, Key: leasehold.BarrierKey(b.scope, p, e)}.SetMetadata(msg.Metadata)
+	l.Stamp(leasehold.BarrierKey(l.Scope, l.Partition, l.Epoch)).SetMetadata(msg.Metadata)
 	msg.Metadata.Set(leasehold.HeaderBarrier, "1")
 	if err := b.pub.Publish(topic, msg); err != nil {
-		return fmt.Errorf("publish the barrier of partition %d epoch %d: %w", p, e, err)
+		return fmt.Errorf("publish the barrier of partition %d epoch %d: %w", l.Partition, l.Epoch, err)
 	}
 	return nil
 }

@@ -35,7 +35,7 @@ func TestWalkthrough(t *testing.T) {
 	}
 	for _, want := range []string{
 		"worker-b: Acquire -> coordinator: partition 0 is held by worker-a at epoch " + e1.String(),
-		"-> refused: leasehold: partition 0: epoch " + e1.String() + " is below the recorded " + e2.String() +
+		"-> refused: leasehold: scope zombie-walkthrough partition 0: epoch " + e1.String() + " is below the recorded " + e2.String() +
 			": worker worker-a lost its lease and the write was not applied (the partition is held by worker-b)",
 		"errors.Is(err, leasehold.ErrStaleEpoch) = true",
 		"worker-a: Commit(2) -> refused: leasehold: lease lost: partition 0 epoch " + e1.String() +
@@ -77,7 +77,7 @@ func TestWalkthrough(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if st.Epoch != e2 || st.Worker != "worker-b" || st.Key != "walkthrough.0.3.0" {
+	if st.Epoch != e2 || st.Worker != "worker-b" || st.Key != "zombie-walkthrough.0.3.0" {
 		t.Errorf("accounts.alice is stamped %+v, want worker-b's job 3 under epoch %d", st, e2)
 	}
 	bucket, err := coordinator.OpenBucket(ctx, js, defaultName+"-leases")

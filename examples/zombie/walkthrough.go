@@ -19,7 +19,6 @@ import (
 
 const (
 	part    = leasehold.Partition(0)
-	scope   = "walkthrough"    // the idempotency keys' scope
 	account = "accounts.alice" // the KV key both workers write
 )
 
@@ -57,12 +56,12 @@ func newWorker(ctx context.Context, srv *natsServer, cfg config, name string) (*
 }
 
 // write applies "accounts.alice = balance" through the worker's sink,
-// stamped as the effect of job seq under lease epoch e, and says what the
-// sink decided.
-func (w *worker) write(ctx context.Context, s *script, e leasehold.Epoch, seq uint64, balance int) error {
-	st := leasehold.Stamp{Partition: part, Epoch: e, Key: leasehold.EffectKey(scope, part, seq, 0), Worker: w.name}
+// stamped as the effect of job seq under lease l, and says what the sink
+// decided.
+func (w *worker) write(ctx context.Context, s *script, l leasehold.Lease, seq uint64, balance int) error {
+	st := l.Stamp(leasehold.EffectKey(l.Scope, part, seq, 0))
 	s.say("%s: Apply %s = %d", w.name, account, balance)
-	s.say("          stamp: partition %d, epoch %d, key %s", st.Partition, st.Epoch, st.Key)
+	s.say("          stamp: scope %s, partition %d, epoch %d, key %s", st.Scope, st.Partition, st.Epoch, st.Key)
 	err := w.sink.Apply(ctx, sink.Effect{Stamp: st, Subject: account, Data: []byte(strconv.Itoa(balance))})
 	if err == nil {
 		s.say("          -> accepted")
@@ -122,13 +121,16 @@ func setUp(ctx context.Context, srv *natsServer, cfg config) error {
 	if err != nil {
 		return err
 	}
-	for _, name := range []string{cfg.Name + "-leases", cfg.Name + "-effects"} {
+	// The fence records outlive the lease bucket on purpose (its epochs and
+	// progress survive a re-creation); a clean start removes them too.
+	for _, name := range []string{cfg.Name + "-leases", coordinator.FenceBucketName(cfg.Name + "-leases"), cfg.Name + "-effects"} {
 		if err := js.DeleteKeyValue(ctx, name); err != nil && !errors.Is(err, jetstream.ErrBucketNotFound) {
 			return fmt.Errorf("delete bucket %s left by an earlier run: %w", name, err)
 		}
 	}
 	// A new bucket's revisions start at the current time in microseconds,
-	// so epochs stay above those of the bucket just deleted.
+	// so epochs stay above those of the bucket just deleted (with its
+	// fence records kept, above every epoch they recorded).
 	if _, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: cfg.Name + "-leases"}); err != nil {
 		return fmt.Errorf("provision the lease bucket: %w (a server without JetStream? start nats-server with -js)", err)
 	}
@@ -149,15 +151,15 @@ func play(ctx context.Context, s *script, a, b *worker, cfg config) error {
 	s.say("acquisition of partition %d gets a higher one. It is the partition's fencing token.", part)
 	s.say("(A new lease bucket's revisions start at the time in microseconds, so epochs keep")
 	s.say("growing even when the bucket is deleted and created again.)")
-	if err := a.sink.Advance(ctx, part, e1); err != nil {
+	if err := a.sink.Advance(ctx, leaseA.Info()); err != nil {
 		return fmt.Errorf("worker-a: advance the sink: %w", err)
 	}
 	s.say("worker-a tells the sink its epoch before the first write (Advance), as a worker")
-	s.say("does when it acquires a partition: sink max epoch for partition %d = %d.", part, maxEpoch(ctx, a.sink))
+	s.say("does when it acquires a partition: sink max epoch for partition %d = %d.", part, maxEpoch(ctx, a))
 
 	// 2. A works.
 	s.step("worker-a handles job 1 and writes through the fenced sink")
-	if err := a.write(ctx, s, e1, 1, 100); err != nil {
+	if err := a.write(ctx, s, leaseA.Info(), 1, 100); err != nil {
 		return fmt.Errorf("worker-a: job 1: %w", err)
 	}
 	if err := leaseA.Commit(ctx, 1); err != nil {
@@ -193,10 +195,10 @@ func play(ctx context.Context, s *script, a, b *worker, cfg config) error {
 	}
 	s.say("The acquisition fenced the partition's input progress under the new epoch:")
 	s.say("lease bucket: fenced epoch %d, progress job %d (worker-a's last commit).", fenced, leaseB.Progress())
-	if err := b.sink.Advance(ctx, part, e2); err != nil {
+	if err := b.sink.Advance(ctx, leaseB.Info()); err != nil {
 		return fmt.Errorf("worker-b: advance the sink: %w", err)
 	}
-	s.say("worker-b tells the sink (Advance): sink max epoch for partition %d = %d.", part, maxEpoch(ctx, b.sink))
+	s.say("worker-b tells the sink (Advance): sink max epoch for partition %d = %d.", part, maxEpoch(ctx, b))
 	s.say("From now on the sink refuses every write stamped with an epoch below %d.", e2)
 
 	// 6. B picks up after the last commit: job 2 again, then job 3.
@@ -205,7 +207,7 @@ func play(ctx context.Context, s *script, a, b *worker, cfg config) error {
 		seq     uint64
 		balance int
 	}{{2, 70}, {3, 120}} {
-		if err := b.write(ctx, s, e2, j.seq, j.balance); err != nil {
+		if err := b.write(ctx, s, leaseB.Info(), j.seq, j.balance); err != nil {
 			return fmt.Errorf("worker-b: job %d: %w", j.seq, err)
 		}
 	}
@@ -221,7 +223,7 @@ func play(ctx context.Context, s *script, a, b *worker, cfg config) error {
 	s.say("but a paused process cannot look before it writes: the write was already under way.")
 	s.say("worker-a's own sink handle last saw e1, so it sends the write; the server checks the")
 	s.say("fence atomically with the write and refuses the batch, and the sink reads the fence again.")
-	werr := a.write(ctx, s, e1, 2, 70)
+	werr := a.write(ctx, s, leaseA.Info(), 2, 70)
 	var stale *leasehold.StaleEpochError
 	if !errors.As(werr, &stale) {
 		return fmt.Errorf("worker-a's stale write: got %v, want a *leasehold.StaleEpochError", werr)
@@ -290,9 +292,9 @@ func finalState(ctx context.Context, s *script, a, b *worker) error {
 	for _, e := range effects {
 		s.say("  %s = %s   (written by %s under epoch %d, key %s)", e.Subject, e.Data, e.Stamp.Worker, e.Stamp.Epoch, e.Stamp.Key)
 	}
-	s.say("sink: max epoch for partition %d = %d", part, maxEpoch(ctx, b.sink))
+	s.say("sink: max epoch for partition %d = %d", part, maxEpoch(ctx, b))
 	s.say("sink: stale writes refused = %d (counted by worker-a's sink handle, which refused it,",
-		a.sink.Dropped(part)+b.sink.Dropped(part))
+		a.sink.Dropped(fence(b))+b.sink.Dropped(fence(b)))
 	s.say("      and reported to its logs, metrics and traces)")
 	st, err := b.coord.Bucket().Snapshot(ctx)
 	if err != nil {
@@ -308,12 +310,17 @@ func finalState(ctx context.Context, s *script, a, b *worker) error {
 	return nil
 }
 
-func maxEpoch(ctx context.Context, k *kvsink.Sink) leasehold.Epoch {
-	e, err := k.MaxEpoch(ctx, part)
+func maxEpoch(ctx context.Context, w *worker) leasehold.Epoch {
+	f, err := w.sink.Fence(ctx, fence(w))
 	if err != nil {
 		return 0
 	}
-	return e
+	return f.Epoch
+}
+
+// fence is the fence of partition part in w's lease bucket's scope.
+func fence(w *worker) leasehold.FenceID {
+	return leasehold.FenceID{Scope: w.coord.Bucket().Scope(), Partition: part}
 }
 
 // script prints the walk-through: numbered steps, indented lines. It

@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/retry"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/kvsink"
 	"github.com/leasehold/leasehold/sink/pgsink"
@@ -87,7 +88,7 @@ func (e *env) pairedWrites(ctx context.Context, what string, fenced, plain write
 
 func effect(i int, data []byte) sink.Effect {
 	return sink.Effect{
-		Stamp:   leasehold.Stamp{Partition: leasehold.Partition(i & 15), Epoch: 7, Key: fmt.Sprintf("k-%d", i+1000)},
+		Stamp:   leasehold.Stamp{Scope: "bench", Partition: leasehold.Partition(i & 15), Epoch: 7, Acquisition: "a7", Key: fmt.Sprintf("k-%d", i+1000)},
 		Subject: fmt.Sprintf("s-%d", i+1000),
 		Data:    data,
 	}
@@ -131,7 +132,9 @@ func (e *env) fenceCost(ctx context.Context) ([]Row, error) {
 	if err != nil {
 		return rows, err
 	}
-	kv, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "fence-plain", History: 1, Storage: jetstream.FileStorage})
+	kv, err := retry.Value(ctx, func(ctx context.Context) (jetstream.KeyValue, error) {
+		return js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "fence-plain", History: 1, Storage: jetstream.FileStorage})
+	})
 	if err != nil {
 		return rows, err
 	}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/internal/retry"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/streamsink"
 	"github.com/leasehold/leasehold/worker"
@@ -62,14 +63,25 @@ func (a *applied) add(data []byte) {
 	}
 }
 
-func (a *applied) wait(ctx context.Context, timeout time.Duration) error {
-	select {
-	case <-a.done:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-time.After(timeout):
-		return fmt.Errorf("%d of %d effects applied within %v", a.n.Load(), a.want, timeout)
+// wait waits until every effect is applied, or until none has been for
+// quiet: a slow machine gets there late, a stalled pipeline fails.
+func (a *applied) wait(ctx context.Context, quiet time.Duration) error {
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	last, since := a.n.Load(), time.Now()
+	for {
+		select {
+		case <-a.done:
+			return nil
+		case <-ctx.Done():
+			return fmt.Errorf("%d of %d effects applied: %w", a.n.Load(), a.want, ctx.Err())
+		case <-tick.C:
+		}
+		if n := a.n.Load(); n != last {
+			last, since = n, time.Now()
+		} else if time.Since(since) > quiet {
+			return fmt.Errorf("%d of %d effects applied, and none for %v", n, a.want, quiet)
+		}
 	}
 }
 
@@ -236,8 +248,10 @@ func (e *env) startRaw(ctx context.Context, js jetstream.JetStream, prefix strin
 	if err != nil {
 		return nil, err
 	}
-	scons, err := sjs.CreateOrUpdateConsumer(ctx, worker.EffectsStream(prefix), jetstream.ConsumerConfig{
-		Durable: "raw-sink", AckPolicy: jetstream.AckExplicitPolicy, AckWait: 30 * time.Second, MaxAckPending: 10000,
+	scons, err := retry.Value(ctx, func(ctx context.Context) (jetstream.Consumer, error) {
+		return sjs.CreateOrUpdateConsumer(ctx, worker.EffectsStream(prefix), jetstream.ConsumerConfig{
+			Durable: "raw-sink", AckPolicy: jetstream.AckExplicitPolicy, AckWait: 30 * time.Second, MaxAckPending: 10000,
+		})
 	})
 	if err != nil {
 		e.release(snc)
@@ -254,12 +268,14 @@ func (e *env) startRaw(ctx context.Context, js jetstream.JetStream, prefix strin
 		var parts []func(context.Context)
 		for p := w; p < pipePartitions; p += pipeWorkers {
 			part := leasehold.Partition(p)
-			cons, err := wjs.CreateOrUpdateConsumer(ctx, worker.JobsStream(prefix), jetstream.ConsumerConfig{
-				Durable:       fmt.Sprintf("raw-p%d", p),
-				FilterSubject: worker.JobSubject(prefix, part),
-				AckPolicy:     jetstream.AckExplicitPolicy,
-				AckWait:       30 * time.Second,
-				MaxAckPending: 10000,
+			cons, err := retry.Value(ctx, func(ctx context.Context) (jetstream.Consumer, error) {
+				return wjs.CreateOrUpdateConsumer(ctx, worker.JobsStream(prefix), jetstream.ConsumerConfig{
+					Durable:       fmt.Sprintf("raw-p%d", p),
+					FilterSubject: worker.JobSubject(prefix, part),
+					AckPolicy:     jetstream.AckExplicitPolicy,
+					AckWait:       30 * time.Second,
+					MaxAckPending: 10000,
+				})
 			})
 			if err != nil {
 				e.release(wnc)
@@ -424,8 +440,8 @@ func (e *env) throughput(ctx context.Context, raw bool, prefix string, n int) (f
 	if err := enqueueAll(ctx, p.prod, n); err != nil {
 		return 0, err
 	}
-	if err := ap.wait(ctx, 2*time.Minute); err != nil {
-		return 0, err
+	if err := ap.wait(ctx, time.Minute); err != nil {
+		return 0, fmt.Errorf("pipeline %s: %w", prefix, err)
 	}
 	return float64(n) / time.Since(t0).Seconds(), nil
 }

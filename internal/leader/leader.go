@@ -32,12 +32,19 @@ type Reader struct {
 	nc      *nats.Conn
 	subject string // $JS.API.STREAM.MSG.GET.<stream>, with the account's API prefix
 	stream  string
+	timeout time.Duration // bounds a request whose context has no deadline
 }
 
 // NewReader returns a Reader of stream over js's connection, honouring its
-// API prefix or domain.
+// API prefix or domain. A read whose context has no deadline is bounded by
+// js's default timeout, as jetstream bounds its own API calls.
 func NewReader(js jetstream.JetStream, stream string) *Reader {
-	return &Reader{nc: js.Conn(), subject: APIPrefix(js.Options()) + "STREAM.MSG.GET." + stream, stream: stream}
+	o := js.Options()
+	timeout := o.DefaultTimeout
+	if timeout <= 0 {
+		timeout = 5 * time.Second
+	}
+	return &Reader{nc: js.Conn(), subject: APIPrefix(o) + "STREAM.MSG.GET." + stream, stream: stream, timeout: timeout}
 }
 
 // Last returns the last message on subject, or nil when the subject holds
@@ -57,6 +64,15 @@ func (r *Reader) Next(ctx context.Context, seq uint64, filter string) (*Msg, err
 }
 
 func (r *Reader) get(ctx context.Context, req map[string]any, what string) (*Msg, error) {
+	// Core NATS requests are at most once: a request written just before
+	// the server goes away, or whose answer is lost in a reconnect, is
+	// never answered and never failed, so without a deadline its caller
+	// waits for ever while the connection is healthy again.
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, r.timeout)
+		defer cancel()
+	}
 	body, _ := json.Marshal(req)
 	resp, err := r.nc.RequestWithContext(ctx, r.subject, body)
 	if err != nil {

@@ -54,3 +54,80 @@ func TestLastAndNext(t *testing.T) {
 		t.Fatalf("domain prefix %q", p)
 	}
 }
+
+// A read whose request the server never answers — written just before the
+// server went away — ends at the connection's default timeout, even when
+// the caller's context has no deadline, and the next read, after the
+// reconnect, is answered. Before this bound a stream sink runner sent such
+// a read 43 ms after a server restart and waited for its answer for good,
+// while the connection was healthy again: a sink that applied nothing more.
+func TestReadLostInARestartEnds(t *testing.T) {
+	srv := natstest.Start(t, natstest.Listen())
+	proxy := natstest.NewProxy(t, srv.URL())
+	nc, err := nats.Connect(proxy.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond), nats.Timeout(2*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc, jetstream.WithDefaultTimeout(2*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "S", Subjects: []string{"s.>"}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := js.Publish(ctx, "s.a", []byte("a")); err != nil {
+		t.Fatal(err)
+	}
+	r := leader.NewReader(js, "S")
+
+	proxy.Freeze()
+	type result struct {
+		m   *leader.Msg
+		err error
+	}
+	lost := make(chan result, 1)
+	go func() {
+		m, err := r.Last(context.Background(), "s.a") // no deadline of its own
+		lost <- result{m, err}
+	}()
+	awaitCond(t, ctx, "the proxy to hold the read request", func() bool { return proxy.Holding() > 0 })
+	srv.Restart(t) // the held request dies with the old server's connection
+	proxy.Thaw()
+
+	select {
+	case res := <-lost:
+		if res.err == nil {
+			t.Fatalf("a read the server never received was answered: %+v", res.m)
+		}
+		t.Logf("the lost read ended: %v", res.err)
+	case <-ctx.Done():
+		t.Fatal("the read whose request was lost in the server restart never returned: it waits for an answer that cannot come")
+	}
+	awaitCond(t, ctx, "the client to reconnect", nc.IsConnected)
+	var m *leader.Msg
+	awaitCond(t, ctx, "a read after the reconnect to be answered", func() bool {
+		m, err = r.Last(ctx, "s.a")
+		return err == nil
+	})
+	if m == nil || string(m.Data) != "a" {
+		t.Fatalf("read after the reconnect: %+v", m)
+	}
+}
+
+// awaitCond checks cond every 10ms until it holds, failing with what was
+// awaited when ctx ends first.
+func awaitCond(t *testing.T, ctx context.Context, what string, cond func() bool) {
+	t.Helper()
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	for !cond() {
+		select {
+		case <-ctx.Done():
+			t.Fatalf("gave up waiting for %s: %v", what, ctx.Err())
+		case <-tick.C:
+		}
+	}
+}

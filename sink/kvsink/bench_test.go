@@ -74,7 +74,7 @@ func applyRounds(b *testing.B, js jetstream.JetStream, replicas, per int) (fence
 			for j := range per {
 				n++
 				batch = append(batch, sink.Effect{
-					Stamp:   leasehold.Stamp{Partition: leasehold.Partition(j % 4), Epoch: 5, Key: fmt.Sprintf("k%d", n), Worker: "w"},
+					Stamp:   leasehold.Stamp{Scope: "orders", Partition: leasehold.Partition(j % 4), Epoch: 5, Acquisition: "a5", Key: fmt.Sprintf("k%d", n), Worker: "w"},
 					Subject: fmt.Sprintf("orders.%d", n%1000),
 					Data:    data,
 				})

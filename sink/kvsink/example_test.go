@@ -32,8 +32,10 @@ func Example() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	st := leasehold.Stamp{Partition: 3, Epoch: 42, Key: "orders.3.17.0"}
-	err = s.Apply(ctx, sink.Effect{Stamp: st, Subject: "order.17", Data: []byte("paid")})
+	// A worker's lease on partition 3 of the job stream; a lock holder's
+	// lease works the same way.
+	lease := leasehold.Lease{Scope: leases.Scope(), Partition: 3, Epoch: 42, Acquisition: "a42", Holder: "w1"}
+	err = s.Apply(ctx, sink.Effect{Stamp: lease.Stamp("orders.3.17.0"), Subject: "order.17", Data: []byte("paid")})
 	if errors.Is(err, leasehold.ErrStaleEpoch) {
 		log.Print("this worker lost partition 3; the write was not applied")
 	}

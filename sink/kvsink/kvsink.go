@@ -1,18 +1,38 @@
 // Package kvsink is a leasehold sink that writes effects into a JetStream
 // key-value bucket: Effect.Subject is the key, Effect.Data the value, and
-// the stamp travels in the entry's headers.
+// the stamp (scope, partition, epoch, acquisition, key, worker) travels in
+// the entry's headers, beside the effect's W3C trace context and nothing
+// else.
 //
-// Check and write are one atomic step on the server. Each partition has a
-// fence key (_leasehold.fence.<p>) holding its recorded maximum, and each
-// applied idempotency key a dedupe key (_leasehold.key.<sha256>). Apply
-// publishes one atomic batch (JetStream atomic batch publish, server 2.12
-// or later): the fence key of every partition involved, written only if
+// Check and write are one atomic step on the server. Each fence (a scope
+// and a partition) has a fence key holding its state as JSON, {"epoch",
+// "acquisition", "holder"}, and each applied (scope, idempotency key) a
+// dedupe key:
+//
+//	_leasehold.fence.<scope token>.<partition>
+//	_leasehold.dedupe.<hex SHA-256 of scope, a NUL byte, key>
+//
+// The scope token is the scope with every byte other than letters, digits,
+// '-', '_' and '/' written as '=' and two upper-case hex digits ("orders"
+// stays "orders", "billing/account:42" becomes "billing/account=3A42"), so
+// it is one KV key token and distinct scopes never share a key. A dedupe
+// key's value is the bytes it is the hash of.
+//
+// Apply publishes one atomic batch (JetStream atomic batch publish, server
+// 2.12 or later): the fence key of every fence involved, written only if
 // its revision is still the one the sink read, then for each effect its
-// dedupe key, written only if it does not exist yet, and its value. The
-// server applies the whole batch or none of it; when another writer moved
-// a fence or applied a key first, the sink reads again and decides again.
-// So an effect lands only under the fence it was judged against, and a
-// batch of effects is all-or-nothing.
+// dedupe key, written only if it does not exist yet, and its value. Each
+// effect is judged with leasehold.Judge against its fence as the earlier
+// effects of the batch leave it. The server applies the whole batch or
+// none of it; when another writer moved a fence or applied a key first,
+// the sink reads again and decides again. So an effect lands only under
+// the fence it was judged against, a batch of effects is all-or-nothing,
+// and fences of different scopes never touch each other.
+//
+// Buckets written before fence scopes hold _leasehold.fence.<partition>
+// and _leasehold.key.<hex SHA-256 of key>. Config.LegacyScope adopts them
+// as one scope's: see its documentation. Without it, New refuses such a
+// bucket.
 //
 // New creates the bucket when it is missing, with atomic publish allowed.
 // Read effects back with Get, or with any KV client.
@@ -20,9 +40,6 @@ package kvsink
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -31,20 +48,18 @@ import (
 	"sync"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/internal/leader"
+	"github.com/leasehold/leasehold/internal/retry"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/telemetry"
 )
 
 // DefaultBucket is the bucket's name when none is configured.
 const DefaultBucket = "leasehold-sink"
-
-// Prefix of the sink's own keys in the bucket. Effect subjects must not
-// start with it.
-const internalPrefix = "_leasehold."
 
 // Config configures a Sink.
 type Config struct {
@@ -58,6 +73,25 @@ type Config struct {
 	DedupeTTL time.Duration
 	// RequestTimeout bounds one request to the server. Default 5s.
 	RequestTimeout time.Duration
+	// LegacyScope is the scope that wrote the records of a bucket written
+	// before fence scopes, normally the job stream's prefix. The sink then
+	// takes them as that scope's: a fence of the scope whose key holds
+	// nothing is read from the partition's record of before, and its first
+	// write (Apply or Advance) writes the scoped key, compare-and-set
+	// against that record, and replaces the record with a "moved to" text
+	// that a sink built before fence scopes cannot read, so that it stops
+	// instead of fencing against a record nobody moves any more. The keys
+	// applied before stay applied for the scope: an effect of the scope
+	// needs both its dedupe key and the one of before to be absent, in the
+	// same atomic batch. Values written before read back with this scope
+	// and no acquisition. Keep it set for as long as the bucket holds
+	// records of before. Default "": New refuses a bucket that holds any.
+	LegacyScope string
+	// MinReplicas is the fewest replicas the bucket may have: set it to the
+	// lease bucket's, since a sink that loses a fence record (a lost disk
+	// of a single replica) admits the writes the record refused. Default 0:
+	// no floor beyond one replica.
+	MinReplicas int
 	// Name names the sink in decisions and logs. Default "kv".
 	Name string
 	// Verifier, when set, turns on verified epochs (see sink.EpochCheck).
@@ -102,6 +136,14 @@ func (c Config) Validate() error {
 	if c.RequestTimeout <= 0 {
 		errs = append(errs, fmt.Errorf("request timeout %v must be positive", c.RequestTimeout))
 	}
+	if c.MinReplicas < 0 || c.MinReplicas > 5 {
+		errs = append(errs, fmt.Errorf("min replicas %d: use 0 to 5", c.MinReplicas))
+	}
+	if c.LegacyScope != "" {
+		if err := leasehold.ValidateScope(c.LegacyScope); err != nil {
+			errs = append(errs, fmt.Errorf("legacy scope %q: %w", c.LegacyScope, err))
+		}
+	}
 	return errors.Join(errs...)
 }
 
@@ -117,39 +159,41 @@ type Sink struct {
 	check  *sink.EpochCheck
 
 	mu     sync.Mutex
-	fences map[leasehold.Partition]fence // last seen; never above the server's
+	fences map[leasehold.FenceID]fence // last seen; never above the server's
 }
 
 var _ sink.Sink = (*Sink)(nil)
 
-// fence is a fence key's value and revision.
-type fence struct {
-	Epoch  leasehold.Epoch `json:"epoch"`
-	Holder string          `json:"holder,omitempty"`
-	rev    uint64
-}
+// ErrLegacyRecords is matched by the error New returns for a bucket
+// written before fence scopes when Config.LegacyScope is not set.
+var ErrLegacyRecords = errors.New("kvsink: the bucket holds fence records written before fence scopes")
 
 // New binds to the bucket, creating it when it is missing, and checks that
-// it allows atomic batches.
+// it allows atomic batches and, unless Config.LegacyScope is set, that it
+// holds no records written before fence scopes.
 func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Sink, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("kvsink: invalid config: %w", err)
 	}
 	cfg.setDefaults()
 	stream := "KV_" + cfg.Bucket
-	info, err := js.Stream(ctx, stream)
+	lookup := func(ctx context.Context) (jetstream.Stream, error) { return js.Stream(ctx, stream) }
+	info, err := retry.Value(ctx, lookup)
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
-		_, err = js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
-			Bucket:      cfg.Bucket,
-			Description: "leasehold fenced effects",
-			History:     1,
-			Storage:     jetstream.FileStorage,
-			Replicas:    cfg.Replicas,
+		err = retry.Do(ctx, func(ctx context.Context) error {
+			_, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
+				Bucket:      cfg.Bucket,
+				Description: "leasehold fenced effects",
+				History:     1,
+				Storage:     jetstream.FileStorage,
+				Replicas:    cfg.Replicas,
+			})
+			return err
 		})
 		if err != nil && !errors.Is(err, jetstream.ErrBucketExists) {
 			return nil, fmt.Errorf("kvsink: create bucket %s: %w", cfg.Bucket, err)
 		}
-		info, err = js.Stream(ctx, stream)
+		info, err = retry.Value(ctx, lookup)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("kvsink: look up bucket %s: %w", cfg.Bucket, err)
@@ -158,86 +202,123 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Sink, error)
 	if !sc.AllowAtomicPublish || (cfg.DedupeTTL > 0 && !sc.AllowMsgTTL) {
 		sc.AllowAtomicPublish = true
 		sc.AllowMsgTTL = sc.AllowMsgTTL || cfg.DedupeTTL > 0
-		if _, err := js.UpdateStream(ctx, sc); err != nil {
+		if err := retry.Do(ctx, func(ctx context.Context) error { _, err := js.UpdateStream(ctx, sc); return err }); err != nil {
 			return nil, fmt.Errorf("kvsink: bucket %s does not allow atomic batches and could not be changed to (it needs nats-server 2.12 or later): %w", cfg.Bucket, err)
 		}
 	}
 	if sc.MaxMsgsPerSubject != 1 {
 		return nil, fmt.Errorf("kvsink: bucket %s keeps a history of %d; the sink needs a history of 1: use another bucket", cfg.Bucket, sc.MaxMsgsPerSubject)
 	}
-	kv, err := js.KeyValue(ctx, cfg.Bucket)
+	if err := checkDurable(cfg, sc); err != nil {
+		return nil, err
+	}
+	kv, err := retry.Value(ctx, func(ctx context.Context) (jetstream.KeyValue, error) { return js.KeyValue(ctx, cfg.Bucket) })
 	if err != nil {
 		return nil, fmt.Errorf("kvsink: bind bucket %s: %w", cfg.Bucket, err)
 	}
-	return &Sink{
+	s := &Sink{
 		js: js, kv: kv, cfg: cfg, stream: stream, prefix: "$KV." + cfg.Bucket + ".", leader: leader.NewReader(js, stream),
 		rep:    sink.NewReporter(sink.ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger, Telemetry: cfg.Telemetry}),
 		check:  sink.NewEpochCheck(cfg.Verifier),
-		fences: make(map[leasehold.Partition]fence),
-	}, nil
+		fences: make(map[leasehold.FenceID]fence),
+	}
+	if cfg.LegacyScope == "" {
+		key, err := s.legacyKey(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("kvsink: bucket %s: look for records written before fence scopes: %w", cfg.Bucket, err)
+		}
+		if key != "" {
+			return nil, fmt.Errorf("%w (%s in bucket %s): set Config.LegacyScope to the scope that wrote them, normally the job stream's prefix, so that its fences and applied keys carry on; or use a fresh bucket",
+				ErrLegacyRecords, key, cfg.Bucket)
+		}
+	}
+	return s, nil
+}
+
+// maxLegacyMarkers bounds the deleted legacy keys New steps over; past it,
+// it takes the bucket to hold legacy records, which errs on the side of
+// keeping their fences.
+const maxLegacyMarkers = 1000
+
+// legacyKey returns a fence or dedupe key of the bucket written before
+// fence scopes, or "" when it holds none. A wildcard matches one token, so
+// the filters see none of the scoped keys.
+func (s *Sink) legacyKey(ctx context.Context) (string, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+	defer cancel()
+	markers := 0
+	for _, filter := range []string{s.prefix + fencePrefix + "*", s.prefix + legacyDedupePrefix + "*"} {
+		for seq := uint64(1); ; {
+			m, err := s.leader.Next(ctx, seq, filter)
+			if err != nil {
+				return "", err
+			}
+			if m == nil {
+				break
+			}
+			if !leader.IsMarker(m.Header) || markers >= maxLegacyMarkers {
+				return strings.TrimPrefix(m.Subject, s.prefix), nil
+			}
+			markers++
+			seq = m.Seq + 1
+		}
+	}
+	return "", nil
 }
 
 // KeyValue is the bucket, for reading and watching effects.
 func (s *Sink) KeyValue() jetstream.KeyValue { return s.kv }
 
-// Dropped returns how many effects of partition p were refused.
-func (s *Sink) Dropped(p leasehold.Partition) uint64 { return s.rep.Dropped(p) }
-
-func fenceKey(p leasehold.Partition) string { return internalPrefix + "fence." + p.String() }
-
-func dedupeKey(key string) string {
-	sum := sha256.Sum256([]byte(key))
-	return internalPrefix + "key." + hex.EncodeToString(sum[:])
-}
-
-// validKey mirrors the KV key rules: letters, digits and -/_=., with no
-// empty token.
-func validKey(k string) bool {
-	if k == "" || k[0] == '.' || k[len(k)-1] == '.' || strings.Contains(k, "..") {
-		return false
-	}
-	for i := 0; i < len(k); i++ {
-		c := k[i]
-		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.IndexByte("-/_=.", c) >= 0) {
-			return false
-		}
-	}
-	return true
-}
-
-// ErrBadSubject is matched by the error for an effect whose subject is
-// not a key the sink can write.
-var ErrBadSubject = errors.New("kvsink: effect subject is not a usable key")
-
-func checkSubject(e *sink.Effect) error { return CheckKey(e.Subject) }
-
-// CheckKey returns an error matching ErrBadSubject when key cannot be an
-// effect's subject (its KV key), and nil when it can.
-func CheckKey(key string) error {
-	if !validKey(key) {
-		return fmt.Errorf("%w: %q: use letters, digits and -/_=. (dot-separated, no empty part)", ErrBadSubject, key)
-	}
-	if strings.HasPrefix(key, internalPrefix) {
-		return fmt.Errorf("%w: %q: keys starting with %s are the sink's own", ErrBadSubject, key, internalPrefix)
-	}
-	return nil
-}
-
 // MaxBatch is the most effects one Apply takes.
 const MaxBatch = maxEffects
 
 // Get reads the effect last applied to subject, with its stamp, from the
-// stream leader.
+// stream leader. Its Header holds the stamp and the trace context the
+// effect carried.
 func (s *Sink) Get(ctx context.Context, subject string) (sink.Effect, bool, error) {
 	m, err := s.last(ctx, subject)
 	if err != nil || m.kind != entryValue {
 		return sink.Effect{}, false, err
 	}
-	st, err := leasehold.StampFromHeader(m.header)
+	st, err := s.stampOf(m.header)
 	if err != nil {
 		return sink.Effect{}, false, fmt.Errorf("kvsink: key %s: %w", subject, err)
 	}
-	return sink.Effect{Stamp: st, Subject: subject, Data: m.data, Header: m.header}, true, nil
+	h := make(map[string][]string, len(m.header))
+	for k, vs := range m.header {
+		if keepHeader(k) || isStampHeader(k) {
+			h[k] = vs
+		}
+	}
+	return sink.Effect{Stamp: st, Subject: subject, Data: m.data, Header: h}, true, nil
+}
+
+// stampOf reads a value's stamp. A value written before fence scopes has
+// neither scope nor acquisition: with a legacy scope it reads as that
+// scope's, with no acquisition.
+func (s *Sink) stampOf(h nats.Header) (leasehold.Stamp, error) {
+	st, err := leasehold.StampFromHeader(h)
+	if err == nil || s.cfg.LegacyScope == "" || hasHeader(h, leasehold.HeaderScope) || hasHeader(h, leasehold.HeaderAcquisition) {
+		return st, err
+	}
+	c := make(map[string][]string, len(h)+2)
+	for k, vs := range h {
+		c[k] = vs
+	}
+	c[leasehold.HeaderScope] = []string{s.cfg.LegacyScope}
+	c[leasehold.HeaderAcquisition] = []string{"legacy"}
+	st, err = leasehold.StampFromHeader(c)
+	st.Acquisition = ""
+	return st, err
+}
+
+func hasHeader(h nats.Header, name string) bool {
+	for k := range h {
+		if strings.EqualFold(k, name) {
+			return true
+		}
+	}
+	return false
 }
 
 // Effects reads every applied effect in the bucket. It is meant for
@@ -273,14 +354,32 @@ func (s *Sink) Effects(ctx context.Context) ([]sink.Effect, error) {
 	return out, nil
 }
 
-func decodeFence(m entry) (fence, error) {
-	f := fence{rev: m.rev}
-	if m.kind != entryValue {
-		return f, nil
+// ErrUnsafeBucket is matched by the error New returns for a bucket that
+// can lose a fence record: a sink that forgets a fence admits the writes it
+// refused (measured: a fence of 100 gone to 0 after a restart of a memory
+// bucket, and a write of epoch 50 applied).
+var ErrUnsafeBucket = errors.New("kvsink: bucket can lose fence records")
+
+// checkDurable refuses a bucket that can lose a record on its own: memory
+// storage, a bucket TTL, limits that discard old records, or fewer
+// replicas than asked for.
+func checkDurable(cfg Config, sc jetstream.StreamConfig) error {
+	var probs []string
+	if sc.Storage != jetstream.FileStorage {
+		probs = append(probs, "its storage is memory, so a server restart forgets every fence")
 	}
-	if err := json.Unmarshal(m.data, &f); err != nil {
-		return fence{}, fmt.Errorf("kvsink: fence key %s holds %q, which is not leasehold's JSON: %w", m.subject, m.data, err)
+	if sc.MaxAge > 0 {
+		probs = append(probs, fmt.Sprintf("its TTL is %v, which expires fence records", sc.MaxAge))
 	}
-	f.rev = m.rev
-	return f, nil
+	if sc.Discard == jetstream.DiscardOld && (sc.MaxBytes > 0 || sc.MaxMsgs > 0) {
+		probs = append(probs, "it is bounded and discards old records when full, fence records among them")
+	}
+	if floor := max(cfg.MinReplicas, 1); sc.Replicas < floor {
+		probs = append(probs, fmt.Sprintf("it has %d replicas and the lease bucket has %d: a lost disk would lose fences the lease bucket still remembers", sc.Replicas, floor))
+	}
+	if len(probs) == 0 {
+		return nil
+	}
+	return fmt.Errorf("%w: bucket %s: %s; give the sink a bucket with file storage, no TTL and no discard of old records (kvsink.New creates one)",
+		ErrUnsafeBucket, cfg.Bucket, strings.Join(probs, "; "))
 }

@@ -29,7 +29,7 @@ func TestRefusalSpan(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Advance(sink.WithHolder(ctxFor(t, time.Minute), "b"), 2, 9); err != nil {
+	if err := s.Advance(ctxFor(t, time.Minute), leasehold.Lease{Scope: "orders", Partition: 2, Epoch: 9, Acquisition: "a9", Holder: "b"}); err != nil {
 		t.Fatal(err)
 	}
 	// Another instance, as another process would have, reads the holder
@@ -39,7 +39,7 @@ func TestRefusalSpan(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx, handler := tp.Tracer("test").Start(ctxFor(t, time.Minute), "process jobs")
-	err = other.Apply(ctx, sink.Effect{Stamp: leasehold.Stamp{Partition: 2, Epoch: 7, Key: "k", Worker: "a"}, Subject: "x"})
+	err = other.Apply(ctx, sink.Effect{Stamp: leasehold.Stamp{Scope: "orders", Partition: 2, Epoch: 7, Acquisition: "a7", Key: "k", Worker: "a"}, Subject: "x"})
 	handler.End()
 	var se *leasehold.StaleEpochError
 	if !errors.As(err, &se) || se.Holder != "b" || se.Max != 9 {

@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/pgsink"
 	"github.com/leasehold/leasehold/testing/pgtest"
@@ -32,6 +31,7 @@ func BenchmarkFencedVsPlain(b *testing.B) {
 	}
 	const upsert = `INSERT INTO plain (key, partition, epoch, subject, data, header) VALUES ($1, $2, $3, $4, $5, $6)
 		ON CONFLICT (key) DO UPDATE SET data = EXCLUDED.data, epoch = EXCLUDED.epoch`
+	l := lease("orders", 3, 7)
 	data := make([]byte, 256)
 	var plain, fenced []time.Duration
 	i := 0
@@ -43,7 +43,7 @@ func BenchmarkFencedVsPlain(b *testing.B) {
 			b.Fatal(err)
 		}
 		t1 := time.Now()
-		if err := s.Apply(ctx, sink.Effect{Stamp: leasehold.Stamp{Partition: 3, Epoch: 7, Key: key}, Subject: "s", Data: data}); err != nil {
+		if err := s.Apply(ctx, sink.Effect{Stamp: l.Stamp(key), Subject: "s", Data: data}); err != nil {
 			b.Fatal(err)
 		}
 		plain, fenced = append(plain, t1.Sub(t0)), append(fenced, time.Since(t1))

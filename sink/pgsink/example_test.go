@@ -12,7 +12,8 @@ import (
 )
 
 // A handler's own SQL in the fenced transaction: the row is written only
-// if epoch 42 still holds partition 3, and only once for the key.
+// if epoch 42 (of acquisition a1b2c3) still holds partition 3 of the
+// orders job stream, and only once for the key.
 func ExampleSink_ApplyTx() {
 	ctx := context.Background()
 	pool, err := pgxpool.New(ctx, "postgres://localhost/shop")
@@ -28,7 +29,7 @@ func ExampleSink_ApplyTx() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	st := leasehold.Stamp{Partition: 3, Epoch: 42, Key: "orders.3.17.0"}
+	st := leasehold.Stamp{Scope: "orders", Partition: 3, Epoch: 42, Acquisition: "a1b2c3", Key: "orders.3.17.0", Worker: "w1"}
 	err = s.ApplyTx(ctx, st, func(ctx context.Context, tx pgx.Tx) error {
 		_, err := tx.Exec(ctx, "UPDATE orders SET status = 'paid' WHERE id = $1", 17)
 		return err

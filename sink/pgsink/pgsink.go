@@ -1,31 +1,48 @@
 // Package pgsink is a leasehold sink that writes to PostgreSQL (pgx v5).
 //
-// The fence, the dedupe and the effect are one statement. Raising a
-// partition's maximum is an upsert of its fence row that only matches when
-// the stored epoch is at or below the effect's (INSERT ... ON CONFLICT ...
-// DO UPDATE ... WHERE fence.epoch <= EXCLUDED.epoch), feeding an insert of
-// the effect keyed by its idempotency key; the upsert locks the fence row
-// whether or not it updates it, so no newer epoch can be recorded between
-// the check and the write, and a stale effect writes nothing.
+// A fence is a row keyed by (scope, partition) that records the highest
+// epoch accepted, the acquisition it came from and its holder; effects and
+// ApplyTx keys are keyed by (scope, idempotency key). Any number of job
+// streams and locks share one database and one set of tables: a fence
+// orders the holders of its own scope and nothing else.
 //
-// Most effects carry the epoch already recorded, and for them the sink
-// takes a cheaper path: a FOR SHARE lock on the fence row where epoch =
-// the effect's, feeding the insert. A raise (the upsert's DO UPDATE, or
-// Advance) needs the row's update lock, which waits for every share lock's
-// transaction to end; and a share lock taken after a raise committed
-// re-reads the row (READ COMMITTED re-checks a locked row's newest
-// version) and no longer matches. So an effect written under the share
-// lock commits before any raise, and none lands after one. Writers of the
-// same epoch share the lock and do not wait for each other. A fenced write
-// costs about what a plain upsert does (see BenchmarkFencedVsPlain).
+// The fence, the dedupe and the effect are one statement. Raising a fence
+// is an upsert of its row that only matches when leasehold.Judge would
+// admit the effect (INSERT ... ON CONFLICT ... DO UPDATE ... WHERE the
+// stored epoch is lower, or equal and from the same acquisition or from
+// none recorded), feeding an insert of the effect keyed by its
+// idempotency key; the upsert locks the fence row whether or not it
+// updates it, so no newer epoch can be recorded between the check and the
+// write, and a refused effect writes nothing. A refusal says whether the
+// effect was stale or a split-brain write (its epoch recorded for another
+// acquisition).
+//
+// Most effects carry the epoch and acquisition already recorded, and for
+// them the sink takes a cheaper path: a FOR SHARE lock on the fence row
+// where it holds exactly those, feeding the insert. A raise (the upsert's
+// DO UPDATE, or Advance) needs the row's update lock, which waits for every
+// share lock's transaction to end; and a share lock taken after a raise
+// committed re-reads the row (READ COMMITTED re-checks a locked row's
+// newest version) and no longer matches. So an effect written under the
+// share lock commits before any raise, and none lands after one. Writers
+// of the same epoch share the lock and do not wait for each other. A
+// fenced write costs about what a plain upsert does (see
+// BenchmarkFencedVsPlain).
 //
 // A batch is one transaction.
 //
 // ApplyTx runs a handler's own SQL in the same fenced transaction: the
-// fence row stays locked until the transaction ends.
+// fence row stays locked until the transaction ends. A raise waits for
+// such transactions, so it waits for the fence row at most
+// Config.LockTimeout (then fails with an error matching ErrFenceLocked,
+// having written nothing), and PostgreSQL ends a sink transaction left
+// idle for Config.TxIdleTimeout: a holder paused inside ApplyTx holds its
+// successor up for a bounded time.
 //
 // Tables are created by CreateSchema; their names are Config.Prefix
-// followed by fence, effects and keys.
+// followed by fence, effects and keys. CreateSchema upgrades tables created
+// before fence scopes in place, given the scope that wrote them
+// (Config.LegacyScope).
 package pgsink
 
 import (
@@ -35,7 +52,8 @@ import (
 	"fmt"
 	"log/slog"
 	"regexp"
-	"strings"
+	"strconv"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -51,7 +69,7 @@ type DB interface {
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-	Begin(ctx context.Context) (pgx.Tx, error)
+	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
 }
 
 // Config configures a Sink.
@@ -64,6 +82,35 @@ type Config struct {
 	Prefix string
 	// Name names the sink in decisions and logs. Default "postgres".
 	Name string
+	// LegacyScope is the scope that wrote tables created before fence
+	// scopes: normally the job stream's prefix (the Leasehold-Scope its
+	// workers stamp now). CreateSchema upgrades such tables in place when
+	// it is set, giving all their rows this scope, and refuses them
+	// (ErrLegacySchema) when it is not. Current tables ignore it.
+	LegacyScope string
+	// LockTimeout bounds how long a statement that raises a fence (a new
+	// holder's first write, or Advance) waits for the fence row's lock
+	// (PostgreSQL's lock_timeout). A raise waits for the transactions
+	// writing under the previous epoch to end, and a holder paused inside
+	// ApplyTx would hold it up for as long as the pause lasts; past the
+	// bound the write changes nothing and returns an error matching
+	// ErrFenceLocked, and may be retried. Transactions of ApplyTx and of
+	// batches run under it as a whole, fn's statements included: they hold
+	// the fence row while they wait. (A write at the fence's own epoch,
+	// outside a transaction, shares the row's lock and waits only for a
+	// transaction holding the row exclusively: a batch, or an ApplyTx that
+	// raised it, which TxIdleTimeout bounds when its client is paused.)
+	// Default 5 s; negative means no bound.
+	LockTimeout time.Duration
+	// TxIdleTimeout ends a transaction of the sink (ApplyTx, a batch) that
+	// stays idle longer than this: PostgreSQL's
+	// idle_in_transaction_session_timeout, for that transaction alone. A
+	// holder paused inside ApplyTx then loses its transaction, and the
+	// fence row's lock with it, instead of holding up its successor for as
+	// long as it is paused; its ApplyTx returns an error and wrote nothing.
+	// fn must not spend longer than this outside the database. Default
+	// 10 s (the lease TTL's default); negative means no bound.
+	TxIdleTimeout time.Duration
 	// Verifier, when set, turns on verified epochs (see sink.EpochCheck).
 	Verifier sink.Verifier
 	// Observer receives every decision. Optional.
@@ -75,12 +122,24 @@ type Config struct {
 	Telemetry telemetry.Config
 }
 
+// Defaults of the Config fields that bound waits.
+const (
+	DefaultLockTimeout   = 5 * time.Second
+	DefaultTxIdleTimeout = 10 * time.Second
+)
+
 func (c *Config) setDefaults() {
 	if c.Prefix == "" {
 		c.Prefix = "leasehold_"
 	}
 	if c.Name == "" {
 		c.Name = "postgres"
+	}
+	if c.LockTimeout == 0 {
+		c.LockTimeout = DefaultLockTimeout
+	}
+	if c.TxIdleTimeout == 0 {
+		c.TxIdleTimeout = DefaultTxIdleTimeout
 	}
 }
 
@@ -93,6 +152,11 @@ func (c Config) validateNames() error {
 	}
 	if !identRE.MatchString(c.Prefix) || len(c.Prefix) > 40 {
 		errs = append(errs, fmt.Errorf("table prefix %q: use lowercase letters, digits and '_' (at most 40)", c.Prefix))
+	}
+	if c.LegacyScope != "" {
+		if err := leasehold.ValidateScope(c.LegacyScope); err != nil {
+			errs = append(errs, fmt.Errorf("legacy scope %q: %w", c.LegacyScope, err))
+		}
 	}
 	return errors.Join(errs...)
 }
@@ -110,20 +174,26 @@ func (c Config) Validate() error {
 	return errors.Join(errs...)
 }
 
+// millis renders a bound as PostgreSQL's integer milliseconds, "0" (no
+// bound) for a negative one; a positive bound is at least 1 ms.
+func millis(d time.Duration) string {
+	if d < 0 {
+		return "0"
+	}
+	return strconv.FormatInt(max(d.Milliseconds(), 1), 10)
+}
+
 // Sink is a fenced PostgreSQL sink. It is safe for concurrent use.
 type Sink struct {
-	db       DB
-	t        Tables
-	rep      *sink.Reporter
-	check    *sink.EpochCheck
-	sqlOne   string // fence + effect, reporting both outcomes
-	sqlFast  string // share-locked fence + effect, failing on a duplicate key
-	sqlTxKey string // share-locked fence + key, for ApplyTx
-	sqlFen   string // fence alone
-	pkey     string // the effects table's primary key constraint
-	sqlKey   string // fence + key, for ApplyTx
-	sqlAdv   string
-	sqlMax   string
+	db          DB
+	t           Tables
+	rep         *sink.Reporter
+	check       *sink.EpochCheck
+	pkey        string // the effects table's primary key constraint
+	lockTimeout time.Duration
+	lockMs      string        // LockTimeout for set_config
+	txOpts      pgx.TxOptions // begins a transaction under both bounds
+	sql         statements
 }
 
 var _ sink.Sink = (*Sink)(nil)
@@ -135,45 +205,25 @@ func New(cfg Config) (*Sink, error) {
 	}
 	cfg.setDefaults()
 	t := tablesFor(cfg.Schema, cfg.Prefix)
-	fence := fmt.Sprintf(`INSERT INTO %[1]s AS f (partition, epoch, holder) VALUES ($1, $2, $3)
-		ON CONFLICT (partition) DO UPDATE SET epoch = EXCLUDED.epoch, holder = EXCLUDED.holder, updated_at = now()
-		WHERE f.epoch <= EXCLUDED.epoch
-		RETURNING 1`, t.Fence)
 	return &Sink{
-		db:    cfg.DB,
-		t:     t,
-		rep:   sink.NewReporter(sink.ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger, Telemetry: cfg.Telemetry}),
-		check: sink.NewEpochCheck(cfg.Verifier),
-		sqlFast: fmt.Sprintf(`WITH f AS (SELECT 1 FROM %s WHERE partition = $1 AND epoch = $2 AND $3::text IS NOT NULL FOR SHARE)
-			INSERT INTO %s (key, partition, epoch, subject, data, header)
-			SELECT $4, $1, $2, $5, $6, $7 FROM f`, t.Fence, t.Effects),
-		sqlTxKey: fmt.Sprintf(`WITH f AS (SELECT 1 FROM %s WHERE partition = $1 AND epoch = $2 AND $3::text IS NOT NULL FOR SHARE),
-			k AS (INSERT INTO %s (key, partition, epoch) SELECT $4, $1, $2 FROM f ON CONFLICT (key) DO NOTHING RETURNING 1)
-			SELECT (SELECT count(*) FROM f), (SELECT count(*) FROM k)`, t.Fence, t.Keys),
-		sqlFen: fence,
-		pkey:   cfg.Prefix + "effects_pkey",
-		sqlOne: fmt.Sprintf(`WITH f AS (%s), e AS (
-			INSERT INTO %s (key, partition, epoch, subject, data, header)
-			SELECT $4, $1, $2, $5, $6, $7 FROM f
-			ON CONFLICT (key) DO NOTHING RETURNING 1)
-			SELECT (SELECT count(*) FROM f), (SELECT count(*) FROM e)`, fence, t.Effects),
-		sqlKey: fmt.Sprintf(`WITH f AS (%s), k AS (
-			INSERT INTO %s (key, partition, epoch) SELECT $4, $1, $2 FROM f
-			ON CONFLICT (key) DO NOTHING RETURNING 1)
-			SELECT (SELECT count(*) FROM f), (SELECT count(*) FROM k)`, fence, t.Keys),
-		sqlAdv: fmt.Sprintf(`INSERT INTO %[1]s AS f (partition, epoch, holder) VALUES ($1, $2, $3)
-			ON CONFLICT (partition) DO UPDATE SET epoch = EXCLUDED.epoch, holder = EXCLUDED.holder, updated_at = now()
-			WHERE f.epoch < EXCLUDED.epoch
-			RETURNING 1`, t.Fence),
-		sqlMax: fmt.Sprintf(`SELECT epoch, holder FROM %s WHERE partition = $1`, t.Fence),
+		db:          cfg.DB,
+		t:           t,
+		rep:         sink.NewReporter(sink.ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger, Telemetry: cfg.Telemetry}),
+		check:       sink.NewEpochCheck(cfg.Verifier),
+		pkey:        pkeyName(cfg.Prefix, "effects"),
+		lockTimeout: cfg.LockTimeout,
+		lockMs:      millis(cfg.LockTimeout),
+		txOpts: pgx.TxOptions{BeginQuery: fmt.Sprintf("BEGIN; SET LOCAL lock_timeout = %s; SET LOCAL idle_in_transaction_session_timeout = %s",
+			millis(cfg.LockTimeout), millis(cfg.TxIdleTimeout))},
+		sql: newStatements(t),
 	}, nil
 }
 
 // Tables returns the table names, quoted for SQL.
 func (s *Sink) Tables() Tables { return s.t }
 
-// Dropped returns how many effects of partition p were refused.
-func (s *Sink) Dropped(p leasehold.Partition) uint64 { return s.rep.Dropped(p) }
+// Dropped returns how many effects of fence id were refused.
+func (s *Sink) Dropped(id leasehold.FenceID) uint64 { return s.rep.Dropped(id) }
 
 // Apply writes the effects, fenced and deduplicated: one statement for one
 // effect, one transaction for several (all or none).
@@ -201,53 +251,40 @@ func (s *Sink) Apply(ctx context.Context, effects ...sink.Effect) error {
 }
 
 // applyOne is the common case: one statement that share-locks the fence
-// row where it holds the effect's epoch, and inserts the effect.
-// Its insert has no ON CONFLICT clause, so that the command tag alone says
-// what happened: one row is an applied effect; no row means the fence does
-// not hold this epoch (none yet, a lower one to raise, or a higher one);
-// and a duplicate key fails the whole statement with a unique violation.
-// Either of the last two changed nothing, and is settled by the upsert.
+// row where it holds the effect's epoch and acquisition, and inserts the
+// effect. Its insert has no ON CONFLICT clause, so that the command tag
+// alone says what happened: one row is an applied effect; no row means the
+// fence does not hold this epoch and acquisition (no fence yet, one to
+// raise, or one that refuses), and the statement changed nothing; and a
+// duplicate key fails the statement with a unique violation, which only
+// the insert can raise, after the fence row matched and was locked: the
+// effect is admitted, and was applied before.
 func (s *Sink) applyOne(ctx context.Context, e *sink.Effect) error {
-	tag, err := s.db.Exec(ctx, s.sqlFast, s.args(e)...)
+	tag, err := s.db.Exec(ctx, s.sql.fast, s.fastArgs(e)...)
 	switch {
 	case err == nil && tag.RowsAffected() == 1:
-		s.report(ctx, e, 1)
+		s.report(ctx, e, true)
 		return nil
 	case err == nil:
-		// The fence does not hold this epoch; the statement changed
-		// nothing. Raise, or refuse, with the upsert.
 		return s.applyUpsert(ctx, e)
-	case !s.isDuplicate(err):
-		return s.failed(ctx, e.Stamp, e.Subject, err)
+	case s.isDuplicate(err):
+		s.report(ctx, e, false)
+		return nil
 	}
-	// The key was applied before, and the failed statement changed
-	// nothing. A repeat is a duplicate only if its epoch is still
-	// admitted: a zombie repeating an applied key is told it is stale.
-	rows, err := s.db.Query(ctx, s.sqlFen, int32(e.Stamp.Partition), int64(e.Stamp.Epoch), e.Stamp.Worker)
-	if err != nil {
-		return s.failed(ctx, e.Stamp, e.Subject, err)
-	}
-	admitted := rows.Next()
-	rows.Close()
-	if err := rows.Err(); err != nil {
-		return s.failed(ctx, e.Stamp, e.Subject, err)
-	}
-	if !admitted {
-		return s.stale(ctx, e.Stamp, e.Subject)
-	}
-	s.report(ctx, e, 0)
-	return nil
+	return s.failed(ctx, e.Stamp, e.Subject, err)
 }
 
+// applyUpsert raises the fence, or refuses the effect, and applies it if
+// admitted, in one statement.
 func (s *Sink) applyUpsert(ctx context.Context, e *sink.Effect) error {
 	var fenced, inserted int
-	if err := s.db.QueryRow(ctx, s.sqlOne, s.args(e)...).Scan(&fenced, &inserted); err != nil {
+	if err := s.db.QueryRow(ctx, s.sql.one, s.upsertArgs(e)...).Scan(&fenced, &inserted); err != nil {
 		return s.failed(ctx, e.Stamp, e.Subject, err)
 	}
 	if fenced == 0 {
-		return s.stale(ctx, e.Stamp, e.Subject)
+		return s.refuse(ctx, s.db, e.Stamp, e.Subject)
 	}
-	s.report(ctx, e, inserted)
+	s.report(ctx, e, inserted == 1)
 	return nil
 }
 
@@ -256,24 +293,34 @@ func (s *Sink) isDuplicate(err error) bool {
 	return errors.As(err, &pgErr) && pgErr.Code == "23505" && pgErr.ConstraintName == s.pkey
 }
 
-func (s *Sink) args(e *sink.Effect) []any {
+// fastArgs are the arguments of statements.fast: $1 scope, $2 partition,
+// $3 epoch, $4 acquisition, $5 key, $6 subject, $7 data, $8 header.
+func (s *Sink) fastArgs(e *sink.Effect) []any {
 	var header []byte
 	if len(e.Header) > 0 {
 		header, _ = json.Marshal(e.Header)
 	}
-	return []any{int32(e.Stamp.Partition), int64(e.Stamp.Epoch), e.Stamp.Worker, e.Stamp.Key, e.Subject, e.Data, header}
+	st := &e.Stamp
+	return []any{st.Scope, int32(st.Partition), int64(st.Epoch), st.Acquisition, st.Key, e.Subject, e.Data, header}
 }
 
-func (s *Sink) report(ctx context.Context, e *sink.Effect, inserted int) {
+// upsertArgs are the arguments of statements.one: fastArgs, then $9 the
+// worker (the holder a raise records) and $10 the lock timeout.
+func (s *Sink) upsertArgs(e *sink.Effect) []any {
+	return append(s.fastArgs(e), e.Stamp.Worker, s.lockMs)
+}
+
+// report reports an admitted effect: applied, or a duplicate.
+func (s *Sink) report(ctx context.Context, e *sink.Effect, applied bool) {
 	o := sink.Accepted
-	if inserted == 0 {
+	if !applied {
 		o = sink.Duplicate
 	}
-	s.rep.Report(ctx, sink.Decision{Outcome: o, Stamp: e.Stamp, Subject: e.Subject, Max: e.Stamp.Epoch})
+	s.rep.Report(ctx, sink.Decision{Outcome: o, Stamp: e.Stamp, Subject: e.Subject, Max: e.Stamp.Epoch, MaxAcquisition: e.Stamp.Acquisition})
 }
 
 func (s *Sink) applyBatch(ctx context.Context, effects []sink.Effect) (err error) {
-	tx, err := s.db.Begin(ctx)
+	tx, err := s.db.BeginTx(ctx, s.txOpts)
 	if err != nil {
 		return s.failed(ctx, effects[0].Stamp, effects[0].Subject, err)
 	}
@@ -284,136 +331,39 @@ func (s *Sink) applyBatch(ctx context.Context, effects []sink.Effect) (err error
 	}()
 	b := &pgx.Batch{}
 	for i := range effects {
-		b.Queue(s.sqlOne, s.args(&effects[i])...)
+		b.Queue(s.sql.one, s.upsertArgs(&effects[i])...)
 	}
 	res := tx.SendBatch(ctx, b)
 	inserted := make([]int, len(effects))
-	staleAt := -1
+	refusedAt := -1
 	for i := range effects {
 		var f int
 		if err := res.QueryRow().Scan(&f, &inserted[i]); err != nil {
 			res.Close()
 			return s.failed(ctx, effects[i].Stamp, effects[i].Subject, err)
 		}
-		if f == 0 && staleAt < 0 {
-			staleAt = i
+		if f == 0 && refusedAt < 0 {
+			refusedAt = i
 		}
 	}
 	if err := res.Close(); err != nil {
 		return s.failed(ctx, effects[0].Stamp, effects[0].Subject, err)
 	}
-	if staleAt >= 0 {
+	if refusedAt >= 0 {
+		// The transaction holds the refusing fence row locked: the state
+		// read is the one that refused the effect.
+		e := &effects[refusedAt]
+		rerr := s.refuse(ctx, tx, e.Stamp, e.Subject)
 		_ = tx.Rollback(context.WithoutCancel(ctx))
-		serr := s.stale(ctx, effects[staleAt].Stamp, effects[staleAt].Subject)
-		return fmt.Errorf("pgsink: effect %d of %d: %w (no effect of the batch was applied)", staleAt+1, len(effects), serr)
+		return fmt.Errorf("pgsink: effect %d of %d: %w (no effect of the batch was applied)", refusedAt+1, len(effects), rerr)
 	}
 	if err := tx.Commit(ctx); err != nil {
 		return s.failed(ctx, effects[0].Stamp, effects[0].Subject, err)
 	}
 	for i := range effects {
-		s.report(ctx, &effects[i], inserted[i])
+		s.report(ctx, &effects[i], inserted[i] == 1)
 	}
 	return nil
-}
-
-// ApplyTx runs fn in a transaction fenced by stamp: the transaction first
-// records stamp's epoch on the partition's fence row (refusing a stale
-// one, with no call to fn) and its idempotency key, then calls fn, then
-// commits. The fence row stays locked until the commit, so no newer epoch
-// is recorded while fn runs (other writers of the same epoch are not held
-// up: the lock is shared among them). A key applied before is a duplicate: fn is
-// not called and ApplyTx returns nil. An error from fn rolls everything
-// back and is returned.
-func (s *Sink) ApplyTx(ctx context.Context, stamp leasehold.Stamp, fn func(ctx context.Context, tx pgx.Tx) error) (err error) {
-	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("pgsink: apply: %w", err)
-	}
-	ctx, span := s.rep.StartApply(ctx, []sink.Effect{{Stamp: stamp}})
-	defer span.End()
-	if err := stamp.Validate(); err != nil {
-		err = fmt.Errorf("pgsink: apply: %w", err)
-		s.rep.Report(ctx, sink.Decision{Outcome: sink.BadStamp, Stamp: stamp, Err: err})
-		return err
-	}
-	if err := s.verify(ctx, stamp, ""); err != nil {
-		return err
-	}
-	tx, err := s.db.Begin(ctx)
-	if err != nil {
-		return s.failed(ctx, stamp, "", err)
-	}
-	defer func() {
-		if err != nil {
-			_ = tx.Rollback(context.WithoutCancel(ctx))
-		}
-	}()
-	var fenced, inserted int
-	args := []any{int32(stamp.Partition), int64(stamp.Epoch), stamp.Worker, stamp.Key}
-	if err := tx.QueryRow(ctx, s.sqlTxKey, args...).Scan(&fenced, &inserted); err != nil {
-		return s.failed(ctx, stamp, "", err)
-	}
-	if fenced == 0 {
-		if err := tx.QueryRow(ctx, s.sqlKey, args...).Scan(&fenced, &inserted); err != nil {
-			return s.failed(ctx, stamp, "", err)
-		}
-	}
-	if fenced == 0 {
-		_ = tx.Rollback(context.WithoutCancel(ctx))
-		return s.stale(ctx, stamp, "")
-	}
-	if inserted == 1 {
-		if err := fn(ctx, tx); err != nil {
-			s.rep.Report(ctx, sink.Decision{Outcome: sink.Failed, Stamp: stamp, Err: err})
-			return err
-		}
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return s.failed(ctx, stamp, "", err)
-	}
-	e := sink.Effect{Stamp: stamp}
-	s.report(ctx, &e, inserted)
-	return nil
-}
-
-// Advance raises partition p's maximum to e if it is lower.
-func (s *Sink) Advance(ctx context.Context, p leasehold.Partition, e leasehold.Epoch) error {
-	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("pgsink: advance: %w", err)
-	}
-	if err := sink.ValidateAdvance(p, e); err != nil {
-		return fmt.Errorf("pgsink: advance: %w", err)
-	}
-	st := leasehold.Stamp{Partition: p, Epoch: e}
-	if err := s.verify(ctx, st, ""); err != nil {
-		return err
-	}
-	tag, err := s.db.Exec(ctx, s.sqlAdv, int32(p), int64(e), sink.HolderFrom(ctx))
-	if err != nil {
-		return fmt.Errorf("pgsink: advance partition %d to epoch %d: %w", p, e, describe(err))
-	}
-	if tag.RowsAffected() > 0 {
-		s.rep.Report(ctx, sink.Decision{Outcome: sink.Advanced, Stamp: st, Max: e})
-	}
-	return nil
-}
-
-// MaxEpoch returns partition p's recorded maximum, 0 if none.
-func (s *Sink) MaxEpoch(ctx context.Context, p leasehold.Partition) (leasehold.Epoch, error) {
-	e, _, err := s.max(ctx, p)
-	return e, err
-}
-
-func (s *Sink) max(ctx context.Context, p leasehold.Partition) (leasehold.Epoch, string, error) {
-	var e int64
-	var holder string
-	err := s.db.QueryRow(ctx, s.sqlMax, int32(p)).Scan(&e, &holder)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return 0, "", nil
-	}
-	if err != nil {
-		return 0, "", fmt.Errorf("pgsink: read the fence of partition %d: %w", p, describe(err))
-	}
-	return leasehold.Epoch(e), holder, nil
 }
 
 func (s *Sink) verify(ctx context.Context, st leasehold.Stamp, subject string) error {
@@ -429,42 +379,8 @@ func (s *Sink) verify(ctx context.Context, st leasehold.Stamp, subject string) e
 	return err
 }
 
-// stale builds and reports the error for a refused effect. The maximum is
-// read after the refusal, for the message only.
-func (s *Sink) stale(ctx context.Context, st leasehold.Stamp, subject string) error {
-	max, holder, err := s.max(context.WithoutCancel(ctx), st.Partition)
-	if err != nil || max <= st.Epoch {
-		// The refusal is certain; only the details are missing.
-		max = st.Epoch + 1
-	}
-	serr := sink.StaleError(st, max, holder)
-	s.rep.Report(ctx, sink.Decision{Outcome: sink.Stale, Stamp: st, Subject: subject, Max: max, Holder: holder, Err: serr})
-	return serr
-}
-
 func (s *Sink) failed(ctx context.Context, st leasehold.Stamp, subject string, err error) error {
-	err = fmt.Errorf("pgsink: apply %s (partition %d, epoch %d): %w", st.Key, st.Partition, st.Epoch, describe(err))
+	err = fmt.Errorf("pgsink: apply %s (scope %s partition %d, epoch %d): %w", st.Key, st.Scope, st.Partition, st.Epoch, s.describe(err, st.Fence()))
 	s.rep.Report(ctx, sink.Decision{Outcome: sink.Failed, Stamp: st, Subject: subject, Err: err})
 	return err
-}
-
-// describe says what a database error means for the caller.
-func describe(err error) error {
-	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
-		return err
-	}
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		switch {
-		case pgErr.Code == "42P01":
-			return fmt.Errorf("%w: the sink's tables are missing: run pgsink.CreateSchema", err)
-		case strings.HasPrefix(pgErr.Code, "08"), strings.HasPrefix(pgErr.Code, "57"), strings.HasPrefix(pgErr.Code, "53"):
-			return fmt.Errorf("PostgreSQL is restarting, shutting down or out of resources, so the write may or may not have happened; retry with the same idempotency key, which applies it at most once: %w", err)
-		}
-		return err
-	}
-	if pgconn.SafeToRetry(err) {
-		return fmt.Errorf("PostgreSQL is unreachable, nothing was written; retry: %w", err)
-	}
-	return fmt.Errorf("PostgreSQL did not answer, so the write may or may not have happened; retry with the same idempotency key, which applies it at most once: %w", err)
 }

@@ -63,7 +63,7 @@ func newSink(t testing.TB, db pgsink.DB, cfg pgsink.Config) *pgsink.Sink {
 }
 
 func applied(ctx context.Context, db pgsink.DB, s *pgsink.Sink) ([]sink.Effect, error) {
-	rows, err := db.Query(ctx, "SELECT key, partition, epoch, subject, data FROM "+s.Tables().Effects)
+	rows, err := db.Query(ctx, "SELECT scope, key, partition, epoch, subject, data FROM "+s.Tables().Effects)
 	if err != nil {
 		return nil, err
 	}
@@ -73,7 +73,7 @@ func applied(ctx context.Context, db pgsink.DB, s *pgsink.Sink) ([]sink.Effect, 
 		var e sink.Effect
 		var p int32
 		var ep int64
-		if err := rows.Scan(&e.Stamp.Key, &p, &ep, &e.Subject, &e.Data); err != nil {
+		if err := rows.Scan(&e.Stamp.Scope, &e.Stamp.Key, &p, &ep, &e.Subject, &e.Data); err != nil {
 			return nil, err
 		}
 		e.Stamp.Partition, e.Stamp.Epoch = leasehold.Partition(p), leasehold.Epoch(ep)
@@ -82,12 +82,45 @@ func applied(ctx context.Context, db pgsink.DB, s *pgsink.Sink) ([]sink.Effect, 
 	return out, rows.Err()
 }
 
+// lease is the acquisition of epoch e of partition p in scope, with the
+// acquisition token acq(e) and the holder "w<e>".
+func lease(scope string, p leasehold.Partition, e leasehold.Epoch) leasehold.Lease {
+	return leasehold.Lease{Scope: scope, Partition: p, Epoch: e, Acquisition: acq(e), Holder: "w" + e.String()}
+}
+
+func acq(e leasehold.Epoch) string { return "acq" + e.String() }
+
+func stampOf(l leasehold.Lease, key string) leasehold.Stamp { return l.Stamp(key) }
+
+// waitLockWaiters waits until PostgreSQL reports n sessions waiting for a
+// lock. A value on returned (optional) means a call that should be waiting
+// returned instead.
+func waitLockWaiters(ctx context.Context, t *testing.T, db pgsink.DB, n int, returned <-chan error) {
+	t.Helper()
+	for {
+		var waiting int
+		if err := db.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'").Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if waiting >= n {
+			return
+		}
+		select {
+		case err := <-returned:
+			t.Fatalf("a call returned (%v) while it should wait for the fence row (%d of %d sessions wait)", err, waiting, n)
+		case <-ctx.Done():
+			t.Fatalf("waiting for %d sessions to wait for a lock: %d do", n, waiting)
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
 func TestConformance(t *testing.T) {
 	srv := pgtest.Start(t)
 	db := pool(t, srv.DSN())
 	sinktest.Run(t, sinktest.Features{Durable: true, AtomicBatch: true, Dedupe: true, VerifiedEpochs: true},
 		func(t *testing.T, st sinktest.Setup) sinktest.Instance {
-			cfg := pgsink.Config{Prefix: st.Scope + "_", Observer: st.Observer, Verifier: st.Verifier}
+			cfg := pgsink.Config{Prefix: st.Name + "_", Observer: st.Observer, Verifier: st.Verifier}
 			s := newSink(t, db, cfg)
 			inst := sinktest.Instance{Sink: s}
 			inst.Applied = func(ctx context.Context) ([]sink.Effect, error) { return applied(ctx, db, s) }
@@ -125,7 +158,7 @@ func TestApplyTx(t *testing.T) {
 			return err
 		}
 	}
-	st := leasehold.Stamp{Partition: 1, Epoch: 5, Key: "order-1"}
+	st := stampOf(lease("shop", 1, 5), "order-1")
 	if err := s.ApplyTx(ctx, st, insert("o1", 10)); err != nil {
 		t.Fatal(err)
 	}
@@ -135,18 +168,35 @@ func TestApplyTx(t *testing.T) {
 	if calls != 1 {
 		t.Fatalf("handler called %d times for one key, want once", calls)
 	}
-	if err := s.Advance(ctx, 1, 9); err != nil {
+	if err := s.Advance(ctx, lease("shop", 1, 9)); err != nil {
 		t.Fatal(err)
 	}
-	stale := leasehold.Stamp{Partition: 1, Epoch: 8, Key: "order-2"}
+	stale := stampOf(lease("shop", 1, 8), "order-2")
 	if err := s.ApplyTx(ctx, stale, insert("o2", 20)); !errors.Is(err, leasehold.ErrStaleEpoch) {
 		t.Fatalf("stale ApplyTx = %v, want ErrStaleEpoch", err)
 	}
 	if calls != 1 {
 		t.Fatal("the handler ran under a stale stamp")
 	}
+	// The same epoch from another acquisition is a split brain: refused,
+	// and the handler does not run.
+	twin := stampOf(lease("shop", 1, 9), "order-2")
+	twin.Acquisition = "twin"
+	if err := s.ApplyTx(ctx, twin, insert("o2", 20)); !errors.Is(err, leasehold.ErrSplitBrain) {
+		t.Fatalf("split-brain ApplyTx = %v, want ErrSplitBrain", err)
+	}
+	if calls != 1 {
+		t.Fatal("the handler ran under a split-brain stamp")
+	}
+	// The same key in another scope is another write.
+	if err := s.ApplyTx(ctx, stampOf(lease("billing", 1, 2), "order-1"), insert("b1", 10)); err != nil {
+		t.Fatalf("the same key in another scope: %v", err)
+	}
+	if calls != 2 {
+		t.Fatalf("handler called %d times, want twice: the key of one scope deduplicated another's", calls)
+	}
 	boom := errors.New("handler failed")
-	st3 := leasehold.Stamp{Partition: 2, Epoch: 3, Key: "order-3"}
+	st3 := stampOf(lease("shop", 2, 3), "order-3")
 	if err := s.ApplyTx(ctx, st3, func(ctx context.Context, tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, "INSERT INTO orders VALUES ('o3', 30)"); err != nil {
 			return err
@@ -155,16 +205,16 @@ func TestApplyTx(t *testing.T) {
 	}); !errors.Is(err, boom) {
 		t.Fatalf("ApplyTx = %v, want the handler's error", err)
 	}
-	if m, _ := s.MaxEpoch(ctx, 2); m != 0 {
-		t.Fatalf("a failed handler left the fence at %d", m)
+	if f, _ := s.Fence(ctx, leasehold.FenceID{Scope: "shop", Partition: 2}); f.Epoch != 0 {
+		t.Fatalf("a failed handler left the fence at %d", f.Epoch)
 	}
 	// The key was rolled back with the handler's writes, so a retry runs.
 	if err := s.ApplyTx(ctx, st3, insert("o3", 30)); err != nil {
 		t.Fatal(err)
 	}
 	var n int
-	if err := db.QueryRow(ctx, "SELECT count(*) FROM orders").Scan(&n); err != nil || n != 2 {
-		t.Fatalf("orders: %d, %v; want 2", n, err)
+	if err := db.QueryRow(ctx, "SELECT count(*) FROM orders").Scan(&n); err != nil || n != 3 {
+		t.Fatalf("orders: %d, %v; want 3", n, err)
 	}
 }
 
@@ -176,7 +226,7 @@ func TestMissingSchema(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	err = s.Apply(ctxFor(t, time.Minute), sink.Effect{Stamp: leasehold.Stamp{Partition: 1, Epoch: 1, Key: "k"}, Subject: "s"})
+	err = s.Apply(ctxFor(t, time.Minute), sink.Effect{Stamp: stampOf(lease("jobs", 1, 1), "k"), Subject: "s"})
 	if err == nil || !strings.Contains(err.Error(), "pgsink.CreateSchema") {
 		t.Fatalf("Apply without tables = %v, want an error that names pgsink.CreateSchema", err)
 	}
@@ -207,7 +257,7 @@ func TestPostgresRestart(t *testing.T) {
 		defer wg.Done()
 		defer close(progress)
 		for i := range total {
-			e := sink.Effect{Stamp: leasehold.Stamp{Partition: 3, Epoch: 7, Key: fmt.Sprintf("restart-%d", i)}, Subject: "s", Data: []byte{byte(i)}}
+			e := sink.Effect{Stamp: stampOf(lease("jobs", 3, 7), fmt.Sprintf("restart-%d", i)), Subject: "s", Data: []byte{byte(i)}}
 			// Retry each effect until it is applied, as a worker does.
 			for {
 				err := s.Apply(ctx, e)
@@ -265,14 +315,15 @@ func TestRaiseWaitsForWriter(t *testing.T) {
 	srv := pgtest.Start(t)
 	db := pool(t, srv.DSN())
 	ctx := ctxFor(t, time.Minute)
-	s := newSink(t, db, pgsink.Config{Prefix: "wait_"})
-	if err := s.Advance(ctx, 5, 10); err != nil {
+	// The raise waits for as long as the test needs.
+	s := newSink(t, db, pgsink.Config{Prefix: "wait_", LockTimeout: -1})
+	if err := s.Advance(ctx, lease("jobs", 5, 10)); err != nil {
 		t.Fatal(err)
 	}
 	inside, release := make(chan struct{}), make(chan struct{})
 	txDone := make(chan error, 1)
 	go func() {
-		txDone <- s.ApplyTx(ctx, leasehold.Stamp{Partition: 5, Epoch: 10, Key: "slow"}, func(ctx context.Context, tx pgx.Tx) error {
+		txDone <- s.ApplyTx(ctx, stampOf(lease("jobs", 5, 10), "slow"), func(ctx context.Context, tx pgx.Tx) error {
 			close(inside)
 			<-release
 			return nil
@@ -280,24 +331,8 @@ func TestRaiseWaitsForWriter(t *testing.T) {
 	}()
 	<-inside
 	advDone := make(chan error, 1)
-	go func() { advDone <- s.Advance(ctx, 5, 11) }()
-	// Wait until PostgreSQL reports a session waiting for a lock.
-	for {
-		var waiting int
-		if err := db.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'").Scan(&waiting); err != nil {
-			t.Fatal(err)
-		}
-		if waiting > 0 {
-			break
-		}
-		select {
-		case err := <-advDone:
-			t.Fatalf("Advance returned (%v) while a writer under the previous epoch held the fence", err)
-		case <-ctx.Done():
-			t.Fatal("Advance never waited for the fence row")
-		case <-time.After(10 * time.Millisecond):
-		}
-	}
+	go func() { advDone <- s.Advance(ctx, lease("jobs", 5, 11)) }()
+	waitLockWaiters(ctx, t, db, 1, advDone)
 	close(release)
 	if err := <-txDone; err != nil {
 		t.Fatal(err)
@@ -305,7 +340,7 @@ func TestRaiseWaitsForWriter(t *testing.T) {
 	if err := <-advDone; err != nil {
 		t.Fatal(err)
 	}
-	if m, _ := s.MaxEpoch(ctx, 5); m != 11 {
-		t.Fatalf("max %d, want 11", m)
+	if f, _ := s.Fence(ctx, leasehold.FenceID{Scope: "jobs", Partition: 5}); f.Epoch != 11 || f.Acquisition != acq(11) {
+		t.Fatalf("fence %+v, want epoch 11 of %s", f, acq(11))
 	}
 }

@@ -31,11 +31,15 @@ func TestRefusalSpan(t *testing.T) {
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	defer tp.Shutdown(context.Background())
 	s := newSink(t, db, pgsink.Config{Telemetry: telemetry.Config{TracerProvider: tp}})
-	if err := s.Advance(sink.WithHolder(ctxFor(t, time.Minute), "b"), 2, 9); err != nil {
+	taker := lease("jobs", 2, 9)
+	taker.Holder = "b"
+	if err := s.Advance(ctxFor(t, time.Minute), taker); err != nil {
 		t.Fatal(err)
 	}
 	ctx, handler := tp.Tracer("test").Start(ctxFor(t, time.Minute), "process jobs")
-	stamp := leasehold.Stamp{Partition: 2, Epoch: 7, Key: "k", Worker: "a"}
+	former := lease("jobs", 2, 7)
+	former.Holder = "a"
+	stamp := former.Stamp("k")
 	errApply := s.Apply(ctx, sink.Effect{Stamp: stamp, Subject: "x"})
 	stamp.Key = "k2"
 	errTx := s.ApplyTx(ctx, stamp, func(context.Context, pgx.Tx) error { return nil })

@@ -31,7 +31,7 @@ func BenchmarkRunnerVsRaw(b *testing.B) {
 		var last jetstream.PubAckFuture
 		for i := range n {
 			h := nats.Header{}
-			leasehold.Stamp{Partition: leasehold.Partition(i % 16), Epoch: 5, Key: fmt.Sprintf("%s.%d.%d", subject, round, i)}.SetHeader(h)
+			leasehold.Stamp{Scope: "bench", Partition: leasehold.Partition(i % 16), Epoch: 5, Acquisition: "a5", Key: fmt.Sprintf("%s.%d.%d", subject, round, i)}.SetHeader(h)
 			f, err := js.PublishMsgAsync(&nats.Msg{Subject: subject, Header: h, Data: data})
 			if err != nil {
 				b.Fatal(err)
@@ -58,7 +58,7 @@ func BenchmarkRunnerVsRaw(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	cfg := streamsink.Config{Prefix: "bench", Logger: quiet()}
+	cfg := streamsink.Config{Prefix: "bench", Provision: true, Logger: quiet()}
 	if _, err := streamsink.New(ctx, js, cfg); err != nil {
 		b.Fatal(err)
 	}

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/telemetry"
 )
@@ -17,25 +18,56 @@ type Config struct {
 	// Prefix names the deployment. Default "leasehold".
 	Prefix string
 	// Stream is the effect log the runner consumes. Default
-	// "<prefix>-effects"; New creates it on Subjects when it is missing.
+	// "<prefix>-effects".
 	Stream string
+	// Provision has New create the effect log, on Subjects, when it is
+	// missing: file storage, no limits, DenyDelete and DenyPurge (so that
+	// it is trimmed by nothing and can have no holes). Off by default:
+	// the log belongs to the job streams (`leasehold init`,
+	// worker.ProvisionJobs), and init refuses a log it did not create.
+	// Without it New fails on a missing log with an error matching
+	// ErrNoLog that says to run init. Set it for a log no job stream
+	// provisions.
+	Provision bool
 	// Subjects of the effect log when New creates it. Default
 	// ["<prefix>.out.>"].
 	Subjects []string
+	// AllowTrimming accepts an effect log whose settings can remove
+	// messages the runner has not handled: MaxAge, MaxMsgs or MaxBytes
+	// with DiscardOld, MaxMsgsPerSubject, per-message TTLs, a work-queue
+	// or interest retention. A runner that falls behind them meets a gap
+	// and stops there (see ErrGap); Runner.Retention states how far
+	// behind it may fall. Without it New refuses such a log, since a gap
+	// can hide a take-over's barrier and there is no safe way past one
+	// but an operator's (Runner.Resume).
+	AllowTrimming bool
 	// FilterSubject limits the runner to part of the log. Default: all of
 	// it.
 	FilterSubject string
 	// Consumer is the durable consumer's name. Default "<prefix>-sink".
 	Consumer string
 	// StateBucket is the KV bucket holding the runner's progress: the
-	// fence maxima and the last log position handled. Default
-	// "<prefix>-sink-state".
+	// last log position handled (key "<consumer>") and the fences (keys
+	// "<consumer>.fences.<shard>"). Default "<prefix>-sink-state".
 	StateBucket string
+	// MaxFences bounds the fences (scope and partition pairs) the runner
+	// keeps. An effect or barrier that would create one more is refused
+	// for good (see ErrFenceLimit) and the runner goes on. Default
+	// 131072 (DefaultMaxFences: two job streams of 65536 partitions, or
+	// one and 65536 locks); at most 262144 (MaxFencesLimit).
+	MaxFences int
+	// LegacyScope is the scope that wrote state saved before fence scopes
+	// (one value holding the position and every partition's fence),
+	// normally the job stream's prefix. New then converts that state in
+	// place: its fences become this scope's. Without it New refuses such
+	// state (ErrLegacyState). Once converted, the setting is no longer
+	// needed.
+	LegacyScope string
 
 	// Handler, when set, receives each accepted effect, in log order,
 	// instead of the republish. It must be idempotent by the effect's
-	// idempotency key: after a crash, effects handled since the last
-	// saved position are handed over again.
+	// scope and idempotency key: after a crash, effects handled since the
+	// last saved position are handed over again.
 	Handler func(ctx context.Context, e sink.Effect) error
 	// BatchHandler, when set, receives the accepted effects of each batch
 	// the runner fetched, in log order, in one call, instead of the
@@ -45,7 +77,9 @@ type Config struct {
 	// Set Handler or BatchHandler, not both.
 	BatchHandler func(ctx context.Context, effects []sink.Effect) error
 	// Downstream is the stream accepted effects are republished into, with
-	// Nats-Msg-Id set to the idempotency key. Default "<prefix>-fenced";
+	// Nats-Msg-Id set to the scope and the idempotency key ("<scope>
+	// <key>"), so that the server drops a repeat of the same key in the
+	// same scope, and only that. Default "<prefix>-fenced";
 	// New creates it on "<prefix>.fenced.>" when it is missing. Its
 	// duplicate window must be longer than AckWait plus the longest outage
 	// you plan for, since a runner that crashes republishes what it had
@@ -54,6 +88,43 @@ type Config struct {
 	// Subject maps an effect's log subject to its republish subject.
 	// Default: "<prefix>.out.X" becomes "<prefix>.fenced.X".
 	Subject func(logSubject string) string
+
+	// HandlerBatch is the most effects one BatchHandler call holds,
+	// except for a job whose effects are more: they come in one call of
+	// their own. Default Batch. Set it to the most the destination takes
+	// in one atomic write (kvsink.MaxBatch).
+	HandlerBatch int
+
+	// MaxDeliveries bounds how often the runner tries to deliver (republish,
+	// or hand over) an effect, or a job's effects, before it moves them to
+	// the dead-letter stream and goes on. The waits between tries double
+	// up to MaxBackoff: with the defaults, 10 tries take about 6.5
+	// seconds, so a destination away for longer has effects moved there
+	// (`leasehold dlq` lists and replays them). An effect that can never
+	// be delivered (larger than the server's max payload once the sink's
+	// headers are added, or a handler's error matching ErrPoison) goes
+	// there at once. Default 10.
+	MaxDeliveries int
+	// DeadLetter is the sink's dead-letter stream. Default
+	// "<prefix>-sink-dlq"; New creates it on "<prefix>.sinkdlq.>" when
+	// it is missing. Each dead letter is published on DeadLetterSubject
+	// with the effect's data, its leasehold and trace headers, and
+	// Leasehold-Sink-* headers that name the sink, the log, the effect's
+	// subject and position, the tries and the error.
+	DeadLetter string
+	// DeadLetterSubject is the subject of the runner's dead letters.
+	// Default "<prefix>.sinkdlq.<consumer>".
+	DeadLetterSubject string
+	// StallAfter is how long the runner may go without saving a decision
+	// while the log holds messages for it before Ready reports it stalled.
+	// Default 2 minutes.
+	StallAfter time.Duration
+	// MaxOpenGroups bounds the jobs whose effects the runner holds while
+	// it waits for the rest of them (see the package doc on all-or-none
+	// job effects). An effect that would open one more is refused
+	// (sink.OverLimit) and the runner goes on. The held effects are kept
+	// in memory. Default 16384 (DefaultMaxOpenGroups).
+	MaxOpenGroups int
 
 	// Batch is how many messages one fetch asks for. Default 100.
 	Batch int
@@ -134,6 +205,27 @@ func (c *Config) setDefaults() {
 	if c.Name == "" {
 		c.Name = "stream"
 	}
+	if c.MaxFences == 0 {
+		c.MaxFences = DefaultMaxFences
+	}
+	if c.HandlerBatch == 0 {
+		c.HandlerBatch = c.Batch
+	}
+	if c.MaxDeliveries == 0 {
+		c.MaxDeliveries = 10
+	}
+	if c.DeadLetter == "" {
+		c.DeadLetter = c.Prefix + "-sink-dlq"
+	}
+	if c.DeadLetterSubject == "" {
+		c.DeadLetterSubject = c.Prefix + ".sinkdlq." + c.Consumer
+	}
+	if c.StallAfter == 0 {
+		c.StallAfter = 2 * time.Minute
+	}
+	if c.MaxOpenGroups == 0 {
+		c.MaxOpenGroups = DefaultMaxOpenGroups
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -143,7 +235,7 @@ func (c *Config) setDefaults() {
 func (c Config) Validate() error {
 	c.setDefaults()
 	var errs []error
-	for what, name := range map[string]string{"stream": c.Stream, "consumer": c.Consumer, "state bucket": c.StateBucket, "downstream stream": c.Downstream} {
+	for what, name := range map[string]string{"stream": c.Stream, "consumer": c.Consumer, "state bucket": c.StateBucket, "downstream stream": c.Downstream, "dead-letter stream": c.DeadLetter} {
 		if !validName(name) {
 			errs = append(errs, fmt.Errorf("%s name %q: use letters, digits, '-' and '_'", what, name))
 		}
@@ -165,6 +257,29 @@ func (c Config) Validate() error {
 	}
 	if c.MaxBackoff <= 0 || c.RequestTimeout <= 0 {
 		errs = append(errs, errors.New("max backoff and request timeout must be positive"))
+	}
+	if c.DeadLetter == c.Stream || c.DeadLetter == c.Downstream {
+		errs = append(errs, errors.New("the dead-letter stream must be a stream of its own"))
+	}
+	if c.HandlerBatch < 1 || c.HandlerBatch > 10000 {
+		errs = append(errs, fmt.Errorf("handler batch %d: use 1 to 10000", c.HandlerBatch))
+	}
+	if c.MaxDeliveries < 1 || c.MaxDeliveries > 1000 {
+		errs = append(errs, fmt.Errorf("max deliveries %d: use 1 to 1000", c.MaxDeliveries))
+	}
+	if c.StallAfter < 0 {
+		errs = append(errs, fmt.Errorf("stall after %v: use a positive time", c.StallAfter))
+	}
+	if c.MaxOpenGroups < 1 || c.MaxOpenGroups > MaxOpenGroupsLimit {
+		errs = append(errs, fmt.Errorf("max open groups %d: use 1 to %d", c.MaxOpenGroups, MaxOpenGroupsLimit))
+	}
+	if c.MaxFences < 1 || c.MaxFences > MaxFencesLimit {
+		errs = append(errs, fmt.Errorf("max fences %d: use 1 to %d", c.MaxFences, MaxFencesLimit))
+	}
+	if c.LegacyScope != "" {
+		if err := leasehold.ValidateScope(c.LegacyScope); err != nil {
+			errs = append(errs, fmt.Errorf("legacy scope %q: %w", c.LegacyScope, err))
+		}
 	}
 	if c.Replicas < 1 || c.Replicas > 5 {
 		errs = append(errs, fmt.Errorf("replicas %d: use 1, 3 or 5", c.Replicas))

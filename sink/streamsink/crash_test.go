@@ -31,7 +31,7 @@ func history(t *testing.T, ctx context.Context, js jetstream.JetStream, prefix s
 	want, stale = map[string]bool{}, map[string]bool{}
 	pub := func(p leasehold.Partition, e leasehold.Epoch, key string, barrier bool) {
 		h := nats.Header{}
-		leasehold.Stamp{Partition: p, Epoch: e, Key: key, Worker: fmt.Sprintf("w%d", e)}.SetHeader(h)
+		leasehold.Stamp{Scope: prefix, Partition: p, Epoch: e, Acquisition: fmt.Sprintf("a%d", e), Key: key, Worker: fmt.Sprintf("w%d", e)}.SetHeader(h)
 		subject := fmt.Sprintf("%s.out.p%d", prefix, p)
 		if barrier {
 			h.Set(leasehold.HeaderBarrier, "1")
@@ -97,22 +97,55 @@ func checkApplied(t *testing.T, ctx context.Context, js jetstream.JetStream, str
 	}
 }
 
-// A runner killed mid-batch, once after republishing and before saving
-// its progress and once after saving and before acking, is followed by one
-// that finishes the log: nothing is applied twice, nothing is lost, and no
-// stale effect lands.
+// refusals records the keys every runner of a test refused, by scope.
+type refusals struct {
+	mu   sync.Mutex
+	keys map[string]sink.Decision // "<scope> <key>"
+}
+
+func (r *refusals) Decided(_ context.Context, d sink.Decision) {
+	if !d.Outcome.Dropped() {
+		return
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.keys == nil {
+		r.keys = map[string]sink.Decision{}
+	}
+	r.keys[d.Stamp.Scope+" "+d.Stamp.Key] = d
+}
+
+func (r *refusals) of(scope, key string) (sink.Decision, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	d, ok := r.keys[scope+" "+key]
+	return d, ok
+}
+
+// A runner killed mid-batch is followed by one that finishes the log:
+// nothing is applied twice, nothing is lost, no stale effect lands, and no
+// effect that must be applied is ever refused. The kills: after
+// republishing and before saving anything; after saving the fence shards
+// of the barriers' batch and before saving its position (the next runner
+// finds fences above the saved position and must judge the batch's
+// earlier effects as of their own positions); after saving and before
+// acking.
 func TestCrashMidBatch(t *testing.T) {
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, 2*time.Minute)
 	js := srv.JetStream(t)
-	cfg := streamsink.Config{Prefix: "crash", Batch: 16, AckWait: time.Second, Logger: quiet()}
+	refused := &refusals{}
+	cfg := streamsink.Config{Prefix: "crash", Provision: true, Batch: 16, AckWait: time.Second, Logger: quiet(), Observer: refused}
 	// Create the log and its consumer before anything is published.
 	if _, err := streamsink.New(ctx, js, cfg); err != nil {
 		t.Fatal(err)
 	}
 	want, stale, last := history(t, ctx, js, "crash")
 
-	for _, point := range []string{"delivered", "saved"} {
+	for _, kill := range []struct {
+		point string
+		batch int32
+	}{{"delivered", 3}, {"fenced", 1}, {"saved", 3}} {
 		r, err := streamsink.New(ctx, srv.JetStream(t), cfg)
 		if err != nil {
 			t.Fatal(err)
@@ -120,23 +153,39 @@ func TestCrashMidBatch(t *testing.T) {
 		var batches atomic.Int32
 		crash := errors.New("killed")
 		r.SetHook(func(p string) error {
-			if p == point && batches.Add(1) == 3 {
+			if p == kill.point && batches.Add(1) == kill.batch {
 				return crash
 			}
 			return nil
 		})
 		err = run(t, r).waitDone(ctx)
 		if !errors.Is(err, crash) {
-			t.Fatalf("runner killed at %q: Run = %v", point, err)
+			t.Fatalf("runner killed at %q: Run = %v", kill.point, err)
 		}
 		got, err := downstream(ctx, js, "crash-fenced")
 		if err != nil {
 			t.Fatal(err)
 		}
 		if len(got) == 0 || r.Position() >= last {
-			t.Fatalf("killed at %q: %d effects downstream at position %d of %d; the kill was not mid-log", point, len(got), r.Position(), last)
+			t.Fatalf("killed at %q: %d effects downstream at position %d of %d; the kill was not mid-log", kill.point, len(got), r.Position(), last)
 		}
-		t.Logf("killed at %q: position %d, %d effects downstream", point, r.Position(), len(got))
+		t.Logf("killed at %q: position %d, %d effects downstream", kill.point, r.Position(), len(got))
+		if kill.point == "fenced" {
+			// The barriers' fences are saved, their position is not: a
+			// runner started now resumes before the barriers, at epoch 5.
+			next, err := streamsink.New(ctx, srv.JetStream(t), cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if next.Position() != r.Position() {
+				t.Fatalf("after the kill between fences and position: resumes at %d, want the saved %d", next.Position(), r.Position())
+			}
+			for p := range leasehold.Partition(4) {
+				if f := next.Fence(leasehold.FenceID{Scope: "crash", Partition: p}); f.Epoch != 5 {
+					t.Fatalf("after the kill between fences and position: partition %d at %+v, want epoch 5 as of the saved position", p, f)
+				}
+			}
+		}
 	}
 	final := start(t, srv.JetStream(t), cfg)
 	if err := final.WaitPosition(ctx, last); err != nil {
@@ -144,9 +193,110 @@ func TestCrashMidBatch(t *testing.T) {
 	}
 	checkApplied(t, ctx, js, "crash-fenced", want, stale)
 	for p := range leasehold.Partition(4) {
-		if m := final.MaxEpoch(p); m != 7 {
-			t.Errorf("partition %d: max %d, want 7", p, m)
+		if f := final.Fence(leasehold.FenceID{Scope: "crash", Partition: p}); f.Epoch != 7 || f.Acquisition != "a7" {
+			t.Errorf("partition %d: fence %+v, want epoch 7 of acquisition a7", p, f)
 		}
+	}
+	for k := range want {
+		if d, ok := refused.of("crash", k); ok {
+			t.Errorf("effect %s, to be applied, was refused at position %d: %v", k, d.Position, d.Err)
+		}
+	}
+	for k := range stale {
+		if _, ok := refused.of("crash", k); !ok {
+			t.Errorf("stale effect %s was never refused", k)
+		}
+	}
+}
+
+// A message that precedes a barrier in the log, and is redelivered after
+// the barrier's batch was decided and its fence saved, is judged by its
+// position: the fence as it stood before the barrier admits it. A runner
+// that judged it by the fence alone would refuse a committed effect.
+func TestRedeliveryJudgedByPosition(t *testing.T) {
+	srv := natstest.Start(t)
+	ctx := ctxFor(t, time.Minute)
+	js := srv.JetStream(t)
+	const scope = "redeliver"
+	id := leasehold.FenceID{Scope: scope, Partition: 0}
+	var mu sync.Mutex
+	handed := map[string]int{}
+	rec := &positions{}
+	cfg := streamsink.Config{Prefix: scope, Provision: true, Batch: 2, AckWait: time.Second, Logger: quiet(), Observer: rec,
+		Handler: func(_ context.Context, e sink.Effect) error {
+			mu.Lock()
+			defer mu.Unlock()
+			handed[e.Stamp.Key]++
+			return nil
+		}}
+	if _, err := streamsink.New(ctx, js, cfg); err != nil {
+		t.Fatal(err)
+	}
+	pub := func(e leasehold.Epoch, key string, barrier bool) uint64 {
+		h := nats.Header{}
+		leasehold.Stamp{Scope: scope, Partition: 0, Epoch: e, Acquisition: fmt.Sprintf("a%d", e), Key: key, Worker: fmt.Sprintf("w%d", e)}.SetHeader(h)
+		if barrier {
+			h.Set(leasehold.HeaderBarrier, "1")
+		}
+		ack, err := js.PublishMsg(ctx, &nats.Msg{Subject: scope + ".out.x", Header: h, Data: []byte(key)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ack.Sequence
+	}
+	before := pub(5, "before-barrier", false)
+	barrier := pub(7, leasehold.BarrierKey(scope, 0, 7), true)
+
+	// The first runner decides both in one batch, hands the effect over,
+	// saves the barrier's fence and dies before it saves the position.
+	first, err := streamsink.New(ctx, srv.JetStream(t), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	crash := errors.New("killed")
+	first.SetHook(func(p string) error {
+		if p == "fenced" {
+			return crash
+		}
+		return nil
+	})
+	if err := run(t, first).waitDone(ctx); !errors.Is(err, crash) {
+		t.Fatalf("first runner: Run = %v, want the kill after the fences were saved", err)
+	}
+	if d, ok := rec.at(before); ok {
+		t.Fatalf("the first runner reported %v before it saved its position", d.Outcome)
+	}
+
+	// The second finds the barrier's fence saved above its position, and
+	// gets both messages again when their ack wait runs out.
+	second := start(t, srv.JetStream(t), cfg)
+	if err := second.WaitPosition(ctx, barrier); err != nil {
+		t.Fatal(err)
+	}
+	d, ok := rec.at(before)
+	if !ok || d.Outcome != sink.Accepted || d.Max != 5 {
+		t.Fatalf("the redelivered effect that precedes the barrier: %+v, want Accepted at epoch 5", d)
+	}
+	if f := second.Fence(id); f.Epoch != 7 || f.Acquisition != "a7" {
+		t.Fatalf("fence after the barrier: %+v, want epoch 7 of a7", f)
+	}
+	// After the barrier, the former holder is refused and the new one is
+	// not.
+	zombie := pub(5, "after-barrier", false)
+	holder := pub(7, "new-holder", false)
+	if err := second.WaitPosition(ctx, holder); err != nil {
+		t.Fatal(err)
+	}
+	if d, _ := rec.at(zombie); d.Outcome != sink.Stale || d.Max != 7 {
+		t.Fatalf("the former holder's effect after the barrier: %+v, want Stale under 7", d)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if handed["before-barrier"] < 1 || handed["new-holder"] != 1 || handed["after-barrier"] != 0 {
+		t.Fatalf("handed over %v: want before-barrier (again after the crash), new-holder once, after-barrier never", handed)
+	}
+	if n := second.Dropped(id); n != 1 {
+		t.Fatalf("Dropped = %d, want 1 (the effect after the barrier)", n)
 	}
 }
 
@@ -168,7 +318,7 @@ func TestNATSRestart(t *testing.T) {
 	ctx := ctxFor(t, 2*time.Minute)
 	js := srv.JetStream(t)
 	logs := &lockedBuffer{retry: make(chan struct{}, 1)}
-	cfg := streamsink.Config{Prefix: "restart", Batch: 4, AckWait: time.Second, MaxBackoff: 200 * time.Millisecond, RequestTimeout: 500 * time.Millisecond,
+	cfg := streamsink.Config{Prefix: "restart", Provision: true, Batch: 4, AckWait: time.Second, MaxBackoff: 200 * time.Millisecond, RequestTimeout: 500 * time.Millisecond,
 		Logger: slog.New(slog.NewTextHandler(logs, nil))}
 	r, err := streamsink.New(ctx, srv.JetStream(t), cfg)
 	if err != nil {
@@ -256,7 +406,7 @@ func testHandler(t *testing.T, mode string) {
 			order = append(order, e.Stamp.Epoch)
 		}
 	}
-	cfg := streamsink.Config{Prefix: "hand"}
+	cfg := streamsink.Config{Prefix: "hand", Provision: true}
 	if mode == "batch" {
 		cfg.BatchHandler = func(ctx context.Context, es []sink.Effect) error {
 			if !failOnce.Swap(true) {
@@ -302,7 +452,7 @@ func testHandler(t *testing.T, mode string) {
 			t.Fatalf("partition 0 handed over out of log order: %v", order)
 		}
 	}
-	if n := r.Dropped(0); n != 10 {
+	if n := r.Dropped(leasehold.FenceID{Scope: "hand", Partition: 0}); n != 10 {
 		t.Errorf("Dropped(0) = %d, want 10", n)
 	}
 }
@@ -318,7 +468,7 @@ func TestResumeOnAnotherNode(t *testing.T) {
 	cl := natstest.StartCluster(t)
 	ctx := ctxFor(t, 2*time.Minute)
 	js := cl.JetStream(t)
-	cfg := streamsink.Config{Prefix: "resume", Replicas: 3, Batch: 16, AckWait: time.Second, Logger: quiet()}
+	cfg := streamsink.Config{Prefix: "resume", Provision: true, Replicas: 3, Batch: 16, AckWait: time.Second, Logger: quiet()}
 	if _, err := streamsink.New(ctx, js, cfg); err != nil {
 		t.Fatal(err)
 	}
@@ -340,7 +490,7 @@ func TestResumeOnAnotherNode(t *testing.T) {
 			t.Fatalf("runner on node %d resumes at %d, want the saved %d", node, r.Position(), last)
 		}
 		for p := range leasehold.Partition(4) {
-			if m := r.MaxEpoch(p); m != 7 {
+			if m := r.Fence(leasehold.FenceID{Scope: "resume", Partition: p}).Epoch; m != 7 {
 				t.Errorf("runner on node %d: partition %d max %d, want the saved 7", node, p, m)
 			}
 		}

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"sort"
-	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -37,44 +36,44 @@ type outcome struct {
 func (r *Runner) handle(ctx context.Context, msgs []*logMsg) error {
 	began := time.Now()
 	sort.Slice(msgs, func(i, j int) bool { return msgs[i].seq < msgs[j].seq })
-	r.mu.Lock()
-	work, rev := r.st.clone(), r.rev
-	r.mu.Unlock()
-	start := work.Seq
+	// Only this goroutine changes the position and the fence table, so it
+	// reads them without the lock.
+	w := &work{seq: r.seq}
+	start := w.seq
 	var outs []outcome
 	var handled []jetstream.Msg // at or below the saved position: ack only
 	var stopErr error
 	rest := len(msgs)
 	for i, m := range msgs {
-		if m.seq <= work.Seq {
+		if m.seq <= w.seq {
 			handled = append(handled, m.msg)
 			continue
 		}
-		if m.seq > work.Seq+1 {
+		if m.seq > w.seq+1 {
 			// Something between the saved position and this message
 			// was delivered earlier (to a runner that died) or not at
 			// all: read it from the log, in order.
-			if stopErr = r.fill(ctx, &work, m.seq, &outs); stopErr != nil {
+			if stopErr = r.fill(ctx, w, m.seq, &outs); stopErr != nil {
 				rest = i
 				break
 			}
 		}
-		o, err := r.decide(ctx, &work, m)
+		o, err := r.decide(ctx, w, m)
 		if err != nil {
 			stopErr, rest = err, i
 			break
 		}
 		outs = append(outs, o)
-		work.Seq = m.seq
+		w.seq = m.seq
 	}
 	for _, m := range msgs[rest:] {
-		if m.msg != nil && m.seq > work.Seq {
+		if m.msg != nil && m.seq > w.seq {
 			_ = m.msg.NakWithDelay(time.Second)
 		}
 	}
-	if work.Seq > start {
+	if w.seq > start {
 		r.startSpans(ctx, outs, began)
-		err := r.settle(ctx, outs, work, rev)
+		err := r.settle(ctx, outs, w)
 		endSpans(outs, err)
 		if err != nil {
 			return err
@@ -100,14 +99,14 @@ func (r *Runner) handle(ctx context.Context, msgs []*logMsg) error {
 
 // settle delivers a decided batch, saves the progress and reports the
 // decisions.
-func (r *Runner) settle(ctx context.Context, outs []outcome, work state, rev uint64) error {
+func (r *Runner) settle(ctx context.Context, outs []outcome, w *work) error {
 	if err := r.deliver(ctx, outs); err != nil {
 		return err
 	}
 	if err := r.at("delivered"); err != nil {
 		return err
 	}
-	saved, nrev, err := r.save(ctx, work, rev)
+	written, err := r.save(ctx, w)
 	if err != nil {
 		return err
 	}
@@ -120,7 +119,7 @@ func (r *Runner) settle(ctx context.Context, outs []outcome, work state, rev uin
 		}
 	}
 	// Waiters on the position see the decisions reported.
-	r.adopt(saved, nrev)
+	r.adopt(w, written)
 	return nil
 }
 
@@ -168,30 +167,31 @@ func (r *Runner) at(point string) error {
 	return nil
 }
 
-// fill decides the log messages after work.Seq and before upto, read from
+// fill decides the log messages after w.seq and before upto, read from
 // the stream.
-func (r *Runner) fill(ctx context.Context, work *state, upto uint64, outs *[]outcome) error {
+func (r *Runner) fill(ctx context.Context, w *work, upto uint64, outs *[]outcome) error {
 	for {
-		m, err := r.next(ctx, work.Seq+1)
+		m, err := r.next(ctx, w.seq+1)
 		if err != nil {
 			return err
 		}
 		if m == nil || m.seq >= upto {
 			return nil
 		}
-		o, err := r.decide(ctx, work, m)
+		o, err := r.decide(ctx, w, m)
 		if err != nil {
 			return err
 		}
 		*outs = append(*outs, o)
-		work.Seq = m.seq
+		w.seq = m.seq
 	}
 }
 
-// decide judges one log message against work's fences and updates them.
-// An error means the decision could not be taken (the lease bucket did not
-// answer); the message is decided again later.
-func (r *Runner) decide(ctx context.Context, work *state, m *logMsg) (outcome, error) {
+// decide judges one log message against the fences as they stand at its
+// position (w's, since messages are decided in log order) and records a
+// rise. An error means the decision could not be taken (the lease bucket
+// did not answer); the message is decided again later.
+func (r *Runner) decide(ctx context.Context, w *work, m *logMsg) (outcome, error) {
 	o := outcome{m: m, report: true}
 	st, err := leasehold.StampFromHeader(m.header)
 	if err != nil {
@@ -201,21 +201,29 @@ func (r *Runner) decide(ctx context.Context, work *state, m *logMsg) (outcome, e
 		return o, nil
 	}
 	_, barrier := headerGet(m.header, leasehold.HeaderBarrier)
-	f := work.Fences[st.Partition]
-	o.d = sink.Decision{Stamp: st, Subject: m.subject, Position: m.seq, Max: f.Epoch, Holder: f.Holder}
-	if st.Epoch < f.Epoch {
-		if barrier {
+	id := st.Fence()
+	cur, exists := w.fence(r.fences, id)
+	f := cur.state()
+	o.d = sink.Decision{Stamp: st, Subject: m.subject, Position: m.seq, Max: f.Epoch, MaxAcquisition: f.Acquisition, Holder: f.Holder}
+	v, raise := leasehold.Judge(f, st)
+	if v != leasehold.Admit {
+		if barrier && v == leasehold.Stale {
 			// A late barrier of an earlier acquisition moves nothing.
 			o.report = false
 			return o, nil
 		}
 		o.term = true
-		o.d.Outcome = sink.Stale
-		o.d.Err = sink.StaleError(st, f.Epoch, f.Holder)
+		o.d.Outcome = sink.Refused(v)
+		o.d.Err = leasehold.Refusal(f, st, v)
 		return o, nil
 	}
-	if st.Epoch > f.Epoch {
-		if err := r.check.Check(ctx, st); err != nil {
+	if raise {
+		// The verifier may be the user's: bound it, or one unanswered
+		// request stops the runner for good.
+		cctx, cancel := context.WithTimeout(ctx, r.cfg.RequestTimeout)
+		err := r.check.CheckAbove(cctx, st, f.Epoch)
+		cancel()
+		if err != nil {
 			if !errors.Is(err, sink.ErrUnverifiedEpoch) {
 				return outcome{}, err
 			}
@@ -223,18 +231,31 @@ func (r *Runner) decide(ctx context.Context, work *state, m *logMsg) (outcome, e
 			o.d.Outcome, o.d.Err = sink.Unverified, err
 			return o, nil
 		}
-		work.Fences[st.Partition] = fenceInfo{Epoch: st.Epoch, Holder: st.Worker}
+		if !exists {
+			if err := w.room(r.fences, id, st.Key, r.cfg.MaxFences); err != nil {
+				o.term = true
+				o.d.Outcome, o.d.Err = outcomeFenceLimit, err
+				return o, nil
+			}
+		}
+		w.raise(r.fences, id, rise{At: m.seq, Epoch: st.Epoch, Acquisition: st.Acquisition, Holder: holderOf(st.Worker)})
 	}
-	o.d.Max = st.Epoch
+	o.d.Max, o.d.MaxAcquisition = st.Epoch, st.Acquisition
+	if raise {
+		o.d.Holder = holderOf(st.Worker)
+	}
 	if barrier {
 		o.d.Outcome = sink.Advanced
-		o.report = st.Epoch > f.Epoch
+		o.report = raise
 		return o, nil
 	}
 	o.d.Outcome = sink.Accepted
 	o.deliver = true
 	return o, nil
 }
+
+// outcomeFenceLimit is the outcome of an effect refused by ErrFenceLimit.
+const outcomeFenceLimit = sink.OverLimit
 
 // deliver republishes, or hands over, the accepted effects in log order,
 // retrying until they are delivered or ctx ends.
@@ -330,52 +351,83 @@ func (r *Runner) deliver(ctx context.Context, outs []outcome) error {
 	return nil
 }
 
-// republished builds the downstream message for an accepted effect: its
-// headers (the stamp included), the trace context of the span that
-// decided it, and the idempotency key as Nats-Msg-Id so that the server
-// drops a repeat.
+// republished builds the downstream message for an accepted effect:
+// leasehold's headers and W3C trace context (see keepHeader), the trace
+// context of the span that decided it, and the scope and idempotency key
+// as Nats-Msg-Id so that the server drops a repeat.
 func (r *Runner) republished(ctx context.Context, m *logMsg, st leasehold.Stamp) *nats.Msg {
 	out := nats.NewMsg(r.cfg.Subject(m.subject))
+	canonical := true
 	for k, vs := range m.header {
-		if strings.HasPrefix(strings.ToLower(k), "nats-") {
-			continue
+		switch {
+		case isCanonicalStampHeader(k):
+			out.Header[k] = vs
+		case isStampHeader(k):
+			canonical = false // written below, from the stamp
+		case keepHeader(k):
+			out.Header[k] = vs
 		}
-		out.Header[k] = vs
+	}
+	if !canonical {
+		// The stamp was read, so every spelling of a header agrees; it is
+		// written back under the names readers look up.
+		st.SetHeader(out.Header)
 	}
 	r.rep.Telemetry().Propagator.Inject(ctx, telemetry.HeaderCarrier(out.Header))
-	out.Header.Set(jetstream.MsgIDHeader, st.Key)
+	out.Header[jetstream.MsgIDHeader] = []string{MessageID(st)}
 	out.Data = m.data
 	return out
 }
 
-// save writes work's progress over revision rev, retrying while NATS is
-// away. A refusal whose saved state is not ours means another runner.
-func (r *Runner) save(ctx context.Context, work state, rev uint64) (state, uint64, error) {
-	for attempt := 0; ; attempt++ {
-		nrev, err := r.saveState(ctx, work, rev)
-		if err == nil {
-			return work, nrev, nil
+// MessageID is the Nats-Msg-Id of an effect stamped with s in the
+// downstream stream: "<scope> <key>". Dedupe is per scope and key, and a
+// scope holds no space.
+func MessageID(s leasehold.Stamp) string { return s.Scope + " " + s.Key }
+
+// save writes w: first the fence shards it changes (and any the saved
+// state holds ahead of the saved position), then its position, retrying
+// while NATS is away. It returns the shards it wrote. A write refused
+// because the key moved, and not by an earlier attempt of ours, means
+// another runner.
+func (r *Runner) save(ctx context.Context, w *work) ([]int, error) {
+	shards := w.dirty(r.fences)
+	todo := make(map[int][]byte, len(shards))
+	for _, k := range shards {
+		body := encodeShard(w.history(r.fences, k))
+		if len(body) > shardBytes {
+			// reserve and room keep this from happening.
+			return nil, fmt.Errorf("streamsink: fence shard %d would take %d bytes, above its bound of %d", k, len(body), shardBytes)
 		}
-		if isStateConflict(err) {
-			// An earlier attempt whose answer was lost may have landed.
-			cur, crev, lerr := r.loadState(ctx)
-			if lerr == nil && cur.Seq == work.Seq {
-				return cur, crev, nil
+		todo[k] = body
+	}
+	for attempt := 0; ; attempt++ {
+		err := r.saveShards(ctx, r.fences, todo)
+		if err == nil && len(shards) > 0 {
+			if err = r.at("fenced"); err != nil {
+				return nil, err
 			}
-			if lerr == nil {
-				return state{}, 0, fmt.Errorf("%w: consumer %s: saved position %d, ours %d", ErrStateConflict, r.cfg.Consumer, cur.Seq, work.Seq)
+		}
+		if err == nil {
+			var nrev uint64
+			if nrev, err = r.savePosition(ctx, w.seq, r.rev); err == nil {
+				r.rev = nrev
+				return shards, nil
 			}
-			err = lerr
+		}
+		if errors.Is(err, ErrStateConflict) {
+			return nil, err
 		}
 		if err := r.backoff(ctx, attempt, "save progress", err); err != nil {
-			return state{}, 0, err
+			return nil, err
 		}
 	}
 }
 
-func (r *Runner) adopt(s state, rev uint64) {
+// adopt makes w, saved, the runner's state.
+func (r *Runner) adopt(w *work, written []int) {
 	r.mu.Lock()
-	r.st, r.rev = s, rev
+	r.seq = w.seq
+	r.fences.commit(w, written)
 	close(r.progress)
 	r.progress = make(chan struct{})
 	r.mu.Unlock()

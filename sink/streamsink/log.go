@@ -6,6 +6,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
 )
 
 // logMsg is one message of the effect log, delivered by the consumer or
@@ -39,9 +41,48 @@ func headerGet(h nats.Header, name string) (string, bool) {
 		return vs[0], true
 	}
 	for k, vs := range h {
-		if strings.EqualFold(k, name) && len(vs) > 0 {
+		if len(k) == len(name) && len(vs) > 0 && strings.EqualFold(k, name) {
 			return vs[0], true
 		}
 	}
 	return "", false
+}
+
+// keepHeader reports whether a log message's header travels with its
+// republished effect: leasehold's own (but the stamp's, which the stamp
+// writes in canonical form) and W3C trace context. Nothing else: a header
+// in the server's Nats- namespace changes how the server takes the write
+// (Nats-Expected-Stream fails it for ever, a Nats-Msg-Id has a later
+// effect dropped as its duplicate), and other headers are the publisher's
+// business, not the sink's.
+func keepHeader(name string) bool {
+	const lh = "Leasehold-"
+	if len(name) > len(lh) && strings.EqualFold(name[:len(lh)], lh) {
+		for i := len(lh); i < len(name); i++ {
+			if c := name[i]; c <= ' ' || c >= 0x7f || c == ':' {
+				return false
+			}
+		}
+		return !isStampHeader(name)
+	}
+	return strings.EqualFold(name, "traceparent") || strings.EqualFold(name, "tracestate") || strings.EqualFold(name, "baggage")
+}
+
+// isCanonicalStampHeader reports whether name is a stamp header spelled as
+// leasehold spells it: the common case, told without folding case.
+func isCanonicalStampHeader(name string) bool {
+	switch name {
+	case leasehold.HeaderScope, leasehold.HeaderPartition, leasehold.HeaderEpoch, leasehold.HeaderAcquisition, leasehold.HeaderKey, leasehold.HeaderWorker:
+		return true
+	}
+	return false
+}
+
+func isStampHeader(name string) bool {
+	for _, h := range [...]string{leasehold.HeaderScope, leasehold.HeaderPartition, leasehold.HeaderEpoch, leasehold.HeaderAcquisition, leasehold.HeaderKey, leasehold.HeaderWorker} {
+		if strings.EqualFold(name, h) {
+			return true
+		}
+	}
+	return false
 }

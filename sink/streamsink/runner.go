@@ -2,27 +2,33 @@
 //
 // Workers publish their effects, stamped, into a stream (by default
 // "<prefix>-effects" on "<prefix>.out.>"). A Runner consumes that log in
-// order with a durable consumer, fences each effect against its
-// partition's maximum, and either republishes the accepted ones into a
-// downstream stream (Nats-Msg-Id = the idempotency key, so a repeat is
-// dropped by the server) or hands them to a function. A stale effect, a
-// bad stamp and an unverified epoch are terminated (Term): never
-// redelivered, never applied, counted and reported.
+// order with a durable consumer, judges each effect against its fence (one
+// per scope and partition: any number of job streams and locks share one
+// log), and either republishes the accepted ones into a downstream stream
+// (Nats-Msg-Id = scope and idempotency key, so a repeat is dropped by the
+// server) or hands them to a function. A stale effect, a split-brain one
+// (an epoch's second acquisition), a bad stamp, an unverified epoch and an
+// effect beyond the fence limit are terminated (Term): never redelivered,
+// never applied, counted and reported.
 //
 // A barrier (a message with the leasehold.HeaderBarrier header, published
-// by a worker when it acquires a partition) raises the partition's maximum
-// at its place in the log. The runner learns take-overs from barriers and
-// from nothing else: an earlier holder's effect published before the
-// barrier may be committed progress, and refusing it would lose it.
+// by a worker when it acquires a partition) raises the fence at its place
+// in the log. The runner learns take-overs from barriers and from nothing
+// else: an earlier holder's effect published before the barrier may be
+// committed progress, and refusing it would lose it. So each message is
+// judged against the fences as they stood at its log position.
 //
-// Progress is crash-safe. After each batch the runner saves, in one KV
-// write, the fence maxima and the last log position it handled, and only
-// then acks. A runner that dies mid-batch leaves the batch unsaved and
-// unacked; the next one redecides it from the saved state, reaching the
-// same decisions, and its republishes are dropped as duplicates. Messages
-// at or below the saved position are acked without a second decision, and
-// messages that arrive out of order (redeliveries after a crash) are put
-// back in order by reading the log. Nothing is applied twice or lost.
+// Progress is crash-safe. After each batch the runner saves the fence
+// shards the batch changed (most batches change none), then the last log
+// position it handled, and only then acks. A runner that dies mid-batch
+// leaves the position unsaved and the batch unacked; the next one decides
+// the batch again from the saved position, against the fences as they
+// stood there (entries a dead runner saved above it are ignored), reaching
+// the same decisions, and its republishes are dropped as duplicates.
+// Messages at or below the saved position are acked without a second
+// decision, and messages that arrive out of order (redeliveries after a
+// crash) are put back in order by reading the log. Nothing is applied
+// twice or lost. The saved state is bounded: see Config.MaxFences.
 package streamsink
 
 import (
@@ -38,6 +44,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/internal/leader"
+	"github.com/leasehold/leasehold/internal/retry"
 	"github.com/leasehold/leasehold/sink"
 )
 
@@ -58,16 +65,22 @@ type Runner struct {
 	// stops Run there, as a crash would.
 	hook func(point string) error
 
+	retention Retention // what the log's settings can remove
+	logFirst  uint64    // the log's first sequence as configured: none below it ever existed
+
 	mu       sync.Mutex
-	st       state
-	rev      uint64
-	progress chan struct{} // closed and replaced when st advances
+	seq      uint64        // the saved position
+	rev      uint64        // the position record's revision; only Run's goroutine uses it
+	fences   *fenceTable   // as of seq
+	progress chan struct{} // closed and replaced when seq advances
 	running  bool
 }
 
-// New prepares a runner: it creates the effect log, the downstream stream,
-// the state bucket and the durable consumer when they are missing, and
-// loads the saved progress.
+// New prepares a runner: it finds the effect log (or creates it, with
+// Config.Provision) and checks what its settings can remove (see
+// Retention), creates the downstream stream, the dead-letter stream, the
+// state bucket and the durable consumer when they are missing, and loads
+// the saved progress.
 func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Runner, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("streamsink: invalid config: %w", err)
@@ -86,30 +99,39 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Runner, erro
 	if err := r.provision(ctx); err != nil {
 		return nil, err
 	}
-	st, rev, err := r.loadState(ctx)
+	if max := js.Conn().MaxPayload(); max > 0 && max < shardBytes+4096 {
+		return nil, fmt.Errorf("streamsink: the server's max payload of %d bytes is below the %d a shard of the runner's saved fences may take: raise max_payload (default 1 MiB)", max, shardBytes+4096)
+	}
+	st, err := retry.Value(ctx, r.loadState)
 	if err != nil {
 		return nil, err
 	}
-	r.st, r.rev = st, rev
+	r.seq, r.rev, r.fences = st.seq, st.rev, st.fences
+	if st.legacy {
+		// Convert at once, so that a runner built before fence scopes
+		// finds state it refuses rather than state it would trust.
+		written, err := r.save(ctx, &work{seq: st.seq})
+		if err != nil {
+			return nil, fmt.Errorf("streamsink: convert the progress saved before fence scopes: %w", err)
+		}
+		r.fences.commit(&work{}, written)
+		r.log.LogAttrs(ctx, slog.LevelInfo, "streamsink: converted progress saved before fence scopes",
+			slog.String("sink", cfg.Name), slog.String("scope", cfg.LegacyScope), slog.Int("fences", len(r.fences.fences)), slog.Uint64("position", st.seq))
+	}
 	return r, nil
 }
 
 func (r *Runner) provision(ctx context.Context) error {
 	cfg := r.cfg
-	if _, err := r.js.Stream(ctx, cfg.Stream); errors.Is(err, jetstream.ErrStreamNotFound) {
-		_, err = r.js.CreateStream(ctx, jetstream.StreamConfig{
-			Name: cfg.Stream, Subjects: cfg.Subjects, Storage: jetstream.FileStorage, Replicas: cfg.Replicas,
-			Description: "leasehold effect log",
-		})
-		if err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
-			return fmt.Errorf("streamsink: create the effect log %s: %w", cfg.Stream, err)
-		}
-	} else if err != nil {
-		return fmt.Errorf("streamsink: look up the effect log %s: %w", cfg.Stream, err)
+	if err := r.provisionLog(ctx); err != nil {
+		return err
+	}
+	if err := r.provisionDeadLetter(ctx); err != nil {
+		return err
 	}
 	if cfg.Handler == nil && cfg.BatchHandler == nil {
-		if _, err := r.js.Stream(ctx, cfg.Downstream); errors.Is(err, jetstream.ErrStreamNotFound) {
-			_, err = r.js.CreateStream(ctx, jetstream.StreamConfig{
+		if _, err := retry.Value(ctx, r.lookup(cfg.Downstream)); errors.Is(err, jetstream.ErrStreamNotFound) {
+			_, err = r.create(ctx, jetstream.StreamConfig{
 				Name: cfg.Downstream, Subjects: []string{cfg.Prefix + ".fenced.>"}, Storage: jetstream.FileStorage,
 				Replicas: cfg.Replicas, Duplicates: 10 * time.Minute, Description: "leasehold fenced effects",
 			})
@@ -120,14 +142,17 @@ func (r *Runner) provision(ctx context.Context) error {
 			return fmt.Errorf("streamsink: look up the downstream stream %s: %w", cfg.Downstream, err)
 		}
 	}
-	kv, err := r.js.KeyValue(ctx, cfg.StateBucket)
+	bind := func(ctx context.Context) (jetstream.KeyValue, error) { return r.js.KeyValue(ctx, cfg.StateBucket) }
+	kv, err := retry.Value(ctx, bind)
 	if errors.Is(err, jetstream.ErrBucketNotFound) {
-		kv, err = r.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
-			Bucket: cfg.StateBucket, History: 1, Storage: jetstream.FileStorage, Replicas: cfg.Replicas,
-			Description: "leasehold stream sink progress",
+		kv, err = retry.Value(ctx, func(ctx context.Context) (jetstream.KeyValue, error) {
+			return r.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
+				Bucket: cfg.StateBucket, History: 1, Storage: jetstream.FileStorage, Replicas: cfg.Replicas,
+				Description: "leasehold stream sink progress",
+			})
 		})
 		if errors.Is(err, jetstream.ErrBucketExists) {
-			kv, err = r.js.KeyValue(ctx, cfg.StateBucket)
+			kv, err = retry.Value(ctx, bind)
 		}
 	}
 	if err != nil {
@@ -135,7 +160,7 @@ func (r *Runner) provision(ctx context.Context) error {
 	}
 	r.stateKV = kv
 	r.state = leader.NewReader(r.js, "KV_"+cfg.StateBucket)
-	cons, err := r.js.CreateOrUpdateConsumer(ctx, cfg.Stream, jetstream.ConsumerConfig{
+	cc := jetstream.ConsumerConfig{
 		Durable:       cfg.Consumer,
 		Description:   "leasehold stream sink",
 		AckPolicy:     jetstream.AckExplicitPolicy,
@@ -144,6 +169,9 @@ func (r *Runner) provision(ctx context.Context) error {
 		MaxAckPending: 4 * cfg.Batch,
 		FilterSubject: cfg.FilterSubject,
 		DeliverPolicy: jetstream.DeliverAllPolicy,
+	}
+	cons, err := retry.Value(ctx, func(ctx context.Context) (jetstream.Consumer, error) {
+		return r.js.CreateOrUpdateConsumer(ctx, cfg.Stream, cc)
 	})
 	if err != nil {
 		return fmt.Errorf("streamsink: consumer %s on %s: %w", cfg.Consumer, cfg.Stream, err)
@@ -152,18 +180,36 @@ func (r *Runner) provision(ctx context.Context) error {
 	return nil
 }
 
-// MaxEpoch returns partition p's maximum as of the handled position.
-func (r *Runner) MaxEpoch(p leasehold.Partition) leasehold.Epoch {
+func (r *Runner) lookup(name string) func(context.Context) (jetstream.Stream, error) {
+	return func(ctx context.Context) (jetstream.Stream, error) { return r.js.Stream(ctx, name) }
+}
+
+// create creates a stream, retrying the server's transient refusals (10049
+// right after a delete of the same name).
+func (r *Runner) create(ctx context.Context, sc jetstream.StreamConfig) (jetstream.Stream, error) {
+	return retry.Value(ctx, func(ctx context.Context) (jetstream.Stream, error) { return r.js.CreateStream(ctx, sc) })
+}
+
+// Fence returns what the runner records for fence id as of the handled
+// position: the zero FenceState if nothing.
+func (r *Runner) Fence(id leasehold.FenceID) leasehold.FenceState {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return r.st.Fences[p].Epoch
+	return r.fences.fences[id].state()
+}
+
+// Fences returns how many fences the runner keeps (see Config.MaxFences).
+func (r *Runner) Fences() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.fences.fences)
 }
 
 // Position returns the last log position handled and saved.
 func (r *Runner) Position() uint64 {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return r.st.Seq
+	return r.seq
 }
 
 // WaitPosition waits until the runner has handled and saved log position
@@ -171,7 +217,7 @@ func (r *Runner) Position() uint64 {
 func (r *Runner) WaitPosition(ctx context.Context, seq uint64) error {
 	for {
 		r.mu.Lock()
-		done, ch := r.st.Seq >= seq, r.progress
+		done, ch := r.seq >= seq, r.progress
 		r.mu.Unlock()
 		if done {
 			return nil
@@ -184,8 +230,8 @@ func (r *Runner) WaitPosition(ctx context.Context, seq uint64) error {
 	}
 }
 
-// Dropped returns how many effects of partition p were refused.
-func (r *Runner) Dropped(p leasehold.Partition) uint64 { return r.rep.Dropped(p) }
+// Dropped returns how many effects of fence id were refused.
+func (r *Runner) Dropped(id leasehold.FenceID) uint64 { return r.rep.Dropped(id) }
 
 // Run consumes the log until ctx ends, retrying with backoff while NATS is
 // away. It returns nil when ctx ends and ErrStateConflict when another

@@ -1,6 +1,7 @@
 package streamsink
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -17,63 +18,179 @@ import (
 // Run one runner per consumer.
 var ErrStateConflict = errors.New("streamsink: another runner saved progress under this consumer name")
 
-// state is the runner's progress: every log message up to Seq has been
-// decided and its outcome delivered, and Fences holds each partition's
-// maximum as of Seq.
-type state struct {
-	Seq    uint64                            `json:"seq"`
-	Fences map[leasehold.Partition]fenceInfo `json:"fences"`
+// ErrLegacyState is matched by the error New returns for progress saved
+// before fence scopes when Config.LegacyScope is not set.
+var ErrLegacyState = errors.New("streamsink: the saved progress was written before fence scopes")
+
+// The saved state, in the state bucket:
+//
+//	<consumer>                 the position record (position)
+//	<consumer>.fences.<shard>  the fences of one shard (see encodeShard)
+//
+// Every message up to the position has been decided and its outcome
+// delivered. A batch writes the shards its fences rose in first, then the
+// position; most batches raise no fence and write the position alone.
+
+// positionFormat is the format of the position record with sharded fences.
+// Progress saved before fence scopes has no format field and holds every
+// fence in the record itself.
+const positionFormat = 2
+
+// position is the position record.
+type position struct {
+	Format int    `json:"format"`
+	Seq    uint64 `json:"seq"`
+	Shards int    `json:"shards"`
+	// Fences says where the fences are. It is a string where a runner built
+	// before fence scopes reads an object, so that such a runner refuses
+	// this state instead of starting over with no fences.
+	Fences string `json:"fences"`
 }
 
-type fenceInfo struct {
-	Epoch  leasehold.Epoch `json:"epoch"`
-	Holder string          `json:"holder,omitempty"`
+// legacyState is the progress a runner built before fence scopes saved.
+type legacyState struct {
+	Seq    uint64 `json:"seq"`
+	Fences map[leasehold.Partition]struct {
+		Epoch  leasehold.Epoch `json:"epoch"`
+		Holder string          `json:"holder,omitempty"`
+	} `json:"fences"`
 }
 
-func (s state) clone() state {
-	c := state{Seq: s.Seq, Fences: make(map[leasehold.Partition]fenceInfo, len(s.Fences))}
+func (r *Runner) positionKey() string { return r.cfg.Consumer }
+
+func (r *Runner) encodePosition(seq uint64) []byte {
+	b, _ := json.Marshal(position{Format: positionFormat, Seq: seq, Shards: r.fences.n,
+		Fences: "in keys " + r.cfg.Consumer + ".fences.<shard>; read by leasehold stream sinks with fence scopes"})
+	return b
+}
+
+// loaded is the saved state as New reads it.
+type loaded struct {
+	seq    uint64
+	rev    uint64 // the position record's revision; 0: none saved
+	fences *fenceTable
+	legacy bool // converted from progress saved before fence scopes: to be saved at once
+}
+
+// loadState reads the saved position and fences through the state bucket's
+// stream leader. The fences decide which effects are stale, and a direct
+// get may be answered by a replica that has not seen the last save: a
+// runner that started from it could apply an effect the saved fences
+// refuse before its first save failed.
+func (r *Runner) loadState(ctx context.Context) (loaded, error) {
+	where := r.cfg.StateBucket + "/" + r.positionKey()
+	m, err := r.state.Last(ctx, r.kvSubject(r.positionKey()))
+	if err != nil {
+		return loaded{}, fmt.Errorf("streamsink: read progress %s: %w", where, err)
+	}
+	out := loaded{fences: newFenceTable(numShards)}
+	var legacy *legacyState
+	if m != nil && !leader.IsMarker(m.Header) {
+		var probe struct {
+			Format int             `json:"format"`
+			Seq    uint64          `json:"seq"`
+			Shards int             `json:"shards"`
+			Fences json.RawMessage `json:"fences"`
+		}
+		if err := json.Unmarshal(m.Data, &probe); err != nil {
+			return loaded{}, fmt.Errorf("streamsink: progress %s is not leasehold's JSON (%v): fix or delete the key and its %s.fences.* keys, knowing that the runner then starts over", where, err, r.positionKey())
+		}
+		switch probe.Format {
+		case 0:
+			legacy = &legacyState{}
+			if err := json.Unmarshal(m.Data, legacy); err != nil {
+				return loaded{}, fmt.Errorf("streamsink: progress %s, saved before fence scopes, cannot be read (%v): fix or delete the key, knowing that the runner then starts over", where, err)
+			}
+		case positionFormat:
+			if probe.Shards < 1 || probe.Shards > leasehold.MaxPartitions {
+				return loaded{}, fmt.Errorf("streamsink: progress %s names %d fence shards: not leasehold's; fix or delete the key and its %s.fences.* keys, knowing that the runner then starts over", where, probe.Shards, r.positionKey())
+			}
+			out.fences = newFenceTable(probe.Shards)
+		default:
+			return loaded{}, fmt.Errorf("streamsink: progress %s has format %d, which this runner does not know: it was saved by a later version; run that version", where, probe.Format)
+		}
+		out.seq, out.rev = probe.Seq, m.Seq
+	} else if m != nil {
+		out.rev = m.Seq
+	}
+	r.fences = out.fences
+	if err := r.loadShards(ctx, out.fences, out.seq, legacy != nil); err != nil {
+		return loaded{}, err
+	}
+	if legacy != nil {
+		if err := r.adoptLegacy(out.fences, legacy); err != nil {
+			return loaded{}, err
+		}
+		out.legacy = true
+	}
+	return out, nil
+}
+
+// adoptLegacy takes the fences of progress saved before fence scopes as
+// Config.LegacyScope's, as of its position. The first save writes them in
+// shards and the position record over the old value.
+func (r *Runner) adoptLegacy(t *fenceTable, s *legacyState) error {
+	if len(s.Fences) > 0 && r.cfg.LegacyScope == "" {
+		return fmt.Errorf("%w (%s/%s holds %d fences with no scope): set Config.LegacyScope to the scope that wrote it, normally the job stream's prefix, and the runner converts it in place; or use a fresh state bucket or consumer name, knowing that the runner then decides the whole log again",
+			ErrLegacyState, r.cfg.StateBucket, r.positionKey(), len(s.Fences))
+	}
 	for p, f := range s.Fences {
-		c.Fences[p] = f
+		if p >= leasehold.MaxPartitions || f.Epoch > leasehold.MaxEpoch {
+			return fmt.Errorf("streamsink: progress %s/%s, saved before fence scopes, holds partition %d at epoch %d: not leasehold's; fix or delete the key", r.cfg.StateBucket, r.positionKey(), p, f.Epoch)
+		}
+		if f.Epoch == 0 {
+			continue
+		}
+		t.add(leasehold.FenceID{Scope: r.cfg.LegacyScope, Partition: p}, rise{At: s.Seq, Epoch: f.Epoch, Holder: holderOf(f.Holder)})
 	}
-	return c
+	// Shards left by a conversion that did not finish are written over.
+	for k := range t.members {
+		if len(t.members[k]) > 0 || t.rev[k] > 0 {
+			t.stale[k] = true
+		}
+	}
+	return nil
 }
 
-// loadState reads the saved progress and its revision (0: none saved)
-// through the state bucket's stream leader. Its fences decide which
-// effects are stale, and a direct get may be answered by a replica that
-// has not seen the last save: a runner that started from it could apply
-// an effect the saved fences refuse before its first save failed.
-func (r *Runner) loadState(ctx context.Context) (state, uint64, error) {
-	m, err := r.state.Last(ctx, "$KV."+r.cfg.StateBucket+"."+r.cfg.Consumer)
-	if err != nil {
-		return state{}, 0, fmt.Errorf("streamsink: read progress %s/%s: %w", r.cfg.StateBucket, r.cfg.Consumer, err)
+// savePosition writes position seq over revision rev and returns the new
+// revision. A conflict whose saved record is ours (an earlier attempt whose
+// answer was lost) is success.
+func (r *Runner) savePosition(ctx context.Context, seq, rev uint64) (uint64, error) {
+	body := r.encodePosition(seq)
+	nrev, err := r.put(ctx, r.positionKey(), body, rev)
+	if err == nil || !isStateConflict(err) {
+		return nrev, err
 	}
-	if m == nil || leader.IsMarker(m.Header) {
-		return state{Fences: map[leasehold.Partition]fenceInfo{}}, 0, nil
-	}
-	var s state
-	if err := json.Unmarshal(m.Data, &s); err != nil {
-		return state{}, 0, fmt.Errorf("streamsink: progress %s/%s is not leasehold's JSON (%v): fix or delete the key, knowing that the runner then starts over", r.cfg.StateBucket, r.cfg.Consumer, err)
-	}
-	if s.Fences == nil {
-		s.Fences = map[leasehold.Partition]fenceInfo{}
-	}
-	return s, m.Seq, nil
+	return r.mine(ctx, r.positionKey(), body, err)
 }
 
-// saveState writes s over revision rev and returns the new revision.
-func (r *Runner) saveState(ctx context.Context, s state, rev uint64) (uint64, error) {
-	body, err := json.Marshal(s)
-	if err != nil {
-		return 0, err
-	}
+// put writes key over revision rev (0: the key must hold nothing).
+func (r *Runner) put(ctx context.Context, key string, body []byte, rev uint64) (uint64, error) {
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.RequestTimeout)
 	defer cancel()
 	if rev == 0 {
-		return r.stateKV.Create(ctx, r.cfg.Consumer, body)
+		return r.stateKV.Create(ctx, key, body)
 	}
-	return r.stateKV.Update(ctx, r.cfg.Consumer, body, rev)
+	return r.stateKV.Update(ctx, key, body, rev)
 }
+
+// mine resolves a conflicting write of body to key: when the key holds
+// body, an earlier attempt whose answer was lost landed, and its revision
+// is returned; otherwise another runner wrote it.
+func (r *Runner) mine(ctx context.Context, key string, body []byte, conflict error) (uint64, error) {
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.RequestTimeout)
+	defer cancel()
+	m, err := r.state.Last(ctx, r.kvSubject(key))
+	if err != nil {
+		return 0, err
+	}
+	if m != nil && !leader.IsMarker(m.Header) && bytes.Equal(m.Data, body) {
+		return m.Seq, nil
+	}
+	return 0, fmt.Errorf("%w: consumer %s: key %s of %s was written by someone else (%v)", ErrStateConflict, r.cfg.Consumer, key, r.cfg.StateBucket, conflict)
+}
+
+func (r *Runner) kvSubject(key string) string { return "$KV." + r.cfg.StateBucket + "." + key }
 
 // isStateConflict reports whether a save failed because the saved
 // revision moved.

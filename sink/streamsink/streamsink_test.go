@@ -130,24 +130,37 @@ func (l *logSink) Apply(ctx context.Context, effects ...sink.Effect) error {
 	return nil
 }
 
-func (l *logSink) Advance(ctx context.Context, p leasehold.Partition, e leasehold.Epoch) error {
+// Advance publishes the barrier a worker publishes when it acquires l's
+// partition, and waits for it to be decided. A barrier below the fence
+// moves nothing and the runner reports nothing for it (a late barrier of
+// an earlier acquisition is harmless); the adapter tells the caller so
+// from the fence, as a worker reading the runner's fence would.
+func (l *logSink) Advance(ctx context.Context, ls leasehold.Lease) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	if err := sink.ValidateAdvance(p, e); err != nil {
+	if err := sink.ValidateAdvance(ls); err != nil {
 		return err
 	}
 	h := nats.Header{}
-	leasehold.Stamp{Partition: p, Epoch: e, Key: leasehold.BarrierKey(l.prefix, p, e), Worker: "new-holder"}.SetHeader(h)
+	st := ls.Stamp(leasehold.BarrierKey(ls.Scope, ls.Partition, ls.Epoch))
+	st.SetHeader(h)
 	h.Set(leasehold.HeaderBarrier, "1")
-	return l.publish(ctx, l.prefix+".out.barrier", h, nil)
+	if err := l.publish(ctx, l.prefix+".out.barrier", h, nil); err != nil {
+		return err
+	}
+	f := l.r.Fence(ls.Fence())
+	if v, _ := leasehold.Judge(f, st); v != leasehold.Admit {
+		return leasehold.Refusal(f, st, v)
+	}
+	return nil
 }
 
-func (l *logSink) MaxEpoch(ctx context.Context, p leasehold.Partition) (leasehold.Epoch, error) {
-	return l.r.MaxEpoch(p), ctx.Err()
+func (l *logSink) Fence(ctx context.Context, id leasehold.FenceID) (leasehold.FenceState, error) {
+	return l.r.Fence(id), ctx.Err()
 }
 
-func (l *logSink) Dropped(p leasehold.Partition) uint64 { return l.r.Dropped(p) }
+func (l *logSink) Dropped(id leasehold.FenceID) uint64 { return l.r.Dropped(id) }
 
 // downstream reads every message of the downstream stream as an effect.
 func downstream(ctx context.Context, js jetstream.JetStream, name string) ([]sink.Effect, error) {
@@ -183,18 +196,18 @@ func TestConformance(t *testing.T) {
 		func(t *testing.T, st sinktest.Setup) sinktest.Instance {
 			rec := &positions{}
 			js := srv.JetStream(t)
-			cfg := streamsink.Config{Prefix: st.Scope, Observer: sink.Observers{st.Observer, rec}, Verifier: st.Verifier, Logger: quiet()}
-			l := &logSink{js: js, r: start(t, js, cfg), rec: rec, prefix: st.Scope}
+			cfg := streamsink.Config{Prefix: st.Name, Provision: true, Observer: sink.Observers{st.Observer, rec}, Verifier: st.Verifier, Logger: quiet()}
+			l := &logSink{js: js, r: start(t, js, cfg), rec: rec, prefix: st.Name}
 			return sinktest.Instance{
 				Sink:    l,
-				Subject: func(name string) string { return st.Scope + ".out." + name },
-				Applied: func(ctx context.Context) ([]sink.Effect, error) { return downstream(ctx, js, st.Scope+"-fenced") },
+				Subject: func(name string) string { return st.Name + ".out." + name },
+				Applied: func(ctx context.Context) ([]sink.Effect, error) { return downstream(ctx, js, st.Name+"-fenced") },
 				Reopen: func(ctx context.Context) (sink.Sink, error) {
 					if err := l.r.stop(); err != nil {
 						return nil, err
 					}
 					js2 := srv.JetStream(t)
-					l2 := &logSink{js: js2, r: start(t, js2, cfg), rec: rec, prefix: st.Scope}
+					l2 := &logSink{js: js2, r: start(t, js2, cfg), rec: rec, prefix: st.Name}
 					return l2, nil
 				},
 				ApplyHeader: func(ctx context.Context, h map[string][]string, subject string, data []byte) error {

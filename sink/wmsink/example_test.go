@@ -7,16 +7,16 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
-	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/wmsink"
 )
 
 // Fence every handler of a router: stale messages are acked and dropped
-// before the handler runs.
+// before the handler runs. gochannel gives no log positions, so the Fencer
+// judges in arrival order.
 func ExampleFencer_Middleware() {
 	logger := watermill.NopLogger{}
 	sub := gochannel.NewGoChannel(gochannel.Config{}, logger)
-	f, err := wmsink.New(wmsink.Config{Fence: sink.NewMemory(sink.MemoryConfig{})})
+	f, err := wmsink.New(wmsink.Config{ArrivalOrder: true})
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -1,24 +1,63 @@
-// Package wmsink fences Watermill messages: a HandlerMiddleware that runs
-// a handler only for messages whose stamp (leasehold metadata) is not
-// stale, from any Watermill subscriber.
+// Package wmsink fences Watermill messages: a subscriber decorator and a
+// HandlerMiddleware that let a handler see a message only when its stamp
+// (leasehold metadata) is admitted.
 //
-// The Fencer keeps the maxima in a sink.Fence (sink.NewMemory for one
-// process, or a durable sink such as kvsink or pgsink so that they survive
-// restarts) and makes the check, the raise and the handler one critical
-// section per partition. That is atomic when this Fencer is the only
-// writer of the partition's destination, the usual shape of a consumer
-// that reads an effect log in order. When several processes write the same
-// destination, write through a Sink's Apply (or pgsink.ApplyTx) instead,
-// whose check and write are atomic in the store.
+// # Log position
 //
-// A stale message is acked and dropped: the middleware reports it (with
-// its *leasehold.StaleEpochError) to the Observer, counts and logs it, and
-// returns no error, so it is never redelivered. A message with missing or
-// malformed leasehold metadata gets an error that matches
-// leasehold.ErrBadStamp and names the field; Watermill nacks it, so put
-// middleware.PoisonQueue outside this middleware to move such messages
-// aside. A barrier message (leasehold.HeaderBarrier in its metadata)
-// raises the partition's maximum and is acked without calling the handler.
+// A message is judged against each fence as it stood at the message's
+// position in its log, as the stream sink judges an effect log: the
+// fences are raised by the barriers (and higher epochs) that come before
+// the message in the log, never by ones that came after it. A message
+// that preceded a barrier is admitted however late it is delivered again
+// (nacked on a database blip, redelivered after its AckWait), so an
+// effect whose job was committed is never refused for arriving after the
+// take-over. A former holder's message after the barrier is refused.
+//
+// Positions come from JetStream: build the watermill-nats subscriber with
+// the Fencer's Unmarshaler, which reads each message's stream and
+// sequence from the server's metadata, and give the Fencer the JetStream
+// connection (Config.JetStream), through which it reads the log where
+// its messages leave a gap (before the first one it sees, or between two
+// consumers' messages), so that every barrier before a message has been
+// seen when the message is judged. Judging is then a function of the log
+// alone, and exact with any number of subscriptions, consumers and
+// processes on a log, in any delivery order, across restarts, as long as
+// the log keeps its messages: a stream with limits retention and no
+// MaxAge, MaxMsgs, MaxBytes or MaxMsgsPerSubject, never purged. A log
+// that can lose messages is refused (ErrLogNotKept), since a barrier it
+// drops is gone with them.
+//
+// # Arrival order
+//
+// Other subscribers give no positions. New refuses such a configuration
+// unless Config.ArrivalOrder says to judge messages in the order they
+// arrive, against fences this process keeps in memory. That is exact only
+// for a pub/sub that hands out every message in publishing order and
+// never again after a later one, in one process; it is not
+// redelivery-safe: a message nacked before a barrier and redelivered
+// after it is refused. The fences do not survive a restart, and there is
+// no Fence shared across processes: decisions there would be a check at
+// one store and a write at another.
+//
+// # Outcomes
+//
+// A stale or split-brain message, or one whose epoch the lease bucket
+// never issued (Config.Verifier), is acked and dropped: it is reported
+// with its error to the Observer, counted (Dropped), logged and traced,
+// and never redelivered. A barrier (leasehold.HeaderBarrier) raises its
+// fence and is acked without reaching the handler. A message without a
+// valid stamp is reported as a bad stamp, moved to Config.Poison when
+// one is set (carrying only leasehold's headers and trace context), and
+// acked: it is not an effect, and nacking it would only have it
+// delivered again at once. When a decision cannot be taken (the log or
+// the lease bucket does not answer), the message is nacked after a
+// backoff, so that a failure is retried at a bounded rate and shows in the
+// Failed decisions.
+//
+// A Fencer decides; it does not order the handlers' writes. Watermill runs
+// handlers concurrently and redelivers out of order, so a destination
+// that keeps one value per key must dedupe by Leasehold-Key or compare
+// stamps itself.
 package wmsink
 
 import (
@@ -28,18 +67,33 @@ import (
 	"log/slog"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/telemetry"
 )
 
+// ErrNoPosition is matched by the error of a message that carries no log
+// position when the Fencer judges by position: it did not come through a
+// subscriber built with the Fencer's Unmarshaler. The message is nacked,
+// not judged.
+var ErrNoPosition = errors.New("wmsink: the message carries no log position")
+
 // Config configures a Fencer.
 type Config struct {
-	// Fence keeps the partitions' maxima. Required.
-	Fence sink.Fence
+	// JetStream reads the logs messages come from (see the package
+	// documentation). Required unless ArrivalOrder is set.
+	JetStream jetstream.JetStream
+	// ArrivalOrder judges messages that carry no log position in the order
+	// they arrive, against fences kept in this process: not
+	// redelivery-safe (see the package documentation). Messages with a
+	// position are judged by it all the same.
+	ArrivalOrder bool
 	// Name names the sink in decisions and logs. Default "watermill".
 	Name string
 	// Verifier, when set, turns on verified epochs (see sink.EpochCheck).
@@ -53,118 +107,221 @@ type Config struct {
 	// span that published it (from the trace context in its metadata).
 	// Zero fields mean the OpenTelemetry globals.
 	Telemetry telemetry.Config
+	// Poison, when set, receives a copy of each message with a bad stamp
+	// on PoisonTopic: its UUID, payload, leasehold headers and trace
+	// context, and Leasehold-Bad-Stamp saying what is wrong. Nothing else
+	// of its metadata is copied: a header of the server's (Nats-*) would
+	// change how the copy is stored.
+	Poison      message.Publisher
+	PoisonTopic string
+	// MaxBackoff bounds the wait before a message whose decision failed is
+	// nacked. Default 5 s.
+	MaxBackoff time.Duration
+	// RequestTimeout bounds each read of a log. Default 5 s.
+	RequestTimeout time.Duration
 }
 
-// Fencer fences messages against the maxima in a sink.Fence.
+// Fencer fences messages by their stamps.
 type Fencer struct {
-	fence sink.Fence
+	cfg   Config
 	rep   *sink.Reporter
 	check *sink.EpochCheck
+	token string // marks the positions this Fencer's Unmarshaler wrote
 
-	mu    sync.Mutex
-	locks map[leasehold.Partition]*sync.Mutex
+	mu     sync.Mutex
+	logs   map[string]*logState
+	locks  map[leasehold.FenceID]*sync.Mutex
+	fences map[leasehold.FenceID]leasehold.FenceState // arrival order
+
+	failures failStreak
 }
 
 // New returns a Fencer.
 func New(cfg Config) (*Fencer, error) {
-	if cfg.Fence == nil {
-		return nil, errors.New("wmsink: Config.Fence is required: pass sink.NewMemory(...) or a durable sink")
+	if cfg.JetStream == nil && !cfg.ArrivalOrder {
+		return nil, errors.New("wmsink: Config.JetStream is required to judge messages by their log position; " +
+			"for a pub/sub without positions set Config.ArrivalOrder, knowing that a message redelivered after a barrier it preceded is then refused")
+	}
+	if (cfg.Poison == nil) != (cfg.PoisonTopic == "") {
+		return nil, errors.New("wmsink: Config.Poison and Config.PoisonTopic go together")
 	}
 	if cfg.Name == "" {
 		cfg.Name = "watermill"
 	}
+	if cfg.MaxBackoff <= 0 {
+		cfg.MaxBackoff = 5 * time.Second
+	}
+	if cfg.RequestTimeout <= 0 {
+		cfg.RequestTimeout = 5 * time.Second
+	}
 	return &Fencer{
-		fence: cfg.Fence,
-		rep:   sink.NewReporter(sink.ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger, Telemetry: cfg.Telemetry}),
-		check: sink.NewEpochCheck(cfg.Verifier),
-		locks: make(map[leasehold.Partition]*sync.Mutex),
+		cfg:    cfg,
+		rep:    sink.NewReporter(sink.ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger, Telemetry: cfg.Telemetry}),
+		check:  sink.NewEpochCheck(cfg.Verifier),
+		token:  newToken(),
+		logs:   make(map[string]*logState),
+		locks:  make(map[leasehold.FenceID]*sync.Mutex),
+		fences: make(map[leasehold.FenceID]leasehold.FenceState),
 	}, nil
 }
 
-// Dropped returns how many messages of partition p were refused.
-func (f *Fencer) Dropped(p leasehold.Partition) uint64 { return f.rep.Dropped(p) }
+// Dropped returns how many messages of fence id were refused.
+func (f *Fencer) Dropped(id leasehold.FenceID) uint64 { return f.rep.Dropped(id) }
 
-func (f *Fencer) lock(p leasehold.Partition) *sync.Mutex {
+// State returns fence id as the messages decided so far leave it: in
+// arrival order, or at the end of the logs read so far, the highest.
+func (f *Fencer) State(id leasehold.FenceID) leasehold.FenceState {
 	f.mu.Lock()
-	defer f.mu.Unlock()
-	l := f.locks[p]
-	if l == nil {
-		l = &sync.Mutex{}
-		f.locks[p] = l
+	st := f.fences[id]
+	logs := make([]*logState, 0, len(f.logs))
+	for _, l := range f.logs {
+		logs = append(logs, l)
 	}
-	return l
+	f.mu.Unlock()
+	for _, l := range logs {
+		if s := l.latest(id); s.Epoch > st.Epoch {
+			st = s
+		}
+	}
+	return st
 }
 
-// Fence runs apply if the stamp in metadata md is admitted, holding the
-// partition's critical section across the check, the raise and apply. It
-// returns a *leasehold.StaleEpochError for a stale stamp, an error matching
-// leasehold.ErrBadStamp for bad metadata, one matching
-// sink.ErrUnverifiedEpoch for a forged epoch, and apply's error. A barrier
-// raises the maximum and does not call apply.
-func (f *Fencer) Fence(ctx context.Context, md map[string]string, apply func() error) error {
-	return f.fenceCtx(ctx, md, func(context.Context) error { return apply() })
+// action is what happens to a decided message.
+type action int
+
+const (
+	handle action = iota + 1 // an admitted effect: the handler gets it
+	ack                      // decided for good without the handler
+	retry                    // the decision failed: nack after a backoff
+)
+
+// decision is the Fencer's verdict on one delivery of a message.
+type decision struct {
+	act   action
+	err   error
+	ctx   context.Context // carries the message's span
+	span  trace.Span
+	stamp leasehold.Stamp
+	pos   Position
 }
 
-// fenceCtx is Fence, calling apply with the context of the message's span.
-func (f *Fencer) fenceCtx(ctx context.Context, md map[string]string, apply func(context.Context) error) error {
-	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("wmsink: %w", err)
+// judgement is a stamp judged against a fence.
+type judgement struct {
+	v          leasehold.Verdict
+	raise      bool
+	fence      leasehold.FenceState // what the stamp was judged against
+	unverified error                // the epoch was never issued: refused
+}
+
+// decide judges one delivery of msg, reporting every outcome but an
+// admitted effect's, which is reported once its handler has run.
+func (f *Fencer) decide(msg *message.Message) decision {
+	ctx := msg.Context()
+	pos, positioned := f.takePosition(msg.Metadata)
+	st, serr := leasehold.StampFromMetadata(msg.Metadata)
+	ctx, span := f.rep.StartProcess(ctx, telemetry.MetadataCarrier(msg.Metadata), message.SubscribeTopicFromCtx(ctx), st)
+	d := decision{ctx: ctx, span: span, stamp: st, pos: pos}
+	base := sink.Decision{Stamp: st, Subject: message.SubscribeTopicFromCtx(ctx), Position: pos.Seq}
+	var j judgement
+	var err error
+	switch {
+	case positioned && f.cfg.JetStream != nil:
+		j, err = f.judgeAt(ctx, pos, st, serr == nil)
+	case serr != nil:
+	case f.cfg.ArrivalOrder:
+		j, err = f.judgeArrival(ctx, st)
+	default:
+		err = fmt.Errorf("%w: build the watermill-nats subscriber with Unmarshaler: fencer.Unmarshaler(nil) (message %s, key %q)", ErrNoPosition, msg.UUID, st.Key)
 	}
-	st, err := leasehold.StampFromMetadata(md)
-	ctx, span := f.rep.StartProcess(ctx, telemetry.MetadataCarrier(md), message.SubscribeTopicFromCtx(ctx), st)
-	defer span.End()
 	if err != nil {
-		err = fmt.Errorf("wmsink: message metadata: %w", err)
-		f.rep.Report(ctx, sink.Decision{Outcome: sink.BadStamp, Stamp: st, Err: err})
-		return err
+		return f.failedDecision(d, base, err)
 	}
-	barrier := isBarrier(md)
-	l := f.lock(st.Partition)
-	l.Lock()
-	defer l.Unlock()
-	max, err := f.fence.MaxEpoch(ctx, st.Partition)
-	if err != nil {
-		return f.failed(ctx, st, fmt.Errorf("wmsink: read the fence of partition %d: %w", st.Partition, err))
-	}
-	if st.Epoch < max {
-		if barrier {
-			return nil // a late barrier of an earlier acquisition
+	if serr != nil {
+		base.Outcome, base.Err = sink.BadStamp, fmt.Errorf("wmsink: message %s: %w", msg.UUID, serr)
+		f.rep.Report(ctx, base)
+		if perr := f.poison(msg, base.Err); perr != nil {
+			return f.failedDecision(d, base, perr)
 		}
-		serr := sink.StaleError(st, max, "")
-		f.rep.Report(ctx, sink.Decision{Outcome: sink.Stale, Stamp: st, Max: max, Err: serr})
-		return serr
+		d.act = ack
+		span.End()
+		return d
 	}
-	if st.Epoch > max {
-		if err := f.check.Check(ctx, st); err != nil {
-			o := sink.Failed
-			if errors.Is(err, sink.ErrUnverifiedEpoch) {
-				o = sink.Unverified
-			}
-			f.rep.Report(ctx, sink.Decision{Outcome: o, Stamp: st, Max: max, Err: err})
-			return err
+	base.Max, base.MaxAcquisition, base.Holder = j.fence.Epoch, j.fence.Acquisition, j.fence.Holder
+	barrier := isBarrier(msg.Metadata)
+	switch {
+	case j.unverified != nil:
+		base.Outcome, base.Err = outcomeOf(j.unverified), j.unverified
+		f.rep.Report(ctx, base)
+		d.act = ack
+	case j.v != leasehold.Admit:
+		if !(barrier && j.v == leasehold.Stale) {
+			// (A late barrier of an earlier acquisition moves nothing.)
+			base.Outcome, base.Err = sink.Refused(j.v), leasehold.Refusal(j.fence, st, j.v)
+			f.rep.Report(ctx, base)
 		}
-		// Raise before applying: if apply fails, the epoch was still
-		// admitted, and no older message may pass after this one.
-		if err := f.fence.Advance(sink.WithHolder(ctx, st.Worker), st.Partition, st.Epoch); err != nil {
-			return f.failed(ctx, st, fmt.Errorf("wmsink: raise the fence of partition %d: %w", st.Partition, err))
+		d.act = ack
+	case barrier:
+		if j.raise {
+			base.Outcome, base.Max, base.MaxAcquisition, base.Holder = sink.Advanced, st.Epoch, st.Acquisition, st.Worker
+			f.rep.Report(ctx, base)
 		}
+		d.act = ack
+	default:
+		f.failures.reset()
+		d.act = handle
+		return d
 	}
-	if barrier {
-		if st.Epoch > max {
-			f.rep.Report(ctx, sink.Decision{Outcome: sink.Advanced, Stamp: st, Max: st.Epoch})
-		}
-		return nil
-	}
-	if err := apply(ctx); err != nil {
-		return f.failed(ctx, st, err)
-	}
-	f.rep.Report(ctx, sink.Decision{Outcome: sink.Accepted, Stamp: st, Max: st.Epoch})
-	return nil
+	f.failures.reset()
+	span.End()
+	return d
 }
 
-func (f *Fencer) failed(ctx context.Context, st leasehold.Stamp, err error) error {
-	f.rep.Report(ctx, sink.Decision{Outcome: sink.Failed, Stamp: st, Err: err})
-	return err
+func (f *Fencer) failedDecision(d decision, base sink.Decision, err error) decision {
+	base.Outcome, base.Err = sink.Failed, err
+	f.rep.Report(d.ctx, base)
+	d.span.End()
+	d.act, d.err = retry, err
+	return d
+}
+
+// handled reports the outcome of an admitted message's handler.
+func (f *Fencer) handled(d decision, err error) {
+	o := sink.Decision{Outcome: sink.Accepted, Stamp: d.stamp, Subject: message.SubscribeTopicFromCtx(d.ctx), Position: d.pos.Seq, Max: d.stamp.Epoch}
+	if err != nil {
+		o.Outcome, o.Err = sink.Failed, err
+	}
+	f.rep.Report(d.ctx, o)
+}
+
+// backoff waits before a failed decision's nack: 10 ms doubling with
+// every failure in a row, up to MaxBackoff, or until done is closed.
+func (f *Fencer) backoff(done <-chan struct{}) {
+	wait := min(f.cfg.MaxBackoff, 10*time.Millisecond<<min(f.failures.add(), 10))
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-done:
+	}
+}
+
+// failStreak counts decisions that failed in a row.
+type failStreak struct {
+	mu sync.Mutex
+	n  int
+}
+
+func (s *failStreak) add() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.n++
+	return s.n - 1
+}
+
+func (s *failStreak) reset() {
+	s.mu.Lock()
+	s.n = 0
+	s.mu.Unlock()
 }
 
 func isBarrier(md map[string]string) bool {
@@ -177,9 +334,4 @@ func isBarrier(md map[string]string) bool {
 		}
 	}
 	return false
-}
-
-// dropped reports whether err means the message is refused for good.
-func dropped(err error) bool {
-	return errors.Is(err, leasehold.ErrStaleEpoch) || errors.Is(err, sink.ErrUnverifiedEpoch)
 }

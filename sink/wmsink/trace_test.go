@@ -12,7 +12,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/wmsink"
 	"github.com/leasehold/leasehold/telemetry"
 )
@@ -25,7 +24,7 @@ func TestMiddlewareSpans(t *testing.T) {
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	defer tp.Shutdown(context.Background())
 	prop := propagation.TraceContext{}
-	f, err := wmsink.New(wmsink.Config{Fence: sink.NewMemory(sink.MemoryConfig{Logger: quiet()}), Logger: quiet(),
+	f, err := wmsink.New(wmsink.Config{ArrivalOrder: true, Logger: quiet(),
 		Telemetry: telemetry.Config{TracerProvider: tp, Propagator: prop}})
 	if err != nil {
 		t.Fatal(err)
@@ -46,8 +45,8 @@ func TestMiddlewareSpans(t *testing.T) {
 		}
 		return span
 	}
-	fresh := send(leasehold.Stamp{Partition: 1, Epoch: 9, Key: "new", Worker: "b"})
-	stale := send(leasehold.Stamp{Partition: 1, Epoch: 7, Key: "old", Worker: "a"})
+	fresh := send(leasehold.Stamp{Scope: "orders", Partition: 1, Epoch: 9, Acquisition: "a9", Key: "new", Worker: "b"})
+	stale := send(leasehold.Stamp{Scope: "orders", Partition: 1, Epoch: 7, Acquisition: "a7", Key: "old", Worker: "a"})
 
 	byParent := map[trace.SpanID]sdktrace.ReadOnlySpan{}
 	for _, s := range rec.Ended() {
@@ -79,25 +78,26 @@ func TestStaleMessageOutsideSampledTrace(t *testing.T) {
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	defer tp.Shutdown(context.Background())
 	prop := propagation.TraceContext{}
-	mem := sink.NewMemory(sink.MemoryConfig{Logger: quiet()})
-	if err := mem.Advance(context.Background(), 1, 9); err != nil {
-		t.Fatal(err)
-	}
-	f, err := wmsink.New(wmsink.Config{Fence: mem, Logger: quiet(), Telemetry: telemetry.Config{TracerProvider: tp, Propagator: prop}})
+	f, err := wmsink.New(wmsink.Config{ArrivalOrder: true, Logger: quiet(), Telemetry: telemetry.Config{TracerProvider: tp, Propagator: prop}})
 	if err != nil {
 		t.Fatal(err)
 	}
+	barrier := map[string]string{leasehold.HeaderBarrier: "1"}
+	leasehold.Stamp{Scope: "orders", Partition: 1, Epoch: 9, Acquisition: "a9", Key: "barrier", Worker: "b"}.SetMetadata(barrier)
+	if err := f.Fence(context.Background(), barrier, nil); err != nil {
+		t.Fatal(err)
+	}
 	msg := message.NewMessage("old", nil)
-	leasehold.Stamp{Partition: 1, Epoch: 7, Key: "old", Worker: "a"}.SetMetadata(msg.Metadata)
+	leasehold.Stamp{Scope: "orders", Partition: 1, Epoch: 7, Acquisition: "a7", Key: "old", Worker: "a"}.SetMetadata(msg.Metadata)
 	msg.Metadata.Set("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00") // not sampled
 	if _, err := f.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })(msg); err != nil {
 		t.Fatal(err)
 	}
 	spans := rec.Ended()
-	if len(spans) != 1 {
-		t.Fatalf("%d spans, want the refusal's", len(spans))
+	if len(spans) != 2 {
+		t.Fatalf("%d spans, want the barrier's and the refusal's", len(spans))
 	}
-	s := spans[0]
+	s := spans[1]
 	if s.SpanKind() != trace.SpanKindConsumer || s.Parent().IsValid() || len(s.Links()) != 1 || s.Links()[0].SpanContext.SpanID().String() != "00f067aa0ba902b7" {
 		t.Fatalf("refusal span %q: kind %v, parent %v, links %v; want a consumer root linked to the sender", s.Name(), s.SpanKind(), s.Parent(), s.Links())
 	}

@@ -24,12 +24,11 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
 
-// fenced presents a Fencer and the store its handler writes to as a
-// sink.Sink, for the conformance suite.
+// fenced presents a Fencer in arrival order and the store its handler
+// writes to as a sink.Sink, for the conformance suite.
 type fenced struct {
-	f     *wmsink.Fencer
-	fence sink.Fence
-	scope string
+	f    *wmsink.Fencer
+	name string
 
 	mu      sync.Mutex
 	applied []sink.Effect
@@ -55,29 +54,43 @@ func (x *fenced) Apply(ctx context.Context, effects ...sink.Effect) error {
 	return nil
 }
 
-func (x *fenced) Advance(ctx context.Context, p leasehold.Partition, e leasehold.Epoch) error {
-	if err := sink.ValidateAdvance(p, e); err != nil {
+// Advance sends a barrier, as a worker that acquired the partition does.
+// A barrier below the fence is ignored by the Fencer (a late barrier of an
+// earlier acquisition, in log order); a worker advancing a direct sink is
+// told it is stale, so the adapter says so first.
+func (x *fenced) Advance(ctx context.Context, l leasehold.Lease) error {
+	if err := sink.ValidateAdvance(l); err != nil {
 		return err
 	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	st := l.Stamp(leasehold.BarrierKey(l.Scope, l.Partition, l.Epoch))
+	fs := x.f.State(l.Fence())
+	if v, _ := leasehold.Judge(fs, st); v != leasehold.Admit {
+		return leasehold.Refusal(fs, st, v)
+	}
 	md := map[string]string{leasehold.HeaderBarrier: "1"}
-	leasehold.Stamp{Partition: p, Epoch: e, Key: leasehold.BarrierKey(x.scope, p, e)}.SetMetadata(md)
+	st.SetMetadata(md)
 	return x.handle(ctx, md, sink.Effect{})
 }
 
-func (x *fenced) MaxEpoch(ctx context.Context, p leasehold.Partition) (leasehold.Epoch, error) {
-	return x.fence.MaxEpoch(ctx, p)
+func (x *fenced) Fence(ctx context.Context, id leasehold.FenceID) (leasehold.FenceState, error) {
+	if err := ctx.Err(); err != nil {
+		return leasehold.FenceState{}, err
+	}
+	return x.f.State(id), nil
 }
 
-func (x *fenced) Dropped(p leasehold.Partition) uint64 { return x.f.Dropped(p) }
+func (x *fenced) Dropped(id leasehold.FenceID) uint64 { return x.f.Dropped(id) }
 
 func TestConformance(t *testing.T) {
 	sinktest.Run(t, sinktest.Features{VerifiedEpochs: true, Headers: true}, func(t *testing.T, st sinktest.Setup) sinktest.Instance {
-		fence := sink.NewMemory(sink.MemoryConfig{Logger: quiet()})
-		f, err := wmsink.New(wmsink.Config{Fence: fence, Observer: st.Observer, Verifier: st.Verifier, Logger: quiet()})
+		f, err := wmsink.New(wmsink.Config{ArrivalOrder: true, Observer: st.Observer, Verifier: st.Verifier, Logger: quiet()})
 		if err != nil {
 			t.Fatal(err)
 		}
-		x := &fenced{f: f, fence: fence, scope: st.Scope}
+		x := &fenced{f: f, name: st.Name}
 		return sinktest.Instance{
 			Sink: x,
 			Applied: func(context.Context) ([]sink.Effect, error) {
@@ -99,7 +112,8 @@ func TestConformance(t *testing.T) {
 
 // Through a Watermill router: the handler sees the admitted messages only,
 // a stale one is acked (never redelivered) and reported, a barrier raises
-// the fence, and bad metadata is a clear error.
+// the fence, and a message with bad metadata is reported and moved to the
+// poison topic with leasehold's headers and trace context only.
 func TestRouter(t *testing.T) {
 	for _, decorate := range []bool{false, true} {
 		name := "middleware"
@@ -117,9 +131,11 @@ func TestRouter(t *testing.T) {
 			handled := make(chan string, 100)
 			decided := make(chan sink.Decision, 100)
 			f, err := wmsink.New(wmsink.Config{
-				Fence:    sink.NewMemory(sink.MemoryConfig{Logger: quiet()}),
-				Logger:   quiet(),
-				Observer: sink.ObserverFunc(func(_ context.Context, d sink.Decision) { decided <- d }),
+				ArrivalOrder: true,
+				Logger:       quiet(),
+				Observer:     sink.ObserverFunc(func(_ context.Context, d sink.Decision) { decided <- d }),
+				Poison:       pubsub,
+				PoisonTopic:  "poison",
 			})
 			if err != nil {
 				t.Fatal(err)
@@ -128,25 +144,11 @@ func TestRouter(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			// The poison queue, outside the fence, moves aside messages
-			// with bad metadata, which would otherwise come back forever.
-			// (Watermill's middleware.PoisonQueue does this in production.)
-			poison := func(h message.HandlerFunc) message.HandlerFunc {
-				return func(msg *message.Message) ([]*message.Message, error) {
-					out, err := h(msg)
-					if errors.Is(err, leasehold.ErrBadStamp) {
-						bad := msg.Copy()
-						bad.Metadata.Set("reason_poisoned", err.Error())
-						return nil, pubsub.Publish("poison", bad)
-					}
-					return out, err
-				}
-			}
 			poisoned, err := pubsub.Subscribe(ctx, "poison")
 			if err != nil {
 				t.Fatal(err)
 			}
-			router.AddMiddleware(poison, f.Middleware)
+			router.AddMiddleware(f.Middleware)
 			if decorate {
 				router.AddSubscriberDecorators(f.Subscriber())
 			}
@@ -172,7 +174,7 @@ func TestRouter(t *testing.T) {
 			}
 			pub := func(e leasehold.Epoch, key string, barrier bool) {
 				m := message.NewMessage(watermill.NewUUID(), []byte(key))
-				leasehold.Stamp{Partition: 1, Epoch: e, Key: key}.SetMetadata(m.Metadata)
+				leasehold.Stamp{Scope: "orders", Partition: 1, Epoch: e, Acquisition: "a" + e.String(), Key: key}.SetMetadata(m.Metadata)
 				if barrier {
 					m.Metadata.Set(leasehold.HeaderBarrier, "1")
 				}
@@ -213,9 +215,14 @@ func TestRouter(t *testing.T) {
 				t.Fatalf("handled %s, want b", k)
 			}
 			bad := message.NewMessage(watermill.NewUUID(), nil)
+			bad.Metadata.Set(leasehold.HeaderScope, "orders")
+			bad.Metadata.Set(leasehold.HeaderAcquisition, "a7")
 			bad.Metadata.Set(leasehold.HeaderPartition, "1")
 			bad.Metadata.Set(leasehold.HeaderEpoch, "007")
 			bad.Metadata.Set(leasehold.HeaderKey, "bad")
+			bad.Metadata.Set("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+			bad.Metadata.Set("Nats-Expected-Stream", "elsewhere")
+			bad.Metadata.Set("app", "private")
 			if err := pubsub.Publish("effects", bad); err != nil {
 				t.Fatal(err)
 			}
@@ -226,8 +233,16 @@ func TestRouter(t *testing.T) {
 			select {
 			case m := <-poisoned:
 				m.Ack()
-				if m.UUID != bad.UUID || !strings.Contains(m.Metadata.Get("reason_poisoned"), "Leasehold-Epoch") {
-					t.Fatalf("poisoned message %s, reason %q", m.UUID, m.Metadata.Get("reason_poisoned"))
+				if m.UUID != bad.UUID || !strings.Contains(m.Metadata.Get(wmsink.HeaderBadStamp), "Leasehold-Epoch") {
+					t.Fatalf("poisoned message %s, reason %q", m.UUID, m.Metadata.Get(wmsink.HeaderBadStamp))
+				}
+				for k := range m.Metadata {
+					if !strings.HasPrefix(k, "Leasehold-") && k != "traceparent" {
+						t.Fatalf("the poisoned copy carries %s: %v", k, m.Metadata)
+					}
+				}
+				if m.Metadata.Get(leasehold.HeaderEpoch) != "007" || m.Metadata.Get("traceparent") == "" {
+					t.Fatalf("the poisoned copy lost the stamp or trace headers: %v", m.Metadata)
 				}
 			case <-ctx.Done():
 				t.Fatal("the message with bad metadata did not reach the poison queue")
@@ -243,7 +258,7 @@ func TestRouter(t *testing.T) {
 			if len(seen) != 2 || seen[0] != "a" || seen[1] != "b" {
 				t.Fatalf("the handler saw %v, want [a b]", seen)
 			}
-			if n := f.Dropped(1); n != 1 {
+			if n := f.Dropped(leasehold.FenceID{Scope: "orders", Partition: 1}); n != 1 {
 				t.Fatalf("Dropped(1) = %d, want 1: the stale message was redelivered", n)
 			}
 		})

@@ -19,7 +19,9 @@
 // the job stream, the effect log and the sink's final contents and reports
 // violations of: (a) no stale application, (b) every job's effect applied
 // exactly once, (c) per-partition epochs that strictly increase, (d) one
-// holder per epoch. Run returns the figures `leasehold chaos` prints.
+// holder per epoch, (e) liveness: no partition stalls (pending jobs, a live
+// holder, no progress) for longer than the TTL + 5s, and no job is left
+// unapplied. Run returns the figures `leasehold chaos` prints.
 //
 // Children run Config.Binary, the leasehold command. The leasehold command
 // and its tests run themselves; other callers build the command first
@@ -44,6 +46,7 @@ import (
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/history"
+	"github.com/leasehold/leasehold/internal/retry"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -314,11 +317,13 @@ func (h *harness) run(ctx context.Context) (*Result, error) {
 	if err != nil {
 		return nil, err
 	}
+	end := time.Now()
 	h.stopAll()
 	in, err := h.collect(ctx)
 	if err != nil {
 		return nil, err
 	}
+	in.End, in.LivenessBound = end, h.cfg.TTL+5*time.Second
 	a := Check(in)
 	h.mu.Lock()
 	skipped := append([]string(nil), h.skipped...)
@@ -355,7 +360,11 @@ func (h *harness) provision(ctx context.Context) error {
 		return fmt.Errorf("chaos: %w", err)
 	}
 	for _, b := range []string{sinkKV, prefix + "-" + "sink-state"} {
-		if _, err := h.js.CreateKeyValue(pctx, jetstream.KeyValueConfig{Bucket: b, History: 1, Storage: jetstream.FileStorage, Replicas: replicas}); err != nil {
+		err := retry.Do(pctx, func(ctx context.Context) error {
+			_, err := h.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: b, History: 1, Storage: jetstream.FileStorage, Replicas: replicas})
+			return err
+		})
+		if err != nil {
 			return fmt.Errorf("chaos: create bucket %s: %w", b, err)
 		}
 	}
@@ -480,7 +489,7 @@ func (h *harness) collect(ctx context.Context) (Input, error) {
 	if in.Events, err = history.Read(h.histDir); err != nil {
 		return in, err
 	}
-	err = retry(rctx, func() (err error) {
+	err = retryUntil(rctx, func() (err error) {
 		if in.Jobs, err = readJobs(rctx, h.js, prefix); err != nil {
 			return err
 		}
@@ -499,9 +508,9 @@ func (h *harness) collect(ctx context.Context) (Input, error) {
 	return in, err
 }
 
-// retry runs f until it succeeds or ctx ends: a cluster that has just
+// retryUntil runs f until it succeeds or ctx ends: a cluster that has just
 // had a node back may not answer every request at once.
-func retry(ctx context.Context, f func() error) error {
+func retryUntil(ctx context.Context, f func() error) error {
 	for {
 		err := f()
 		if err == nil {

@@ -30,6 +30,13 @@ type Input struct {
 	// Final is the deduping sink's final contents: each key and the stamp
 	// its value was written with.
 	Final map[string]leasehold.Stamp
+	// End is when the run ended; pending jobs stall until then. Default:
+	// the last event.
+	End time.Time
+	// LivenessBound is the longest stall a partition may have (see
+	// CheckLiveness); a run uses its lease TTL + 5s. Zero: stalls are
+	// measured, not judged.
+	LivenessBound time.Duration
 }
 
 // Checks a Violation can come from.
@@ -37,7 +44,9 @@ const (
 	// CheckStale (a): an effect was applied with an epoch below its
 	// partition's maximum at its place in the log.
 	CheckStale = "stale-application"
-	// CheckLost (b): a job's effect is not in the sink.
+	// CheckLost (b): a job's effect is not in the sink and can no longer
+	// be: none in the effect log that a fence admits, and progress was
+	// committed past it. (Not yet applied is CheckNotApplied.)
 	CheckLost = "lost"
 	// CheckDuplicate (b): a job's effect was applied more than once.
 	CheckDuplicate = "duplicate"
@@ -136,9 +145,12 @@ type Figures struct {
 	Injected        int `json:"injected"`
 	InjectedRefused int `json:"injected_refused"`
 
-	JobsEnqueued     int `json:"jobs_enqueued"`
-	JobsApplied      int `json:"jobs_applied"`
-	JobsLost         int `json:"jobs_lost"`
+	JobsEnqueued int `json:"jobs_enqueued"`
+	JobsApplied  int `json:"jobs_applied"`
+	JobsLost     int `json:"jobs_lost"`
+	// JobsNotApplied counts jobs not yet applied when the run ended that
+	// could still be (a liveness violation each).
+	JobsNotApplied   int `json:"jobs_not_yet_applied"`
 	JobsDuplicated   int `json:"jobs_duplicated"`
 	JobsDeadLettered int `json:"jobs_dead_lettered"`
 	// StaleApplications counts effects applied below their partition's
@@ -151,6 +163,14 @@ type Figures struct {
 	FailoverP50Ms float64 `json:"failover_p50_ms"`
 	FailoverP99Ms float64 `json:"failover_p99_ms"`
 	FailoverMaxMs float64 `json:"failover_max_ms"`
+
+	// Liveness: per partition, the longest time it had pending jobs and a
+	// live holder and made no progress, leaving out what faults take away
+	// (see CheckLiveness); the longest of them, where, and the bound.
+	Stalls                map[string]float64 `json:"liveness_stall_ms"`
+	LongestStallMs        float64            `json:"liveness_max_stall_ms"`
+	LongestStallPartition string             `json:"liveness_max_stall_partition,omitempty"`
+	LivenessBoundMs       float64            `json:"liveness_bound_ms"`
 
 	Acquisitions int            `json:"acquisitions"`
 	Decisions    map[string]int `json:"decisions"`
@@ -192,7 +212,9 @@ type checker struct {
 //	(b) every job's effect is in the sink exactly once: none lost, none
 //	    applied twice, and nothing in the sink that no job produced;
 //	(c) each partition's epochs strictly increase across acquisitions;
-//	(d) each epoch has one holder, and only it writes under that epoch.
+//	(d) each epoch has one holder, and only it writes under that epoch;
+//	(e) liveness: no partition stalls for longer than in.LivenessBound,
+//	    and every job is applied by the end of the run (see CheckLiveness).
 func Check(in Input) *Analysis {
 	c := &checker{in: in, flagged: map[string]bool{}}
 	c.out.Faults = map[string]int{}
@@ -200,13 +222,14 @@ func Check(in Input) *Analysis {
 	c.index()
 	c.checkHolders()
 	c.checkEpochOrder()
-	c.checkJobs()
 	c.checkLog()
+	c.checkJobs() // after checkLog: which log entries a fence admits
 	c.checkDecisions()
 	c.checkFinal()
 	c.checkInjected()
 	c.countZombies()
 	c.failovers()
+	c.liveness()
 	sort.SliceStable(c.out.Violations, func(i, j int) bool { return c.out.Violations[i].Check < c.out.Violations[j].Check })
 	c.out.Figures.Violations = len(c.out.Violations)
 	return &c.out
@@ -402,9 +425,7 @@ func (c *checker) checkJobs() {
 			c.out.JobsDeadLettered++
 			continue
 		}
-		c.out.JobsLost++
-		c.violate(Violation{Check: CheckLost, Partition: j.Partition, Key: k,
-			Detail: fmt.Sprintf("job %s (sequence %d) has no effect in the sink", j.ID, j.Seq), Excerpt: c.storyOf(k, j.Partition, enq[k])})
+		c.unapplied(k, j, enq[k])
 	}
 	for k, st := range c.in.Final {
 		if _, ok := jobs[k]; ok || c.injKeys[k] {

@@ -1,6 +1,7 @@
 package chaos
 
 import (
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -48,7 +49,7 @@ func (s *story) key(seq uint64) string { return leasehold.EffectKey("chaos", 0, 
 
 func (s *story) barrier(sec int, proc string, epoch leasehold.Epoch) {
 	s.pos++
-	st := leasehold.Stamp{Partition: 0, Epoch: epoch, Key: leasehold.BarrierKey("chaos", 0, epoch), Worker: proc}
+	st := leasehold.Stamp{Scope: "chaos", Acquisition: "a", Partition: 0, Epoch: epoch, Key: leasehold.BarrierKey("chaos", 0, epoch), Worker: proc}
 	s.in.Log = append(s.in.Log, LogEntry{Position: s.pos, Stamp: st, Barrier: true})
 	s.ev(sec, Event{Proc: "sink", Kind: KindDecision, Epoch: uint64(epoch), Key: st.Key, Outcome: "advanced", Max: uint64(epoch), Position: s.pos})
 }
@@ -58,7 +59,7 @@ func (s *story) barrier(sec int, proc string, epoch leasehold.Epoch) {
 func (s *story) effect(sec int, proc string, epoch leasehold.Epoch, seq uint64) {
 	s.pos++
 	k := s.key(seq)
-	st := leasehold.Stamp{Partition: 0, Epoch: epoch, Key: k, Worker: proc}
+	st := leasehold.Stamp{Scope: "chaos", Acquisition: "a", Partition: 0, Epoch: epoch, Key: k, Worker: proc}
 	s.in.Log = append(s.in.Log, LogEntry{Position: s.pos, Stamp: st})
 	s.ev(sec, Event{Proc: proc, Kind: KindEffect, Epoch: uint64(epoch), Key: k, Seq: seq})
 	top := uint64(0)
@@ -123,7 +124,7 @@ func TestCheckFindsStaleApplication(t *testing.T) {
 	s.barrier(3, "a", 10)
 	s.barrier(9, "b", 20)
 	s.pos++
-	zombie := leasehold.Stamp{Partition: 0, Epoch: 10, Key: s.key(1), Worker: "a"}
+	zombie := leasehold.Stamp{Scope: "chaos", Acquisition: "a", Partition: 0, Epoch: 10, Key: s.key(1), Worker: "a"}
 	s.in.Log = append(s.in.Log, LogEntry{Position: s.pos, Stamp: zombie})
 	s.ev(9, Event{Proc: "a", Kind: KindEffect, Epoch: 10, Key: zombie.Key, Seq: 1})
 	s.ev(9, Event{Proc: "sink", Kind: KindDecision, Epoch: 10, Key: zombie.Key, Outcome: "accepted", Max: 20, Position: s.pos})
@@ -156,7 +157,11 @@ func TestCheckFindsStaleApplication(t *testing.T) {
 
 func TestCheckFindsLostAndDuplicated(t *testing.T) {
 	s := newStory()
+	// Job 2's effect is neither in the sink nor in the effect log, and b
+	// committed past it: nothing can apply it any more.
 	delete(s.in.Final, s.key(2))
+	s.in.Log = slices.DeleteFunc(s.in.Log, func(l LogEntry) bool { return l.Stamp.Key == s.key(2) })
+	s.ev(12, Event{Proc: "b", Kind: KindCommit, Epoch: 20, Seq: 2})
 	s.ev(14, Event{Proc: "sink", Kind: KindDecision, Reason: ApplyStage, Epoch: 20, Key: s.key(1), Outcome: "accepted"})
 	a := Check(s.in)
 	if a.JobsLost != 1 || a.JobsDuplicated != 1 || checks(a) != CheckDuplicate+","+CheckLost {
@@ -219,7 +224,7 @@ func TestCheckFindsEpochAndHolderViolations(t *testing.T) {
 func TestCheckFindsAppliedForgery(t *testing.T) {
 	s := newStory()
 	s.pos++
-	forged := leasehold.Stamp{Partition: 0, Epoch: 1 << 50, Key: "chaos.forged.1", Worker: "forger"}
+	forged := leasehold.Stamp{Scope: "chaos", Acquisition: "a", Partition: 0, Epoch: 1 << 50, Key: "chaos.forged.1", Worker: "forger"}
 	s.in.Log = append(s.in.Log, LogEntry{Position: s.pos, Stamp: forged})
 	s.ev(13, Event{Proc: effectProc, Kind: KindFault, Reason: FaultForged, Epoch: uint64(forged.Epoch), Key: forged.Key, Position: s.pos})
 	s.ev(13, Event{Proc: "sink", Kind: KindDecision, Epoch: uint64(forged.Epoch), Key: forged.Key, Outcome: "unverified", Position: s.pos})

@@ -39,7 +39,7 @@ func TestZombieEmitDoesNotHideItsSuccessorsEffect(t *testing.T) {
 	const pfx = "emitdup"
 	srv := natstest.Start(t, natstest.Listen())
 	js := srv.JetStream(t)
-	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{MarkerTTL: time.Second})
+	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: pfx + "-leases", MarkerTTL: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -85,7 +85,7 @@ func TestZombieEmitDoesNotHideItsSuccessorsEffect(t *testing.T) {
 	}
 	defer ncA.Close()
 	jsA, _ := jetstream.New(ncA)
-	bucketA, err := coordinator.OpenBucket(ctx, jsA, "")
+	bucketA, err := coordinator.OpenBucket(ctx, jsA, pfx+"-leases")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -122,7 +122,7 @@ func TestZombieEmitDoesNotHideItsSuccessorsEffect(t *testing.T) {
 			return j.Emit(ctx, j.Data)
 		})})
 	defer b()
-	for runner.MaxEpoch(0) == 0 || leaseHolder(ctx, bucket) != "b" {
+	for runner.Fence(leasehold.FenceID{Scope: pfx}).Epoch == 0 || leaseHolder(ctx, bucket) != "b" {
 		if err := sleepCtx(ctx, 20*time.Millisecond); err != nil {
 			t.Fatal("B never took the partition over")
 		}
@@ -130,13 +130,13 @@ func TestZombieEmitDoesNotHideItsSuccessorsEffect(t *testing.T) {
 	// B's barrier is in the log (the runner raised the fence to B's
 	// epoch); now A's frozen effect arrives behind it.
 	bEpoch := leaseEpoch(ctx, bucket)
-	for runner.MaxEpoch(0) < bEpoch {
+	for runner.Fence(leasehold.FenceID{Scope: pfx}).Epoch < bEpoch {
 		if err := sleepCtx(ctx, 20*time.Millisecond); err != nil {
 			t.Fatal("the sink never saw B's barrier")
 		}
 	}
 	px.thaw()
-	for runner.Dropped(0) == 0 {
+	for runner.Dropped(leasehold.FenceID{Scope: pfx}) == 0 {
 		if err := sleepCtx(ctx, 20*time.Millisecond); err != nil {
 			t.Fatal("A's late effect never reached the sink")
 		}

@@ -2,7 +2,6 @@ package chaos
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"slices"
 	"strings"
@@ -12,6 +11,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/internal/history"
+	"github.com/leasehold/leasehold/internal/leader"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -338,7 +338,7 @@ func (h *harness) forge(ctx context.Context) error {
 	for _, e := range []leasehold.Epoch{unissued, 1} {
 		key := fmt.Sprintf("chaos.forged.%d", h.rnd.Uint64())
 		msg := nats.NewMsg(worker.OutputSubject(prefix, p))
-		leasehold.Stamp{Partition: p, Epoch: e, Key: key, Worker: "forger"}.SetHeader(msg.Header)
+		leasehold.Stamp{Scope: prefix, Partition: p, Epoch: e, Acquisition: "forged", Key: key, Worker: "forger"}.SetHeader(msg.Header)
 		msg.Data = []byte("forged")
 		h.publishInjected(fctx, msg, history.Event{Proc: effectProc, Reason: FaultForged, Partition: uint32(p), Epoch: uint64(e), Key: key})
 	}
@@ -354,7 +354,7 @@ func (h *harness) garbage(ctx context.Context) error {
 	defer cancel()
 	valid := func(key string) nats.Header {
 		hd := nats.Header{}
-		leasehold.Stamp{Partition: p, Epoch: 42, Key: key}.SetHeader(hd)
+		leasehold.Stamp{Scope: prefix, Partition: p, Epoch: 42, Acquisition: "garbage", Key: key}.SetHeader(hd)
 		return hd
 	}
 	variants := []func(key string) nats.Header{
@@ -367,13 +367,14 @@ func (h *harness) garbage(ctx context.Context) error {
 		func(k string) nats.Header { h := valid(k); h[leasehold.HeaderEpoch] = []string{"5", "6"}; return h },
 		func(k string) nats.Header { h := valid(k); delete(h, leasehold.HeaderKey); return h },
 	}
-	// A valid stamp at the sink's own maximum (so it passes the fence and
-	// raises nothing) whose key cannot be a KV key: the runner accepts
-	// it, and the KV sink can never apply it.
-	if max := h.sinkMax(gctx, p); max > 0 {
+	// A valid stamp of the partition's newest write in the log (so it
+	// passes the fence and raises nothing) whose key cannot be a KV key:
+	// the runner accepts it, and the KV sink can never apply it.
+	if cur, ok := h.newestStamp(gctx, p); ok {
 		variants = append(variants, func(k string) nats.Header {
 			hd := nats.Header{}
-			leasehold.Stamp{Partition: p, Epoch: max, Key: k + "*", Worker: "garbler"}.SetHeader(hd)
+			cur.Key, cur.Worker = k+"*", "garbler"
+			cur.SetHeader(hd)
 			return hd
 		})
 	}
@@ -404,26 +405,15 @@ func (h *harness) publishInjected(ctx context.Context, msg *nats.Msg, e history.
 	h.record(e)
 }
 
-// sinkMax reads partition p's maximum from the sink runner's saved
-// progress, 0 when it cannot.
-func (h *harness) sinkMax(ctx context.Context, p leasehold.Partition) leasehold.Epoch {
-	kv, err := h.js.KeyValue(ctx, prefix+"-sink-state")
-	if err != nil {
-		return 0
+// newestStamp is the stamp of the newest message in partition p's effect
+// log, read through the stream's leader, when it has a valid one.
+func (h *harness) newestStamp(ctx context.Context, p leasehold.Partition) (leasehold.Stamp, bool) {
+	m, err := leader.NewReader(h.js, worker.EffectsStream(prefix)).Last(ctx, worker.OutputSubject(prefix, p))
+	if err != nil || m == nil {
+		return leasehold.Stamp{}, false
 	}
-	e, err := kv.Get(ctx, prefix+"-"+sinkName)
-	if err != nil {
-		return 0
-	}
-	var st struct {
-		Fences map[string]struct {
-			Epoch leasehold.Epoch `json:"epoch"`
-		} `json:"fences"`
-	}
-	if json.Unmarshal(e.Value(), &st) != nil {
-		return 0
-	}
-	return st.Fences[p.String()].Epoch
+	st, err := leasehold.StampFromHeader(m.Header)
+	return st, err == nil
 }
 
 // jitter returns base times a random factor in [lo, hi).

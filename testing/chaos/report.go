@@ -87,6 +87,7 @@ func (rep Report) WriteTable(w io.Writer) error {
 	fmt.Fprintf(tw, "  enqueued\t%d\n", rep.JobsEnqueued)
 	fmt.Fprintf(tw, "  applied exactly once\t%d\n", rep.JobsApplied-rep.JobsDuplicated)
 	fmt.Fprintf(tw, "  lost\t%d\n", rep.JobsLost)
+	fmt.Fprintf(tw, "  not yet applied when the run ended\t%d\n", rep.JobsNotApplied)
 	fmt.Fprintf(tw, "  duplicated\t%d\n", rep.JobsDuplicated)
 	fmt.Fprintf(tw, "  dead-lettered\t%d\n", rep.JobsDeadLettered)
 	fmt.Fprintf(tw, "stale applications\t%d\n", rep.StaleApplications)
@@ -95,6 +96,13 @@ func (rep Report) WriteTable(w io.Writer) error {
 	fmt.Fprintf(tw, "  p50\t%s\n", msString(rep.FailoverP50Ms))
 	fmt.Fprintf(tw, "  p99\t%s\n", msString(rep.FailoverP99Ms))
 	fmt.Fprintf(tw, "  max\t%s\n", msString(rep.FailoverMaxMs))
+	fmt.Fprintf(tw, "LIVENESS (bound %s)\t\n", msString(rep.LivenessBoundMs))
+	longest := msString(rep.LongestStallMs)
+	if rep.LongestStallPartition != "" {
+		longest += " (partition " + rep.LongestStallPartition + ")"
+	}
+	fmt.Fprintf(tw, "  longest stall: pending jobs, a live holder, no progress\t%s\n", longest)
+	fmt.Fprintf(tw, "  per partition\t%s\n", formatStalls(rep.Stalls))
 	fmt.Fprintf(tw, "acquisitions\t%d\n", rep.Acquisitions)
 	var ds []string
 	for k, n := range rep.Decisions {
@@ -117,7 +125,7 @@ func (rep Report) WriteTable(w io.Writer) error {
 	case !rep.Settled:
 		fmt.Fprintln(w, "\nCHECK FAILED: the sink did not catch up with every job in time")
 	default:
-		fmt.Fprintln(w, "\ncheck passed: no stale application, every job applied exactly once, epochs rise, one holder per epoch")
+		fmt.Fprintln(w, "\ncheck passed: no stale application, every job applied exactly once, epochs rise, one holder per epoch, no partition stalled past the bound")
 	}
 	if rep.Dir != "" {
 		fmt.Fprintf(w, "history, logs and stores kept in %s\n", rep.Dir)

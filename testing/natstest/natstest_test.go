@@ -65,8 +65,13 @@ func TestClusterKillAndRestartLeader(t *testing.T) {
 	}
 	var ack *jetstream.PubAck
 	var err error
+	// One attempt per two seconds: a publish sent while the stream has no
+	// leader gets no answer at all, and would otherwise wait out ctx.
 	for ctx.Err() == nil {
-		if ack, err = js.Publish(ctx, "s.1", []byte("b")); err == nil {
+		actx, acancel := context.WithTimeout(ctx, 2*time.Second)
+		ack, err = js.Publish(actx, "s.1", []byte("b"), jetstream.WithMsgID("b"))
+		acancel()
+		if err == nil {
 			break
 		}
 		time.Sleep(50 * time.Millisecond)
@@ -107,5 +112,50 @@ func TestProxyFreezeAndThaw(t *testing.T) {
 	px.Thaw()
 	if _, err := js.Publish(ctx, "p", []byte("after")); err != nil {
 		t.Fatalf("publish after thaw: %v", err)
+	}
+}
+
+// A restored snapshot forgets what was written after it was taken, and the
+// stream hands the same sequence out again.
+func TestSnapshotRestore(t *testing.T) {
+	s := natstest.Start(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	js := s.JetStream(t)
+	kv, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "b", Storage: jetstream.FileStorage})
+	if err != nil {
+		t.Fatal(err)
+	}
+	before, err := kv.PutString(ctx, "k", "before")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Shutdown()
+	snap := s.Snapshot(t)
+	s.Restart(t)
+	kv, err = s.JetStream(t).KeyValue(ctx, "b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lost, err := kv.PutString(ctx, "k", "lost")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Shutdown()
+	s.Restore(t, snap)
+	s.Restart(t)
+	kv, err = s.JetStream(t).KeyValue(ctx, "b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e, err := kv.Get(ctx, "k"); err != nil || string(e.Value()) != "before" || e.Revision() != before {
+		t.Fatalf("after restore: %v, %v; want the value written before the snapshot", e, err)
+	}
+	again, err := kv.PutString(ctx, "k", "again")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if again != lost {
+		t.Fatalf("the write after the restore got revision %d, want %d again", again, lost)
 	}
 }

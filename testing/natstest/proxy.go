@@ -16,12 +16,13 @@ type Proxy struct {
 	ln     net.Listener
 	target string
 
-	mu     sync.Mutex
-	cond   *sync.Cond
-	frozen bool
-	closed bool
-	conns  []net.Conn
-	wg     sync.WaitGroup
+	mu      sync.Mutex
+	cond    *sync.Cond
+	frozen  bool
+	closed  bool
+	holding int // reads held by a freeze
+	conns   []net.Conn
+	wg      sync.WaitGroup
 }
 
 // NewProxy starts a proxy on a loopback port in front of url (a nats://
@@ -48,6 +49,15 @@ func (p *Proxy) Freeze() { p.set(true) }
 
 // Thaw lets the held bytes, and everything after them, through.
 func (p *Proxy) Thaw() { p.set(false) }
+
+// Holding reports how many reads a freeze holds back: a test that froze
+// the proxy waits for it to be above zero to know that what its client
+// sent is held, not still on its way.
+func (p *Proxy) Holding() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.holding
+}
 
 func (p *Proxy) set(frozen bool) {
 	p.mu.Lock()
@@ -92,8 +102,12 @@ func (p *Proxy) pipe(dst, src net.Conn) {
 		n, err := src.Read(buf)
 		if n > 0 {
 			p.mu.Lock()
-			for p.frozen && !p.closed {
-				p.cond.Wait()
+			if p.frozen && !p.closed {
+				p.holding++
+				for p.frozen && !p.closed {
+					p.cond.Wait()
+				}
+				p.holding--
 			}
 			p.mu.Unlock()
 			if _, werr := dst.Write(buf[:n]); werr != nil {

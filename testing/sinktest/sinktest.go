@@ -8,14 +8,17 @@
 //			func(t *testing.T, s sinktest.Setup) sinktest.Instance { ... })
 //	}
 //
-// Every case gets a unique Setup.Scope, to be used in every bucket, stream
+// Every case gets a unique Setup.Name, to be used in every bucket, stream
 // or table name the sink needs, so that cases never see each other's data.
 // The cases are the fence contract of package sink: first epoch accepted,
 // equal epochs accepted, stale effects refused with no effect, partitions
-// independent, Advance fencing before the new holder writes, maxima that
-// survive a reopen, all-or-nothing batches, many goroutines racing with
-// mixed epochs, dedupe, cancelled contexts, bad stamps and headers, and
-// forged epochs under verification against a real lease bucket.
+// independent, scopes independent (two job streams and a lock sharing the
+// sink, the same partition number and idempotency key in each), split-brain
+// writes (one epoch, two acquisitions) refused, Advance fencing before the
+// new holder writes and refusing to go back, maxima that survive a reopen,
+// all-or-nothing batches, many goroutines racing with mixed epochs, dedupe,
+// cancelled contexts, bad stamps and headers, and forged epochs under
+// verification against a real lease bucket.
 //
 // Import it from tests only.
 package sinktest
@@ -23,6 +26,7 @@ package sinktest
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"strings"
@@ -55,9 +59,9 @@ type Features struct {
 
 // Setup is what the suite gives a Constructor.
 type Setup struct {
-	// Scope is unique per case: lowercase letters, digits and '_', starting
+	// Name is unique per case: lowercase letters, digits and '_', starting
 	// with a letter. Use it in every resource name.
-	Scope string
+	Name string
 	// Observer must receive the sink's decisions.
 	Observer sink.Observer
 	// Verifier is the lease bucket to verify epochs against; nil except in
@@ -104,6 +108,8 @@ func Run(t *testing.T, features Features, newSink Constructor) {
 		{"EqualEpochAccepted", testEqualEpoch, true},
 		{"StaleRejected", testStale, true},
 		{"PartitionsIndependent", testPartitions, true},
+		{"ScopesIndependent", testScopes, true},
+		{"SplitBrainRefused", testSplitBrain, true},
 		{"AdvanceFencesBeforeFirstWrite", testAdvance, true},
 		{"CancelledContext", testCancelled, true},
 		{"BadStamp", testBadStamp, true},
@@ -119,7 +125,8 @@ func Run(t *testing.T, features Features, newSink Constructor) {
 			continue
 		}
 		t.Run(c.name, func(t *testing.T) {
-			h := &harness{t: t, f: features, rec: &recorder{}, newSink: newSink}
+			name := newName(t.Name())
+			h := &harness{t: t, f: features, rec: &recorder{}, newSink: newSink, name: name, scope: "jobs-" + name}
 			c.run(t, h)
 		})
 	}
@@ -132,13 +139,13 @@ type harness struct {
 	rec     *recorder
 	newSink Constructor
 	inst    Instance
-	scope   string
+	name    string // the case's resource name
+	scope   string // the fencing scope of the case's effects: a job stream's
 }
 
 func (h *harness) start(v sink.Verifier) sink.Sink {
 	h.t.Helper()
-	h.scope = newScope(h.t.Name())
-	h.inst = h.newSink(h.t, Setup{Scope: h.scope, Observer: h.rec, Verifier: v})
+	h.inst = h.newSink(h.t, Setup{Name: h.name, Observer: h.rec, Verifier: v})
 	if h.inst.Sink == nil || h.inst.Applied == nil {
 		h.t.Fatal("sinktest: the constructor must set Instance.Sink and Instance.Applied")
 	}
@@ -148,28 +155,55 @@ func (h *harness) start(v sink.Verifier) sink.Sink {
 	return h.inst.Sink
 }
 
-// effect builds an effect named name (also its subject and data).
+// effect builds an effect named name (also its subject and data) in the
+// case's scope, from the acquisition acq(e).
 func (h *harness) effect(p leasehold.Partition, e leasehold.Epoch, name string) sink.Effect {
+	return h.effectIn(h.scope, p, e, name)
+}
+
+// effectIn builds an effect in scope; its key is the same whatever the
+// scope, so that scopes that share a sink also share key spellings. Its
+// subject is the scope's own (a destination keeps one value per subject).
+func (h *harness) effectIn(scope string, p leasehold.Partition, e leasehold.Epoch, name string) sink.Effect {
+	subject := name
+	if scope != h.scope {
+		sum := sha256.Sum256([]byte(scope))
+		subject = name + "-" + hex.EncodeToString(sum[:4])
+	}
 	return sink.Effect{
-		Stamp:   leasehold.Stamp{Partition: p, Epoch: e, Key: h.scope + "." + name, Worker: "w" + e.String()},
-		Subject: h.inst.Subject(name),
+		Stamp:   leasehold.Stamp{Scope: scope, Partition: p, Epoch: e, Acquisition: acq(e), Key: h.name + "." + name, Worker: "w" + e.String()},
+		Subject: h.inst.Subject(subject),
 		Data:    []byte("data of " + name),
 	}
 }
 
-// applied returns the applied effects by key.
-func (h *harness) applied(ctx context.Context) map[string][]sink.Effect {
+// acq is the acquisition token the suite gives epoch e: one acquisition per
+// epoch, unless a case says otherwise.
+func acq(e leasehold.Epoch) string { return "acq" + e.String() }
+
+// lease is the acquisition of epoch e of partition p in the case's scope.
+func (h *harness) lease(p leasehold.Partition, e leasehold.Epoch) leasehold.Lease {
+	return leasehold.Lease{Scope: h.scope, Partition: p, Epoch: e, Acquisition: acq(e), Holder: "w" + e.String()}
+}
+
+// applied returns the applied effects by scope and key.
+func (h *harness) applied(ctx context.Context) map[appliedID][]sink.Effect {
 	h.t.Helper()
 	es, err := h.inst.Applied(ctx)
 	if err != nil {
 		h.t.Fatalf("sinktest: read applied effects: %v", err)
 	}
-	out := make(map[string][]sink.Effect, len(es))
+	out := make(map[appliedID][]sink.Effect, len(es))
 	for _, e := range es {
-		out[e.Stamp.Key] = append(out[e.Stamp.Key], e)
+		id := appliedID{e.Stamp.Scope, e.Stamp.Key}
+		out[id] = append(out[id], e)
 	}
 	return out
 }
+
+type appliedID struct{ scope, key string }
+
+func idOf(e sink.Effect) appliedID { return appliedID{e.Stamp.Scope, e.Stamp.Key} }
 
 func (h *harness) mustApply(ctx context.Context, s sink.Sink, es ...sink.Effect) {
 	h.t.Helper()
@@ -180,12 +214,18 @@ func (h *harness) mustApply(ctx context.Context, s sink.Sink, es ...sink.Effect)
 
 func (h *harness) wantMax(ctx context.Context, s sink.Sink, p leasehold.Partition, want leasehold.Epoch) {
 	h.t.Helper()
-	got, err := s.MaxEpoch(ctx, p)
+	h.wantMaxIn(ctx, s, h.scope, p, want)
+}
+
+func (h *harness) wantMaxIn(ctx context.Context, s sink.Sink, scope string, p leasehold.Partition, want leasehold.Epoch) {
+	h.t.Helper()
+	id := leasehold.FenceID{Scope: scope, Partition: p}
+	got, err := s.Fence(ctx, id)
 	if err != nil {
-		h.t.Fatalf("MaxEpoch(%d): %v", p, err)
+		h.t.Fatalf("Fence(%s): %v", id, err)
 	}
-	if got != want {
-		h.t.Fatalf("MaxEpoch(%d) = %d, want %d", p, got, want)
+	if got.Epoch != want {
+		h.t.Fatalf("Fence(%s).Epoch = %d, want %d", id, got.Epoch, want)
 	}
 }
 
@@ -195,17 +235,17 @@ func (h *harness) wantApplied(ctx context.Context, present []sink.Effect, absent
 	h.t.Helper()
 	got := h.applied(ctx)
 	for _, e := range present {
-		es := got[e.Stamp.Key]
+		es := got[idOf(e)]
 		if len(es) != 1 {
-			h.t.Fatalf("effect %s applied %d times, want once", e.Stamp.Key, len(es))
+			h.t.Fatalf("effect %s of scope %s applied %d times, want once", e.Stamp.Key, e.Stamp.Scope, len(es))
 		}
 		if string(es[0].Data) != string(e.Data) {
-			h.t.Fatalf("effect %s applied with data %q, want %q", e.Stamp.Key, es[0].Data, e.Data)
+			h.t.Fatalf("effect %s of scope %s applied with data %q, want %q", e.Stamp.Key, e.Stamp.Scope, es[0].Data, e.Data)
 		}
 	}
 	for _, e := range absent {
-		if n := len(got[e.Stamp.Key]); n != 0 {
-			h.t.Fatalf("effect %s (epoch %d) was applied %d times; it must have no effect", e.Stamp.Key, e.Stamp.Epoch, n)
+		if n := len(got[idOf(e)]); n != 0 {
+			h.t.Fatalf("effect %s of scope %s (epoch %d) was applied %d times; it must have no effect", e.Stamp.Key, e.Stamp.Scope, e.Stamp.Epoch, n)
 		}
 	}
 }
@@ -213,7 +253,7 @@ func (h *harness) wantApplied(ctx context.Context, present []sink.Effect, absent
 func describe(es []sink.Effect) string {
 	var parts []string
 	for _, e := range es {
-		parts = append(parts, e.Stamp.Key+"@p"+e.Stamp.Partition.String()+"/e"+e.Stamp.Epoch.String())
+		parts = append(parts, e.Stamp.Key+"@"+e.Stamp.Scope+"/p"+e.Stamp.Partition.String()+"/e"+e.Stamp.Epoch.String())
 	}
 	return strings.Join(parts, ", ")
 }
@@ -230,13 +270,13 @@ func (r *recorder) Decided(_ context.Context, d sink.Decision) {
 	r.mu.Unlock()
 }
 
-// find returns the decisions about key with outcome o.
-func (r *recorder) find(key string, o sink.Outcome) []sink.Decision {
+// find returns the decisions about e's scope and key with outcome o.
+func (r *recorder) find(e sink.Effect, o sink.Outcome) []sink.Decision {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	var out []sink.Decision
 	for _, d := range r.ds {
-		if d.Stamp.Key == key && d.Outcome == o {
+		if d.Stamp.Key == e.Stamp.Key && d.Stamp.Scope == e.Stamp.Scope && d.Outcome == o {
 			out = append(out, d)
 		}
 	}
@@ -255,7 +295,7 @@ func (r *recorder) count(o sink.Outcome) int {
 	return n
 }
 
-func newScope(testName string) string {
+func newName(testName string) string {
 	name := testName
 	if i := strings.LastIndexByte(name, '/'); i >= 0 {
 		name = name[i+1:]

@@ -2,6 +2,7 @@ package sinktest_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"runtime"
@@ -18,18 +19,40 @@ import (
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-// brokenSink checks the fence and then writes, in two steps: the bug every
-// sink must avoid. Between its check and its write another writer can raise
-// the maximum, and its write then lands under a fence that has moved on
-// (and puts the maximum back).
-type brokenSink struct {
+// flawedSink is a sink with one known defect put back, to show that the
+// suite catches it:
+//   - checkThenWrite checks the fence and then writes, in two steps: between
+//     its check and its write another writer can raise the fence, and its
+//     write then lands under a fence that has moved on;
+//   - partitionOnly keys fences and dedupe by partition (and key) alone, as
+//     sinks did before scopes: two job streams sharing it fence each other;
+//   - ignoreAcquisition admits equal epochs whatever acquisition they come
+//     from, so two holders handed one revision share the fence.
+type flawedSink struct {
+	checkThenWrite, partitionOnly, ignoreAcquisition bool
+
 	obs     sink.Observer
 	mu      sync.Mutex
-	max     map[leasehold.Partition]leasehold.Epoch
+	fences  map[leasehold.FenceID]leasehold.FenceState
+	keys    map[[2]string]bool
 	applied []sink.Effect
 }
 
-func (b *brokenSink) Apply(ctx context.Context, effects ...sink.Effect) error {
+func (b *flawedSink) id(s leasehold.Stamp) leasehold.FenceID {
+	if b.partitionOnly {
+		return leasehold.FenceID{Partition: s.Partition}
+	}
+	return s.Fence()
+}
+
+func (b *flawedSink) judge(f leasehold.FenceState, s leasehold.Stamp) (leasehold.Verdict, bool) {
+	if b.ignoreAcquisition {
+		f.Acquisition = ""
+	}
+	return leasehold.Judge(f, s)
+}
+
+func (b *flawedSink) Apply(ctx context.Context, effects ...sink.Effect) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -37,91 +60,188 @@ func (b *brokenSink) Apply(ctx context.Context, effects ...sink.Effect) error {
 		b.obs.Decided(ctx, sink.Decision{Outcome: sink.BadStamp, Stamp: effects[i].Stamp, Err: err})
 		return err
 	}
+	b.mu.Lock()
+	locked := true
+	unlock := func() {
+		if locked {
+			b.mu.Unlock()
+			locked = false
+		}
+	}
+	defer unlock()
+	running := map[leasehold.FenceID]leasehold.FenceState{}
 	for _, e := range effects {
-		b.mu.Lock()
-		max := b.max[e.Stamp.Partition]
-		b.mu.Unlock()
-		if e.Stamp.Epoch < max {
-			err := sink.StaleError(e.Stamp, max, "")
-			b.obs.Decided(ctx, sink.Decision{Outcome: sink.Stale, Stamp: e.Stamp, Max: max, Err: err})
+		id := b.id(e.Stamp)
+		f, ok := running[id]
+		if !ok {
+			f = b.fences[id]
+		}
+		v, raise := b.judge(f, e.Stamp)
+		if raise {
+			running[id] = leasehold.FenceState{Epoch: e.Stamp.Epoch, Acquisition: e.Stamp.Acquisition}
+		} else {
+			running[id] = f
+		}
+		if v != leasehold.Admit {
+			err := leasehold.Refusal(f, e.Stamp, v)
+			unlock()
+			b.obs.Decided(ctx, sink.Decision{Outcome: sink.Refused(v), Stamp: e.Stamp, Max: f.Epoch, Err: err})
 			return err
 		}
+	}
+	if b.checkThenWrite {
+		unlock()
 		runtime.Gosched() // a round trip to a database, say
 		b.mu.Lock()
-		b.applied = append(b.applied, e)
-		b.max[e.Stamp.Partition] = e.Stamp.Epoch
-		b.mu.Unlock()
-		b.obs.Decided(ctx, sink.Decision{Outcome: sink.Accepted, Stamp: e.Stamp, Max: e.Stamp.Epoch})
+		locked = true
+	}
+	for _, e := range effects {
+		id := b.id(e.Stamp)
+		if _, raise := b.judge(b.fences[id], e.Stamp); raise {
+			b.fences[id] = leasehold.FenceState{Epoch: e.Stamp.Epoch, Acquisition: e.Stamp.Acquisition, Holder: e.Stamp.Worker}
+		}
+		k := [2]string{e.Stamp.Scope, e.Stamp.Key}
+		if b.partitionOnly {
+			k[0] = ""
+		}
+		outcome := sink.Accepted
+		if b.keys[k] {
+			outcome = sink.Duplicate
+		} else {
+			b.keys[k] = true
+			b.applied = append(b.applied, e)
+		}
+		b.obs.Decided(ctx, sink.Decision{Outcome: outcome, Stamp: e.Stamp, Max: e.Stamp.Epoch})
 	}
 	return nil
 }
 
-func (b *brokenSink) Advance(ctx context.Context, p leasehold.Partition, e leasehold.Epoch) error {
+func (b *flawedSink) Advance(ctx context.Context, l leasehold.Lease) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	if err := sink.ValidateAdvance(p, e); err != nil {
+	if err := sink.ValidateAdvance(l); err != nil {
 		return err
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if e > b.max[p] {
-		b.max[p] = e
+	s := sink.AdvanceStamp(l)
+	id := b.id(s)
+	f := b.fences[id]
+	v, raise := b.judge(f, s)
+	if v != leasehold.Admit {
+		return leasehold.Refusal(f, s, v)
+	}
+	if raise {
+		b.fences[id] = leasehold.FenceState{Epoch: l.Epoch, Acquisition: l.Acquisition, Holder: l.Holder}
 	}
 	return nil
 }
 
-func (b *brokenSink) MaxEpoch(ctx context.Context, p leasehold.Partition) (leasehold.Epoch, error) {
+func (b *flawedSink) Fence(ctx context.Context, id leasehold.FenceID) (leasehold.FenceState, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return b.max[p], nil
+	if b.partitionOnly {
+		id.Scope = ""
+	}
+	return b.fences[id], nil
 }
 
-func newBroken(t *testing.T, s sinktest.Setup) sinktest.Instance {
-	b := &brokenSink{obs: s.Observer, max: map[leasehold.Partition]leasehold.Epoch{}}
-	return sinktest.Instance{
-		Sink: b,
-		Applied: func(context.Context) ([]sink.Effect, error) {
-			b.mu.Lock()
-			defer b.mu.Unlock()
-			return append([]sink.Effect(nil), b.applied...), nil
-		},
-	}
-}
-
-// TestBrokenSink is the suite run against the broken sink. It only runs
-// inside TestBrokenSinkFailsSuite, which expects it to fail.
-func TestBrokenSink(t *testing.T) {
-	if os.Getenv("SINKTEST_RUN_BROKEN") != "1" {
-		t.Skip("run by TestBrokenSinkFailsSuite")
-	}
-	sinktest.Run(t, sinktest.Features{RaceGoroutines: 8, RaceOps: 200}, newBroken)
-}
-
-// TestBrokenSinkFailsSuite runs the suite against a sink that checks and
-// then writes, in a child test process, and requires that the race case
-// fails it (and that it passes the sequential cases, so that the race case
-// is what catches it).
-func TestBrokenSinkFailsSuite(t *testing.T) {
-	if os.Getenv("SINKTEST_RUN_BROKEN") == "1" {
-		t.Skip("inside the child process")
-	}
-	cmd := exec.Command(os.Args[0], "-test.run=^TestBrokenSink$", "-test.v", "-test.count=1")
-	cmd.Env = append(os.Environ(), "SINKTEST_RUN_BROKEN=1")
-	out, err := cmd.CombinedOutput()
-	if err == nil {
-		t.Fatalf("the suite passed a sink that checks and then writes:\n%s", out)
-	}
-	text := string(out)
-	for _, want := range []string{
-		"--- FAIL: TestBrokenSink/Race",
-		"the fence is not atomic with the write",
-	} {
-		if !strings.Contains(text, want) {
-			t.Fatalf("child output lacks %q:\n%s", want, text)
+func newFlawed(flaw string) sinktest.Constructor {
+	return func(t *testing.T, s sinktest.Setup) sinktest.Instance {
+		b := &flawedSink{obs: s.Observer, fences: map[leasehold.FenceID]leasehold.FenceState{}, keys: map[[2]string]bool{}}
+		switch flaw {
+		case "check-then-write":
+			b.checkThenWrite = true
+		case "partition-only":
+			b.partitionOnly = true
+		case "ignore-acquisition":
+			b.ignoreAcquisition = true
+		case "":
+		default:
+			t.Fatalf("unknown flaw %q", flaw)
+		}
+		return sinktest.Instance{
+			Sink: b,
+			Applied: func(context.Context) ([]sink.Effect, error) {
+				b.mu.Lock()
+				defer b.mu.Unlock()
+				return append([]sink.Effect(nil), b.applied...), nil
+			},
 		}
 	}
-	if n := strings.Count(text, "--- FAIL: TestBrokenSink/"); n != 1 {
-		t.Fatalf("%d cases failed the broken sink, want only the race case:\n%s", n, text)
+}
+
+var features = sinktest.Features{Dedupe: true, AtomicBatch: true, RaceGoroutines: 8, RaceOps: 200}
+
+// TestFlawless: the flawed sink with no flaw passes the suite, so that
+// each flaw below is what fails it.
+func TestFlawless(t *testing.T) {
+	sinktest.Run(t, features, newFlawed(""))
+}
+
+// TestFlawedSink is the suite run against one flawed sink. It only runs
+// inside TestSuiteCatchesFlaws, which expects it to fail.
+func TestFlawedSink(t *testing.T) {
+	flaw := os.Getenv("SINKTEST_FLAW")
+	if flaw == "" {
+		t.Skip("run by TestSuiteCatchesFlaws")
 	}
+	sinktest.Run(t, features, newFlawed(flaw))
+}
+
+// TestSuiteCatchesFlaws runs the suite against each flawed sink in a child
+// test process and requires that exactly the cases named fail it, with a
+// message that says what went wrong.
+func TestSuiteCatchesFlaws(t *testing.T) {
+	if os.Getenv("SINKTEST_FLAW") != "" {
+		t.Skip("inside the child process")
+	}
+	for _, c := range []struct {
+		flaw  string
+		cases []string
+		say   string
+	}{
+		{"check-then-write", []string{"Race"}, "a stale write landed after the fence rose"},
+		{"partition-only", []string{"ScopesIndependent", "BatchAllOrNothing", "Dedupe"}, "below the recorded"},
+		{"ignore-acquisition", []string{"SplitBrainRefused", "BatchAllOrNothing"}, "want a split-brain"},
+	} {
+		t.Run(c.flaw, func(t *testing.T) {
+			cmd := exec.Command(os.Args[0], "-test.run=^TestFlawedSink$", "-test.v", "-test.count=1")
+			cmd.Env = append(os.Environ(), "SINKTEST_FLAW="+c.flaw)
+			out, err := cmd.CombinedOutput()
+			if err == nil {
+				t.Fatalf("the suite passed a sink with the flaw %s:\n%s", c.flaw, out)
+			}
+			text := string(out)
+			failed := map[string]bool{}
+			for _, line := range strings.Split(text, "\n") {
+				if name, ok := strings.CutPrefix(strings.TrimSpace(line), "--- FAIL: TestFlawedSink/"); ok {
+					failed[strings.Fields(name)[0]] = true
+				}
+			}
+			for _, want := range c.cases {
+				if !failed[want] {
+					t.Errorf("case %s did not fail the flaw %s", want, c.flaw)
+				}
+			}
+			if len(failed) > len(c.cases) {
+				t.Errorf("the flaw %s failed %d cases (%v), want only %v", c.flaw, len(failed), keys(failed), c.cases)
+			}
+			if !strings.Contains(text, c.say) {
+				t.Errorf("the output for %s does not say %q", c.flaw, c.say)
+			}
+			if t.Failed() {
+				t.Logf("child output:\n%s", text)
+			}
+		})
+	}
+}
+
+func keys(m map[string]bool) string {
+	var out []string
+	for k := range m {
+		out = append(out, k)
+	}
+	return fmt.Sprint(out)
 }

@@ -29,13 +29,27 @@ import (
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // runJobs runs a worker with handler h over count jobs on one partition
-// and waits until they are handled.
+// and waits until each has been handled once.
 func runJobs(t *testing.T, count int, prop propagation.TextMapPropagator, h worker.HandlerFunc) {
+	t.Helper()
+	var wg sync.WaitGroup
+	wg.Add(count)
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	runWorker(t, count, prop, func(ctx context.Context, j *worker.Job) error {
+		defer wg.Done()
+		return h(ctx, j)
+	}, done)
+}
+
+// runWorker runs a worker with handler h over count jobs on one partition
+// until done is closed.
+func runWorker(t *testing.T, count int, prop propagation.TextMapPropagator, h worker.HandlerFunc, done <-chan struct{}, tweak ...func(*worker.Config)) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	js := natstest.Start(t).JetStream(t)
-	b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{MarkerTTL: time.Second})
+	b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: "wm-leases", MarkerTTL: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -51,30 +65,34 @@ func runJobs(t *testing.T, count int, prop propagation.TextMapPropagator, h work
 			t.Fatal(err)
 		}
 	}
-	var wg sync.WaitGroup
-	wg.Add(count)
-	w, err := worker.New(worker.Config{
+	wc := worker.Config{
 		JetStream:   js,
 		Prefix:      "wm",
 		Partitions:  1,
 		Bucket:      b,
 		Coordinator: coordinator.Config{Worker: "w"},
 		Propagator:  prop,
+		Backoff:     func(int) time.Duration { return 10 * time.Millisecond },
 		Logger:      slog.New(slog.NewTextHandler(io.Discard, nil)),
-		Handler: worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
-			defer wg.Done()
-			return h(ctx, j)
-		}),
-	})
+		Handler:     h,
+	}
+	for _, f := range tweak {
+		f(&wc)
+	}
+	w, err := worker.New(wc)
 	if err != nil {
 		t.Fatal(err)
 	}
-	done := make(chan error, 1)
+	errc := make(chan error, 1)
 	rctx, stop := context.WithCancel(context.Background())
-	go func() { done <- w.Run(rctx) }()
-	wg.Wait()
+	go func() { errc <- w.Run(rctx) }()
+	select {
+	case <-done:
+	case <-ctx.Done():
+		t.Error("the jobs were not handled in time")
+	}
 	stop()
-	if err := <-done; err != nil {
+	if err := <-errc; err != nil {
 		t.Fatal(err)
 	}
 }
@@ -105,7 +123,7 @@ func TestPublisherStampsMessages(t *testing.T) {
 		mu.Lock()
 		defer mu.Unlock()
 		for i := range 2 {
-			want = append(want, leasehold.Stamp{Partition: j.Partition, Epoch: j.Lease.Epoch, Key: leasehold.EffectKey("wm", j.Partition, j.Seq, i), Worker: "w"})
+			want = append(want, j.Lease.Stamp(leasehold.EffectKey("wm", j.Partition, j.Seq, i)))
 		}
 		traceIDs = append(traceIDs, tid, tid)
 		return nil

@@ -1,0 +1,5 @@
+//go:build !race
+
+package streamsink
+
+const raceDetector = false

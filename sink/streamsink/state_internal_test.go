@@ -1,0 +1,231 @@
+package streamsink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/testing/natstest"
+)
+
+func testCtx(t *testing.T, d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// longest returns a legal scope of MaxScopeLen bytes that starts with
+// prefix and holds every byte JSON or HTML escaping could lengthen.
+func longest(prefix string) string {
+	s := prefix + `"\<>&`
+	return s + strings.Repeat("x", leasehold.MaxScopeLen-len(s))
+}
+
+// worstRise is a history entry at its largest: position, epoch,
+// acquisition and holder (a Leasehold-Worker header far above any worker
+// ID, which the fence cuts to maxHolderLen).
+func worstRise(at uint64, e leasehold.Epoch, acq byte) rise {
+	return rise{At: at, Epoch: e, Acquisition: acquisitions[acq], Holder: worstHolder}
+}
+
+var (
+	worstHolder  = holderOf(strings.Repeat(`"`, 10_000))
+	acquisitions = map[byte]string{
+		'a': strings.Repeat("a", leasehold.MaxAcquisitionLen),
+		'b': strings.Repeat("b", leasehold.MaxAcquisitionLen),
+	}
+)
+
+// The saved state of 65,536 partitions of one scope, with the longest
+// scope, acquisition and holder, each fence with two history entries (a
+// rise above the saved position, the most a shard holds), stays within
+// the shard bound in every key, and reads back.
+func TestStateSizeBound(t *testing.T) {
+	if testing.Short() || raceDetector {
+		// It checks sizes, not concurrency; the race detector makes it
+		// take a minute.
+		t.Skip("writes and reads 4096 shards of 65,536 fences: run without -short and -race")
+	}
+	srv := natstest.Start(t)
+	ctx := testCtx(t, 5*time.Minute)
+	js := srv.JetStream(t)
+	cfg := Config{Prefix: "size", Provision: true, Logger: slog.New(slog.DiscardHandler)}
+	r, err := New(ctx, js, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	scope := longest("jobs")
+	const base = math.MaxUint64 - 1<<20 // positions near the largest
+	r.seq = base
+	w := &work{seq: base + leasehold.MaxPartitions}
+	for p := range leasehold.Partition(leasehold.MaxPartitions) {
+		id := leasehold.FenceID{Scope: scope, Partition: p}
+		if err := w.room(r.fences, id, "k", r.cfg.MaxFences); err != nil {
+			t.Fatalf("partition %d: %v", p, err)
+		}
+		r.fences.add(id, worstRise(base, leasehold.MaxEpoch-1, 'a'))
+	}
+	for p := range leasehold.Partition(leasehold.MaxPartitions) {
+		w.raise(r.fences, leasehold.FenceID{Scope: scope, Partition: p}, worstRise(base+1+uint64(p), leasehold.MaxEpoch, 'b'))
+	}
+	written, err := r.save(ctx, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(written) != numShards {
+		t.Fatalf("wrote %d shards, want all %d", len(written), numShards)
+	}
+	var total, largest int
+	for k := range numShards {
+		e, err := r.stateKV.Get(ctx, r.shardKey(k))
+		if err != nil {
+			t.Fatalf("shard %d: %v", k, err)
+		}
+		n := len(e.Value())
+		total += n
+		largest = max(largest, n)
+		if bound := shardEnvelope + r.fences.reserved[k] + w.extra[k]; n > bound {
+			t.Errorf("shard %d holds %d bytes, above the %d its fences reserve", k, n, bound)
+		}
+	}
+	if largest > shardBytes {
+		t.Fatalf("the largest shard holds %d bytes, above the bound of %d", largest, shardBytes)
+	}
+	if max := js.Conn().MaxPayload(); int64(largest) > max/4 {
+		t.Fatalf("the largest shard holds %d bytes, not well under the max payload of %d", largest, max)
+	}
+	t.Logf("65536 fences, two entries each: %d shards, largest %d bytes (bound %d), mean %d, total %d",
+		numShards, largest, shardBytes, total/numShards, total)
+
+	r.fences.commit(w, written)
+	again, err := New(ctx, srv.JetStream(t), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if again.Position() != w.seq || again.Fences() != leasehold.MaxPartitions {
+		t.Fatalf("read back position %d and %d fences, want %d and %d", again.Position(), again.Fences(), w.seq, leasehold.MaxPartitions)
+	}
+	for _, p := range []leasehold.Partition{0, 1, 4095, 65535} {
+		id := leasehold.FenceID{Scope: scope, Partition: p}
+		if got, want := again.Fence(id), w.raised[id].state(); got != want {
+			t.Fatalf("fence %d read back as %+v, want %+v", p, got, want)
+		}
+	}
+	// Saved again with nothing raised, each fence keeps one entry.
+	total = 0
+	for k := range numShards {
+		total += len(encodeShard((&work{}).history(again.fences, k)))
+	}
+	t.Logf("65536 fences, one entry each: total %d bytes", total)
+}
+
+// Fences of as many scopes of the longest name fill one shard until its
+// bound: the next is refused with a FenceLimitError naming the shard, and
+// the full shard, with two worst-case entries per fence, is within the
+// bound.
+func TestShardFull(t *testing.T) {
+	tab := newFenceTable(numShards)
+	w := &work{}
+	var ids []leasehold.FenceID
+	for i := 0; ; i++ {
+		id := leasehold.FenceID{Scope: longest(fmt.Sprintf("s%d-", i)), Partition: leasehold.MaxPartitions - 1}
+		if shardOf(id, numShards) != 0 {
+			continue
+		}
+		err := w.room(tab, id, "k", MaxFencesLimit)
+		if err != nil {
+			var le *FenceLimitError
+			if !errors.As(err, &le) || !le.Shard || !errors.Is(err, ErrFenceLimit) || !strings.Contains(err.Error(), "shard") {
+				t.Fatalf("the refusal %v does not say the shard is full", err)
+			}
+			break
+		}
+		tab.add(id, worstRise(math.MaxUint64-1, leasehold.MaxEpoch-1, 'a'))
+		ids = append(ids, id)
+	}
+	for _, id := range ids {
+		w.raise(tab, id, worstRise(math.MaxUint64, leasehold.MaxEpoch, 'b'))
+	}
+	n := len(encodeShard(w.history(tab, 0)))
+	if n > shardBytes {
+		t.Fatalf("a full shard of %d fences takes %d bytes, above the bound of %d", len(ids), n, shardBytes)
+	}
+	t.Logf("a shard holds %d fences of distinct longest scopes: %d bytes of %d", len(ids), n, shardBytes)
+	// Spread evenly, the shards hold MaxFencesLimit such fences.
+	if len(ids)*numShards < MaxFencesLimit {
+		t.Fatalf("%d fences per shard hold %d in all, below MaxFencesLimit %d", len(ids), len(ids)*numShards, MaxFencesLimit)
+	}
+}
+
+// A shard that a runner saved and died before saving the position holds
+// an entry above the saved position. The next runner ignores it and, even
+// if it never raises that fence, writes the shard over before its position
+// passes the entry: the dead runner's rise never comes to count.
+func TestAheadEntryWrittenOver(t *testing.T) {
+	srv := natstest.Start(t)
+	ctx := testCtx(t, time.Minute)
+	js := srv.JetStream(t)
+	cfg := Config{Prefix: "ahead", Provision: true, Logger: slog.New(slog.DiscardHandler)}
+	r, err := New(ctx, js, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ghost := leasehold.FenceID{Scope: "ahead", Partition: 1}
+	k := shardOf(ghost, numShards)
+	body := encodeShard(map[leasehold.FenceID][]rise{ghost: {{At: 3, Epoch: 9, Acquisition: "a9"}}})
+	if _, err := r.stateKV.Put(ctx, r.shardKey(k), body); err != nil {
+		t.Fatal(err)
+	}
+	r, err = New(ctx, js, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if f := r.Fence(ghost); f != (leasehold.FenceState{}) || !r.fences.stale[k] {
+		t.Fatalf("fence above the saved position read as %+v (stale %v), want none and the shard to be written over", f, r.fences.stale[k])
+	}
+	// Effects of another fence, in another shard, carry the position past
+	// the ghost's entry.
+	other := leasehold.FenceID{Scope: "ahead", Partition: 2}
+	for shardOf(other, numShards) == k {
+		other.Partition++
+	}
+	var last uint64
+	for i := range 5 {
+		h := nats.Header{}
+		leasehold.Stamp{Scope: other.Scope, Partition: other.Partition, Epoch: 4, Acquisition: "a4", Key: fmt.Sprintf("k%d", i)}.SetHeader(h)
+		ack, err := js.PublishMsg(ctx, &nats.Msg{Subject: "ahead.out.x", Header: h})
+		if err != nil {
+			t.Fatal(err)
+		}
+		last = ack.Sequence
+	}
+	runCtx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(runCtx) }()
+	err = r.WaitPosition(ctx, last)
+	cancel()
+	if rerr := <-done; rerr != nil {
+		t.Fatal(rerr)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	again, err := New(ctx, js, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if f := again.Fence(ghost); f != (leasehold.FenceState{}) {
+		t.Fatalf("past the dead runner's entry, the fence reads %+v: its rise came to count", f)
+	}
+	if f := again.Fence(other); f.Epoch != 4 {
+		t.Fatalf("the other fence reads %+v, want epoch 4", f)
+	}
+}

@@ -1,0 +1,5 @@
+//go:build !race
+
+package wmsink_test
+
+const raceDetector = false

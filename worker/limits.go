@@ -1,0 +1,47 @@
+package worker
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/leasehold/leasehold"
+)
+
+// ErrEffectTooLarge is matched by the error of an effect that no sink could
+// store: with its headers and the room a sink needs for its own
+// (leasehold.SinkHeaderRoom), it exceeds the server's max payload. The
+// attempt fails as permanent: the job is dead-lettered, not retried for
+// ever, and no sink is left with an effect it can never apply.
+var ErrEffectTooLarge = errors.New("worker: effect too large for a sink to store")
+
+// checkSize refuses msg when a sink could not store it after adding its
+// own headers: the server's max payload counts headers and data alike.
+func (r *runner) checkSize(msg *nats.Msg) error {
+	limit := r.w.cfg.JetStream.Conn().MaxPayload()
+	if limit <= 0 {
+		return nil // not connected yet: the server refuses what is too large
+	}
+	size := int64(len(msg.Data) + headerSize(msg.Header))
+	if size+leasehold.SinkHeaderRoom > limit {
+		return Permanent(fmt.Errorf("%w: %d bytes of data and headers, and sinks need %d bytes of room for their own headers under the server's max payload of %d: store large values elsewhere and emit a reference",
+			ErrEffectTooLarge, size, leasehold.SinkHeaderRoom, limit))
+	}
+	return nil
+}
+
+// headerSize is the size of h on the wire: "NATS/1.0\r\n", one
+// "Name: value\r\n" line per value, and the closing "\r\n".
+func headerSize(h nats.Header) int {
+	if len(h) == 0 {
+		return 0
+	}
+	n := len("NATS/1.0\r\n") + 2
+	for k, vs := range h {
+		for _, v := range vs {
+			n += len(k) + 2 + len(v) + 2
+		}
+	}
+	return n
+}
