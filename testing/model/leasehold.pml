@@ -27,7 +27,11 @@
  *                        which job was applied last is not kept
  *   WRITTEN_REOPEN       an effect of a job already applied opens an attempt
  *   TODAY_PROGRESS       the progress record is fenced and committed on the
- *                        epoch alone (coordinator/progress.go today)
+ *                        epoch alone (coordinator/progress.go before it
+ *                        compared the acquisition)
+ *   TODAY_VERIFY         an epoch verifies if it is at or below the highest
+ *                        the fence record holds, whatever its acquisition
+ *                        (sink.EpochCheck against Bucket.IssuedEpoch today)
  */
 
 /* ------------------------------------------------------------ sizes */

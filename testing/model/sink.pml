@@ -21,6 +21,16 @@ inline verify(ff, ee, aa, out) {
   :: else -> break
   od;
   vi = 0
+#elif defined(TODAY_VERIFY)
+  /* sink.EpochCheck today: an epoch at or below the highest the fence
+   * record holds verifies, whatever its acquisition */
+  out = UNVERIFIED;
+  vi = 1;
+  do
+  :: vi <= nacq -> if :: acqFence[vi] == ff && acqEpoch[vi] >= ee && (fenced[ff] >> vi) & 1 -> out = ADMIT :: else -> skip fi; vi++
+  :: else -> break
+  od;
+  vi = 0
 #elif defined(WRITTEN_RECENT)
   /* one recent epoch: the record's own */
   if
