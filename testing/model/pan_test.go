@@ -2,6 +2,7 @@ package model
 
 import (
 	"bufio"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -98,7 +99,8 @@ func (v verifier) run(t *testing.T) result {
 	pan.Dir = dir
 	outb, err := pan.CombinedOutput()
 	out := string(outb)
-	if _, ok := err.(*exec.ExitError); err != nil && !ok {
+	var exit *exec.ExitError
+	if err != nil && !errors.As(err, &exit) {
 		t.Fatalf("pan: %v", err)
 	}
 	r := parse(t, out)
