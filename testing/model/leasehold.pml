@@ -1,6 +1,6 @@
 /*
- * leasehold.pml: the fencing protocol of DESIGN-NEXT (with the fixes the
- * model found, see README.md) in Promela, for SPIN.
+ * leasehold.pml: leasehold's fencing protocol, with the parts still to be
+ * built and the fixes the model found (see README.md), in Promela, for SPIN.
  *
  *   spin -a leasehold.pml && gcc -O2 -DSAFETY -o pan pan.c && ./pan
  *
