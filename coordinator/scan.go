@@ -80,10 +80,18 @@ func scanLast(ctx context.Context, js jetstream.JetStream, stream, filter string
 			empty = 0
 			continue
 		}
-		// Pending messages, yet none delivered: the consumer is behind
-		// the stream for a moment. Give up after a few tries.
-		if empty++; empty > 10 {
-			return fmt.Errorf("coordinator: read %s of stream %s: the server delivered nothing of what it said was pending", filter, stream)
+		// Pending messages, yet none delivered: what was pending may have
+		// gone since (a marker that expired, a key purged), or the
+		// consumer is behind the stream for a moment. Ask it.
+		info, err := cons.Info(ctx)
+		if err != nil {
+			return fmt.Errorf("coordinator: read %s of stream %s: %w", filter, stream, err)
+		}
+		if info.NumPending == 0 {
+			return nil
+		}
+		if empty++; empty > 20 {
+			return fmt.Errorf("coordinator: read %s of stream %s: the server delivered nothing of the %d messages it says are pending", filter, stream, info.NumPending)
 		}
 		select {
 		case <-ctx.Done():
