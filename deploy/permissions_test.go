@@ -18,6 +18,9 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/sink/kvsink"
+	"github.com/leasehold/leasehold/sink/streamsink"
 	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
@@ -124,40 +127,57 @@ func TestPermissions(t *testing.T) {
 			t.Fatalf("sink: fenced epoch of partition %d: %d, %v", part, e, err)
 		}
 	}
-	cons, err := su.js.CreateOrUpdateConsumer(ctx, worker.EffectsStream("leasehold"), jetstream.ConsumerConfig{
-		Durable: "leasehold-sink", AckPolicy: jetstream.AckExplicitPolicy,
+	// The stream sink runner in front of the KV sink, as `leasehold sink
+	// --kind kv` runs them: its consumer, state bucket, dead-letter stream
+	// and the KV bucket, all created by the sink user on first start.
+	ks, err := kvsink.New(ctx, su.js, kvsink.Config{Bucket: "leasehold-sink", Logger: quietLogger()})
+	if err != nil {
+		t.Fatalf("sink: the KV sink: %v (violations: %v)", err, su.violations())
+	}
+	accepted := make(chan struct{}, jobs*4)
+	r, err := streamsink.New(ctx, su.js, streamsink.Config{
+		Prefix: "leasehold", Consumer: "leasehold-sink", Name: "sink", Verifier: sb, Logger: quietLogger(),
+		BatchHandler: func(ctx context.Context, effects []sink.Effect) error {
+			for i := range effects {
+				effects[i].Subject = effects[i].Stamp.Key
+			}
+			return ks.Apply(ctx, effects...)
+		},
+		Observer: sink.ObserverFunc(func(_ context.Context, d sink.Decision) {
+			if d.Outcome == sink.Accepted {
+				accepted <- struct{}{}
+			}
+		}),
 	})
 	if err != nil {
-		t.Fatalf("sink: create its consumer: %v", err)
+		t.Fatalf("sink: the stream sink runner: %v (violations: %v)", err, su.violations())
 	}
-	kv, err := su.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "leasehold-sink"})
+	rctx, stop := context.WithCancel(ctx)
+	sinkErr := make(chan error, 1)
+	go func() { sinkErr <- r.Run(rctx) }()
+	for range jobs {
+		select {
+		case <-accepted:
+		case err := <-su.errs:
+			if errors.Is(err, nats.ErrPermissionViolation) {
+				t.Fatalf("sink: leasehold's own work was refused: %v; widen the sink user's permissions in nats/nats-server.conf and helm/nats-values.yaml", err)
+			}
+		case err := <-sinkErr:
+			t.Fatalf("sink: Run returned early: %v (violations: %v)", err, su.violations())
+		case <-ctx.Done():
+			t.Fatalf("sink: effects not applied: %v (violations: %v)", ctx.Err(), su.violations())
+		}
+	}
+	if err := r.Ready(ctx); err != nil {
+		t.Errorf("sink: not ready after applying every effect: %v", err)
+	}
+	stop()
+	<-sinkErr
+	kv, err := su.js.KeyValue(ctx, "leasehold-sink")
 	if err != nil {
-		t.Fatalf("sink: create its bucket: %v", err)
+		t.Fatalf("sink: its bucket: %v", err)
 	}
-	effects := 0
-	for effects < jobs {
-		batch, err := cons.Fetch(jobs, jetstream.FetchMaxWait(5*time.Second))
-		if err != nil {
-			t.Fatalf("sink: fetch: %v", err)
-		}
-		n := 0
-		for m := range batch.Messages() {
-			n++
-			if m.Headers().Get(leasehold.HeaderBarrier) == "" {
-				effects++
-				if _, err := kv.Put(ctx, fmt.Sprintf("effect.%d", effects), m.Data()); err != nil {
-					t.Fatalf("sink: write its bucket: %v", err)
-				}
-			}
-			if err := m.Ack(); err != nil {
-				t.Fatalf("sink: ack: %v", err)
-			}
-		}
-		if batch.Error() != nil || n == 0 {
-			t.Fatalf("sink: %d of %d effects read, then %d in a fetch (%v)", effects, jobs, n, batch.Error())
-		}
-	}
-	if _, err := kv.Get(ctx, "effect.1"); err != nil {
+	if _, err := kv.Get(ctx, leasehold.EffectKey("leasehold", 0, 1, 0)); err != nil && !errors.Is(err, jetstream.ErrKeyNotFound) {
 		t.Fatalf("sink: read its bucket: %v", err)
 	}
 	su.noViolations(t)
