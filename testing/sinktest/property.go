@@ -65,7 +65,12 @@ func propertyRuns(f Features) int {
 func testProperties(t *testing.T, h *harness) {
 	budget := propertyRuns(h.f)
 	t.Run("Sequential", func(t *testing.T) { search(t, h, budget, false) })
-	t.Run("Concurrent", func(t *testing.T) { search(t, h, budget, true) })
+	t.Run("Concurrent", func(t *testing.T) {
+		if h.f.SkipConcurrent != "" {
+			t.Skip("sinktest: the concurrent search is skipped: " + h.f.SkipConcurrent)
+		}
+		search(t, h, budget, true)
+	})
 }
 
 // search has rapid draw the sequences. rapid runs a property -rapid.checks

@@ -63,6 +63,10 @@ type Features struct {
 	// each against a new sink. Default DefaultPropertyRuns; the environment
 	// variable PropertyRunsEnv overrides it.
 	PropertyRuns int
+	// SkipConcurrent, when set, skips the Properties case's Concurrent
+	// search and says why in the test output. Set it only with a reason a
+	// reader can act on: the search is what catches check-then-write.
+	SkipConcurrent string
 }
 
 func (f *Features) setDefaults() {
