@@ -135,11 +135,17 @@ func (m *machine) concurrent(rt *rapid.T) {
 	<-done
 
 	var desc []string
+	var history []string
+	logf := func(format string, args ...any) {
+		history = append(history, fmt.Sprintf(format, args...))
+		rt.Logf(format, args...)
+	}
+	logf("step %d: before: fences %s; applied %s", m.step, m.describeFences(m.model.fences), m.describeApplied(m.model.applied))
 	for _, c := range calls {
 		desc = append(desc, c.spec.GoString())
-		rt.Logf("step %d: concurrent %#v = %v [%d, %d]", m.step, c.spec, c.err, c.start, c.end)
+		logf("step %d: concurrent %#v = %v [%d, %d]", m.step, c.spec, c.err, c.start, c.end)
 	}
-	rt.Logf("step %d: %d snapshots taken while the calls ran", m.step, len(snaps))
+	logf("step %d: %d snapshots taken while the calls ran", m.step, len(snaps))
 	if readErr != nil {
 		rt.Logf("step %d: reading the sink: %v", m.step, readErr)
 		rt.Fatalf("step %d: reading the sink's applied effects failed", m.step)
@@ -149,24 +155,27 @@ func (m *machine) concurrent(rt *rapid.T) {
 		rt.Logf("step %d: reading the sink: %v", m.step, err)
 		rt.Fatalf("step %d: reading the sink's fences or applied effects failed", m.step)
 	}
-	if next := m.linearize(rt, calls, snaps, final); next != nil {
+	if next := m.linearize(logf, calls, snaps, final); next != nil {
 		m.model = next
 		return
 	}
 	for i, s := range snaps {
-		rt.Logf("step %d: snapshot %d [%d, %d]: %s", m.step, i+1, s.start, s.end, m.describeApplied(s.applied))
+		logf("step %d: snapshot %d [%d, %d]: %s", m.step, i+1, s.start, s.end, m.describeApplied(s.applied))
 	}
-	rt.Logf("step %d: afterwards: %s", m.step, m.describeApplied(final.applied))
+	logf("step %d: afterwards: fences %s; applied %s", m.step, m.describeFences(final.fences), m.describeApplied(final.applied))
+	if m.original != nil {
+		m.original(strings.Join(history, "\n"))
+	}
 	rt.Fatalf("step %d: no order of the concurrent calls %s explains their results, what the reader saw while they ran and the state after",
 		m.step, strings.Join(desc, " | "))
 }
 
 // linearize returns the model after the calls in the first order that
 // explains what was seen, or nil.
-func (m *machine) linearize(rt *rapid.T, calls []*call, snaps []readSnapshot, final state) *model {
+func (m *machine) linearize(logf func(string, ...any), calls []*call, snaps []readSnapshot, final state) *model {
 	for _, order := range permutations(len(calls)) {
 		if next, why := m.explain(calls, order, snaps, final); why != "" {
-			rt.Logf("step %d: order %v: %s", m.step, order, why)
+			logf("step %d: order %v: %s", m.step, order, why)
 		} else {
 			return next
 		}
@@ -242,6 +251,16 @@ func (m *machine) describeApplied(applied map[appliedID][]string) string {
 	var parts []string
 	for _, id := range slices.SortedFunc(maps.Keys(applied), compareApplied) {
 		parts = append(parts, fmt.Sprintf("%s=%q", m.appliedLabel(id), applied[id]))
+	}
+	return strings.Join(parts, " ")
+}
+
+func (m *machine) describeFences(fences map[leasehold.FenceID]leasehold.FenceState) string {
+	var parts []string
+	for _, id := range slices.SortedFunc(maps.Keys(fences), compareFence) {
+		if f := fences[id]; f.Epoch != 0 || f.Acquisition != "" {
+			parts = append(parts, fmt.Sprintf("%s=e%d of %q", m.fenceLabel(id), f.Epoch, f.Acquisition))
+		}
 	}
 	return strings.Join(parts, " ")
 }

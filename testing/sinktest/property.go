@@ -84,9 +84,15 @@ func search(t *testing.T, h *harness, budget int, concurrent bool) {
 			return
 		}
 		runs++
+		// The first failing run's history goes to t: a concurrent failure
+		// may not replay, and rapid then shows only a passing replay.
+		var original func(string)
+		if !failed {
+			original = func(history string) { t.Logf("sinktest: the failing run, as it ran:\n%s", history) }
+		}
 		returned := false
 		defer func() { failed = failed || !returned || rt.Failed() }()
-		runMachine(t, rt, h, concurrent)
+		runMachine(t, rt, h, concurrent, original)
 		returned = true
 	})
 	t.Logf("sinktest: %d random sequences run against the sink (budget %d; set %s to change it)", runs, budget, PropertyRunsEnv)
@@ -97,7 +103,7 @@ func search(t *testing.T, h *harness, budget int, concurrent bool) {
 // its t.Cleanup runs after each sequence rather than after all of them;
 // the sequence itself runs on rapid's goroutine, so that rapid sees each
 // failure where it happened.
-func runMachine(t *testing.T, rt *rapid.T, h *harness, concurrent bool) {
+func runMachine(t *testing.T, rt *rapid.T, h *harness, concurrent bool, original func(string)) {
 	type built struct {
 		inst Instance
 		name string
@@ -134,7 +140,7 @@ func runMachine(t *testing.T, rt *rapid.T, h *harness, concurrent bool) {
 	if b.inst.Subject == nil {
 		b.inst.Subject = func(n string) string { return n }
 	}
-	m := &machine{ctx: ctx, f: h.f, inst: b.inst, s: b.inst.Sink, name: b.name, model: newModel(h.f)}
+	m := &machine{ctx: ctx, f: h.f, inst: b.inst, s: b.inst.Sink, name: b.name, model: newModel(h.f), original: original}
 	m.scopes = [2]string{"jobs-" + b.name, "jobs-" + b.name + "-b"}
 	actions := map[string]func(*rapid.T){
 		"advance":    m.advance,
@@ -165,6 +171,9 @@ type machine struct {
 	scopes [2]string
 	model  *model
 	step   int
+	// original, when set, receives the history of a concurrent step no
+	// order explains, in the run that failed first (not a replay).
+	original func(string)
 }
 
 // effectSpec is a drawn effect; its fields index the sequence's scopes,
