@@ -37,10 +37,28 @@ func (f *Fencer) judgeArrival(ctx context.Context, st leasehold.Stamp) (judgemen
 	l := f.lock(st.Fence())
 	l.Lock()
 	defer l.Unlock()
-	return f.judgeArrivalLocked(ctx, st)
+	j, err := f.judgeArrivalLocked(ctx, st)
+	if err == nil && j.raises() {
+		f.raiseLocked(st)
+	}
+	return j, err
 }
 
-// judgeArrivalLocked is judgeArrival with the fence's lock held.
+// raises reports whether the judged stamp is admitted above its fence.
+func (j judgement) raises() bool {
+	return j.unverified == nil && j.v == leasehold.Admit && j.raise
+}
+
+// raiseLocked records st as its fence's newest admitted acquisition; the
+// fence's lock is held.
+func (f *Fencer) raiseLocked(st leasehold.Stamp) {
+	f.mu.Lock()
+	f.fences[st.Fence()] = leasehold.FenceState{Epoch: st.Epoch, Acquisition: st.Acquisition, Holder: st.Worker}
+	f.mu.Unlock()
+}
+
+// judgeArrivalLocked judges st with the fence's lock held, and raises
+// nothing: the caller raises the fence when st's step is done.
 func (f *Fencer) judgeArrivalLocked(ctx context.Context, st leasehold.Stamp) (judgement, error) {
 	id := st.Fence()
 	f.mu.Lock()
@@ -62,21 +80,25 @@ func (f *Fencer) judgeArrivalLocked(ctx context.Context, st leasehold.Stamp) (ju
 		}
 		return j, err
 	}
-	f.mu.Lock()
-	f.fences[id] = leasehold.FenceState{Epoch: st.Epoch, Acquisition: st.Acquisition, Holder: st.Worker}
-	f.mu.Unlock()
 	return j, nil
 }
 
 // Fence runs apply if the stamp in metadata md is admitted in arrival
 // order (Config.ArrivalOrder), holding the fence's critical section across
-// the check, the raise and apply: for a caller outside Watermill that is
+// the check, apply and the raise: for a caller outside Watermill that is
 // the only writer of the fence's destination. apply must not wait for
-// another message of the same fence. It returns a
+// another message of the same fence. The fence is raised once apply has
+// returned nil, so State never shows an epoch whose effect is not applied,
+// and a failed apply leaves the fence as it was. It returns a
 // *leasehold.StaleEpochError for a stale stamp, an error matching
 // leasehold.ErrBadStamp for bad metadata, one matching
 // sink.ErrUnverifiedEpoch for a forged epoch, and apply's error. A barrier
-// raises the fence and does not call apply.
+// raises the fence and does not call apply; a barrier below the fence (a
+// late one of an earlier acquisition) moves nothing and is not reported
+// as a drop, and its *leasehold.StaleEpochError tells the caller that the
+// fence is past it: ack it like any refusal. A caller that sends barriers
+// itself learns from this, in the same critical section, whether its
+// acquisition is still the newest.
 func (f *Fencer) Fence(ctx context.Context, md map[string]string, apply func() error) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("wmsink: %w", err)
@@ -111,13 +133,14 @@ func (f *Fencer) Fence(ctx context.Context, md map[string]string, apply func() e
 	case j.v != leasehold.Admit:
 		serr := leasehold.Refusal(j.fence, st, j.v)
 		if barrier && j.v == leasehold.Stale {
-			return nil // a late barrier of an earlier acquisition
+			return serr // a late barrier of an earlier acquisition: no drop
 		}
 		d.Outcome, d.Err = sink.Refused(j.v), serr
 		f.rep.Report(ctx, d)
 		return serr
 	case barrier:
 		if j.raise {
+			f.raiseLocked(st)
 			d.Outcome, d.Max = sink.Advanced, st.Epoch
 			f.rep.Report(ctx, d)
 		}
@@ -128,6 +151,9 @@ func (f *Fencer) Fence(ctx context.Context, md map[string]string, apply func() e
 		d.Outcome, d.Err = sink.Failed, err
 		f.rep.Report(ctx, d)
 		return err
+	}
+	if j.raise {
+		f.raiseLocked(st)
 	}
 	d.Outcome = sink.Accepted
 	f.rep.Report(ctx, d)
