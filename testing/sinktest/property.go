@@ -61,7 +61,10 @@ func propertyRuns(f Features) int {
 // testProperties runs two searches. Sequential makes one call at a time,
 // so a failure replays exactly and rapid shrinks it; Concurrent adds steps
 // of concurrent calls, whose failures depend on the interleaving and may not
-// replay. A defect that does not need a race is found by the first.
+// replay: the first failing run then logs its own history (each call's
+// result and interval, every snapshot, the state after and why each order
+// fails), since rapid shows only the replay's. A defect that does not need
+// a race is found by the first.
 func testProperties(t *testing.T, h *harness) {
 	budget := propertyRuns(h.f)
 	t.Run("Sequential", func(t *testing.T) { search(t, h, budget, false) })
