@@ -44,6 +44,9 @@ func (r *runner) deadLetter(m jetstream.Msg, md *jetstream.MsgMetadata, st retry
 			if len(vs) > 0 {
 				jobID = vs[0]
 			}
+		case strings.EqualFold(k, HeaderKind):
+			// The kind routes a replay to the handler it was meant for.
+			msg.Header[HeaderKind] = vs
 		case hasPrefixFold(k, "Nats-"), hasPrefixFold(k, "Leasehold-"):
 			// Server directives and an upstream stamp must not apply to
 			// the dead letter.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -131,6 +132,10 @@ type EnqueueOption func(*enqueueOpts)
 type enqueueOpts struct {
 	id     string
 	header nats.Header
+	kind   string
+	key    []byte    // the typed Enqueue's partition key
+	codec  Codec     // the typed Enqueue's codec
+	at     time.Time // a delayed job's due time (EnqueueAt, EnqueueIn)
 }
 
 // enqueueOptions applies opts, giving the job a random ID unless one is
@@ -224,12 +229,30 @@ func (p *Producer) message(ctx context.Context, part leasehold.Partition, data [
 	if err := validID(o.id); err != nil {
 		return nil, err
 	}
-	msg := &nats.Msg{Subject: JobSubject(p.cfg.Prefix, part), Data: data, Header: make(nats.Header, len(o.header)+2)}
+	if o.kind != "" {
+		if err := ValidKind(o.kind); err != nil {
+			return nil, err
+		}
+	}
+	msg := &nats.Msg{Subject: JobSubject(p.cfg.Prefix, part), Data: data, Header: make(nats.Header, len(o.header)+4)}
 	for k, vs := range o.header {
 		msg.Header[k] = vs
 	}
 	p.tel.Propagator.Inject(ctx, telemetry.HeaderCarrier(msg.Header))
 	msg.Header[jetstream.MsgIDHeader] = []string{o.id}
+	if o.kind != "" {
+		for k := range msg.Header {
+			if strings.EqualFold(k, HeaderKind) {
+				delete(msg.Header, k)
+			}
+		}
+		msg.Header[HeaderKind] = []string{o.kind}
+	}
+	if !o.at.IsZero() {
+		if err := p.schedule(ctx, msg, part, o); err != nil {
+			return nil, err
+		}
+	}
 	return msg, nil
 }
 
