@@ -90,8 +90,9 @@ type Producer struct {
 	sendName  string // the enqueue span's name
 	sendAttrs []attribute.KeyValue
 
-	mu      sync.Mutex
-	checked bool // the stream's partition count matched
+	mu          sync.Mutex
+	checked     bool // the stream's partition count matched
+	schedulesOK bool // the job stream allows message schedules
 }
 
 // NewProducer returns a Producer that enqueues through js.
@@ -122,8 +123,14 @@ type Enqueued struct {
 	Seq       uint64 // the job's sequence in the job stream
 	ID        string // its Nats-Msg-Id
 	// Duplicate is set when the stream already held a job with this ID
-	// (within its duplicate window) and dropped this one.
+	// (within its duplicate window, JobsConfig.Duplicates) and dropped
+	// this one; Seq is then the sequence of the job stored first. (A
+	// duplicate says some job with the ID is stored, not that it is this
+	// one: anyone who can publish on the subject can take an ID first.)
 	Duplicate bool
+	// Due is a delayed job's due time (EnqueueAt), zero for a job stored
+	// at once. Until then Seq is the sequence of its schedule.
+	Due time.Time
 }
 
 // EnqueueOption adjusts one enqueue.
@@ -298,7 +305,11 @@ func validID(id string) error {
 }
 
 func enqueued(part leasehold.Partition, msg *nats.Msg, ack *jetstream.PubAck) Enqueued {
-	return Enqueued{Partition: part, Seq: ack.Sequence, ID: msg.Header.Get(jetstream.MsgIDHeader), Duplicate: ack.Duplicate}
+	e := Enqueued{Partition: part, Seq: ack.Sequence, ID: msg.Header.Get(jetstream.MsgIDHeader), Duplicate: ack.Duplicate}
+	if due := msg.Header.Get(HeaderDue); due != "" {
+		e.Due, _ = time.Parse(time.RFC3339, due)
+	}
+	return e
 }
 
 // Batch enqueues many jobs without waiting for each ack: Enqueue and
