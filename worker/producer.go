@@ -18,6 +18,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/telemetry"
 )
 
@@ -41,6 +42,10 @@ type ProducerConfig struct {
 	// job's headers. Default otel.GetTextMapPropagator().
 	// Telemetry.Propagator, when set, wins.
 	Propagator propagation.TextMapPropagator
+	// Bucket is the job stream's lease bucket, for Status and Wait, which
+	// read the partitions' holders and committed progress from it.
+	// Optional otherwise.
+	Bucket *coordinator.Bucket
 	// Telemetry selects the OpenTelemetry providers of the producer's
 	// spans: a "send <prefix>.jobs.{partition}" producer span for each
 	// enqueue, the child of the enqueuing context's span, whose context
