@@ -197,7 +197,7 @@ func (p *Producer) EnqueueTo(ctx context.Context, part leasehold.Partition, data
 		ack, err := p.js.PublishMsg(actx, msg)
 		cancel()
 		if err == nil {
-			return enqueued(part, msg, ack), nil
+			return p.original(ctx, enqueued(part, msg, ack)), nil
 		}
 		last = err
 		if ctx.Err() != nil || !transientPublish(err) {
@@ -317,6 +317,35 @@ func enqueued(part leasehold.Partition, msg *nats.Msg, ack *jetstream.PubAck) En
 	return e
 }
 
+// original points a duplicate at the job stored first: the stream's
+// duplicate window spans partitions, so the job with the ID may sit on
+// another partition than this key's, or be a delayed job's schedule. It
+// reads the stored message; when that fails, e keeps this enqueue's
+// partition.
+func (p *Producer) original(ctx context.Context, e Enqueued) Enqueued {
+	if !e.Duplicate {
+		return e
+	}
+	s, err := p.js.Stream(ctx, JobsStream(p.cfg.Prefix))
+	if err != nil {
+		return e
+	}
+	m, err := s.GetMsg(ctx, e.Seq)
+	if err != nil {
+		return e
+	}
+	subject := m.Subject
+	e.Due = time.Time{}
+	if target := m.Header.Get(hdrScheduleTarget); target != "" {
+		subject = target
+		e.Due, _ = time.Parse(time.RFC3339, m.Header.Get(HeaderDue))
+	}
+	if part, err := leasehold.ParsePartition(strings.TrimPrefix(subject, p.cfg.Prefix+".jobs.")); err == nil && int(part) < p.cfg.Partitions {
+		e.Partition = part
+	}
+	return e
+}
+
 // Batch enqueues many jobs without waiting for each ack: Enqueue and
 // EnqueueTo send, Wait collects the acks and resends what failed. A Batch
 // is safe for concurrent use; start a new one after Wait.
@@ -408,7 +437,7 @@ func (p *Producer) await(ctx context.Context, pj *pendingJob) (Enqueued, error) 
 			var ack *jetstream.PubAck
 			ack, err = awaitAck(ctx, pj.fut, p.cfg.AckTimeout)
 			if err == nil {
-				return enqueued(pj.part, pj.msg, ack), nil
+				return p.original(ctx, enqueued(pj.part, pj.msg, ack)), nil
 			}
 		}
 		if ctx.Err() != nil || !transientPublish(err) || attempt >= p.cfg.Retries {

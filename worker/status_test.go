@@ -3,10 +3,12 @@ package worker_test
 import (
 	"context"
 	"errors"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -38,6 +40,15 @@ func TestJobStatusThroughEveryState(t *testing.T) {
 	dup, err := p.EnqueueTo(ctx, 0, []byte(`{"to":"other"}`), worker.WithKind("email"), worker.JobID("slow-1"))
 	if err != nil || !dup.Duplicate || dup.Seq != slow.Seq || dup.Partition != slow.Partition {
 		t.Fatalf("a second job with ID slow-1: %+v, %v; want a duplicate of sequence %d", dup, err, slow.Seq)
+	}
+	// The duplicate window spans partitions: a key of another partition
+	// still finds the job stored first, where it is.
+	other := []byte("k-0")
+	for i := 1; leasehold.PartitionFor(other, e.n) == slow.Partition; i++ {
+		other = []byte("k-" + strconv.Itoa(i))
+	}
+	if dup, err := p.Enqueue(ctx, other, []byte(`{}`), worker.JobID("slow-1")); err != nil || !dup.Duplicate || dup.Seq != slow.Seq || dup.Partition != slow.Partition {
+		t.Fatalf("slow-1 again on another partition's key: %+v, %v; want a duplicate of %s", dup, err, slow.Ref())
 	}
 	dead, err := worker.Enqueue(ctx, p, "fax", email{To: "1985"}, worker.WithKey([]byte("k")))
 	if err != nil {
