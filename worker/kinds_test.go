@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold/worker"
 )
@@ -199,5 +200,52 @@ func TestMuxDeadLettersUnknownKinds(t *testing.T) {
 	}
 	if len(want) != 0 {
 		t.Fatalf("no dead letter for %v", want)
+	}
+}
+
+// A job stream that schedules allows roll-ups (the server requires it), so
+// a message with Nats-Rollup on a job subject purges the partition's jobs
+// before it. The producer refuses to send one, and a Mux dead-letters one
+// that arrives, saying what happened, so that it does not go unseen.
+func TestRollupOnAJobSubjectIsRefusedAndReported(t *testing.T) {
+	e := newEnv(t, 1)
+	p := e.producer(t)
+	ctx := ctxFor(t, 30*time.Second)
+	if _, err := p.EnqueueTo(ctx, 0, []byte("x"), worker.WithHeader(nats.Header{"Nats-Rollup": []string{"sub"}})); err == nil || !strings.Contains(err.Error(), "server directive") {
+		t.Fatalf("an enqueue with a Nats-Rollup header: %v", err)
+	}
+	for range 3 {
+		if _, err := worker.Enqueue(ctx, p, "email", email{To: "lost"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	forged := &nats.Msg{Subject: worker.JobSubject(e.prefix, 0), Data: []byte(`{}`), Header: nats.Header{"Nats-Rollup": []string{"sub"}, worker.HeaderKind: []string{"email"}}}
+	if _, err := e.js.PublishMsg(ctx, forged); err != nil {
+		t.Fatal(err)
+	}
+	s, err := e.js.Stream(ctx, worker.JobsStream(e.prefix))
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := s.Info(ctx, jetstream.WithSubjectFilter(worker.JobSubject(e.prefix, 0)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("jobs left on the partition after a forged roll-up: %d of 4", info.State.Subjects[worker.JobSubject(e.prefix, 0)])
+
+	mux := worker.NewMux()
+	var ran sync.Map
+	worker.Handle(mux, "email", func(ctx context.Context, j *worker.Job, m email) error {
+		ran.Store(j.Seq, true)
+		return nil
+	})
+	rec := newRecorder()
+	cfg := e.config("w", mux)
+	cfg.Observer = rec
+	start(t, cfg)
+	rec.waitFor(t, 30*time.Second, "the forged job to be dead-lettered", func() bool { return rec.count(kind(worker.EventJobDeadLettered)) == 1 })
+	dlq := readStream(t, e.js, worker.DLQStream(e.prefix))
+	if len(dlq) != 1 || !strings.Contains(dlq[0].Headers().Get(worker.HeaderError), "carries a Nats-Rollup header: the server purged every job stored before it") {
+		t.Fatalf("dead letters %d, the first saying %q", len(dlq), dlq[0].Headers().Get(worker.HeaderError))
 	}
 }

@@ -248,6 +248,9 @@ func (p *Producer) message(ctx context.Context, part leasehold.Partition, data [
 	}
 	msg := &nats.Msg{Subject: JobSubject(p.cfg.Prefix, part), Data: data, Header: make(nats.Header, len(o.header)+4)}
 	for k, vs := range o.header {
+		if hasPrefixFold(k, "Nats-Rollup") || hasPrefixFold(k, "Nats-Schedule") || hasPrefixFold(k, "Nats-Scheduler") {
+			return nil, fmt.Errorf("worker: enqueue: header %s is a server directive that would purge or schedule jobs; use EnqueueAt or Producer.Schedule", k)
+		}
 		msg.Header[k] = vs
 	}
 	p.tel.Propagator.Inject(ctx, telemetry.HeaderCarrier(msg.Header))
