@@ -230,9 +230,8 @@ type Periodic struct {
 	Cron string
 	// TimeZone is an IANA zone name for Cron. Default UTC.
 	TimeZone string
-	// Payload is each tick's payload, encoded with Codec. Default: no
-	// payload (a handler of a struct type then sees its zero value when
-	// the codec is JSON: "null" decodes as zero).
+	// Payload is each tick's payload, encoded with Codec. Default nil,
+	// which JSONCodec encodes as null: a JSON handler sees T's zero value.
 	Payload any
 	// Codec encodes Payload. Default JSONCodec.
 	Codec Codec
@@ -311,12 +310,9 @@ func (p *Producer) Unschedule(ctx context.Context, name string) error {
 }
 
 func (p *Producer) register(ctx context.Context, pj Periodic) error {
-	var data []byte
-	if pj.Payload != nil {
-		var err error
-		if data, err = pj.Codec.Marshal(pj.Payload); err != nil {
-			return fmt.Errorf("encode the payload: %w", err)
-		}
+	data, err := pj.Codec.Marshal(pj.Payload)
+	if err != nil {
+		return fmt.Errorf("encode the payload: %w", err)
 	}
 	part := leasehold.PartitionFor(pj.Key, p.cfg.Partitions)
 	subject := PeriodicSubject(p.cfg.Prefix, pj.Name)

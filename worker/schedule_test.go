@@ -3,6 +3,7 @@ package worker_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -352,4 +353,49 @@ func maxSeq(m map[uint64][]handledTick) uint64 {
 		}
 	}
 	return max
+}
+
+// A cron schedule fires too (nats-server 2.14+), and periodic definitions
+// the server would refuse are refused before they are sent.
+func TestPeriodicCronAndInvalidDefinitions(t *testing.T) {
+	for _, pj := range []worker.Periodic{
+		{Kind: "x"},
+		{Kind: "x", Every: time.Second, Cron: "@hourly"},
+		{Kind: "x", Every: 500 * time.Millisecond},
+		{Kind: "x", Every: time.Minute, TimeZone: "Europe/Paris"},
+		{Kind: "bad kind", Every: time.Minute},
+	} {
+		if err := pj.Validate(); err == nil {
+			t.Errorf("%+v is valid", pj)
+		}
+	}
+	e := newEnv(t, 1)
+	ctx := ctxFor(t, 30*time.Second)
+	ticks := make(chan *worker.Job, 8)
+	mux := worker.NewMux()
+	worker.Handle(mux, "cron", func(ctx context.Context, j *worker.Job, v *struct{}) error {
+		ticks <- j
+		return nil
+	})
+	start(t, e.config("w", mux))
+	p := e.producer(t)
+	if err := p.Schedule(ctx, worker.Periodic{Name: "each-second", Kind: "cron", Cron: "* * * * * *", TimeZone: "UTC"}); err != nil {
+		t.Fatal(err)
+	}
+	var got []*worker.Job
+	for len(got) < 2 {
+		select {
+		case j := <-ticks:
+			got = append(got, j)
+		case <-ctx.Done():
+			t.Fatalf("%d cron ticks within 30s", len(got))
+		}
+	}
+	first, second := got[0], got[1]
+	if err := p.Unschedule(ctx, "each-second"); err != nil {
+		t.Fatal(err)
+	}
+	if first.ID == second.ID || !strings.HasPrefix(first.ID, "periodic/each-second@next=") {
+		t.Fatalf("cron ticks with IDs %q and %q", first.ID, second.ID)
+	}
 }
