@@ -37,13 +37,12 @@ func DeadLetterKey(scope string, p leasehold.Partition, seq uint64) string {
 // job only once the dead letter is stored.
 func (r *runner) deadLetter(m jetstream.Msg, md *jetstream.MsgMetadata, st retryState) ([]jetstream.PubAckFuture, outcome) {
 	msg := &nats.Msg{Subject: DLQSubject(r.w.cfg.Prefix, r.p), Data: m.Data(), Header: nats.Header{}}
-	jobID := ""
+	jobID := jobIDOf(m.Headers())
 	for k, vs := range m.Headers() {
 		switch {
-		case strings.EqualFold(k, jetstream.MsgIDHeader):
-			if len(vs) > 0 {
-				jobID = vs[0]
-			}
+		case strings.EqualFold(k, HeaderKind):
+			// The kind routes a replay to the handler it was meant for.
+			msg.Header[HeaderKind] = vs
 		case hasPrefixFold(k, "Nats-"), hasPrefixFold(k, "Leasehold-"):
 			// Server directives and an upstream stamp must not apply to
 			// the dead letter.

@@ -32,6 +32,14 @@
 //     then the job is dead-lettered to "<prefix>.dlq.<p>" with its data,
 //     headers and the error. Permanent errors and payloads that do not
 //     decode are dead-lettered at once; a panic counts as a failure.
+//   - Kinds: a Mux routes each job by its Leasehold-Kind header to a typed
+//     handler (Handle, HandleWith); Enqueue encodes a typed payload. A job
+//     of a kind no handler serves is dead-lettered at once. Kinds do not
+//     change the lease or the fence.
+//   - Delayed jobs (EnqueueAt, EnqueueIn) and periodic jobs (Periodic,
+//     Producer.Schedule) are message schedules the NATS server runs
+//     (nats-server 2.12+); Producer.Status and Producer.Wait tell where a
+//     job is: scheduled, pending, running, done or dead-lettered.
 //   - A handler's context ends when its lease is lost or its local deadline
 //     passes, and emitting then fails with leasehold.ErrLeaseLost. That is
 //     a courtesy: a paused process cannot see its own pause, which is why

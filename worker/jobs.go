@@ -83,6 +83,17 @@ type JobsConfig struct {
 	// NoEffects skips the default output stream, for workers that only
 	// write to sinks or to subjects of their own streams.
 	NoEffects bool
+	// NoSchedules leaves message schedules (delayed and periodic jobs)
+	// off the job stream. They are on by default where the server has
+	// them (nats-server 2.12+) and MaxBytes is 0: a stream that schedules
+	// must allow roll-ups, which a schedule uses to replace the one before
+	// it on its own subject (a publisher allowed on a job subject could
+	// use a roll-up header to purge that partition's jobs), and must
+	// discard old messages when full, which would drop jobs once MaxBytes
+	// is reached. An existing stream without them gets them on the next
+	// ProvisionJobs under the same conditions; the server cannot turn
+	// them off again.
+	NoSchedules bool
 }
 
 func (c *JobsConfig) setDefaults() {
@@ -185,7 +196,8 @@ func ProvisionJobs(ctx context.Context, js jetstream.JetStream, cfg JobsConfig) 
 			Metadata:    meta("effects", cfg),
 		})
 	}
-	for _, sc := range streams {
+	schedules := !cfg.NoSchedules && serverAtLeast(js.Conn(), 2, 12)
+	for i, sc := range streams {
 		sc.Retention = jetstream.LimitsPolicy
 		sc.Storage = jetstream.FileStorage
 		sc.Discard = jetstream.DiscardNew
@@ -198,8 +210,16 @@ func ProvisionJobs(ctx context.Context, js jetstream.JetStream, cfg JobsConfig) 
 		// 1000 consumers a stream, and every held partition reads through
 		// a consumer of its own: say how many the job stream needs.
 		sc.MaxConsumers = maxConsumers(cfg.Partitions)
+		if i == 0 && schedules && !scheduleConfig(&sc) {
+			schedules = false
+		}
 		if err := ensureStream(ctx, js, sc, cfg.Partitions); err != nil {
 			return err
+		}
+		if i == 0 && schedules {
+			if err := enableSchedules(ctx, js, sc.Name); err != nil {
+				return err
+			}
 		}
 	}
 	return nil

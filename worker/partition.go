@@ -409,7 +409,7 @@ func (r *runner) newJob(m jetstream.Msg, md *jetstream.MsgMetadata, attempt int)
 		Partition: r.p,
 		Attempt:   attempt,
 		Lease:     r.info,
-		ID:        h.Get(jetstream.MsgIDHeader),
+		ID:        jobIDOf(h),
 		Enqueued:  md.Timestamp,
 		r:         r,
 		nonce:     newNonce(),

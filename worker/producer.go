@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -17,6 +18,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/telemetry"
 )
 
@@ -40,6 +42,10 @@ type ProducerConfig struct {
 	// job's headers. Default otel.GetTextMapPropagator().
 	// Telemetry.Propagator, when set, wins.
 	Propagator propagation.TextMapPropagator
+	// Bucket is the job stream's lease bucket, for Status and Wait, which
+	// read the partitions' holders and committed progress from it.
+	// Optional otherwise.
+	Bucket *coordinator.Bucket
 	// Telemetry selects the OpenTelemetry providers of the producer's
 	// spans: a "send <prefix>.jobs.{partition}" producer span for each
 	// enqueue, the child of the enqueuing context's span, whose context
@@ -89,8 +95,9 @@ type Producer struct {
 	sendName  string // the enqueue span's name
 	sendAttrs []attribute.KeyValue
 
-	mu      sync.Mutex
-	checked bool // the stream's partition count matched
+	mu          sync.Mutex
+	checked     bool // the stream's partition count matched
+	schedulesOK bool // the job stream allows message schedules
 }
 
 // NewProducer returns a Producer that enqueues through js.
@@ -121,8 +128,14 @@ type Enqueued struct {
 	Seq       uint64 // the job's sequence in the job stream
 	ID        string // its Nats-Msg-Id
 	// Duplicate is set when the stream already held a job with this ID
-	// (within its duplicate window) and dropped this one.
+	// (within its duplicate window, JobsConfig.Duplicates) and dropped
+	// this one; Seq is then the sequence of the job stored first. (A
+	// duplicate says some job with the ID is stored, not that it is this
+	// one: anyone who can publish on the subject can take an ID first.)
 	Duplicate bool
+	// Due is a delayed job's due time (EnqueueAt), zero for a job stored
+	// at once. Until then Seq is the sequence of its schedule.
+	Due time.Time
 }
 
 // EnqueueOption adjusts one enqueue.
@@ -131,6 +144,10 @@ type EnqueueOption func(*enqueueOpts)
 type enqueueOpts struct {
 	id     string
 	header nats.Header
+	kind   string
+	key    []byte    // the typed Enqueue's partition key
+	codec  Codec     // the typed Enqueue's codec
+	at     time.Time // a delayed job's due time (EnqueueAt, EnqueueIn)
 }
 
 // enqueueOptions applies opts, giving the job a random ID unless one is
@@ -180,7 +197,7 @@ func (p *Producer) EnqueueTo(ctx context.Context, part leasehold.Partition, data
 		ack, err := p.js.PublishMsg(actx, msg)
 		cancel()
 		if err == nil {
-			return enqueued(part, msg, ack), nil
+			return p.original(ctx, enqueued(part, msg, ack)), nil
 		}
 		last = err
 		if ctx.Err() != nil || !transientPublish(err) {
@@ -224,12 +241,33 @@ func (p *Producer) message(ctx context.Context, part leasehold.Partition, data [
 	if err := validID(o.id); err != nil {
 		return nil, err
 	}
-	msg := &nats.Msg{Subject: JobSubject(p.cfg.Prefix, part), Data: data, Header: make(nats.Header, len(o.header)+2)}
+	if o.kind != "" {
+		if err := ValidKind(o.kind); err != nil {
+			return nil, err
+		}
+	}
+	msg := &nats.Msg{Subject: JobSubject(p.cfg.Prefix, part), Data: data, Header: make(nats.Header, len(o.header)+4)}
 	for k, vs := range o.header {
+		if hasPrefixFold(k, "Nats-Rollup") || hasPrefixFold(k, "Nats-Schedule") || hasPrefixFold(k, "Nats-Scheduler") {
+			return nil, fmt.Errorf("worker: enqueue: header %s is a server directive that would purge or schedule jobs; use EnqueueAt or Producer.Schedule", k)
+		}
 		msg.Header[k] = vs
 	}
 	p.tel.Propagator.Inject(ctx, telemetry.HeaderCarrier(msg.Header))
 	msg.Header[jetstream.MsgIDHeader] = []string{o.id}
+	if o.kind != "" {
+		for k := range msg.Header {
+			if strings.EqualFold(k, HeaderKind) {
+				delete(msg.Header, k)
+			}
+		}
+		msg.Header[HeaderKind] = []string{o.kind}
+	}
+	if !o.at.IsZero() {
+		if err := p.schedule(ctx, msg, part, o); err != nil {
+			return nil, err
+		}
+	}
 	return msg, nil
 }
 
@@ -275,7 +313,40 @@ func validID(id string) error {
 }
 
 func enqueued(part leasehold.Partition, msg *nats.Msg, ack *jetstream.PubAck) Enqueued {
-	return Enqueued{Partition: part, Seq: ack.Sequence, ID: msg.Header.Get(jetstream.MsgIDHeader), Duplicate: ack.Duplicate}
+	e := Enqueued{Partition: part, Seq: ack.Sequence, ID: msg.Header.Get(jetstream.MsgIDHeader), Duplicate: ack.Duplicate}
+	if due := msg.Header.Get(HeaderDue); due != "" {
+		e.Due, _ = time.Parse(time.RFC3339, due)
+	}
+	return e
+}
+
+// original points a duplicate at the job stored first: the stream's
+// duplicate window spans partitions, so the job with the ID may sit on
+// another partition than this key's, or be a delayed job's schedule. It
+// reads the stored message; when that fails, e keeps this enqueue's
+// partition.
+func (p *Producer) original(ctx context.Context, e Enqueued) Enqueued {
+	if !e.Duplicate {
+		return e
+	}
+	s, err := p.js.Stream(ctx, JobsStream(p.cfg.Prefix))
+	if err != nil {
+		return e
+	}
+	m, err := s.GetMsg(ctx, e.Seq)
+	if err != nil {
+		return e
+	}
+	subject := m.Subject
+	e.Due = time.Time{}
+	if target := m.Header.Get(hdrScheduleTarget); target != "" {
+		subject = target
+		e.Due, _ = time.Parse(time.RFC3339, m.Header.Get(HeaderDue))
+	}
+	if part, err := leasehold.ParsePartition(strings.TrimPrefix(subject, p.cfg.Prefix+".jobs.")); err == nil && int(part) < p.cfg.Partitions {
+		e.Partition = part
+	}
+	return e
 }
 
 // Batch enqueues many jobs without waiting for each ack: Enqueue and
@@ -369,7 +440,7 @@ func (p *Producer) await(ctx context.Context, pj *pendingJob) (Enqueued, error) 
 			var ack *jetstream.PubAck
 			ack, err = awaitAck(ctx, pj.fut, p.cfg.AckTimeout)
 			if err == nil {
-				return enqueued(pj.part, pj.msg, ack), nil
+				return p.original(ctx, enqueued(pj.part, pj.msg, ack)), nil
 			}
 		}
 		if ctx.Err() != nil || !transientPublish(err) || attempt >= p.cfg.Retries {

@@ -142,9 +142,10 @@ func (d *dlq) replayMsg(m *jetstream.RawStreamMsg) (*nats.Msg, error) {
 // keepJobHeader: a dead letter holds the job's own headers, minus Nats-*
 // and Leasehold-* (the worker strips those), plus Leasehold-* headers of
 // its own: only the job's go back, and trace context, so that the replay
-// joins the job's trace.
+// joins the job's trace. The job's kind (Leasehold-Kind) goes back too:
+// it routes the replay to its handler.
 func keepJobHeader(k string) bool {
-	return !hasPrefixFold(k, "Nats-") && !hasPrefixFold(k, "Leasehold-")
+	return strings.EqualFold(k, worker.HeaderKind) || !hasPrefixFold(k, "Nats-") && !hasPrefixFold(k, "Leasehold-")
 }
 
 // keepEffectHeader: a sink takes leasehold's headers and trace context and

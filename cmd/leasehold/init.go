@@ -23,6 +23,7 @@ func newInit() *cobra.Command {
 		conn            natsFlags
 		partitions      int
 		replicas        int
+		noSchedules     bool
 		markerTTL       time.Duration
 		monitor         string
 		fenceBucket     string
@@ -57,7 +58,7 @@ production deployment lacks (sync_interval: always, replicas).`,
 				return err
 			}
 			fmt.Fprintf(out, "lease bucket %s and fence records %s: ready\n", b.Name(), b.FenceBucket())
-			if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: conn.prefix, Partitions: partitions, Replicas: replicas}); err != nil {
+			if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: conn.prefix, Partitions: partitions, Replicas: replicas, NoSchedules: noSchedules}); err != nil {
 				return err
 			}
 			fmt.Fprintf(out, "streams %s, %s and %s: ready (%d partitions, %d replicas)\n",
@@ -70,6 +71,7 @@ production deployment lacks (sync_interval: always, replicas).`,
 	}
 	conn.register(cmd.Flags())
 	cmd.Flags().IntVar(&partitions, "partitions", 16, "partitions of the job stream")
+	cmd.Flags().BoolVar(&noSchedules, "no-schedules", false, "leave message schedules (delayed and periodic jobs) off the job stream; with them on, the stream allows roll-ups, so only trusted publishers may write job subjects")
 	cmd.Flags().IntVar(&replicas, "replicas", 1, "replicas of every stream and of the lease bucket (3 in production)")
 	cmd.Flags().DurationVar(&markerTTL, "marker-ttl", time.Minute, "how long release and expiry markers stay in the lease bucket")
 	cmd.Flags().StringVar(&fenceBucket, "fence-bucket", "", "the fence-record bucket, which keeps epochs and progress and outlives the lease bucket (default <bucket>-fences)")

@@ -31,6 +31,6 @@ func newRoot() *cobra.Command {
 		},
 	}
 	root.PersistentFlags().String("config", "", "YAML file of settings (long flag names as keys); env LEASEHOLD_CONFIG")
-	root.AddCommand(newDemo(), newInit(), newWorkerCmd(), newSinkCmd(), newEnqueue(), newStatus(), newFence(), newDLQ(), newChaos(), newBench())
+	root.AddCommand(newDemo(), newInit(), newWorkerCmd(), newSinkCmd(), newEnqueue(), newJobs(), newStatus(), newFence(), newDLQ(), newChaos(), newBench())
 	return root
 }

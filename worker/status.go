@@ -1,0 +1,419 @@
+package worker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/coordinator"
+)
+
+// JobState is where a job is in its life.
+type JobState int
+
+// Job states. A job is Scheduled until its due time (delayed jobs), then
+// Pending until the partition's holder reaches it, Running while it is the
+// partition's first job not committed, and Done or DeadLettered once the
+// partition's committed progress has passed it. A job's handler may have
+// returned a little before its status says Done: progress is committed
+// every Config.CommitEvery.
+const (
+	JobUnknown JobState = iota
+	JobScheduled
+	JobPending
+	JobRunning
+	JobDone
+	JobDeadLettered
+)
+
+var stateNames = [...]string{"unknown", "scheduled", "pending", "running", "done", "dead-lettered"}
+
+func (s JobState) String() string {
+	if s >= 0 && int(s) < len(stateNames) {
+		return stateNames[s]
+	}
+	return "JobState(" + strconv.Itoa(int(s)) + ")"
+}
+
+// MarshalText writes the state's name.
+func (s JobState) MarshalText() ([]byte, error) { return []byte(s.String()), nil }
+
+// Finished reports whether the job will not run again: done or
+// dead-lettered.
+func (s JobState) Finished() bool { return s == JobDone || s == JobDeadLettered }
+
+// JobStatus is what the streams and the lease bucket say about one job.
+type JobStatus struct {
+	Ref       string              `json:"ref"` // Enqueued.Ref
+	ID        string              `json:"id,omitempty"`
+	Partition leasehold.Partition `json:"partition"`
+	// Seq is the job's sequence in the job stream; for a delayed job that
+	// has not fired, its schedule's.
+	Seq   uint64    `json:"seq"`
+	State JobState  `json:"state"`
+	Due   time.Time `json:"due,omitzero"` // a delayed job's due time
+	// Holder and Epoch are the partition's live lease, when it has one:
+	// for a running job, who runs it under which epoch.
+	Holder string          `json:"holder,omitempty"`
+	Epoch  leasehold.Epoch `json:"epoch,omitempty"`
+	// Progress is the partition's committed progress: the last job
+	// sequence it finished.
+	Progress uint64 `json:"progress"`
+	// Error is a dead-lettered job's last failure, and DeadLetter its
+	// sequence in the dead-letter stream.
+	Error      string `json:"error,omitempty"`
+	DeadLetter uint64 `json:"dead_letter,omitempty"`
+	// Detail says what could not be found, for JobUnknown.
+	Detail string `json:"detail,omitempty"`
+}
+
+// Ref names the job for Status, ParseRef and `leasehold jobs`:
+// "<partition>:<seq>", and for a delayed job
+// "<partition>:<seq>@<due, Unix seconds>/<ID>".
+func (e Enqueued) Ref() string {
+	r := e.Partition.String() + ":" + strconv.FormatUint(e.Seq, 10)
+	if !e.Due.IsZero() {
+		r += "@" + strconv.FormatInt(e.Due.Unix(), 10) + "/" + e.ID
+	}
+	return r
+}
+
+// ParseRef reads a job reference written by Enqueued.Ref.
+func ParseRef(s string) (Enqueued, error) {
+	bad := func(why string) (Enqueued, error) {
+		return Enqueued{}, fmt.Errorf("worker: job reference %q: %s; write <partition>:<seq>, or <partition>:<seq>@<due>/<id> for a delayed job, as enqueue prints it", s, why)
+	}
+	base, delayed, isDelayed := strings.Cut(s, "@")
+	ps, seqs, ok := strings.Cut(base, ":")
+	if !ok {
+		return bad("no ':'")
+	}
+	p, err := leasehold.ParsePartition(ps)
+	if err != nil {
+		return bad(err.Error())
+	}
+	seq, err := strconv.ParseUint(seqs, 10, 64)
+	if err != nil || seq == 0 {
+		return bad("the sequence is not a positive number")
+	}
+	e := Enqueued{Partition: p, Seq: seq}
+	if isDelayed {
+		dues, id, ok := strings.Cut(delayed, "/")
+		unix, err := strconv.ParseInt(dues, 10, 64)
+		if !ok || err != nil || id == "" || validID(id) != nil {
+			return bad("the delayed part is not <due, Unix seconds>/<id>")
+		}
+		e.Due, e.ID = time.Unix(unix, 0).UTC(), id
+	}
+	return e, nil
+}
+
+// maxScan bounds the messages a status query reads to find a fired
+// delayed job or a dead letter.
+const maxScan = 100_000
+
+// Status tells where the job ref is: scheduled, pending, running (by whom,
+// at which epoch), done or dead-lettered. It reads the lease bucket and
+// the fence records through the coordinator's read-only calls, and the
+// job and dead-letter streams; it needs ProducerConfig.Bucket.
+func (p *Producer) Status(ctx context.Context, ref Enqueued) (JobStatus, error) {
+	b, err := p.bucket()
+	if err != nil {
+		return JobStatus{}, err
+	}
+	st, err := p.locate(ctx, ref)
+	if err != nil || st.State != JobUnknown {
+		return st, err
+	}
+	if st.Progress, err = b.Progress(ctx, st.Partition); err != nil {
+		return st, err
+	}
+	if st.Progress >= st.Seq {
+		return p.finished(ctx, st)
+	}
+	snap, err := b.Snapshot(ctx)
+	if err != nil {
+		return st, err
+	}
+	for _, ps := range snap.Partitions {
+		if ps.Partition == st.Partition && ps.Holder != "" && ps.Holder != "?" {
+			st.Holder, st.Epoch = ps.Holder, ps.Epoch
+		}
+	}
+	st.State = JobPending
+	if st.Holder == "" {
+		return st, nil
+	}
+	// Running when it is the partition's first job after the committed
+	// progress.
+	s, err := p.jobs(ctx)
+	if err != nil {
+		return st, err
+	}
+	next, err := s.GetMsg(ctx, st.Progress+1, jetstream.WithGetMsgSubject(JobSubject(p.cfg.Prefix, st.Partition)))
+	if err == nil && next.Sequence == st.Seq {
+		st.State = JobRunning
+	} else if err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
+		return st, fmt.Errorf("worker: job status: %w", err)
+	}
+	return st, nil
+}
+
+func (p *Producer) bucket() (*coordinator.Bucket, error) {
+	if p.cfg.Bucket == nil {
+		return nil, errors.New("worker: job status needs the lease bucket: set ProducerConfig.Bucket")
+	}
+	return p.cfg.Bucket, nil
+}
+
+func (p *Producer) jobs(ctx context.Context) (jetstream.Stream, error) {
+	s, err := p.js.Stream(ctx, JobsStream(p.cfg.Prefix))
+	if err != nil {
+		return nil, fmt.Errorf("worker: look up job stream %s: %w", JobsStream(p.cfg.Prefix), err)
+	}
+	return s, nil
+}
+
+// locate fills in the job's sequence in the job stream; for a delayed job
+// not yet fired it answers JobScheduled. A state other than JobUnknown is
+// final.
+func (p *Producer) locate(ctx context.Context, ref Enqueued) (JobStatus, error) {
+	st := JobStatus{Ref: ref.Ref(), ID: ref.ID, Partition: ref.Partition, Seq: ref.Seq, Due: ref.Due}
+	if int(ref.Partition) >= p.cfg.Partitions || ref.Seq == 0 {
+		return st, fmt.Errorf("worker: job %s: no such partition or sequence (the job stream has %d partitions)", st.Ref, p.cfg.Partitions)
+	}
+	if ref.Due.IsZero() {
+		return st, nil
+	}
+	s, err := p.jobs(ctx)
+	if err != nil {
+		return st, err
+	}
+	subject := ScheduleSubject(p.cfg.Prefix, ref.ID)
+	sched, err := s.GetLastMsgForSubject(ctx, subject)
+	switch {
+	case err == nil && sched.Header.Get(hdrSchedule) != "":
+		st.State = JobScheduled
+		return st, nil
+	case err != nil && !errors.Is(err, jetstream.ErrMsgNotFound):
+		return st, fmt.Errorf("worker: job %s: read its schedule: %w", st.Ref, err)
+	}
+	// Fired: find the job the scheduler stored, from a second before its
+	// due time on.
+	found := uint64(0)
+	err = scan(ctx, p.js, JobsStream(p.cfg.Prefix), JobSubject(p.cfg.Prefix, ref.Partition),
+		jetstream.ConsumerConfig{DeliverPolicy: jetstream.DeliverByStartTimePolicy, OptStartTime: ptr(ref.Due.Add(-time.Second))},
+		func(m jetstream.Msg, md *jetstream.MsgMetadata) bool {
+			if firstValue(m.Headers(), hdrScheduler) == subject && firstValue(m.Headers(), HeaderJobID) == ref.ID {
+				found = md.Sequence.Stream
+				return false
+			}
+			return true
+		})
+	if err != nil {
+		return st, fmt.Errorf("worker: job %s: find the job its schedule fired: %w", st.Ref, err)
+	}
+	if found == 0 {
+		st.Detail = "its schedule is gone and no job it fired is in the job stream (trimmed, or the schedule was removed)"
+		return st, nil
+	}
+	st.Seq = found
+	return st, nil
+}
+
+// finished tells a done job from a dead-lettered one: the dead letter is
+// stored before progress moves past the job.
+func (p *Producer) finished(ctx context.Context, st JobStatus) (JobStatus, error) {
+	st.State = JobDone
+	seq := strconv.FormatUint(st.Seq, 10)
+	cc := jetstream.ConsumerConfig{DeliverPolicy: jetstream.DeliverAllPolicy}
+	// The dead letter was stored after the job: start from the job's time
+	// when the job is still there.
+	if s, err := p.jobs(ctx); err == nil {
+		if m, err := s.GetMsg(ctx, st.Seq); err == nil {
+			cc = jetstream.ConsumerConfig{DeliverPolicy: jetstream.DeliverByStartTimePolicy, OptStartTime: ptr(m.Time.Add(-time.Second))}
+		}
+	}
+	err := scan(ctx, p.js, DLQStream(p.cfg.Prefix), DLQSubject(p.cfg.Prefix, st.Partition), cc,
+		func(m jetstream.Msg, md *jetstream.MsgMetadata) bool {
+			if m.Headers().Get(HeaderSeq) == seq {
+				st.State, st.Error, st.DeadLetter = JobDeadLettered, m.Headers().Get(HeaderError), md.Sequence.Stream
+				return false
+			}
+			return true
+		})
+	if err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
+		return st, fmt.Errorf("worker: job %s: look for its dead letter: %w", st.Ref, err)
+	}
+	return st, nil
+}
+
+func ptr[T any](v T) *T { return &v }
+
+// scan reads the headers of the messages on filter from where cc starts,
+// calling fn until it returns false or no message is left, at most
+// maxScan of them.
+func scan(ctx context.Context, js jetstream.JetStream, stream, filter string, cc jetstream.ConsumerConfig, fn func(jetstream.Msg, *jetstream.MsgMetadata) bool) error {
+	cc.FilterSubject = filter
+	cc.AckPolicy = jetstream.AckNonePolicy
+	cc.MemoryStorage = true
+	cc.Replicas = 1
+	cc.HeadersOnly = true
+	cc.InactiveThreshold = time.Minute
+	cons, err := js.CreateConsumer(ctx, stream, cc)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+		defer cancel()
+		_ = js.DeleteConsumer(dctx, stream, cons.CachedInfo().Name) // else it goes when inactive
+	}()
+	if cons.CachedInfo().NumPending == 0 {
+		return nil
+	}
+	for n := 0; n < maxScan; {
+		batch, err := cons.Fetch(256, jetstream.FetchMaxWait(time.Second))
+		if err != nil {
+			return err
+		}
+		got := 0
+		for m := range batch.Messages() {
+			got++
+			n++
+			md, err := m.Metadata()
+			if err != nil {
+				return err
+			}
+			if !fn(m, md) || md.NumPending == 0 {
+				return nil
+			}
+		}
+		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) {
+			return err
+		}
+		if got == 0 {
+			// What was pending went meanwhile (trimmed, aged out).
+			info, err := cons.Info(ctx)
+			if err != nil {
+				return err
+			}
+			if info.NumPending == 0 {
+				return nil
+			}
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+	}
+	return fmt.Errorf("gave up after reading %d messages of %s", maxScan, filter)
+}
+
+// Wait waits until every job of refs is done or dead-lettered, or ctx
+// ends, and returns their statuses in the order of refs. It wakes on every
+// change to the fence records (each progress commit), and polls with
+// backoff beside that (up to a second between polls) for delayed jobs and
+// for a watch that fails. On ctx's end it returns the statuses as they
+// were and ctx's error.
+func (p *Producer) Wait(ctx context.Context, refs ...Enqueued) ([]JobStatus, error) {
+	b, err := p.bucket()
+	if err != nil {
+		return nil, err
+	}
+	wake := make(chan struct{}, 1)
+	wctx, stop := context.WithCancel(ctx)
+	defer stop()
+	if w, err := b.FenceRecords().WatchAll(wctx, jetstream.UpdatesOnly(), jetstream.MetaOnly()); err == nil {
+		watched := make(chan struct{})
+		defer func() {
+			stop()
+			_ = w.Stop()
+			<-watched
+		}()
+		go func() {
+			defer close(watched)
+			for {
+				select {
+				case _, ok := <-w.Updates():
+					if !ok {
+						return
+					}
+					select {
+					case wake <- struct{}{}:
+					default:
+					}
+				case <-wctx.Done():
+					return
+				}
+			}
+		}()
+	}
+	out := make([]JobStatus, len(refs))
+	done := make([]bool, len(refs))
+	located := make([]bool, len(refs))
+	for i, r := range refs {
+		out[i] = JobStatus{Ref: r.Ref(), ID: r.ID, Partition: r.Partition, Seq: r.Seq, Due: r.Due}
+	}
+	poll := 20 * time.Millisecond
+	for {
+		left := 0
+		progress := map[leasehold.Partition]uint64{}
+		for i, r := range refs {
+			if done[i] {
+				continue
+			}
+			if !located[i] {
+				st, err := p.locate(ctx, r)
+				if err != nil {
+					return out, err
+				}
+				out[i] = st
+				if st.State == JobScheduled {
+					left++
+					continue
+				}
+				if st.State == JobUnknown && st.Detail != "" {
+					return out, fmt.Errorf("worker: wait for job %s: %s", st.Ref, st.Detail)
+				}
+				located[i] = true
+			}
+			pr, ok := progress[r.Partition]
+			if !ok {
+				if pr, err = b.Progress(ctx, r.Partition); err != nil {
+					return out, err
+				}
+				progress[r.Partition] = pr
+			}
+			out[i].Progress = pr
+			if pr < out[i].Seq {
+				out[i].State = JobPending
+				left++
+				continue
+			}
+			st, err := p.finished(ctx, out[i])
+			if err != nil {
+				return out, err
+			}
+			out[i], done[i] = st, true
+		}
+		if left == 0 {
+			return out, nil
+		}
+		t := time.NewTimer(poll)
+		select {
+		case <-wake:
+		case <-t.C:
+			poll = min(2*poll, time.Second)
+		case <-ctx.Done():
+			t.Stop()
+			return out, fmt.Errorf("worker: %d of %d jobs not finished: %w", left, len(refs), ctx.Err())
+		}
+		t.Stop()
+	}
+}

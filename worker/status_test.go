@@ -1,0 +1,138 @@
+package worker_test
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/worker"
+)
+
+// A job's status goes through every state: scheduled (a delayed job before
+// its time), pending (nobody holds its partition yet), running (by whom, at
+// which epoch), done, and dead-lettered (with the reason); Wait waits for a
+// set of jobs, a delayed one among them. A duplicate job ID is reported
+// with the sequence of the job stored first.
+func TestJobStatusThroughEveryState(t *testing.T) {
+	e := newEnv(t, 2)
+	ctx := ctxFor(t, time.Minute)
+	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, Bucket: e.bucket})
+	if err != nil {
+		t.Fatal(err)
+	}
+	status := func(ref worker.Enqueued) worker.JobStatus {
+		t.Helper()
+		st, err := p.Status(ctx, ref)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st
+	}
+
+	slow, err := p.EnqueueTo(ctx, 0, []byte(`{"to":"slow"}`), worker.WithKind("email"), worker.JobID("slow-1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	dup, err := p.EnqueueTo(ctx, 0, []byte(`{"to":"other"}`), worker.WithKind("email"), worker.JobID("slow-1"))
+	if err != nil || !dup.Duplicate || dup.Seq != slow.Seq || dup.Partition != slow.Partition {
+		t.Fatalf("a second job with ID slow-1: %+v, %v; want a duplicate of sequence %d", dup, err, slow.Seq)
+	}
+	// The duplicate window spans partitions: a key of another partition
+	// still finds the job stored first, where it is.
+	other := []byte("k-0")
+	for i := 1; leasehold.PartitionFor(other, e.n) == slow.Partition; i++ {
+		other = []byte("k-" + strconv.Itoa(i))
+	}
+	if dup, err := p.Enqueue(ctx, other, []byte(`{}`), worker.JobID("slow-1")); err != nil || !dup.Duplicate || dup.Seq != slow.Seq || dup.Partition != slow.Partition {
+		t.Fatalf("slow-1 again on another partition's key: %+v, %v; want a duplicate of %s", dup, err, slow.Ref())
+	}
+	dead, err := worker.Enqueue(ctx, p, "fax", email{To: "1985"}, worker.WithKey([]byte("k")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	later, err := worker.Enqueue(ctx, p, "email", email{To: "later"}, worker.EnqueueIn(2*time.Second), worker.JobID("later-1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref, err := worker.ParseRef(later.Ref())
+	if err != nil || ref.Partition != later.Partition || ref.Seq != later.Seq || ref.ID != later.ID || !ref.Due.Equal(later.Due) {
+		t.Fatalf("ParseRef(%q) = %+v, %v; want %+v", later.Ref(), ref, err, later)
+	}
+	if st := status(later); st.State != worker.JobScheduled || !st.Due.Equal(later.Due) {
+		t.Fatalf("a delayed job before its time: %+v", st)
+	}
+	if st := status(slow); st.State != worker.JobPending || st.Holder != "" {
+		t.Fatalf("a job nobody holds the partition of: %+v", st)
+	}
+
+	started := make(chan *worker.Job, 1)
+	release := make(chan struct{})
+	mux := worker.NewMux()
+	worker.Handle(mux, "email", func(ctx context.Context, j *worker.Job, m email) error {
+		if m.To == "slow" {
+			started <- j
+			<-release
+		}
+		return j.Emit(ctx, []byte(m.To))
+	})
+	start(t, e.config("w", mux))
+	t.Cleanup(func() {
+		select {
+		case <-release:
+		default:
+			close(release)
+		}
+	})
+	var j *worker.Job
+	select {
+	case j = <-started:
+	case <-ctx.Done():
+		t.Fatal("the slow job never started")
+	}
+	if st := status(slow); st.State != worker.JobRunning || st.Holder != "w" || st.Epoch != j.Lease.Epoch {
+		t.Fatalf("the running job: %+v; want running by w at epoch %d", st, j.Lease.Epoch)
+	}
+
+	// Wait returns once all are finished; the slow one finishes on release.
+	waited := make(chan []worker.JobStatus, 1)
+	go func() {
+		sts, err := p.Wait(ctx, slow, dead, later)
+		if err != nil {
+			t.Error(err)
+		}
+		waited <- sts
+	}()
+	close(release)
+	sts := <-waited
+	if sts[0].State != worker.JobDone || sts[0].Progress < slow.Seq {
+		t.Errorf("slow job after Wait: %+v", sts[0])
+	}
+	if sts[1].State != worker.JobDeadLettered || !strings.Contains(sts[1].Error, `kind "fax"`) || sts[1].DeadLetter == 0 {
+		t.Errorf("unknown-kind job after Wait: %+v", sts[1])
+	}
+	if sts[2].State != worker.JobDone || sts[2].Seq <= later.Seq {
+		t.Errorf("delayed job after Wait: %+v; want done as the job its schedule fired, after sequence %d", sts[2], later.Seq)
+	}
+	if st := status(later); st.State != worker.JobDone || st.Seq != sts[2].Seq {
+		t.Errorf("delayed job's status: %+v", st)
+	}
+	if st := status(dead); st.State != worker.JobDeadLettered {
+		t.Errorf("dead-lettered job's status: %+v", st)
+	}
+
+	// Wait is bounded by its context.
+	never, err := p.EnqueueTo(ctx, 1, []byte(`{}`), worker.WithKind("email"), worker.EnqueueIn(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	short, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	sts, err = p.Wait(short, never)
+	if !errors.Is(err, context.DeadlineExceeded) || sts[0].State != worker.JobScheduled {
+		t.Fatalf("Wait for a job due in an hour: %v, %+v", err, sts)
+	}
+}
