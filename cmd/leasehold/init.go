@@ -15,6 +15,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/internal/statuspage"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -62,6 +63,10 @@ production deployment lacks (sync_interval: always, replicas).`,
 			}
 			fmt.Fprintf(out, "streams %s, %s and %s: ready (%d partitions, %d replicas)\n",
 				worker.JobsStream(conn.prefix), worker.DLQStream(conn.prefix), worker.EffectsStream(conn.prefix), partitions, replicas)
+			if _, err := statuspage.ProvisionEvents(ctx, js, conn.prefix, replicas); err != nil {
+				return err
+			}
+			fmt.Fprintf(out, "stream %s: ready (the status page's take-overs and refusals, kept an hour)\n", statuspage.EventsStream(conn.prefix))
 			for _, w := range serverAdvice(ctx, nc, monitor, replicas) {
 				fmt.Fprintln(out, "note:", w)
 			}
