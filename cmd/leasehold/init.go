@@ -37,7 +37,9 @@ func newInit() *cobra.Command {
 settings: the lease bucket (per-key TTLs, history 1, file storage, an epoch
 floor) and its fence-record bucket <bucket>-fences (epochs and progress, no
 TTL), the job stream <prefix>-jobs on <prefix>.jobs.<partition>, the
-dead-letter stream <prefix>-dlq and the effect log <prefix>-effects. Running it
+dead-letter stream <prefix>-dlq, the effect log <prefix>-effects and the
+status page's events stream <prefix>-events (an hour of take-overs, lease
+losses and refused writes). Running it
 again is safe: existing resources are checked, and a mismatch is reported with
 what to change. It also reads the servers' settings and says which ones a
 production deployment lacks (sync_interval: always, replicas).`,
