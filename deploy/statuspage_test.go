@@ -2,7 +2,10 @@ package deploy
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"net/http"
+	"net/http/httptest"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -113,8 +116,16 @@ func TestPermissionsStatusPage(t *testing.T) {
 			done := make(chan struct{})
 			go func() { defer close(done); page.Run(pctx) }()
 			defer func() { stop(); <-done }()
+			mux := http.NewServeMux()
+			page.Register(mux)
+			hs := httptest.NewServer(mux)
+			defer hs.Close()
 			for {
-				st := page.State()
+				// As a browser asks: the page reads only while watched.
+				st, err := getState(ctx, hs.URL+"/status.json")
+				if err != nil {
+					t.Fatal(err)
+				}
 				if len(st.Errors) == 0 && len(st.Partitions) == 1 && st.Partitions[0].Holder == "w1" && len(st.DeadLetters) == 2 && c.shows(st) {
 					bad := false
 					for _, d := range st.DeadLetters {
@@ -157,4 +168,18 @@ func TestPermissionsStatusPage(t *testing.T) {
 			}
 		})
 	}
+}
+
+func getState(ctx context.Context, url string) (statuspage.State, error) {
+	var st statuspage.State
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return st, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return st, err
+	}
+	defer resp.Body.Close()
+	return st, json.NewDecoder(resp.Body).Decode(&st)
 }

@@ -116,6 +116,11 @@ func TestStatusPageInChromium(t *testing.T) {
 	waitHTTP(t, ctx, page)
 	browser := startChromium(t, ctx, page)
 	browser.waitFor(t, ctx, "the first state", `Number(document.body.dataset.updates) >= 1 && document.getElementById("partitions").rows.length === `+fmt.Sprint(partitions))
+	// The table: each partition held by one of the workers, at an epoch,
+	// with its lag read.
+	browser.waitFor(t, ctx, "holders, epochs and lag", `Array.from(document.querySelectorAll("#partitions tr")).every(tr => {
+		const c = tr.cells; return c.length === 8 && /^worker-[12]$/.test(c[1].textContent) && /^[0-9]+$/.test(c[2].textContent) && /^[0-9]+$/.test(c[7].textContent)
+	})`)
 	var refusedBefore string
 	if err := browser.eval(ctx, `document.getElementById("refusals").innerText`, &refusedBefore); err != nil {
 		t.Fatal(err)

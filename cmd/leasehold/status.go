@@ -6,15 +6,16 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net/http"
 	"text/tabwriter"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/statuspage"
+	"github.com/leasehold/leasehold/telemetry"
 )
 
 func newStatus() *cobra.Command {
@@ -50,7 +51,7 @@ to) and the dead letters. Workers and sinks serve the page on their own
 				return err
 			}
 			if httpAddr != "" {
-				return servePage(ctx, cmd.OutOrStdout(), js, b, conn.prefix, httpAddr)
+				return servePage(ctx, cmd.OutOrStdout(), nc, js, b, conn.prefix, httpAddr)
 			}
 			st, err := b.Snapshot(ctx)
 			if err != nil {
@@ -94,12 +95,13 @@ func printStatus(out io.Writer, st coordinator.Status, now time.Time) {
 	}
 }
 
-// servePage serves the live status page on addr until ctx ends.
-func servePage(ctx context.Context, out io.Writer, js jetstream.JetStream, b *coordinator.Bucket, prefix, addr string) error {
+// servePage serves the live status page on addr until ctx ends, with
+// /livez and /readyz (NATS reachable).
+func servePage(ctx context.Context, out io.Writer, nc *nats.Conn, js jetstream.JetStream, b *coordinator.Bucket, prefix, addr string) error {
 	log := slog.New(slog.NewTextHandler(out, nil))
 	httpCtx, stop := context.WithCancel(ctx)
 	defer stop()
-	mux, pageDone := withPage(httpCtx, addr, http.NewServeMux(), statuspage.Config{
+	mux, pageDone := withPage(httpCtx, addr, telemetry.Mux(nil, telemetry.NATSReady(nc, js)), statuspage.Config{
 		JetStream: js, Bucket: b, Prefix: prefix, ServedBy: "leasehold status", Lag: true,
 		DeadLetters: statuspage.DefaultDeadLetters(prefix, true, true), Logger: log,
 	})

@@ -64,6 +64,11 @@ type Server struct {
 	version uint64
 	changed chan struct{} // closed and replaced on each change
 	stopped chan struct{} // closed when Run returns
+
+	wake     chan struct{} // a viewer came
+	viewers  int           // open event streams
+	lastSeen time.Time     // the last request of any viewer
+	snapAt   time.Time     // when snap was read
 }
 
 // New returns a Server; nothing is read until Run.
@@ -74,26 +79,63 @@ func New(cfg Config) *Server {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	return &Server{cfg: cfg, hist: newHistory(), changed: make(chan struct{}), stopped: make(chan struct{})}
+	return &Server{cfg: cfg, hist: newHistory(), changed: make(chan struct{}), stopped: make(chan struct{}), wake: make(chan struct{}, 1)}
 }
 
-// Run reads the lease bucket every Refresh and the events stream as it
-// grows, until ctx ends. Open streams end with it.
+// idleAfter is how long the page keeps reading after its last viewer.
+const idleAfter = 30 * time.Second
+
+// Run feeds the page until ctx ends; open event streams end with it.
+// It reads only while someone looks: from the first request on, the lease
+// bucket every Refresh and the events stream as it grows, until no viewer
+// has been connected for half a minute. A fleet of workers that all serve
+// the page costs NATS nothing until someone opens one.
 func (s *Server) Run(ctx context.Context) {
 	defer close(s.stopped)
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-s.wake:
+		}
+		s.serve(ctx)
+	}
+}
+
+// serve reads for viewers until there are none.
+func (s *Server) serve(ctx context.Context) {
+	sctx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
 	wg.Add(1)
-	go func() { defer wg.Done(); s.followEvents(ctx) }()
+	go func() { defer wg.Done(); s.followEvents(sctx) }()
+	defer func() { cancel(); wg.Wait() }()
 	tick := time.NewTicker(s.cfg.Refresh)
 	defer tick.Stop()
 	for {
-		s.refresh(ctx)
+		s.refresh(sctx)
+		s.mu.Lock()
+		watched := s.viewers > 0 || time.Since(s.lastSeen) < idleAfter
+		s.mu.Unlock()
+		if !watched {
+			return
+		}
 		select {
 		case <-ctx.Done():
-			wg.Wait()
 			return
 		case <-tick.C:
 		}
+	}
+}
+
+// touch records a viewer's request and wakes Run.
+func (s *Server) touch(delta int) {
+	s.mu.Lock()
+	s.viewers += delta
+	s.lastSeen = time.Now()
+	s.mu.Unlock()
+	select {
+	case s.wake <- struct{}{}:
+	default:
 	}
 }
 
@@ -105,7 +147,9 @@ func (s *Server) Register(mux *http.ServeMux) {
 	mux.HandleFunc("GET /{$}", s.asset("assets/index.html", "text/html; charset=utf-8"))
 	mux.HandleFunc("GET /status.js", s.asset("assets/page.js", "text/javascript; charset=utf-8"))
 	mux.HandleFunc("GET /status.css", s.asset("assets/page.css", "text/css; charset=utf-8"))
-	mux.HandleFunc("GET /status.json", func(w http.ResponseWriter, _ *http.Request) {
+	mux.HandleFunc("GET /status.json", func(w http.ResponseWriter, r *http.Request) {
+		s.touch(0)
+		s.waitFresh(r.Context())
 		secure(w, "application/json")
 		_ = json.NewEncoder(w).Encode(s.State())
 	})
@@ -143,6 +187,8 @@ func (s *Server) serveEvents(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "streaming unsupported", http.StatusInternalServerError)
 		return
 	}
+	s.touch(1)
+	defer s.touch(-1)
 	secure(w, "text/event-stream")
 	w.WriteHeader(http.StatusOK)
 	keepAlive := time.NewTicker(15 * time.Second)
@@ -181,6 +227,29 @@ func (s *Server) serveEvents(w http.ResponseWriter, r *http.Request) {
 			case <-r.Context().Done():
 				return
 			}
+		}
+	}
+}
+
+// waitFresh waits, for a while, until the lease bucket was read within
+// two refresh intervals: a page that was idle has nothing recent.
+func (s *Server) waitFresh(ctx context.Context) {
+	deadline := time.After(max(3*s.cfg.Refresh, 10*time.Second))
+	for {
+		s.mu.Lock()
+		fresh, changed := time.Since(s.snapAt) < 2*s.cfg.Refresh, s.changed
+		s.mu.Unlock()
+		if fresh {
+			return
+		}
+		select {
+		case <-changed:
+		case <-deadline:
+			return
+		case <-ctx.Done():
+			return
+		case <-s.stopped:
+			return
 		}
 	}
 }
@@ -253,7 +322,7 @@ func (s *Server) refresh(ctx context.Context) {
 		return
 	}
 	s.mu.Lock()
-	s.snap = next
+	s.snap, s.snapAt = next, now
 	s.hist.expire(now.Add(-EventsMaxAge))
 	s.notify()
 	s.mu.Unlock()

@@ -178,3 +178,54 @@ func TestPublishedEventsReachTheEventStream(t *testing.T) {
 	}
 	t.Fatalf("the stream ended without the refusal: %v", sc.Err())
 }
+
+// Every worker and sink serves the page; until someone opens it, it reads
+// nothing: no lease bucket, no consumer on the events stream.
+func TestIdlePageReadsNothing(t *testing.T) {
+	js := natstest.Start(t).JetStream(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	stream, err := ProvisionEvents(ctx, js, "leasehold", 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := New(Config{JetStream: js, Prefix: "leasehold", Refresh: 20 * time.Millisecond})
+	rctx, stop := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); srv.Run(rctx) }()
+	defer func() { stop(); <-done }()
+	time.Sleep(200 * time.Millisecond) // ten refresh intervals in which nothing may happen
+	info, err := stream.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv.mu.Lock()
+	read := !srv.snapAt.IsZero()
+	srv.mu.Unlock()
+	if info.State.Consumers != 0 || read {
+		t.Fatalf("an unwatched page read: %d consumers on the events stream, snapshot read %v", info.State.Consumers, read)
+	}
+	mux := http.NewServeMux()
+	srv.Register(mux)
+	hs := httptest.NewServer(mux)
+	defer hs.Close()
+	resp, err := http.Get(hs.URL + "/status.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	for {
+		info, err := stream.Info(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.State.Consumers == 1 {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatal("a viewer's request did not start the events reader")
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
