@@ -164,7 +164,7 @@ func TestStatusPageInChromium(t *testing.T) {
 	if _, err := js.Publish(ctx, statuspage.EventSubject("leasehold", statuspage.KindRefused), []byte(`{"kind":"bogus"}`)); err != nil {
 		t.Fatal(err)
 	}
-	browser.waitFor(t, ctx, "the forged event as text", fmt.Sprintf(`Array.from(document.querySelectorAll("#refusals td")).some(td => td.textContent === %q) && document.getElementById("invalid").textContent.startsWith("1 ")`, forged))
+	browser.waitFor(t, ctx, "the forged event as text", fmt.Sprintf(`Array.from(document.querySelectorAll("#refusals td")).some(td => td.textContent === %q) && document.getElementById("invalid").textContent.startsWith("1 event ")`, forged))
 	var injected bool
 	if err := browser.eval(ctx, `document.getElementById("forged") !== null || document.title === "owned"`, &injected); err != nil || injected {
 		t.Fatalf("the forged event's markup became part of the page (%v, %v)", injected, err)

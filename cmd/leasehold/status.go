@@ -108,6 +108,7 @@ func servePage(ctx context.Context, out io.Writer, nc *nats.Conn, js jetstream.J
 	defer pageDone()
 	wait, err := serveHTTP(httpCtx, addr, mux, log)
 	if err != nil {
+		stop() // before pageDone waits for the page to stop
 		return err
 	}
 	<-ctx.Done()

@@ -93,16 +93,22 @@ func (p *Publisher) Publish(e Event) {
 	select {
 	case p.queue <- e:
 	default:
-		p.drop("the queue is full")
+		p.drop(errQueueFull)
 	}
 }
+
+// errQueueFull is the reason of a drop on a full queue, which Publish
+// counts without logging (it runs on the caller's goroutine).
+const errQueueFull = "the queue is full"
 
 func (p *Publisher) drop(why string) {
 	p.drops.Add(1)
 	p.dropped.Add(context.Background(), 1)
-	if time.Since(p.lastWarn) > time.Minute && why != "the queue is full" {
-		// Only the publishing goroutine passes a reason other than a full
-		// queue, so lastWarn has one writer.
+	if why == errQueueFull {
+		return
+	}
+	// Only the publishing goroutine gets here, so lastWarn has one owner.
+	if time.Since(p.lastWarn) > time.Minute {
 		p.lastWarn = time.Now()
 		p.cfg.Logger.Warn("status-page events are not published", "stream", EventsStream(p.cfg.Prefix), "why", why,
 			"hint", "`leasehold init` creates the stream; the status page misses these events")

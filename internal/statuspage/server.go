@@ -69,6 +69,11 @@ type Server struct {
 	viewers  int           // open event streams
 	lastSeen time.Time     // the last request of any viewer
 	snapAt   time.Time     // when snap was read
+
+	// The last lag counts, owned by refresh.
+	lagAt  time.Time
+	lags   map[leasehold.Partition]uint64
+	lagErr error
 }
 
 // New returns a Server; nothing is read until Run.
@@ -84,6 +89,14 @@ func New(cfg Config) *Server {
 
 // idleAfter is how long the page keeps reading after its last viewer.
 const idleAfter = 30 * time.Second
+
+// maxViewers bounds the open event streams of one server: each costs a
+// goroutine and an encoding of the state on every change.
+const maxViewers = 32
+
+// lagEvery is how often the lag is read again: it takes a request per
+// partition.
+const lagEvery = 5 * time.Second
 
 // Run feeds the page until ctx ends; open event streams end with it.
 // It reads only while someone looks: from the first request on, the lease
@@ -185,6 +198,14 @@ func (s *Server) serveEvents(w http.ResponseWriter, r *http.Request) {
 	flusher, ok := w.(http.Flusher)
 	if !ok {
 		http.Error(w, "streaming unsupported", http.StatusInternalServerError)
+		return
+	}
+	s.mu.Lock()
+	full := s.viewers >= maxViewers
+	s.mu.Unlock()
+	if full {
+		w.Header().Set("Retry-After", "10")
+		http.Error(w, fmt.Sprintf("%d pages are open already", maxViewers), http.StatusServiceUnavailable)
 		return
 	}
 	s.touch(1)
@@ -309,7 +330,7 @@ func (s *Server) refresh(ctx context.Context) {
 				next.Findings = append(next.Findings, f.String())
 			}
 			if s.cfg.Lag {
-				if err := s.lag(rctx, st, next.Partitions); err != nil {
+				if err := s.lag(rctx, st, next.Partitions, now); err != nil {
 					next.Errors = append(next.Errors, "lag: "+err.Error())
 				}
 			}
@@ -329,8 +350,18 @@ func (s *Server) refresh(ctx context.Context) {
 }
 
 // lag counts the jobs after each partition's committed progress, with a
-// short-lived consumer per partition.
-func (s *Server) lag(ctx context.Context, st coordinator.Status, rows []Row) error {
+// short-lived consumer per partition, every lagEvery; in between it shows
+// the last counts. Only refresh calls it.
+func (s *Server) lag(ctx context.Context, st coordinator.Status, rows []Row, now time.Time) error {
+	if now.Sub(s.lagAt) < lagEvery && s.lags != nil {
+		for i, p := range st.Partitions {
+			if n, ok := s.lags[p.Partition]; ok && i < len(rows) {
+				rows[i].Lag = fmt.Sprint(n)
+			}
+		}
+		return s.lagErr
+	}
+	s.lagAt, s.lags, s.lagErr = now, map[leasehold.Partition]uint64{}, nil
 	stream := worker.JobsStream(s.cfg.Prefix)
 	for i, p := range st.Partitions {
 		if i >= len(rows) || i >= 1024 {
@@ -347,9 +378,12 @@ func (s *Server) lag(ctx context.Context, st coordinator.Status, rows []Row) err
 		}
 		c, err := s.cfg.JetStream.CreateConsumer(ctx, stream, cfg)
 		if err != nil {
-			return fmt.Errorf("partition %d: %w", p.Partition, err)
+			s.lagErr = fmt.Errorf("partition %d: %w", p.Partition, err)
+			return s.lagErr
 		}
-		rows[i].Lag = fmt.Sprint(c.CachedInfo().NumPending)
+		n := c.CachedInfo().NumPending
+		s.lags[p.Partition] = n
+		rows[i].Lag = fmt.Sprint(n)
 		_ = s.cfg.JetStream.DeleteConsumer(ctx, stream, c.CachedInfo().Name)
 	}
 	return nil

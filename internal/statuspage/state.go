@@ -115,8 +115,8 @@ type DeadLetter struct {
 	Error     string    `json:"error"`
 }
 
-// maxListed bounds each list of events the page holds.
-const maxListed = 500
+// maxListed bounds each list of events the page holds and sends.
+const maxListed = 200
 
 // history folds the events of the last hour into the page's lists.
 type history struct {

@@ -20,7 +20,8 @@
       if (c) tr.className = c;
       for (const col of columns) {
         const v = typeof col === "function" ? col(r) : r[col];
-        cell(tr, v, col === "epoch" || col === "max" || col === "from_epoch" || col === "fenced" ? "epoch" : "");
+        cell(tr, v, col === "epoch" || col === "max" || col === "from_epoch" || col === "fenced" ? "epoch"
+          : col === "reason" || col === "error" || col === "key" || col === "worker" ? "wrap" : "");
       }
       trs.push(tr);
     }
@@ -87,7 +88,9 @@
       }
     }
     $("dead-letters").replaceChildren(...dls);
-    $("invalid").textContent = st.invalid ? st.invalid + " events in the stream were not valid and are not shown" : "";
+    $("invalid").textContent = !st.invalid ? ""
+      : st.invalid === 1 ? "1 event in the stream was not valid and is not shown"
+      : st.invalid + " events in the stream were not valid and are not shown";
     document.body.dataset.updates = String(Number(document.body.dataset.updates) + 1);
   }
 
