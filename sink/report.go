@@ -101,6 +101,7 @@ func (r *Reporter) Report(ctx context.Context, d Decision) {
 	if !d.Outcome.Dropped() {
 		return
 	}
+	r.countRefusal(ctx, d)
 	r.mu.Lock()
 	id := d.Stamp.Fence()
 	st := r.parts[id]

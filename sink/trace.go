@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 
+	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/propagation"
 	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
 	"go.opentelemetry.io/otel/trace"
@@ -234,6 +235,19 @@ func (r *Reporter) newInstruments(cfg telemetry.Config) {
 	for o := Accepted; o <= Failed; o++ {
 		r.counts[o] = telemetry.SinkOutcome(r.name, outcomeLabel(o))
 	}
+}
+
+// countRefusal counts a drop by scope in leasehold_sink_refusals_total.
+// Only a fence of the scope can have refused a stale or split-brain
+// effect, so those scopes are bounded by the sink's fences; any other
+// drop's stamp may name any scope at all, and counts under "-".
+func (r *Reporter) countRefusal(ctx context.Context, d Decision) {
+	scope := "-"
+	if d.Outcome == Stale || d.Outcome == SplitBrain {
+		scope = d.Stamp.Scope
+	}
+	r.tel.Metrics.SinkRefusals.Add(ctx, 1, metric.WithAttributes(
+		telemetry.AttrSink.String(r.name), telemetry.AttrScope.String(scope), telemetry.AttrOutcome.String(outcomeLabel(d.Outcome))))
 }
 
 func (r *Reporter) count(ctx context.Context, o Outcome) {

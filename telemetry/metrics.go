@@ -33,6 +33,14 @@ type Metrics struct {
 	// leasehold_sink_effects_total{leasehold_sink, leasehold_outcome}, the
 	// outcome one of the Outcome* constants.
 	SinkEffects metric.Int64Counter
+	// SinkRefusals counts the effects a sink refused for good, by the
+	// scope whose fence refused them:
+	// leasehold_sink_refusals_total{leasehold_sink, leasehold_scope,
+	// leasehold_outcome}. Only stale and split-brain refusals carry their
+	// scope (a fence of that scope judged them, so the scopes are those the
+	// sink keeps fences for); the others, whose stamp may name anything,
+	// count under the scope "-".
+	SinkRefusals metric.Int64Counter
 	// JobsHung counts handlers that did not return after their context
 	// ended, whose partition the worker gave up:
 	// leasehold_jobs_hung_total{leasehold_partition, leasehold_worker}.
@@ -86,6 +94,7 @@ func newMetrics(m metric.Meter) *Metrics {
 		metric.WithExplicitBucketBoundaries(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30))
 	ms.EffectsEmitted, _ = m.Int64Counter("leasehold.effects.emitted", metric.WithDescription("Stamped effects published or applied by handlers."), metric.WithUnit("{effect}"))
 	ms.EffectsPreempted, _ = m.Int64Counter("leasehold.effects.preempted", metric.WithDescription("Effects answered as duplicates of a message that is not theirs: another publisher used their message ID first."), metric.WithUnit("{effect}"))
+	ms.SinkRefusals, _ = m.Int64Counter("leasehold.sink.refusals", metric.WithDescription("Effects a sink refused for good, by scope (stale and split-brain; \"-\" for the rest) and outcome."), metric.WithUnit("{effect}"))
 	ms.SinkEffects, _ = m.Int64Counter("leasehold.sink.effects", metric.WithDescription("Sink decisions by outcome (accepted, duplicate, rejected_stale, rejected_split_brain, rejected_unverified, rejected_bad_stamp, advanced, error)."), metric.WithUnit("{effect}"))
 	return ms
 }

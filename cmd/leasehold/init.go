@@ -15,6 +15,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/internal/statuspage"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -37,7 +38,9 @@ func newInit() *cobra.Command {
 settings: the lease bucket (per-key TTLs, history 1, file storage, an epoch
 floor) and its fence-record bucket <bucket>-fences (epochs and progress, no
 TTL), the job stream <prefix>-jobs on <prefix>.jobs.<partition>, the
-dead-letter stream <prefix>-dlq and the effect log <prefix>-effects. Running it
+dead-letter stream <prefix>-dlq, the effect log <prefix>-effects and the
+status page's events stream <prefix>-events (an hour of take-overs, lease
+losses and refused writes). Running it
 again is safe: existing resources are checked, and a mismatch is reported with
 what to change. It also reads the servers' settings and says which ones a
 production deployment lacks (sync_interval: always, replicas).`,
@@ -63,6 +66,10 @@ production deployment lacks (sync_interval: always, replicas).`,
 			}
 			fmt.Fprintf(out, "streams %s, %s and %s: ready (%d partitions, %d replicas)\n",
 				worker.JobsStream(conn.prefix), worker.DLQStream(conn.prefix), worker.EffectsStream(conn.prefix), partitions, replicas)
+			if _, err := statuspage.ProvisionEvents(ctx, js, conn.prefix, replicas); err != nil {
+				return err
+			}
+			fmt.Fprintf(out, "stream %s: ready (the status page's take-overs and refusals, kept an hour)\n", statuspage.EventsStream(conn.prefix))
 			for _, w := range serverAdvice(ctx, nc, monitor, replicas) {
 				fmt.Fprintln(out, "note:", w)
 			}

@@ -17,6 +17,7 @@ import (
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/history"
+	"github.com/leasehold/leasehold/internal/statuspage"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/kvsink"
 	"github.com/leasehold/leasehold/sink/pgsink"
@@ -127,7 +128,9 @@ func runSink(ctx context.Context, f sinkFlags) error {
 		log.Warn("sink starting WITHOUT FENCING: stale effects will be applied", "name", f.name)
 		return runUnfenced(ctx, js, f, hist, log)
 	}
-	observers := sink.Observers{}
+	events := newEvents(js, f.conn.prefix, f.name, f.tel, log)
+	defer events.Close()
+	observers := sink.Observers{events.SinkObserver()}
 	var applied sink.Observer
 	if hist != nil {
 		observers = append(observers, historyDecisions(hist, ""))
@@ -143,12 +146,14 @@ func runSink(ctx context.Context, f sinkFlags) error {
 		// Progress saved before fence scopes is converted with this set.
 		LegacyScope: f.legacyScope,
 	}
+	page := statuspage.Config{JetStream: js, Prefix: f.conn.prefix, ServedBy: "sink " + f.name,
+		DeadLetters: statuspage.DefaultDeadLetters(f.conn.prefix, false, true), Logger: log}
 	if f.verifyEpochs {
 		b, err := coordinator.OpenBucket(ctx, js, f.conn.leaseBucket())
 		if err != nil {
 			return fmt.Errorf("--verify-epochs needs the lease bucket: %w", err)
 		}
-		cfg.Verifier = b
+		cfg.Verifier, page.Bucket = b, b
 	}
 	checks := []telemetry.ReadyFunc{telemetry.NATSReady(nc, js)}
 	switch f.kind {
@@ -179,7 +184,9 @@ func runSink(ctx context.Context, f sinkFlags) error {
 	// A gap in the log, or a runner that stopped advancing, fails /readyz.
 	checks = append(checks, r.Ready)
 	httpCtx, stopHTTP := context.WithCancel(context.Background())
-	wait, err := serveHTTP(httpCtx, f.httpAddr, telemetry.Mux(metrics, checks...), log)
+	mux, pageDone := withPage(httpCtx, f.httpAddr, telemetry.Mux(metrics, checks...), page)
+	defer pageDone()
+	wait, err := serveHTTP(httpCtx, f.httpAddr, mux, log)
 	if err != nil {
 		stopHTTP()
 		return err

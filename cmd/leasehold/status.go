@@ -1,22 +1,28 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
-	"strconv"
+	"log/slog"
 	"text/tabwriter"
 	"time"
 
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 
 	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/internal/statuspage"
+	"github.com/leasehold/leasehold/telemetry"
 )
 
 func newStatus() *cobra.Command {
 	var (
-		conn   natsFlags
-		asJSON bool
+		conn     natsFlags
+		asJSON   bool
+		httpAddr string
 	)
 	cmd := &cobra.Command{
 		Use:   "status",
@@ -25,7 +31,13 @@ func newStatus() *cobra.Command {
 which epoch, how long ago it was acquired and renewed, the epoch its progress
 was last fenced under, and the last input sequence committed; then every lock
 the same way, and records in either bucket that leasehold did not write, with
-what to do about each (` + "`leasehold fence --repair`" + ` repairs them).`,
+what to do about each (` + "`leasehold fence --repair`" + ` repairs them).
+
+With --http it serves the same as a live web page until interrupted, with
+each partition's lag, the take-overs, lease losses and refused writes of the
+last hour (from the <prefix>-events stream that workers and sinks publish
+to) and the dead letters. Workers and sinks serve the page on their own
+--http address too.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
@@ -37,6 +49,9 @@ what to do about each (` + "`leasehold fence --repair`" + ` repairs them).`,
 			b, err := coordinator.OpenBucket(ctx, js, conn.leaseBucket())
 			if err != nil {
 				return err
+			}
+			if httpAddr != "" {
+				return servePage(ctx, cmd.OutOrStdout(), nc, js, b, conn.prefix, httpAddr)
 			}
 			st, err := b.Snapshot(ctx)
 			if err != nil {
@@ -53,42 +68,24 @@ what to do about each (` + "`leasehold fence --repair`" + ` repairs them).`,
 	}
 	conn.register(cmd.Flags())
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the snapshot as JSON")
+	cmd.Flags().StringVar(&httpAddr, "http", "", "serve a live status page on this address (such as :8090) instead of printing once")
 	return cmd
 }
 
 func printStatus(out io.Writer, st coordinator.Status, now time.Time) {
+	parts, locks := statuspage.Rows(st, now)
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "PARTITION\tHOLDER\tEPOCH\tLEASE AGE\tRENEWED\tFENCED EPOCH\tPROGRESS")
-	for _, p := range st.Partitions {
-		holder, epoch, age, renewed := "-", "-", "-", "-"
-		if p.Holder != "" {
-			holder, epoch = p.Holder, p.Epoch.String()
-			age = ago(now, p.Acquired)
-			renewed = ago(now, p.Renewed)
-		}
-		fenced := "-"
-		if p.FencedEpoch != 0 {
-			fenced = p.FencedEpoch.String()
-		}
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t%s\n", p.Partition, holder, epoch, age, renewed, fenced, strconv.FormatUint(p.Progress, 10))
+	for _, r := range parts {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.Name, r.Holder, r.Epoch, r.Age, r.Renewed, r.Fenced, r.Progress)
 	}
 	tw.Flush()
-	if len(st.Locks) > 0 {
+	if len(locks) > 0 {
 		fmt.Fprintln(out)
 		tw = tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 		fmt.Fprintln(tw, "LOCK\tHOLDER\tEPOCH\tLEASE AGE\tRENEWED\tFENCED EPOCH")
-		for _, l := range st.Locks {
-			holder, epoch, age, renewed := "-", "-", "-", "-"
-			if l.Holder != "" {
-				holder, epoch = l.Holder, l.Epoch.String()
-				age = ago(now, l.Acquired)
-				renewed = ago(now, l.Renewed)
-			}
-			fenced := "-"
-			if l.FencedEpoch != 0 {
-				fenced = l.FencedEpoch.String()
-			}
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", l.Name, holder, epoch, age, renewed, fenced)
+		for _, r := range locks {
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", r.Name, r.Holder, r.Epoch, r.Age, r.Renewed, r.Fenced)
 		}
 		tw.Flush()
 	}
@@ -98,13 +95,26 @@ func printStatus(out io.Writer, st coordinator.Status, now time.Time) {
 	}
 }
 
-func ago(now, t time.Time) string {
-	if t.IsZero() {
-		return "-"
+// servePage serves the live status page on addr until ctx ends, with
+// /livez and /readyz (NATS reachable).
+func servePage(ctx context.Context, out io.Writer, nc *nats.Conn, js jetstream.JetStream, b *coordinator.Bucket, prefix, addr string) error {
+	log := slog.New(slog.NewTextHandler(out, nil))
+	httpCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	mux, pageDone := withPage(httpCtx, addr, telemetry.Mux(nil, telemetry.NATSReady(nc, js)), statuspage.Config{
+		JetStream: js, Bucket: b, Prefix: prefix, ServedBy: "leasehold status", Lag: true,
+		DeadLetters: statuspage.DefaultDeadLetters(prefix, true, true), Logger: log,
+	})
+	defer pageDone()
+	wait, err := serveHTTP(httpCtx, addr, mux, log)
+	if err != nil {
+		stop() // before pageDone waits for the page to stop
+		return err
 	}
-	d := now.Sub(t)
-	if d < 0 {
-		d = 0
-	}
-	return d.Round(100*time.Millisecond).String() + " ago"
+	<-ctx.Done()
+	stop()
+	wait()
+	return nil
 }
+
+func ago(now, t time.Time) string { return statuspage.Ago(now, t) }

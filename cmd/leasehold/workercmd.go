@@ -13,6 +13,7 @@ import (
 
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/history"
+	"github.com/leasehold/leasehold/internal/statuspage"
 	"github.com/leasehold/leasehold/telemetry"
 	"github.com/leasehold/leasehold/worker"
 )
@@ -109,6 +110,9 @@ func runWorker(ctx context.Context, f workerFlags) error {
 	if hist != nil {
 		observer = historyObserver(hist)
 	}
+	events := newEvents(js, f.conn.prefix, f.id, tel.Config(), log)
+	defer events.Close()
+	observer = events.WorkerObserver(observer)
 	w, err := worker.New(worker.Config{
 		JetStream:  js,
 		Prefix:     f.conn.prefix,
@@ -132,7 +136,11 @@ func runWorker(ctx context.Context, f workerFlags) error {
 		return err
 	}
 	httpCtx, stopHTTP := context.WithCancel(context.Background())
-	wait, err := serveHTTP(httpCtx, f.httpAddr, telemetry.Mux(metrics, telemetry.NATSReady(nc, js), w.Ready), log)
+	page := statuspage.Config{JetStream: js, Bucket: bucket, Prefix: f.conn.prefix, ServedBy: "worker " + f.id, Lag: true,
+		DeadLetters: statuspage.DefaultDeadLetters(f.conn.prefix, true, false), Logger: log}
+	mux, pageDone := withPage(httpCtx, f.httpAddr, telemetry.Mux(metrics, telemetry.NATSReady(nc, js), w.Ready), page)
+	defer pageDone()
+	wait, err := serveHTTP(httpCtx, f.httpAddr, mux, log)
 	if err != nil {
 		stopHTTP()
 		return err

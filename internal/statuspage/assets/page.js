@@ -1,0 +1,113 @@
+// The status page: it renders each state the server sends over
+// server-sent events. Every value is set as text (textContent), never as
+// markup: events come from the network and are not trusted.
+"use strict";
+(function () {
+  const $ = (id) => document.getElementById(id);
+
+  function cell(tr, text, cls) {
+    const td = document.createElement("td");
+    td.textContent = text === undefined || text === null || text === "" ? "-" : String(text);
+    if (cls) td.className = cls;
+    tr.appendChild(td);
+  }
+
+  function fill(tbody, rows, columns, rowClass) {
+    const trs = [];
+    for (const r of rows) {
+      const tr = document.createElement("tr");
+      const c = rowClass ? rowClass(r) : "";
+      if (c) tr.className = c;
+      for (const col of columns) {
+        const v = typeof col === "function" ? col(r) : r[col];
+        cell(tr, v, col === "epoch" || col === "max" || col === "from_epoch" || col === "fenced" ? "epoch"
+          : col === "reason" || col === "error" || col === "key" || col === "worker" ? "wrap" : "");
+      }
+      trs.push(tr);
+    }
+    if (trs.length === 0) {
+      const tr = document.createElement("tr");
+      const td = document.createElement("td");
+      td.colSpan = columns.length;
+      td.className = "empty";
+      td.textContent = "none";
+      tr.appendChild(td);
+      trs.push(tr);
+    }
+    tbody.replaceChildren(...trs);
+  }
+
+  function time(t) {
+    const d = new Date(t);
+    return isNaN(d) ? "?" : d.toLocaleTimeString();
+  }
+
+  function list(ul, items) {
+    ul.replaceChildren(...items.map((s) => {
+      const li = document.createElement("li");
+      li.textContent = String(s);
+      return li;
+    }));
+  }
+
+  function render(st) {
+    $("prefix").textContent = st.prefix || "";
+    $("served-by").textContent = st.served_by || "?";
+    $("now").textContent = time(st.now);
+    fill($("partitions"), st.partitions || [], ["name", "holder", "epoch", "age", "renewed", "fenced", "progress", "lag"],
+      (r) => (r.holder === "-" ? "free" : ""));
+    $("members").textContent = (st.members || []).join(", ") || "none";
+    $("locks-section").hidden = !(st.locks && st.locks.length);
+    fill($("locks"), st.locks || [], ["name", "holder", "epoch", "age", "renewed", "fenced"]);
+    $("findings-section").hidden = !(st.findings && st.findings.length);
+    list($("findings"), st.findings || []);
+    $("errors-section").hidden = !(st.errors && st.errors.length);
+    list($("errors"), st.errors || []);
+    fill($("refusals"), st.refusals || [],
+      [(e) => time(e.time), "worker", "scope", "partition", "epoch", "max", "holder", "outcome", "key", "source"], () => "refused");
+    fill($("moves"), st.moves || [],
+      [(m) => time(m.time), "kind", "scope", "partition", "from", "from_epoch", "to", "epoch"], (m) => m.kind === "take-over" ? "take-over" : "");
+    fill($("losses"), st.losses || [], [(e) => time(e.time), "worker", "scope", "partition", "epoch", "reason"]);
+    const dls = [];
+    for (const d of st.dead_letters || []) {
+      const h = document.createElement("h3");
+      h.textContent = d.stream + ": " + d.count + (d.error ? " (" + d.error + ")" : "");
+      dls.push(h);
+      if (d.recent && d.recent.length) {
+        const table = document.createElement("table");
+        const head = document.createElement("tr");
+        for (const n of ["seq", "time", "subject", "partition", "id", "error"]) {
+          const th = document.createElement("th");
+          th.textContent = n;
+          head.appendChild(th);
+        }
+        const tbody = document.createElement("tbody");
+        fill(tbody, d.recent, ["seq", (x) => time(x.time), "subject", "partition", "id", "error"]);
+        table.append(head, tbody);
+        dls.push(table);
+      }
+    }
+    $("dead-letters").replaceChildren(...dls);
+    $("invalid").textContent = !st.invalid ? ""
+      : st.invalid === 1 ? "1 event in the stream was not valid and is not shown"
+      : st.invalid + " events in the stream were not valid and are not shown";
+    document.body.dataset.updates = String(Number(document.body.dataset.updates) + 1);
+  }
+
+  const es = new EventSource("status/events");
+  es.addEventListener("state", (ev) => {
+    let st;
+    try {
+      st = JSON.parse(ev.data);
+    } catch (e) {
+      return;
+    }
+    $("conn").textContent = "live";
+    $("conn").className = "ok";
+    render(st);
+  });
+  es.onerror = () => {
+    $("conn").textContent = "disconnected, retrying…";
+    $("conn").className = "bad";
+  };
+})();

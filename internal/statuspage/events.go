@@ -1,0 +1,192 @@
+// Package statuspage serves leasehold's live status page: the partitions
+// and locks of a lease bucket with their holders, epochs and lag, the
+// take-overs, lease losses and refused writes of the last hour, and the
+// dead letters. Workers and sinks publish what happens to them to a small
+// stream, <prefix>-events, through a bounded queue that never slows or
+// fails the fenced path; the page server reads that stream and the lease
+// bucket, and pushes each change to the browser with server-sent events.
+//
+// Everything read from the events stream is untrusted: anyone allowed to
+// publish there can write anything. Events are validated before they are
+// shown, and the page renders every string as text.
+package statuspage
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+	"unicode"
+	"unicode/utf8"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// Kinds of events, each published on its own subject so that NATS
+// permissions can say who may publish which: workers the lease events,
+// sinks the refusals.
+const (
+	KindAcquired = "acquired" // a worker acquired a partition (Worker, Epoch)
+	KindReleased = "released" // a worker drained and released a partition on purpose
+	KindLost     = "lost"     // a worker lost a partition's lease (Reason)
+	KindRefused  = "refused"  // a sink refused a write (Worker wrote at Epoch; Max and Holder are the fence's)
+)
+
+// Bounds of the events stream and of one event.
+const (
+	// EventsMaxAge is how long events are kept: the page shows the last
+	// hour.
+	EventsMaxAge = time.Hour
+	// EventsMaxMsgs and EventsMaxBytes bound the stream whatever publishes
+	// to it; the oldest events go first.
+	EventsMaxMsgs  = 50_000
+	EventsMaxBytes = 64 << 20
+	// MaxEventSize bounds one event; a larger one is neither stored nor
+	// read.
+	MaxEventSize = 2048
+	// maxText bounds every string field of an event.
+	maxText = 256
+)
+
+// EventsStream is the name of the events stream of the job streams under
+// prefix.
+func EventsStream(prefix string) string { return prefix + "-events" }
+
+// EventSubject is the subject events of kind are published on.
+func EventSubject(prefix, kind string) string {
+	if kind == KindRefused {
+		return prefix + ".events.refused"
+	}
+	return prefix + ".events.lease." + kind
+}
+
+// kindOfSubject returns the kind a subject may carry, or "".
+func kindOfSubject(prefix, subject string) string {
+	for _, k := range []string{KindAcquired, KindReleased, KindLost, KindRefused} {
+		if subject == EventSubject(prefix, k) {
+			return k
+		}
+	}
+	return ""
+}
+
+// Event is one thing the page shows. Which fields are set depends on Kind.
+type Event struct {
+	Kind      string    `json:"kind"`
+	Time      time.Time `json:"time"`
+	Source    string    `json:"source"` // the process that published it: a worker's ID, a sink's name
+	Scope     string    `json:"scope"`
+	Partition uint32    `json:"partition"`
+	// Worker is the holder that acquired, released or lost the partition,
+	// or the writer of a refused write.
+	Worker string `json:"worker,omitempty"`
+	// Epoch is the acquired, released or lost lease's, or the refused
+	// write's.
+	Epoch uint64 `json:"epoch,omitempty"`
+	// Max, Holder, Outcome and Key describe a refusal: the fence's
+	// maximum the write was judged against, who holds the partition now
+	// (when the sink knows), how it was refused and the write's
+	// idempotency key.
+	Max     uint64 `json:"max,omitempty"`
+	Holder  string `json:"holder,omitempty"`
+	Outcome string `json:"outcome,omitempty"`
+	Key     string `json:"key,omitempty"`
+	Reason  string `json:"reason,omitempty"` // for a loss
+}
+
+// ErrBadEvent is matched by the errors of events that fail validation.
+var ErrBadEvent = errors.New("statuspage: bad event")
+
+// Validate checks an event read from the stream (or about to be written):
+// a known kind, a time, and short printable strings.
+func (e *Event) Validate() error {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: %s", ErrBadEvent, fmt.Sprintf(format, args...))
+	}
+	switch e.Kind {
+	case KindAcquired, KindReleased, KindLost, KindRefused:
+	default:
+		return bad("unknown kind %q", clip(e.Kind))
+	}
+	if e.Time.IsZero() {
+		return bad("no time")
+	}
+	for name, s := range map[string]string{"source": e.Source, "scope": e.Scope, "worker": e.Worker, "holder": e.Holder, "outcome": e.Outcome, "key": e.Key, "reason": e.Reason} {
+		if err := checkText(s); err != nil {
+			return bad("%s: %v", name, err)
+		}
+	}
+	if e.Scope == "" {
+		return bad("no scope")
+	}
+	if e.Kind == KindRefused && e.Outcome == "" {
+		return bad("a refusal without an outcome")
+	}
+	return nil
+}
+
+func checkText(s string) error {
+	if len(s) > maxText {
+		return fmt.Errorf("%d bytes, more than %d", len(s), maxText)
+	}
+	if !utf8.ValidString(s) {
+		return errors.New("not UTF-8")
+	}
+	for _, r := range s {
+		if !unicode.IsPrint(r) {
+			return fmt.Errorf("holds the unprintable %U", r)
+		}
+	}
+	return nil
+}
+
+// clip shortens s for an error message and makes it printable.
+func clip(s string) string {
+	if len(s) > 40 {
+		s = s[:40] + "..."
+	}
+	return strings.ToValidUTF8(fmt.Sprintf("%q", s), "?")
+}
+
+// truncate cuts s to the bound of a field, on a rune boundary, and drops
+// what is not printable, so that what a process publishes about itself
+// always validates.
+func truncate(s string) string {
+	s = strings.Map(func(r rune) rune {
+		if r == utf8.RuneError || !unicode.IsPrint(r) {
+			return -1
+		}
+		return r
+	}, s)
+	for len(s) > maxText {
+		_, n := utf8.DecodeLastRuneInString(s)
+		s = s[:len(s)-n]
+	}
+	return s
+}
+
+// ProvisionEvents creates or updates the events stream of the job streams
+// under prefix, with replicas replicas (the lease bucket's).
+func ProvisionEvents(ctx context.Context, js jetstream.JetStream, prefix string, replicas int) (jetstream.Stream, error) {
+	s, err := js.CreateOrUpdateStream(ctx, eventsConfig(prefix, replicas))
+	if err != nil {
+		return nil, fmt.Errorf("statuspage: create events stream %s: %w", EventsStream(prefix), err)
+	}
+	return s, nil
+}
+
+func eventsConfig(prefix string, replicas int) jetstream.StreamConfig {
+	return jetstream.StreamConfig{
+		Name:        EventsStream(prefix),
+		Description: "leasehold take-overs, lease losses and refused writes, for the status page",
+		Subjects:    []string{prefix + ".events.>"},
+		Storage:     jetstream.FileStorage,
+		Replicas:    max(replicas, 1),
+		MaxAge:      EventsMaxAge,
+		MaxMsgs:     EventsMaxMsgs,
+		MaxBytes:    EventsMaxBytes,
+		MaxMsgSize:  MaxEventSize,
+		Discard:     jetstream.DiscardOld,
+	}
+}

@@ -1,0 +1,201 @@
+package statuspage
+
+import (
+	"context"
+	"encoding/json"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/telemetry"
+	"github.com/leasehold/leasehold/worker"
+)
+
+// PublisherConfig configures a Publisher.
+type PublisherConfig struct {
+	JetStream jetstream.JetStream
+	Prefix    string // the job streams' prefix: events go to <prefix>-events
+	Source    string // this process: a worker's ID or a sink's name
+	// Queue bounds the events waiting to be published. Default 1024. An
+	// event that finds the queue full is dropped and counted.
+	Queue int
+	// Timeout bounds one publish. Default 2s.
+	Timeout       time.Duration
+	MeterProvider metric.MeterProvider // default: the global one
+	Logger        *slog.Logger
+}
+
+// Publisher publishes events from the observer hooks of a worker or sink.
+// Its hooks never block: each event goes into a bounded queue that one
+// goroutine drains; when the queue is full, or the stream is missing or
+// unreachable, the event is dropped and counted in
+// leasehold_status_events_dropped_total. The fenced path never waits for
+// the status page.
+type Publisher struct {
+	cfg     PublisherConfig
+	queue   chan Event
+	dropped metric.Int64Counter
+	drops   atomic.Int64
+	stop    chan struct{}
+	done    chan struct{}
+	once    sync.Once
+
+	lastWarn time.Time // owned by the publishing goroutine
+}
+
+// NewPublisher starts a Publisher; Close stops it.
+func NewPublisher(cfg PublisherConfig) *Publisher {
+	if cfg.Queue <= 0 {
+		cfg.Queue = 1024
+	}
+	if cfg.Timeout <= 0 {
+		cfg.Timeout = 2 * time.Second
+	}
+	if cfg.MeterProvider == nil {
+		cfg.MeterProvider = otel.GetMeterProvider()
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	p := &Publisher{cfg: cfg, queue: make(chan Event, cfg.Queue), stop: make(chan struct{}), done: make(chan struct{})}
+	p.dropped, _ = cfg.MeterProvider.Meter(telemetry.ScopeName).Int64Counter("leasehold.status.events.dropped",
+		metric.WithDescription("Status-page events dropped unpublished: the queue was full, or the events stream did not take them."),
+		metric.WithUnit("{event}"))
+	go p.run()
+	return p
+}
+
+// Dropped is how many events were dropped so far.
+func (p *Publisher) Dropped() int64 { return p.drops.Load() }
+
+// Close publishes what is queued, for up to the publish timeout, and stops.
+func (p *Publisher) Close() {
+	p.once.Do(func() { close(p.stop) })
+	<-p.done
+}
+
+// Publish queues e, or drops it when the queue is full. It never blocks.
+func (p *Publisher) Publish(e Event) {
+	if e.Time.IsZero() {
+		e.Time = time.Now()
+	}
+	e.Source = p.cfg.Source
+	for _, s := range []*string{&e.Source, &e.Scope, &e.Worker, &e.Holder, &e.Outcome, &e.Key, &e.Reason} {
+		*s = truncate(*s)
+	}
+	select {
+	case p.queue <- e:
+	default:
+		p.drop(errQueueFull)
+	}
+}
+
+// errQueueFull is the reason of a drop on a full queue, which Publish
+// counts without logging (it runs on the caller's goroutine).
+const errQueueFull = "the queue is full"
+
+func (p *Publisher) drop(why string) {
+	p.drops.Add(1)
+	p.dropped.Add(context.Background(), 1)
+	if why == errQueueFull {
+		return
+	}
+	// Only the publishing goroutine gets here, so lastWarn has one owner.
+	if time.Since(p.lastWarn) > time.Minute {
+		p.lastWarn = time.Now()
+		p.cfg.Logger.Warn("status-page events are not published", "stream", EventsStream(p.cfg.Prefix), "why", why,
+			"hint", "`leasehold init` creates the stream; the status page misses these events")
+	}
+}
+
+func (p *Publisher) run() {
+	defer close(p.done)
+	for {
+		select {
+		case e := <-p.queue:
+			p.send(e)
+		case <-p.stop:
+			deadline := time.Now().Add(p.cfg.Timeout)
+			for time.Now().Before(deadline) {
+				select {
+				case e := <-p.queue:
+					p.send(e)
+				default:
+					return
+				}
+			}
+			return
+		}
+	}
+}
+
+func (p *Publisher) send(e Event) {
+	data, err := json.Marshal(e)
+	if err != nil || len(data) > MaxEventSize {
+		p.drop("an event too large to publish")
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.Timeout)
+	defer cancel()
+	if _, err := p.cfg.JetStream.Publish(ctx, EventSubject(p.cfg.Prefix, e.Kind), data, jetstream.WithExpectStream(EventsStream(p.cfg.Prefix))); err != nil {
+		p.drop(err.Error())
+	}
+}
+
+// WorkerObserver returns an observer that publishes a worker's
+// acquisitions, releases and losses, then hands every event to next (when
+// not nil).
+func (p *Publisher) WorkerObserver(next worker.Observer) worker.Observer {
+	return worker.ObserverFunc(func(ctx context.Context, e worker.Event) {
+		if next != nil {
+			next.WorkerEvent(ctx, e)
+		}
+		ev := Event{Time: e.Time, Scope: e.Lease.Scope, Partition: uint32(e.Lease.Partition), Worker: e.Lease.Holder, Epoch: uint64(e.Lease.Epoch)}
+		switch e.Kind {
+		case worker.EventPartitionAcquired:
+			ev.Kind = KindAcquired
+		case worker.EventPartitionDrained:
+			ev.Kind = KindReleased
+		case worker.EventPartitionLost:
+			ev.Kind = KindLost
+			if e.Err != nil {
+				ev.Reason = e.Err.Error()
+			}
+		default:
+			return
+		}
+		p.Publish(ev)
+	})
+}
+
+// SinkObserver returns an observer that publishes every write a sink
+// refused for good (stale, split-brain, unverified, bad stamp, over a
+// limit).
+func (p *Publisher) SinkObserver() sink.Observer {
+	return sink.ObserverFunc(func(_ context.Context, d sink.Decision) {
+		if !d.Outcome.Dropped() {
+			return
+		}
+		scope := d.Stamp.Scope
+		if scope == "" {
+			scope = "?" // a stamp that could not be read
+		}
+		p.Publish(Event{
+			Kind: KindRefused, Scope: scope, Partition: uint32(d.Stamp.Partition),
+			Worker: d.Stamp.Worker, Epoch: uint64(d.Stamp.Epoch), Max: uint64(d.Max), Holder: d.Holder,
+			Outcome: d.Outcome.String(), Key: d.Stamp.Key,
+		})
+	})
+}
+
+// fenceOf names an event's fence, for folding.
+func fenceOf(e Event) leasehold.FenceID {
+	return leasehold.FenceID{Scope: e.Scope, Partition: leasehold.Partition(e.Partition)}
+}

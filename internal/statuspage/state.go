@@ -1,0 +1,179 @@
+package statuspage
+
+import (
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/coordinator"
+)
+
+// State is what the page shows, as the browser receives it.
+type State struct {
+	Now        time.Time `json:"now"`
+	Prefix     string    `json:"prefix"`
+	ServedBy   string    `json:"served_by"`
+	Partitions []Row     `json:"partitions"`
+	Locks      []Row     `json:"locks"`
+	Members    []string  `json:"members"`
+	Findings   []string  `json:"findings"`
+	// Moves are the take-overs and hand-offs of the last hour, newest
+	// first; Losses the leases lost, Refusals the refused writes.
+	Moves       []Move        `json:"moves"`
+	Losses      []Event       `json:"losses"`
+	Refusals    []Event       `json:"refusals"`
+	DeadLetters []DeadLetters `json:"dead_letters"`
+	// Errors say what the page could not read, and why.
+	Errors []string `json:"errors"`
+	// Invalid counts events of the stream that failed validation and are
+	// not shown.
+	Invalid int `json:"invalid"`
+}
+
+// Row is one partition or lock of the status table, as `leasehold status`
+// prints it and the page shows it.
+type Row struct {
+	Name     string `json:"name"` // the partition's number or the lock's name
+	Holder   string `json:"holder"`
+	Epoch    string `json:"epoch"`
+	Age      string `json:"age"`
+	Renewed  string `json:"renewed"`
+	Fenced   string `json:"fenced"`
+	Progress string `json:"progress,omitempty"` // partitions only
+	Lag      string `json:"lag,omitempty"`      // partitions only, when read
+}
+
+// Rows builds the status table's rows of a snapshot: its partitions, then
+// its locks. Empty cells are "-".
+func Rows(st coordinator.Status, now time.Time) (partitions, locks []Row) {
+	for _, p := range st.Partitions {
+		r := row(strconv.FormatUint(uint64(p.Partition), 10), p.Holder, p.Epoch, p.Acquired, p.Renewed, p.FencedEpoch, now)
+		r.Progress = strconv.FormatUint(p.Progress, 10)
+		partitions = append(partitions, r)
+	}
+	for _, l := range st.Locks {
+		locks = append(locks, row(l.Name, l.Holder, l.Epoch, l.Acquired, l.Renewed, l.FencedEpoch, now))
+	}
+	return partitions, locks
+}
+
+func row(name, holder string, epoch leasehold.Epoch, acquired, renewed time.Time, fenced leasehold.Epoch, now time.Time) Row {
+	r := Row{Name: name, Holder: "-", Epoch: "-", Age: "-", Renewed: "-", Fenced: "-"}
+	if holder != "" {
+		r.Holder, r.Epoch = holder, epoch.String()
+		r.Age, r.Renewed = Ago(now, acquired), Ago(now, renewed)
+	}
+	if fenced != 0 {
+		r.Fenced = fenced.String()
+	}
+	return r
+}
+
+// Ago says how long before now t was, to a tenth of a second; "-" for no
+// time.
+func Ago(now, t time.Time) string {
+	if t.IsZero() {
+		return "-"
+	}
+	d := now.Sub(t)
+	if d < 0 {
+		d = 0
+	}
+	return d.Round(100*time.Millisecond).String() + " ago"
+}
+
+// Move is a partition changing hands: a take-over when the previous holder
+// did not release it (it crashed, froze or was cut off), a hand-off when
+// it did.
+type Move struct {
+	Time      time.Time `json:"time"`
+	Kind      string    `json:"kind"` // "take-over" or "hand-off"
+	Scope     string    `json:"scope"`
+	Partition uint32    `json:"partition"`
+	From      string    `json:"from"`
+	FromEpoch uint64    `json:"from_epoch"`
+	To        string    `json:"to"`
+	Epoch     uint64    `json:"epoch"`
+}
+
+// DeadLetters is what one dead-letter stream holds.
+type DeadLetters struct {
+	Stream string       `json:"stream"`
+	Count  uint64       `json:"count"`
+	Recent []DeadLetter `json:"recent"` // newest first, when readable
+	Error  string       `json:"error,omitempty"`
+}
+
+// DeadLetter is one dead letter, as far as its headers tell.
+type DeadLetter struct {
+	Seq       uint64    `json:"seq"`
+	Time      time.Time `json:"time"`
+	Subject   string    `json:"subject"`
+	Partition string    `json:"partition"`
+	ID        string    `json:"id"`
+	Error     string    `json:"error"`
+}
+
+// maxListed bounds each list of events the page holds and sends.
+const maxListed = 200
+
+// history folds the events of the last hour into the page's lists.
+type history struct {
+	last     map[leasehold.FenceID]Event // each fence's last acquisition or release
+	moves    []Move
+	losses   []Event
+	refusals []Event
+	invalid  int
+}
+
+func newHistory() *history { return &history{last: map[leasehold.FenceID]Event{}} }
+
+// add folds one validated event.
+func (h *history) add(e Event) {
+	f := fenceOf(e)
+	switch e.Kind {
+	case KindAcquired:
+		if prev, ok := h.last[f]; ok && prev.Worker != e.Worker && e.Epoch > prev.Epoch {
+			m := Move{Time: e.Time, Kind: "take-over", Scope: e.Scope, Partition: e.Partition, From: prev.Worker, FromEpoch: prev.Epoch, To: e.Worker, Epoch: e.Epoch}
+			if prev.Kind == KindReleased {
+				m.Kind = "hand-off"
+			}
+			h.moves = appendBounded(h.moves, m)
+		}
+		h.last[f] = e
+	case KindReleased:
+		if prev, ok := h.last[f]; !ok || (prev.Worker == e.Worker && prev.Epoch == e.Epoch) {
+			h.last[f] = e
+		}
+	case KindLost:
+		h.losses = appendBounded(h.losses, e)
+	case KindRefused:
+		h.refusals = appendBounded(h.refusals, e)
+	}
+}
+
+// expire forgets what is older than the window.
+func (h *history) expire(before time.Time) {
+	h.moves = slices.DeleteFunc(h.moves, func(m Move) bool { return m.Time.Before(before) })
+	h.losses = slices.DeleteFunc(h.losses, func(e Event) bool { return e.Time.Before(before) })
+	h.refusals = slices.DeleteFunc(h.refusals, func(e Event) bool { return e.Time.Before(before) })
+}
+
+func appendBounded[T any](s []T, v T) []T {
+	s = append(s, v)
+	if len(s) > maxListed {
+		s = slices.Delete(s, 0, len(s)-maxListed)
+	}
+	return s
+}
+
+// newestFirst returns a reversed copy of s.
+func newestFirst[T any](s []T) []T {
+	out := slices.Clone(s)
+	slices.Reverse(out)
+	if out == nil {
+		out = []T{}
+	}
+	return out
+}
