@@ -266,7 +266,7 @@ func runDemo(ctx context.Context, out io.Writer, cfg demoConfig) (demoSummary, e
 	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: prefix, Partitions: cfg.partitions}); err != nil {
 		return demoSummary{}, err
 	}
-	kv, err := kvsink.New(ctx, js, kvsink.Config{Bucket: "leasehold-sink", Logger: quiet, Telemetry: tel.Config()})
+	kv, err := kvsink.New(ctx, js, kvsink.Config{Bucket: "leasehold-sink", Logger: quiet, Telemetry: destinationTelemetry(tel.Config())})
 	if err != nil {
 		return demoSummary{}, err
 	}

@@ -34,7 +34,7 @@ what to do about each (` + "`leasehold fence --repair`" + ` repairs them).`,
 				return err
 			}
 			defer nc.Close()
-			b, err := coordinator.OpenBucket(ctx, js, conn.leaseBucket())
+			b, err := conn.openLeaseBucket(ctx, js)
 			if err != nil {
 				return err
 			}

@@ -52,7 +52,7 @@ within --drain-timeout. Run ` + "`leasehold init`" + ` once first.`,
 	}
 	fs := cmd.Flags()
 	f.conn.register(fs)
-	fs.IntVar(&f.partitions, "partitions", 16, "partitions of the job stream (as given to leasehold init)")
+	fs.IntVar(&f.partitions, "partitions", 0, partitionsHelp)
 	fs.StringVar(&f.id, "worker-id", "", "this worker's ID, unique among live workers (default: the host name); in Kubernetes pass the pod name")
 	fs.DurationVar(&f.ttl, "ttl", 10*time.Second, "lease TTL: how long a crashed worker's partitions wait before others take them (whole seconds)")
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", 20*time.Second, "how long a shutdown may take to finish in-flight jobs and release partitions")
@@ -83,8 +83,11 @@ func runWorker(ctx context.Context, f workerFlags) error {
 		return err
 	}
 	defer nc.Close()
-	bucket, err := coordinator.OpenBucket(ctx, js, f.conn.leaseBucket())
+	bucket, err := f.conn.openLeaseBucket(ctx, js)
 	if err != nil {
+		return err
+	}
+	if f.partitions, err = f.conn.resolvePartitions(ctx, js, f.partitions, 0); err != nil {
 		return err
 	}
 	var hist *history.Writer
