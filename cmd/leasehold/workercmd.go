@@ -142,11 +142,10 @@ func runWorker(ctx context.Context, f workerFlags) error {
 	}
 	defer wait()
 	defer stopHTTP()
-	log.Info("worker starting", "worker", f.id, "prefix", f.conn.prefix, "partitions", f.partitions, "ttl", f.ttl)
+	// The worker logs its start and stop itself.
 	if err := w.Run(ctx); err != nil {
 		return fmt.Errorf("worker %s: %w", f.id, err)
 	}
-	log.Info("worker stopped", "worker", f.id)
 	return nil
 }
 
