@@ -44,9 +44,9 @@ stream's partitions and runs the example handler on each job: it emits one
 stamped effect per job to <prefix>.out.<partition>, which ` + "`leasehold sink`" + ` applies.
 It serves /metrics, /livez and /readyz on --http; /readyz fails while NATS is
 unreachable or a held partition with waiting jobs has committed nothing for
---stall-after (the leasehold_partition_stalled gauge says which). On SIGTERM it stops taking
-jobs, finishes what it has, commits progress and releases its partitions
-within --drain-timeout. Run ` + "`leasehold init`" + ` once first.`,
+--stall-after (the leasehold_partition_stalled gauge says which). On SIGTERM or
+SIGINT (Ctrl-C), alike, it stops taking jobs, finishes what it has, commits
+progress and releases its partitions within --drain-timeout. Run ` + "`leasehold init`" + ` once first.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return runWorker(cmd.Context(), f) },
 	}
