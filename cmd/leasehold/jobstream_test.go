@@ -69,9 +69,18 @@ func TestStatusRefusesAnUnknownPrefix(t *testing.T) {
 	if _, err := run(t, ctx, "fence", "1", "--nats", s.URL(), "--prefix", "nope"); err == nil || !strings.Contains(err.Error(), "--prefix nope") {
 		t.Fatalf("fence --prefix nope: %v", err)
 	}
-	out, err := run(t, ctx, "status", "--nats", s.URL(), "--prefix", "leasehold", "--json")
-	var st coordinator.Status
-	if err != nil || json.Unmarshal([]byte(out), &st) != nil || len(st.Partitions) != 4 {
-		t.Fatalf("status --prefix leasehold: %v\n%s", err, out)
+	for {
+		out, err := run(t, ctx, "status", "--nats", s.URL(), "--prefix", "leasehold", "--json")
+		var st coordinator.Status
+		if err != nil || json.Unmarshal([]byte(out), &st) != nil {
+			t.Fatalf("status --prefix leasehold: %v\n%s", err, out)
+		}
+		if len(st.Partitions) == 4 {
+			break
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("status --prefix leasehold never showed the 4 partitions:\n%s", out)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }

@@ -156,7 +156,7 @@ func TestSettingsPrecedence(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "from-file does not exist") {
 		t.Fatalf("file's bucket with env's server: %v", err)
 	}
-	if _, err := coordinator.Provision(ctx, s.JetStream(t), coordinator.BucketConfig{Bucket: "from-flag"}); err != nil {
+	if _, err := coordinator.Provision(ctx, s.JetStream(t), coordinator.BucketConfig{Bucket: "from-flag", Scope: "leasehold"}); err != nil {
 		t.Fatal(err)
 	}
 	if out, err := run(t, ctx, "status", "--config", cfg, "--bucket", "from-flag"); err != nil {
