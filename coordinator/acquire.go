@@ -171,7 +171,7 @@ func (c *Coordinator) acquire(ctx context.Context, t target, o acquireOpts) (*Le
 		return nil, fmt.Errorf("coordinator: acquire %s: fence: %w", t, err)
 	}
 	c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventAcquired, Lease: l.info, Lock: l.name, Time: time.Now()})
-	c.cfg.Logger.Debug("lease acquired", "lease", t.String(), "epoch", l.info.Epoch, "worker", c.cfg.Worker)
+	l.logAcquired()
 	if !o.manual {
 		l.startKeepalive()
 	}

@@ -83,8 +83,9 @@ type Lease struct {
 	pmu      sync.Mutex // serialises writes to the fence record
 	fenceRev uint64     // revision of the last write on the fence record
 	fenced   fenceRecord
-	progRead bool     // the fence record has been written under this lease
-	repaired []string // what a repairing fence step rewrote
+	previous fenceRecord // the record the fence step replaced: who held it before
+	progRead bool        // the fence record has been written under this lease
+	repaired []string    // what a repairing fence step rewrote
 
 	stopOnce sync.Once
 	stop     chan struct{} // closes to stop the keepalive
@@ -190,7 +191,7 @@ func (l *Lease) lose(reason LostReason, holder string, err error) *LostError {
 		return lerr
 	}
 	l.c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventLost, Lease: l.info, Member: l.member, Lock: l.name, Reason: reason, Err: err, Holder: holder, Time: time.Now()})
-	l.c.cfg.Logger.Warn("lease lost", "lease", l.String(), "partition", l.info.Partition, "epoch", l.info.Epoch, "member", l.member, "reason", string(reason), "holder", holder, "err", err)
+	l.logLost(reason, holder, err)
 	l.finish(lerr)
 	return lerr
 }

@@ -101,7 +101,7 @@ func (l *Lease) fence(ctx context.Context, repair bool) error {
 		nrev, err := l.c.b.putFence(rctx, l.key, next, rev)
 		cancel()
 		if err == nil {
-			l.fenceRev, l.fenced, l.progRead = nrev, next, true
+			l.fenceRev, l.fenced, l.progRead, l.previous = nrev, next, true, cur
 			return nil
 		}
 		lastErr = err
@@ -158,7 +158,7 @@ func (l *Lease) fenceFromHint(ctx context.Context) bool {
 	if err != nil {
 		return false
 	}
-	l.fenceRev, l.fenced, l.progRead = nrev, next, true
+	l.fenceRev, l.fenced, l.progRead, l.previous = nrev, next, true, cur
 	return true
 }
 

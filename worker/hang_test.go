@@ -133,6 +133,8 @@ func TestHungHandlerGivesThePartitionUp(t *testing.T) {
 	}
 	if out := logs.String(); strings.Count(out, "handler hung") != 2 || !strings.Contains(out, fmt.Sprintf("partition=0 epoch=%d seq=%d", epochs[0], hung)) {
 		t.Fatalf("log:\n%s", out)
+	} else if strings.Contains(out, "drain ran out of time") {
+		t.Fatalf("no drain was asked, and the log says one ran out of time:\n%s", out)
 	}
 	var rm metricdata.ResourceMetrics
 	if err := reader.Collect(context.Background(), &rm); err != nil {

@@ -486,8 +486,16 @@ func (r *runner) end(out outcome) {
 		r.log.Debug("partition drained", "progress", r.committed, "took", since(drainAt))
 		return
 	}
-	if r.lease.Err() == nil {
-		r.log.Warn("the drain ran out of time; its handlers are cancelled", "cause", context.Cause(r.ctx))
+	switch {
+	case r.lease.Err() != nil:
+		// The loss is logged when it happens.
+	case dctx != nil && dctx.Err() != nil:
+		r.log.Warn("the drain ran out of time; its handlers are cancelled", "cause", context.Cause(dctx))
+	default:
+		// No drain was asked, or it has time left: the runner stopped for
+		// its own reason (a refused commit, a hung handler), logged where
+		// it arose.
+		r.log.Debug("partition runner stopped; its handlers are cancelled", "cause", context.Cause(r.ctx))
 	}
 	// Jobs finished before the loss may still be committed: the commit is
 	// a compare-and-set that fails if a successor has fenced the partition.

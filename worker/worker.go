@@ -109,7 +109,7 @@ func (w *Worker) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	w.log.Info("worker starting", "partitions", w.cfg.Partitions)
+	w.log.Info("worker starting", "partitions", w.cfg.Partitions, "ttl", c.Config().TTL)
 	wctx, stopWatch := context.WithCancel(ctx)
 	watched := make(chan struct{})
 	go func() {

@@ -53,9 +53,10 @@ a producer, several worker processes and a fenced KV sink. Mid-run it freezes
 one worker (SIGSTOP) for longer than its lease TTL, so the others take its
 partitions with higher epochs, then resumes it (SIGCONT): the frozen worker
 wakes up in the middle of a job and writes with its old epoch, and the sink
-refuses the write. A live view shows the partitions, the job progress and the
-refused zombie writes; a summary follows. Nothing is lost and nothing stale
-is applied.`,
+refuses the write. A live view shows the partitions, the job progress, each
+take-over (partition, old -> new holder, epoch) and the refused zombie writes;
+a summary follows. Nothing is lost and nothing stale is applied. Epochs are
+shown by their last 4 digits ("…1234"); --json gives the full value beside.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := c.validate(); err != nil {
@@ -133,16 +134,32 @@ type demoSummary struct {
 	Workers              int         `json:"workers"`
 	Partitions           int         `json:"partitions"`
 	Rejected             []rejection `json:"rejected"`
+	Takeovers            []takeover  `json:"takeovers"`
 }
 
-// rejection is one refused zombie write.
+// rejection is one refused zombie write. Epochs are lease-bucket
+// revisions, 16 digits long: the _short fields are their last digits, as
+// the text output shows them.
 type rejection struct {
-	At        string `json:"at"`
-	Partition uint32 `json:"partition"`
-	Epoch     uint64 `json:"epoch"`
-	Max       uint64 `json:"max_epoch"`
-	Worker    string `json:"worker"`
-	Key       string `json:"key"`
+	At         string `json:"at"`
+	Partition  uint32 `json:"partition"`
+	Epoch      uint64 `json:"epoch"`
+	EpochShort string `json:"epoch_short"`
+	Max        uint64 `json:"max_epoch"`
+	MaxShort   string `json:"max_epoch_short"`
+	Worker     string `json:"worker"`
+	Key        string `json:"key"`
+}
+
+// takeover is one partition changing hands, as the sink saw it: the
+// barrier of the new holder's first epoch.
+type takeover struct {
+	At         string `json:"at"`
+	Partition  uint32 `json:"partition"`
+	From       string `json:"from"`
+	To         string `json:"to"`
+	Epoch      uint64 `json:"epoch"`
+	EpochShort string `json:"epoch_short"`
 }
 
 // demo holds the run's shared state.
@@ -159,6 +176,8 @@ type demo struct {
 	stale        []rejection
 	staleApplied int
 	maxSeen      map[leasehold.Partition]leasehold.Epoch // in log order: barriers and accepted effects
+	holder       map[leasehold.Partition]string          // the writer of maxSeen
+	takeovers    []takeover
 	applied      map[string]bool
 	events       []string
 	paused       string
@@ -191,9 +210,24 @@ func (d *demo) Decided(_ context.Context, dec sink.Decision) {
 	d.mu.Lock()
 	switch dec.Outcome {
 	case sink.Advanced:
-		if e > d.maxSeen[p] {
-			d.maxSeen[p] = e
+		if e <= d.maxSeen[p] {
+			break
 		}
+		d.maxSeen[p] = e
+		prev, now := d.holder[p], dec.Stamp.Worker
+		d.holder[p] = now
+		if prev == "" || prev == now {
+			break
+		}
+		tk := takeover{At: d.since(), Partition: uint32(p), From: prev, To: now, Epoch: uint64(e), EpochShort: shortEpoch(e)}
+		d.takeovers = append(d.takeovers, tk)
+		why := ""
+		if prev == d.paused {
+			why = " (the frozen worker's lease expired)"
+		}
+		d.mu.Unlock()
+		d.note("TAKE-OVER partition %d: %s -> %s, epoch %s%s", p, prev, now, tk.EpochShort, why)
+		return
 	case sink.Accepted:
 		// Checked here independently of the sink: nothing below the
 		// partition's maximum may be applied.
@@ -202,6 +236,7 @@ func (d *demo) Decided(_ context.Context, dec sink.Decision) {
 		}
 		if e > d.maxSeen[p] {
 			d.maxSeen[p] = e
+			d.holder[p] = dec.Stamp.Worker
 		}
 		d.accepted++
 		d.applied[dec.Stamp.Key] = true
@@ -209,10 +244,11 @@ func (d *demo) Decided(_ context.Context, dec sink.Decision) {
 	case sink.Duplicate:
 		d.duplicates++
 	case sink.Stale:
-		r := rejection{At: d.since(), Partition: uint32(p), Epoch: uint64(e), Max: uint64(dec.Max), Worker: dec.Stamp.Worker, Key: dec.Stamp.Key}
+		r := rejection{At: d.since(), Partition: uint32(p), Epoch: uint64(e), EpochShort: shortEpoch(e), Max: uint64(dec.Max), MaxShort: shortEpoch(dec.Max),
+			Worker: dec.Stamp.Worker, Key: dec.Stamp.Key}
 		d.stale = append(d.stale, r)
 		d.mu.Unlock()
-		d.note("REFUSED zombie write from %s: partition %d epoch %d is below %d (key %s)", r.Worker, p, e, dec.Max, r.Key)
+		d.note("REFUSED zombie write from %s: partition %d epoch %s is below %s (key %s)", r.Worker, p, r.EpochShort, r.MaxShort, r.Key)
 		return
 	}
 	d.mu.Unlock()
@@ -222,7 +258,7 @@ func runDemo(ctx context.Context, out io.Writer, cfg demoConfig) (demoSummary, e
 	d := &demo{
 		cfg: cfg, start: time.Now(), out: out,
 		enqueued: map[string]leasehold.Partition{}, perPart: map[leasehold.Partition][]uint64{},
-		maxSeen: map[leasehold.Partition]leasehold.Epoch{}, applied: map[string]bool{},
+		maxSeen: map[leasehold.Partition]leasehold.Epoch{}, holder: map[leasehold.Partition]string{}, applied: map[string]bool{},
 		pausedEpoch: map[leasehold.Partition]leasehold.Epoch{}, recovered: map[leasehold.Partition]time.Time{},
 	}
 	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
@@ -266,7 +302,7 @@ func runDemo(ctx context.Context, out io.Writer, cfg demoConfig) (demoSummary, e
 	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: prefix, Partitions: cfg.partitions}); err != nil {
 		return demoSummary{}, err
 	}
-	kv, err := kvsink.New(ctx, js, kvsink.Config{Bucket: "leasehold-sink", Logger: quiet, Telemetry: tel.Config()})
+	kv, err := kvsink.New(ctx, js, kvsink.Config{Bucket: "leasehold-sink", Logger: quiet, Telemetry: destinationTelemetry(tel.Config())})
 	if err != nil {
 		return demoSummary{}, err
 	}
@@ -539,9 +575,13 @@ func (d *demo) summary(ctx context.Context, kv *kvsink.Sink) demoSummary {
 		Workers:              d.cfg.workers,
 		Partitions:           d.cfg.partitions,
 		Rejected:             d.stale,
+		Takeovers:            d.takeovers,
 	}
 	if s.Rejected == nil {
 		s.Rejected = []rejection{}
+	}
+	if s.Takeovers == nil {
+		s.Takeovers = []takeover{}
 	}
 	// A job is processed when its effect is in the sink's bucket; the
 	// bucket, not the runner's bookkeeping, is the proof.
@@ -572,14 +612,29 @@ effects accepted         %d
   of them repeats        %d (jobs re-run after the take-over; the sink keyed them once)
 zombie writes refused    %d
 stale effects applied    %d
+take-overs               %d
 worker freezes           %d
 fail-over                %.0f ms (from the freeze to the last of the frozen worker's partitions handling a job again)
 `, s.Elapsed, s.Workers, s.Partitions, s.JobsEnqueued, s.JobsProcessed, s.JobsLost, s.EffectsAccepted, s.EffectsDuplicate,
-		s.EffectsRejectedStale, s.StaleApplied, s.ZombiePauses, s.FailoverMillis)
+		s.EffectsRejectedStale, s.StaleApplied, len(s.Takeovers), s.ZombiePauses, s.FailoverMillis)
 	if len(s.Rejected) > 0 {
 		fmt.Fprintf(out, "\nThe frozen worker woke up and wrote with epochs it no longer held; the sink refused %s.\n", plural(len(s.Rejected), "that write", "all %d of those writes"))
 		fmt.Fprintln(out, "Every job it did not finish was done by the new holders: nothing lost, nothing stale applied.")
 	}
+}
+
+// epochDigits is how many last digits of an epoch the demo shows: epochs
+// start at the bucket's creation time in microseconds, so they run to 16
+// digits, and within one run they differ in the last few.
+const epochDigits = 4
+
+// shortEpoch is e's last digits, as "…1234"; --json gives both forms.
+func shortEpoch(e leasehold.Epoch) string {
+	s := e.String()
+	if len(s) <= epochDigits {
+		return s
+	}
+	return "…" + s[len(s)-epochDigits:]
 }
 
 func plural(n int, one, many string) string {

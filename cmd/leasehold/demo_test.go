@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -36,6 +37,23 @@ func TestDemoJSON(t *testing.T) {
 		if r.Epoch >= r.Max || r.Worker != sum.ZombieWorker {
 			t.Errorf("rejection %+v is not a stale write of the frozen worker %s", r, sum.ZombieWorker)
 		}
+		if !strings.HasSuffix(fmt.Sprint(r.Epoch), strings.TrimPrefix(r.EpochShort, "…")) || !strings.HasSuffix(fmt.Sprint(r.Max), strings.TrimPrefix(r.MaxShort, "…")) || len(r.EpochShort) != len("…1234") {
+			t.Errorf("rejection %+v: the short epochs are not the last 4 digits", r)
+		}
+	}
+	// The frozen worker's partitions were taken over, each reported with
+	// its new holder and epoch.
+	fromZombie := 0
+	for _, tk := range sum.Takeovers {
+		if tk.From == tk.To || tk.To == "" || tk.Epoch == 0 || !strings.HasSuffix(fmt.Sprint(tk.Epoch), strings.TrimPrefix(tk.EpochShort, "…")) {
+			t.Errorf("take-over %+v", tk)
+		}
+		if tk.From == sum.ZombieWorker {
+			fromZombie++
+		}
+	}
+	if fromZombie == 0 {
+		t.Errorf("no take-over of the frozen worker %s's partitions reported: %+v", sum.ZombieWorker, sum.Takeovers)
 	}
 	for _, key := range []string{"jobs_enqueued", "jobs_processed", "jobs_lost", "effects_accepted", "effects_rejected_stale", "stale_applied", "zombie_pauses"} {
 		if !strings.Contains(out, `"`+key+`"`) {

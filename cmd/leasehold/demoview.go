@@ -58,7 +58,7 @@ func (d *demo) render(b *coordinator.Bucket) {
 	for _, p := range st.Partitions {
 		owner, epoch, age := "-", "-", "-"
 		if p.Holder != "" {
-			owner, epoch, age = p.Holder, p.Epoch.String(), ago(now, p.Acquired)
+			owner, epoch, age = p.Holder, shortEpoch(p.Epoch), ago(now, p.Acquired)
 			if p.Holder == d.paused {
 				owner += " (frozen)"
 			}

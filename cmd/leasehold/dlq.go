@@ -55,7 +55,7 @@ job, Leasehold-Sink-* on an effect. To work through them:
 list and show only read: they change neither the stream nor its consumers.
 Headers are shown as stored, quoted when they hold anything but printable text:
 a dead letter comes from the network and is not trusted.`,
-		Args: cobra.NoArgs,
+		Args: noArgsSuggest,
 		RunE: func(cmd *cobra.Command, _ []string) error { return cmd.Help() },
 	}
 	cmd.AddCommand(newDLQList(), newDLQShow(), newDLQReplay(), newDLQPurge())

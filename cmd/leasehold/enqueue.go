@@ -45,6 +45,9 @@ their partitions at that time. --refs prints each job's reference, which
 				return err
 			}
 			defer nc.Close()
+			if partitions, err = conn.resolvePartitions(ctx, js, partitions, 0); err != nil {
+				return err
+			}
 			p, err := worker.NewProducer(js, worker.ProducerConfig{Prefix: conn.prefix, Partitions: partitions})
 			if err != nil {
 				return err
@@ -118,7 +121,7 @@ their partitions at that time. --refs prints each job's reference, which
 		},
 	}
 	conn.register(cmd.Flags())
-	cmd.Flags().IntVar(&partitions, "partitions", 16, "partitions of the job stream (as given to leasehold init)")
+	cmd.Flags().IntVar(&partitions, "partitions", 0, partitionsHelp)
 	cmd.Flags().IntVarP(&count, "count", "n", 1, "how many jobs")
 	cmd.Flags().StringVar(&key, "key", "", "partition key for every job (default: a key per job)")
 	cmd.Flags().Float64Var(&rate, "rate", 0, "jobs per second (0: as fast as the server takes them)")

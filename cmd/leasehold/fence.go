@@ -47,7 +47,7 @@ an epoch never issued, progress beyond the job stream's last sequence.
 				return err
 			}
 			defer nc.Close()
-			b, err := coordinator.OpenBucket(ctx, js, conn.leaseBucket())
+			b, err := conn.openLeaseBucket(ctx, js)
 			if err != nil {
 				return err
 			}

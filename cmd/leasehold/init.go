@@ -52,6 +52,9 @@ production deployment lacks (sync_interval: always, replicas).`,
 				return err
 			}
 			defer nc.Close()
+			if partitions, err = conn.resolvePartitions(ctx, js, partitions, 16); err != nil {
+				return err
+			}
 			out := cmd.OutOrStdout()
 			b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{
 				Bucket: conn.leaseBucket(), Scope: conn.prefix, FenceBucket: fenceBucket, Replicas: replicas, MarkerTTL: markerTTL,
@@ -77,7 +80,7 @@ production deployment lacks (sync_interval: always, replicas).`,
 		},
 	}
 	conn.register(cmd.Flags())
-	cmd.Flags().IntVar(&partitions, "partitions", 16, "partitions of the job stream")
+	cmd.Flags().IntVar(&partitions, "partitions", 0, "partitions of the job stream (default 16; when the job stream exists, the count it records, which cannot change)")
 	cmd.Flags().BoolVar(&noSchedules, "no-schedules", false, "leave message schedules (delayed and periodic jobs) off the job stream; with them on, the stream allows roll-ups, so only trusted publishers may write job subjects")
 	cmd.Flags().IntVar(&replicas, "replicas", 1, "replicas of every stream and of the lease bucket (3 in production)")
 	cmd.Flags().DurationVar(&markerTTL, "marker-ttl", time.Minute, "how long release and expiry markers stay in the lease bucket")

@@ -6,12 +6,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
 
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 
 	"github.com/leasehold/leasehold/coordinator"
@@ -60,11 +58,9 @@ func (f *jobsFlags) open(cmd *cobra.Command, args []string) (*worker.Producer, [
 		nc.Close()
 		return nil, nil, nil, err
 	}
-	n := f.partitions
-	if n == 0 {
-		if n, err = recordedPartitions(ctx, js, f.conn.prefix); err != nil {
-			return fail(err)
-		}
+	n, err := f.conn.resolvePartitions(ctx, js, f.partitions, 0)
+	if err != nil {
+		return fail(err)
 	}
 	b, err := coordinator.OpenBucket(ctx, js, f.conn.leaseBucket())
 	if err != nil {
@@ -75,18 +71,6 @@ func (f *jobsFlags) open(cmd *cobra.Command, args []string) (*worker.Producer, [
 		return fail(err)
 	}
 	return p, refs, nc.Close, nil
-}
-
-func recordedPartitions(ctx context.Context, js jetstream.JetStream, prefix string) (int, error) {
-	s, err := js.Stream(ctx, worker.JobsStream(prefix))
-	if err != nil {
-		return 0, fmt.Errorf("look up job stream %s (or give --partitions): %w", worker.JobsStream(prefix), err)
-	}
-	n, err := strconv.Atoi(s.CachedInfo().Config.Metadata["leasehold.partitions"])
-	if err != nil || n < 1 {
-		return 0, fmt.Errorf("job stream %s records no partition count: give --partitions", worker.JobsStream(prefix))
-	}
-	return n, nil
 }
 
 // readRefs parses the references in args; "-" reads them from in.

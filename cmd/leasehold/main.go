@@ -30,6 +30,9 @@ func newRoot() *cobra.Command {
 			return applySettings(cmd)
 		},
 	}
+	// Misspelt commands and flags get the names spelt like them.
+	root.SuggestionsMinimumDistance = suggestDistance
+	root.SetFlagErrorFunc(flagError)
 	root.PersistentFlags().String("config", "", "YAML file of settings (long flag names as keys); env LEASEHOLD_CONFIG")
 	root.AddCommand(newDemo(), newInit(), newWorkerCmd(), newSinkCmd(), newEnqueue(), newJobs(), newStatus(), newFence(), newDLQ(), newChaos(), newBench())
 	return root

@@ -107,6 +107,11 @@ func TestStatusAndFence(t *testing.T) {
 	if out, err := run(t, ctx, "fence", "9", "--nats", s.URL()); err == nil || !strings.Contains(err.Error(), "PARTITION") {
 		t.Fatalf("fence 9 on a 4-partition stream: %v\n%s", err, out)
 	}
+	if out, err := run(t, ctx, "status", "--nats", s.URL(), "--json"); err != nil {
+		t.Fatalf("status: %v\n%s", err, out)
+	} else if json.Unmarshal([]byte(out), &st) != nil || len(st.Partitions) != 4 || st.Partitions[3].Partition != 3 || len(st.Findings) != 0 {
+		t.Fatalf("status after fence 9 shows a row or a finding for partition 9:\n%s", out)
+	}
 
 	out, err := run(t, ctx, "fence", "1", "--nats", s.URL())
 	if err != nil {
@@ -151,7 +156,7 @@ func TestSettingsPrecedence(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "from-file does not exist") {
 		t.Fatalf("file's bucket with env's server: %v", err)
 	}
-	if _, err := coordinator.Provision(ctx, s.JetStream(t), coordinator.BucketConfig{Bucket: "from-flag"}); err != nil {
+	if _, err := coordinator.Provision(ctx, s.JetStream(t), coordinator.BucketConfig{Bucket: "from-flag", Scope: "leasehold"}); err != nil {
 		t.Fatal(err)
 	}
 	if out, err := run(t, ctx, "status", "--config", cfg, "--bucket", "from-flag"); err != nil {

@@ -12,10 +12,10 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 	"go.opentelemetry.io/otel/attribute"
+	noopmetric "go.opentelemetry.io/otel/metric/noop"
 	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
 
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/history"
 	"github.com/leasehold/leasehold/internal/statuspage"
 	"github.com/leasehold/leasehold/sink"
@@ -60,10 +60,14 @@ resumes with nothing applied twice or lost. Run one runner per effect log.
 A runner that finds messages of the log removed before it handled them (by the
 log's limits, or by hand) stops at that gap, since one may have been a
 take-over's barrier: /readyz fails and leasehold_sink_gap is 1. Restart it with
---resume-gap <position> to go on past the gap on purpose.`,
-		Args: cobra.NoArgs,
+--resume-gap <position> to go on past the gap on purpose.
+
+Without a subcommand it runs the sink; ` + "`sink ls`" + ` and ` + "`sink get KEY`" + ` read what a KV
+sink holds, with the stamp each value was written under.`,
+		Args: noArgsSuggest,
 		RunE: func(cmd *cobra.Command, _ []string) error { return runSink(cmd.Context(), f) },
 	}
+	cmd.AddCommand(newSinkLs(), newSinkGet())
 	fs := cmd.Flags()
 	f.conn.register(fs)
 	fs.StringVar(&f.kind, "kind", "kv", "where accepted effects go: kv, postgres or stream")
@@ -149,7 +153,7 @@ func runSink(ctx context.Context, f sinkFlags) error {
 	page := statuspage.Config{JetStream: js, Prefix: f.conn.prefix, ServedBy: "sink " + f.name,
 		DeadLetters: statuspage.DefaultDeadLetters(f.conn.prefix, false, true), Logger: log}
 	if f.verifyEpochs {
-		b, err := coordinator.OpenBucket(ctx, js, f.conn.leaseBucket())
+		b, err := f.conn.openLeaseBucket(ctx, js)
 		if err != nil {
 			return fmt.Errorf("--verify-epochs needs the lease bucket: %w", err)
 		}
@@ -212,7 +216,7 @@ func newApplier(ctx context.Context, js jetstream.JetStream, f sinkFlags, obs si
 		} else if !errors.Is(err, jetstream.ErrStreamNotFound) {
 			return nil, fmt.Errorf("look up the lease bucket %s: %w", f.conn.leaseBucket(), err)
 		}
-		s, err := kvsink.New(ctx, js, kvsink.Config{Bucket: f.kvBucket, Replicas: replicas, MinReplicas: replicas, Name: f.name, Logger: log, Observer: obs, Telemetry: f.tel})
+		s, err := kvsink.New(ctx, js, kvsink.Config{Bucket: f.kvBucket, Replicas: replicas, MinReplicas: replicas, Name: f.name, Logger: log, Observer: obs, Telemetry: destinationTelemetry(f.tel)})
 		if err != nil {
 			return nil, err
 		}
@@ -269,7 +273,7 @@ func newApplier(ctx context.Context, js jetstream.JetStream, f sinkFlags, obs si
 			pool.Close()
 			return nil, fmt.Errorf("PostgreSQL does not answer: %w (check --postgres-url)", err)
 		}
-		pcfg := pgsink.Config{DB: pool, Name: f.name, Logger: log, Observer: obs, Telemetry: f.tel}
+		pcfg := pgsink.Config{DB: pool, Name: f.name, Logger: log, Observer: obs, Telemetry: destinationTelemetry(f.tel)}
 		if err := pgsink.CreateSchema(pctx, pool, pcfg); err != nil {
 			pool.Close()
 			return nil, err
@@ -287,6 +291,16 @@ func newApplier(ctx context.Context, js jetstream.JetStream, f sinkFlags, obs si
 		}, nil
 	}
 	return nil, fmt.Errorf("--kind %q: use kv, postgres or stream", f.kind)
+}
+
+// destinationTelemetry is tel for the sink the runner applies into: its
+// spans, and no metrics. The runner counts every effect's decision in
+// leasehold_sink_effects_total under the sink's name; the destination
+// judges the same effects again under the same name, and counting those
+// decisions too counted each effect twice.
+func destinationTelemetry(tel telemetry.Config) telemetry.Config {
+	tel.MeterProvider = noopmetric.NewMeterProvider()
+	return tel
 }
 
 // applyStage marks, in the history, the decisions of the destination

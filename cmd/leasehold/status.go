@@ -46,7 +46,7 @@ to) and the dead letters. Workers and sinks serve the page on their own
 				return err
 			}
 			defer nc.Close()
-			b, err := coordinator.OpenBucket(ctx, js, conn.leaseBucket())
+			b, err := conn.openLeaseBucket(ctx, js)
 			if err != nil {
 				return err
 			}

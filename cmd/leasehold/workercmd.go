@@ -45,15 +45,15 @@ stream's partitions and runs the example handler on each job: it emits one
 stamped effect per job to <prefix>.out.<partition>, which ` + "`leasehold sink`" + ` applies.
 It serves /metrics, /livez and /readyz on --http; /readyz fails while NATS is
 unreachable or a held partition with waiting jobs has committed nothing for
---stall-after (the leasehold_partition_stalled gauge says which). On SIGTERM it stops taking
-jobs, finishes what it has, commits progress and releases its partitions
-within --drain-timeout. Run ` + "`leasehold init`" + ` once first.`,
+--stall-after (the leasehold_partition_stalled gauge says which). On SIGTERM or
+SIGINT (Ctrl-C), alike, it stops taking jobs, finishes what it has, commits
+progress and releases its partitions within --drain-timeout. Run ` + "`leasehold init`" + ` once first.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return runWorker(cmd.Context(), f) },
 	}
 	fs := cmd.Flags()
 	f.conn.register(fs)
-	fs.IntVar(&f.partitions, "partitions", 16, "partitions of the job stream (as given to leasehold init)")
+	fs.IntVar(&f.partitions, "partitions", 0, partitionsHelp)
 	fs.StringVar(&f.id, "worker-id", "", "this worker's ID, unique among live workers (default: the host name); in Kubernetes pass the pod name")
 	fs.DurationVar(&f.ttl, "ttl", 10*time.Second, "lease TTL: how long a crashed worker's partitions wait before others take them (whole seconds)")
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", 20*time.Second, "how long a shutdown may take to finish in-flight jobs and release partitions")
@@ -84,8 +84,11 @@ func runWorker(ctx context.Context, f workerFlags) error {
 		return err
 	}
 	defer nc.Close()
-	bucket, err := coordinator.OpenBucket(ctx, js, f.conn.leaseBucket())
+	bucket, err := f.conn.openLeaseBucket(ctx, js)
 	if err != nil {
+		return err
+	}
+	if f.partitions, err = f.conn.resolvePartitions(ctx, js, f.partitions, 0); err != nil {
 		return err
 	}
 	var hist *history.Writer
@@ -147,11 +150,10 @@ func runWorker(ctx context.Context, f workerFlags) error {
 	}
 	defer wait()
 	defer stopHTTP()
-	log.Info("worker starting", "worker", f.id, "prefix", f.conn.prefix, "partitions", f.partitions, "ttl", f.ttl)
+	// The worker logs its start and stop itself.
 	if err := w.Run(ctx); err != nil {
 		return fmt.Errorf("worker %s: %w", f.id, err)
 	}
-	log.Info("worker stopped", "worker", f.id)
 	return nil
 }
 

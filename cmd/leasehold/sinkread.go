@@ -1,0 +1,249 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"unicode/utf8"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/spf13/cobra"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/sink/kvsink"
+)
+
+// sinkReadFlags are the settings of the commands that read a KV sink.
+type sinkReadFlags struct {
+	conn        natsFlags
+	kvBucket    string
+	legacyScope string
+	asJSON      bool
+}
+
+func (f *sinkReadFlags) register(cmd *cobra.Command) {
+	fs := cmd.Flags()
+	f.conn.register(fs)
+	fs.StringVar(&f.kvBucket, "kv-bucket", kvsink.DefaultBucket, "the KV sink's bucket (as given to `leasehold sink --kind kv`)")
+	fs.StringVar(&f.legacyScope, "legacy-scope", "", "the scope of values written before fence scopes, as given to the sink")
+	fs.BoolVar(&f.asJSON, "json", false, "print JSON")
+}
+
+func newSinkLs() *cobra.Command {
+	var f sinkReadFlags
+	cmd := &cobra.Command{
+		Use:   "ls",
+		Short: "List what a KV sink holds, with the stamp each value was written under",
+		Long: `ls lists every key of the KV sink's bucket (--kind kv) with the stamp its value
+was written under: the scope (the job stream's prefix, or a lock's
+"<namespace>/<name>"), the partition, the epoch and acquisition of the lease,
+and the worker; then, for every scope and partition seen, the fence the
+bucket records (the highest epoch it accepted, and from whom). Reads go to
+the stream leader, so a replica that is behind cannot hide a write.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return f.with(cmd.Context(), func(ctx context.Context, s *kvsink.Sink) error {
+				effects, err := s.Effects(ctx)
+				if err != nil {
+					return err
+				}
+				var fences []sinkFence
+				seen := map[leasehold.FenceID]bool{}
+				for _, e := range effects {
+					id := e.Stamp.Fence()
+					if seen[id] || e.Stamp.Scope == "" {
+						continue
+					}
+					seen[id] = true
+					st, err := s.Fence(ctx, id)
+					if err != nil {
+						return err
+					}
+					fences = append(fences, sinkFence{Scope: id.Scope, Partition: uint32(id.Partition), Epoch: uint64(st.Epoch), Acquisition: st.Acquisition, Holder: st.Holder})
+				}
+				out := cmd.OutOrStdout()
+				if f.asJSON {
+					vals := make([]sinkValue, 0, len(effects))
+					for _, e := range effects {
+						vals = append(vals, valueOf(e))
+					}
+					if fences == nil {
+						fences = []sinkFence{}
+					}
+					return writeJSON(out, struct {
+						Bucket string      `json:"bucket"`
+						Values []sinkValue `json:"values"`
+						Fences []sinkFence `json:"fences"`
+					}{f.kvBucket, vals, fences})
+				}
+				printSinkValues(out, f.kvBucket, effects, fences)
+				return nil
+			})
+		},
+	}
+	f.register(cmd)
+	return cmd
+}
+
+func newSinkGet() *cobra.Command {
+	var f sinkReadFlags
+	cmd := &cobra.Command{
+		Use:   "get KEY",
+		Short: "Print one value of a KV sink and the stamp it was written under",
+		Long: `get prints the value the KV sink's bucket holds under KEY (an effect's subject,
+which ` + "`leasehold sink --kind kv`" + ` sets to the effect's idempotency key) and the
+stamp it was written under: scope, partition, epoch, acquisition, idempotency
+key and worker. A missing key is an error.`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			key := args[0]
+			if err := kvsink.CheckKey(key); err != nil {
+				return fmt.Errorf("KEY %q: %w", key, err)
+			}
+			return f.with(cmd.Context(), func(ctx context.Context, s *kvsink.Sink) error {
+				e, ok, err := s.Get(ctx, key)
+				if err != nil {
+					return err
+				}
+				if !ok {
+					return fmt.Errorf("KEY %q: the bucket %s holds no value for it (`leasehold sink ls` lists its keys)", key, f.kvBucket)
+				}
+				out := cmd.OutOrStdout()
+				if f.asJSON {
+					return writeJSON(out, valueOf(e))
+				}
+				tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+				st := e.Stamp
+				fmt.Fprintf(tw, "key\t%s\n", e.Subject)
+				fmt.Fprintf(tw, "scope\t%s\n", orDash(st.Scope))
+				fmt.Fprintf(tw, "partition\t%d\n", st.Partition)
+				fmt.Fprintf(tw, "epoch\t%d\n", st.Epoch)
+				fmt.Fprintf(tw, "acquisition\t%s\n", orDash(st.Acquisition))
+				fmt.Fprintf(tw, "idempotency key\t%s\n", st.Key)
+				fmt.Fprintf(tw, "worker\t%s\n", orDash(st.Worker))
+				fmt.Fprintf(tw, "size\t%d bytes\n", len(e.Data))
+				tw.Flush()
+				fmt.Fprintf(out, "value\n%s\n", printable(e.Data, 0))
+				return nil
+			})
+		},
+	}
+	f.register(cmd)
+	return cmd
+}
+
+// with connects, binds the sink's existing bucket without changing it, and
+// runs fn.
+func (f *sinkReadFlags) with(ctx context.Context, fn func(context.Context, *kvsink.Sink) error) error {
+	nc, js, err := f.conn.connect(ctx, "leasehold sink read")
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	// kvsink.New would create a missing bucket: a reader must not.
+	if _, err := js.Stream(ctx, "KV_"+f.kvBucket); errors.Is(err, jetstream.ErrStreamNotFound) {
+		return fmt.Errorf("--kv-bucket %s: there is no such KV sink bucket (`leasehold sink --kind kv --kv-bucket %s` creates it)", f.kvBucket, f.kvBucket)
+	} else if err != nil {
+		return fmt.Errorf("look up the KV sink bucket %s: %w", f.kvBucket, err)
+	}
+	s, err := kvsink.New(ctx, js, kvsink.Config{Bucket: f.kvBucket, LegacyScope: f.legacyScope, Name: "sink-read"})
+	if err != nil {
+		return err
+	}
+	return fn(ctx, s)
+}
+
+// sinkValue is one value of ls and get --json.
+type sinkValue struct {
+	Key         string `json:"key"`
+	Scope       string `json:"scope"`
+	Partition   uint32 `json:"partition"`
+	Epoch       uint64 `json:"epoch"`
+	Acquisition string `json:"acquisition,omitempty"`
+	StampKey    string `json:"idempotency_key"`
+	Worker      string `json:"worker,omitempty"`
+	Size        int    `json:"size"`
+	Value       string `json:"value,omitempty"`        // when it is UTF-8 text
+	ValueBytes  []byte `json:"value_base64,omitempty"` // otherwise
+	Traceparent string `json:"traceparent,omitempty"`
+}
+
+// sinkFence is the fence a KV sink records for one scope and partition.
+type sinkFence struct {
+	Scope       string `json:"scope"`
+	Partition   uint32 `json:"partition"`
+	Epoch       uint64 `json:"epoch"`
+	Acquisition string `json:"acquisition,omitempty"`
+	Holder      string `json:"holder,omitempty"`
+}
+
+func valueOf(e sink.Effect) sinkValue {
+	v := sinkValue{
+		Key: e.Subject, Scope: e.Stamp.Scope, Partition: uint32(e.Stamp.Partition), Epoch: uint64(e.Stamp.Epoch),
+		Acquisition: e.Stamp.Acquisition, StampKey: e.Stamp.Key, Worker: e.Stamp.Worker, Size: len(e.Data),
+		Traceparent: nats.Header(e.Header).Get("Traceparent"),
+	}
+	if utf8.Valid(e.Data) {
+		v.Value = string(e.Data)
+	} else {
+		v.ValueBytes = e.Data
+	}
+	return v
+}
+
+func printSinkValues(out io.Writer, bucket string, effects []sink.Effect, fences []sinkFence) {
+	if len(effects) == 0 {
+		fmt.Fprintf(out, "bucket %s holds no values\n", bucket)
+		return
+	}
+	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "KEY\tSCOPE\tPARTITION\tEPOCH\tACQUISITION\tWORKER\tVALUE")
+	for _, e := range effects {
+		st := e.Stamp
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\t%s\n", e.Subject, orDash(st.Scope), st.Partition, st.Epoch, orDash(st.Acquisition), orDash(st.Worker), printable(e.Data, 40))
+	}
+	tw.Flush()
+	if len(fences) > 0 {
+		fmt.Fprintln(out)
+		tw = tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, "SCOPE\tPARTITION\tFENCED AT EPOCH\tHOLDER")
+		for _, f := range fences {
+			fmt.Fprintf(tw, "%s\t%d\t%d\t%s\n", f.Scope, f.Partition, f.Epoch, orDash(f.Holder))
+		}
+		tw.Flush()
+	}
+	fmt.Fprintf(out, "\n%d values in bucket %s\n", len(effects), bucket)
+}
+
+// printable is data as text for a terminal: control characters and
+// invalid UTF-8 quoted, cut to limit runes (0: no limit).
+func printable(data []byte, limit int) string {
+	s := string(data)
+	if !utf8.ValidString(s) || strings.ContainsFunc(s, func(r rune) bool { return r < ' ' && r != '\t' || r == 0x7f }) {
+		s = strconv.Quote(s)
+	}
+	if limit > 0 && utf8.RuneCountInString(s) > limit {
+		s = string([]rune(s)[:limit-1]) + "…"
+	}
+	return s
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+func writeJSON(out io.Writer, v any) error {
+	enc := json.NewEncoder(out)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
