@@ -17,12 +17,12 @@ import (
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/history"
-	"github.com/leasehold/leasehold/internal/statuspage"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/kvsink"
 	"github.com/leasehold/leasehold/sink/pgsink"
 	"github.com/leasehold/leasehold/sink/streamsink"
 	"github.com/leasehold/leasehold/telemetry"
+	"github.com/leasehold/leasehold/telemetry/statuspage"
 	"github.com/leasehold/leasehold/testing/chaos"
 )
 

@@ -13,8 +13,8 @@ import (
 
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/history"
-	"github.com/leasehold/leasehold/internal/statuspage"
 	"github.com/leasehold/leasehold/telemetry"
+	"github.com/leasehold/leasehold/telemetry/statuspage"
 	"github.com/leasehold/leasehold/worker"
 )
 
