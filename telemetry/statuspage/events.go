@@ -89,6 +89,7 @@ type Event struct {
 	Source    string    `json:"source"` // the process that published it: a worker's ID, a sink's name
 	Scope     string    `json:"scope"`
 	Partition uint32    `json:"partition"`
+	Lock      string    `json:"lock,omitempty"` // the lock's name, for a lock (Scope is its scope)
 	// Worker is the holder that acquired, released or lost the partition,
 	// or the writer of a refused write.
 	Worker string `json:"worker,omitempty"`
@@ -123,7 +124,7 @@ func (e *Event) Validate() error {
 	if e.Time.IsZero() {
 		return bad("no time")
 	}
-	for name, s := range map[string]string{"source": e.Source, "scope": e.Scope, "worker": e.Worker, "holder": e.Holder, "outcome": e.Outcome, "key": e.Key, "reason": e.Reason} {
+	for name, s := range map[string]string{"source": e.Source, "scope": e.Scope, "lock": e.Lock, "worker": e.Worker, "holder": e.Holder, "outcome": e.Outcome, "key": e.Key, "reason": e.Reason} {
 		if err := checkText(s); err != nil {
 			return bad("%s: %v", name, err)
 		}
