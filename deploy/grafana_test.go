@@ -18,9 +18,9 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
-	"github.com/leasehold/leasehold/internal/statuspage"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/telemetry"
+	"github.com/leasehold/leasehold/telemetry/statuspage"
 	"github.com/leasehold/leasehold/testing/natstest"
 )
 

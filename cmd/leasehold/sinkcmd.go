@@ -17,12 +17,12 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/internal/history"
-	"github.com/leasehold/leasehold/internal/statuspage"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/kvsink"
 	"github.com/leasehold/leasehold/sink/pgsink"
 	"github.com/leasehold/leasehold/sink/streamsink"
 	"github.com/leasehold/leasehold/telemetry"
+	"github.com/leasehold/leasehold/telemetry/statuspage"
 	"github.com/leasehold/leasehold/testing/chaos"
 )
 
@@ -76,7 +76,7 @@ sink holds, with the stamp each value was written under.`,
 	fs.StringVar(&f.downstream, "downstream", "", "stream accepted effects are republished into, for --kind stream (default <prefix>-fenced)")
 	fs.BoolVar(&f.verifyEpochs, "verify-epochs", true, "check every new epoch against the lease bucket before it may raise a fence, refusing forged epochs (needs read access to the lease bucket; --verify-epochs=false trusts every stamp)")
 	fs.StringVar(&f.legacyScope, "legacy-scope", "", "the scope (normally the job stream's prefix) that wrote progress saved before fence scopes: it is converted in place; without it such progress is refused")
-	fs.StringVar(&f.httpAddr, "http", ":8081", "address for /metrics, /livez and /readyz ('' to serve nothing)")
+	fs.StringVar(&f.httpAddr, "http", ":8081", "address for the status page (/), /metrics, /livez and /readyz ('' to serve nothing)")
 	fs.StringVar(&f.historyDir, "history", "", "directory to append this process's decision history to (for the chaos checker)")
 	fs.StringVar(&f.name, "name", "sink", "name of this runner in logs, history and its durable consumer")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")

@@ -13,8 +13,8 @@ import (
 
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/history"
-	"github.com/leasehold/leasehold/internal/statuspage"
 	"github.com/leasehold/leasehold/telemetry"
+	"github.com/leasehold/leasehold/telemetry/statuspage"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -43,11 +43,12 @@ func newWorkerCmd() *cobra.Command {
 		Long: `worker joins the worker group in the lease bucket, takes its share of the job
 stream's partitions and runs the example handler on each job: it emits one
 stamped effect per job to <prefix>.out.<partition>, which ` + "`leasehold sink`" + ` applies.
-It serves /metrics, /livez and /readyz on --http; /readyz fails while NATS is
-unreachable or a held partition with waiting jobs has committed nothing for
---stall-after (the leasehold_partition_stalled gauge says which). On SIGTERM or
-SIGINT (Ctrl-C), alike, it stops taking jobs, finishes what it has, commits
-progress and releases its partitions within --drain-timeout. Run ` + "`leasehold init`" + ` once first.`,
+It serves the status page (/), /metrics, /livez and /readyz on --http; /readyz
+fails while NATS is unreachable or a held partition with waiting jobs has
+committed nothing for --stall-after (the leasehold_partition_stalled gauge says
+which). On SIGTERM or SIGINT (Ctrl-C), alike, it stops taking jobs, finishes
+what it has, commits progress and releases its partitions within
+--drain-timeout. Run ` + "`leasehold init`" + ` once first.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return runWorker(cmd.Context(), f) },
 	}
@@ -58,7 +59,7 @@ progress and releases its partitions within --drain-timeout. Run ` + "`leasehold
 	fs.DurationVar(&f.ttl, "ttl", 10*time.Second, "lease TTL: how long a crashed worker's partitions wait before others take them (whole seconds)")
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", 20*time.Second, "how long a shutdown may take to finish in-flight jobs and release partitions")
 	fs.IntVar(&f.concurrency, "concurrency", 0, "handlers running at once across partitions (0: one per held partition)")
-	fs.StringVar(&f.httpAddr, "http", ":8080", "address for /metrics, /livez and /readyz ('' to serve nothing)")
+	fs.StringVar(&f.httpAddr, "http", ":8080", "address for the status page (/), /metrics, /livez and /readyz ('' to serve nothing)")
 	fs.DurationVar(&f.workTime, "work-time", 0, "time the example handler spends on each job")
 	fs.BoolVar(&f.writeBehind, "write-behind", false, "example handler takes its stamp before the work and publishes afterwards (makes zombie writes when paused)")
 	fs.DurationVar(&f.stallAfter, "stall-after", 2*time.Minute, "how long a held partition with waiting jobs may commit nothing before it counts as stalled (keep it above the longest job)")

@@ -91,6 +91,7 @@ type Move struct {
 	Kind      string    `json:"kind"` // "take-over" or "hand-off"
 	Scope     string    `json:"scope"`
 	Partition uint32    `json:"partition"`
+	Lock      string    `json:"lock,omitempty"`
 	From      string    `json:"from"`
 	FromEpoch uint64    `json:"from_epoch"`
 	To        string    `json:"to"`
@@ -135,7 +136,7 @@ func (h *history) add(e Event) {
 	switch e.Kind {
 	case KindAcquired:
 		if prev, ok := h.last[f]; ok && prev.Worker != e.Worker && e.Epoch > prev.Epoch {
-			m := Move{Time: e.Time, Kind: "take-over", Scope: e.Scope, Partition: e.Partition, From: prev.Worker, FromEpoch: prev.Epoch, To: e.Worker, Epoch: e.Epoch}
+			m := Move{Time: e.Time, Kind: "take-over", Scope: e.Scope, Partition: e.Partition, Lock: e.Lock, From: prev.Worker, FromEpoch: prev.Epoch, To: e.Worker, Epoch: e.Epoch}
 			if prev.Kind == KindReleased {
 				m.Kind = "hand-off"
 			}
@@ -145,6 +146,18 @@ func (h *history) add(e Event) {
 	case KindReleased:
 		if prev, ok := h.last[f]; !ok || (prev.Worker == e.Worker && prev.Epoch == e.Epoch) {
 			h.last[f] = e
+			return
+		}
+		// Published by another process, a release can arrive after the
+		// successor's acquisition: the move it preceded was a hand-off.
+		for i := len(h.moves) - 1; i >= 0; i-- {
+			m := &h.moves[i]
+			if m.Scope == e.Scope && m.Partition == e.Partition && m.From == e.Worker && m.FromEpoch == e.Epoch {
+				if m.Kind == "take-over" && !e.Time.After(m.Time) {
+					m.Kind = "hand-off"
+				}
+				break
+			}
 		}
 	case KindLost:
 		h.losses = appendBounded(h.losses, e)

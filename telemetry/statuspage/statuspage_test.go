@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -13,6 +14,7 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/testing/natstest"
 )
 
@@ -79,10 +81,18 @@ func TestHistoryTellsTakeOversFromHandOffs(t *testing.T) {
 	h.add(ev(KindReleased, "a", 0, 10)) // late, from the old holder: changes nothing
 	h.add(ev(KindAcquired, "c", 0, 30))
 	h.add(ev(KindLost, "a", 0, 10))
+	// A release that arrives after its successor's acquisition, but
+	// happened before it.
+	at = at.Add(time.Second)
+	acquired := ev(KindAcquired, "d", 2, 40)
+	h.add(ev(KindAcquired, "c", 2, 31))
+	h.add(acquired)
+	h.add(Event{Kind: KindReleased, Time: acquired.Time.Add(-time.Millisecond), Scope: "orders", Partition: 2, Worker: "c", Epoch: 31})
 	want := []Move{
 		{Kind: "take-over", Partition: 0, From: "a", FromEpoch: 10, To: "b", Epoch: 20},
 		{Kind: "hand-off", Partition: 1, From: "a", FromEpoch: 11, To: "b", Epoch: 21},
 		{Kind: "take-over", Partition: 0, From: "b", FromEpoch: 20, To: "c", Epoch: 30},
+		{Kind: "hand-off", Partition: 2, From: "c", FromEpoch: 31, To: "d", Epoch: 40},
 	}
 	if len(h.moves) != len(want) {
 		t.Fatalf("moves %+v, want %+v", h.moves, want)
@@ -225,6 +235,65 @@ func TestIdlePageReadsNothing(t *testing.T) {
 		select {
 		case <-ctx.Done():
 			t.Fatal("a viewer's request did not start the events reader")
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// A named lock passed from one coordinator to another shows as a hand-off
+// of the lock's scope, and the page lists the lock with its holder.
+func TestLockHandOffShows(t *testing.T) {
+	js := natstest.Start(t).JetStream(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if _, err := ProvisionEvents(ctx, js, "leasehold", 1); err != nil {
+		t.Fatal(err)
+	}
+	b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{MarkerTTL: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := NewPublisher(PublisherConfig{JetStream: js, Prefix: "leasehold", Source: "test"})
+	for _, w := range []string{"a", "b"} {
+		c, err := coordinator.New(b, coordinator.Config{Worker: w, TTL: 2 * time.Second, Observer: p.LockObserver(nil),
+			Logger: slog.New(slog.DiscardHandler)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		l, err := c.Lock(ctx, "nightly-report")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if w == "a" {
+			if err := l.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+		} else {
+			defer l.Release(context.Background())
+		}
+	}
+	p.Close()
+	srv := New(Config{JetStream: js, Bucket: b, Prefix: "leasehold", Refresh: 50 * time.Millisecond})
+	rctx, stop := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); srv.Run(rctx) }()
+	defer func() { stop(); <-done }()
+	srv.touch(0)
+	for {
+		st := srv.State()
+		if len(st.Moves) == 1 && len(st.Locks) == 1 {
+			m, l := st.Moves[0], st.Locks[0]
+			if m.Kind != "hand-off" || m.From != "a" || m.To != "b" || m.Epoch <= m.FromEpoch || !strings.HasSuffix(m.Scope, "/nightly-report") || m.Lock != "nightly-report" {
+				t.Errorf("move %+v", m)
+			}
+			if l.Name != "nightly-report" || l.Holder != "b" {
+				t.Errorf("lock row %+v", l)
+			}
+			return
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("no hand-off of the lock: moves %+v, locks %+v, errors %v", st.Moves, st.Locks, st.Errors)
 		case <-time.After(20 * time.Millisecond):
 		}
 	}

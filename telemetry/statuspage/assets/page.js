@@ -50,6 +50,9 @@
     }));
   }
 
+  // where names what a lease event is about: a partition, or a lock.
+  const where = (e) => (e.lock ? "lock " + e.lock : e.partition);
+
   function render(st) {
     $("prefix").textContent = st.prefix || "";
     $("served-by").textContent = st.served_by || "?";
@@ -66,8 +69,8 @@
     fill($("refusals"), st.refusals || [],
       [(e) => time(e.time), "worker", "scope", "partition", "epoch", "max", "holder", "outcome", "key", "source"], () => "refused");
     fill($("moves"), st.moves || [],
-      [(m) => time(m.time), "kind", "scope", "partition", "from", "from_epoch", "to", "epoch"], (m) => m.kind === "take-over" ? "take-over" : "");
-    fill($("losses"), st.losses || [], [(e) => time(e.time), "worker", "scope", "partition", "epoch", "reason"]);
+      [(m) => time(m.time), "kind", "scope", where, "from", "from_epoch", "to", "epoch"], (m) => m.kind === "take-over" ? "take-over" : "");
+    fill($("losses"), st.losses || [], [(e) => time(e.time), "worker", "scope", where, "epoch", "reason"]);
     const dls = [];
     for (const d of st.dead_letters || []) {
       const h = document.createElement("h3");

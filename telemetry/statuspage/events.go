@@ -1,14 +1,25 @@
 // Package statuspage serves leasehold's live status page: the partitions
 // and locks of a lease bucket with their holders, epochs and lag, the
-// take-overs, lease losses and refused writes of the last hour, and the
-// dead letters. Workers and sinks publish what happens to them to a small
-// stream, <prefix>-events, through a bounded queue that never slows or
-// fails the fenced path; the page server reads that stream and the lease
-// bucket, and pushes each change to the browser with server-sent events.
+// take-overs, hand-offs, lease losses and refused writes of the last hour,
+// and the dead letters. The leasehold command serves it on `leasehold status
+// --http` and on every worker's and sink's --http address; a program of
+// your own serves it the same way (see the example).
+//
+// Workers and sinks publish what happens to them to a small stream,
+// <prefix>-events (ProvisionEvents; `leasehold init` creates it), through
+// a Publisher's observers: a bounded queue that drops and counts
+// (leasehold_status_events_dropped_total) rather than wait, so the fenced
+// path never slows for the page. A Server reads that stream and the lease
+// bucket, only while someone has the page open, and pushes each change to
+// the browser with server-sent events. The page is plain HTML, one script
+// and one style sheet, embedded in the binary: no build step, no CDN, it
+// works offline.
 //
 // Everything read from the events stream is untrusted: anyone allowed to
-// publish there can write anything. Events are validated before they are
-// shown, and the page renders every string as text.
+// publish there can write anything. Events are validated (kind, subject,
+// size, printable strings) before they are shown, the page sets every
+// value as text, and its Content-Security-Policy allows only its own
+// script.
 package statuspage
 
 import (
@@ -78,6 +89,7 @@ type Event struct {
 	Source    string    `json:"source"` // the process that published it: a worker's ID, a sink's name
 	Scope     string    `json:"scope"`
 	Partition uint32    `json:"partition"`
+	Lock      string    `json:"lock,omitempty"` // the lock's name, for a lock (Scope is its scope)
 	// Worker is the holder that acquired, released or lost the partition,
 	// or the writer of a refused write.
 	Worker string `json:"worker,omitempty"`
@@ -112,7 +124,7 @@ func (e *Event) Validate() error {
 	if e.Time.IsZero() {
 		return bad("no time")
 	}
-	for name, s := range map[string]string{"source": e.Source, "scope": e.Scope, "worker": e.Worker, "holder": e.Holder, "outcome": e.Outcome, "key": e.Key, "reason": e.Reason} {
+	for name, s := range map[string]string{"source": e.Source, "scope": e.Scope, "lock": e.Lock, "worker": e.Worker, "holder": e.Holder, "outcome": e.Outcome, "key": e.Key, "reason": e.Reason} {
 		if err := checkText(s); err != nil {
 			return bad("%s: %v", name, err)
 		}

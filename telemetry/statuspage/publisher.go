@@ -13,6 +13,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/telemetry"
 	"github.com/leasehold/leasehold/worker"
@@ -87,7 +88,7 @@ func (p *Publisher) Publish(e Event) {
 		e.Time = time.Now()
 	}
 	e.Source = p.cfg.Source
-	for _, s := range []*string{&e.Source, &e.Scope, &e.Worker, &e.Holder, &e.Outcome, &e.Key, &e.Reason} {
+	for _, s := range []*string{&e.Source, &e.Scope, &e.Lock, &e.Worker, &e.Holder, &e.Outcome, &e.Key, &e.Reason} {
 		*s = truncate(*s)
 	}
 	select {
@@ -173,6 +174,43 @@ func (p *Publisher) WorkerObserver(next worker.Observer) worker.Observer {
 		}
 		p.Publish(ev)
 	})
+}
+
+// LockObserver returns a coordinator observer that publishes the
+// acquisitions, releases and losses of named locks (partitions are the
+// WorkerObserver's), then hands every event to next (when not nil). Give
+// it to the Observer of the coordinator.Config that takes the locks.
+func (p *Publisher) LockObserver(next coordinator.Observer) coordinator.Observer {
+	return lockObserver{p, next}
+}
+
+type lockObserver struct {
+	p    *Publisher
+	next coordinator.Observer
+}
+
+func (o lockObserver) LeaseEvent(ctx context.Context, e coordinator.Event) {
+	if o.next != nil {
+		o.next.LeaseEvent(ctx, e)
+	}
+	if e.Lock == "" || e.Member {
+		return
+	}
+	ev := Event{Time: e.Time, Scope: e.Lease.Scope, Lock: e.Lock, Worker: e.Lease.Holder, Epoch: uint64(e.Lease.Epoch)}
+	switch e.Kind {
+	case coordinator.EventAcquired:
+		ev.Kind = KindAcquired
+	case coordinator.EventReleased:
+		ev.Kind = KindReleased
+	case coordinator.EventLost:
+		ev.Kind, ev.Reason = KindLost, string(e.Reason)
+		if e.Err != nil {
+			ev.Reason += ": " + e.Err.Error()
+		}
+	default:
+		return
+	}
+	o.p.Publish(ev)
 }
 
 // SinkObserver returns an observer that publishes every write a sink
