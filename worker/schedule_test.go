@@ -328,11 +328,18 @@ func TestPeriodicJobFiresOncePerTick(t *testing.T) {
 		if seq > blockSeq && len(hs) == 0 && seq < maxSeq(bySeq) {
 			t.Errorf("tick %d was never handled", seq)
 		}
-		if len(hs) > 1 && seq != blockSeq {
-			t.Errorf("tick %d handled %d times: %v", seq, len(hs), hs)
+		// A tick may run again after a take-over (at least once), but
+		// never twice under one lease.
+		epochs := map[leasehold.Epoch]bool{}
+		for _, h := range hs {
+			if epochs[h.epoch] {
+				t.Errorf("tick %d handled twice under epoch %d: %v", seq, h.epoch, hs)
+			}
+			epochs[h.epoch] = true
 		}
 	}
-	if hs := bySeq[blockSeq]; len(hs) != 2 || hs[0].worker != "frozen" || hs[1].worker == "frozen" || hs[1].epoch <= hs[0].epoch || hs[0].id != hs[1].id {
+	hs := bySeq[blockSeq]
+	if len(hs) < 2 || hs[0].worker != "frozen" || hs[1].worker == "frozen" || hs[1].epoch <= hs[0].epoch || hs[0].id != hs[1].id {
 		t.Errorf("the tick the frozen worker was in: %v; want it re-run by a live worker at a higher epoch under the same ID", hs)
 	}
 	t.Logf("%d ticks stored; handled: %v", len(times), ticks)
