@@ -132,8 +132,10 @@ func whyNoSchedules(c jetstream.StreamConfig) string {
 	return "it was provisioned without them; run worker.ProvisionJobs (or `leasehold init`) again to enable them"
 }
 
+var versionRE = regexp.MustCompile(`^v?(\d+)\.(\d+)`)
+
 func serverAtLeast(nc *nats.Conn, major, minor int) bool {
-	m := regexp.MustCompile(`^v?(\d+)\.(\d+)`).FindStringSubmatch(nc.ConnectedServerVersion())
+	m := versionRE.FindStringSubmatch(nc.ConnectedServerVersion())
 	if m == nil {
 		return false
 	}

@@ -136,3 +136,49 @@ func TestJobStatusThroughEveryState(t *testing.T) {
 		t.Fatalf("Wait for a job due in an hour: %v, %+v", err, sts)
 	}
 }
+
+// Wait follows many jobs at once, on every partition, and tells the
+// dead-lettered ones apart.
+func TestWaitForManyJobs(t *testing.T) {
+	e := newEnv(t, 4)
+	ctx := ctxFor(t, 2*time.Minute)
+	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, Bucket: e.bucket})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := p.Batch()
+	for i := range 1000 {
+		k := "email"
+		if i%100 == 7 {
+			k = "telex"
+		}
+		if err := b.Enqueue(ctx, []byte(strconv.Itoa(i)), []byte(`{"to":"x"}`), worker.WithKind(k)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	jobs, err := b.Wait(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mux := worker.NewMux()
+	worker.Handle(mux, "email", func(ctx context.Context, j *worker.Job, m email) error { return j.Emit(ctx, []byte(m.To)) })
+	for _, name := range []string{"a", "b"} {
+		start(t, e.config(name, mux))
+	}
+	began := time.Now()
+	sts, err := p.Wait(ctx, jobs...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("Wait for %d jobs returned %v after the workers started", len(jobs), time.Since(began).Round(time.Millisecond))
+	counts := map[worker.JobState]int{}
+	for i, st := range sts {
+		counts[st.State]++
+		if st.Seq != jobs[i].Seq || st.Partition != jobs[i].Partition {
+			t.Fatalf("status %d is of %s, not %s", i, st.Ref, jobs[i].Ref())
+		}
+	}
+	if counts[worker.JobDone] != 990 || counts[worker.JobDeadLettered] != 10 {
+		t.Fatalf("states %v, want 990 done and 10 dead-lettered", counts)
+	}
+}
