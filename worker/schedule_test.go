@@ -73,6 +73,14 @@ func TestDelayedJobRunsOnceAtItsTime(t *testing.T) {
 	if j.Kind() != "remind" || string(j.Data) != `{"to":"later","subject":""}` || j.Partition != delayed.Partition {
 		t.Fatalf("delayed job ran as kind %q, data %s, partition %d", j.Kind(), j.Data, j.Partition)
 	}
+	// Measured on nats-server v2.15.2: the job the scheduler stores has no
+	// Nats-Msg-Id (the ID travels in Leasehold-Job-Id), and names its
+	// schedule in Nats-Scheduler.
+	t.Logf("fired job headers: Nats-Msg-Id %q, Nats-Scheduler %q, Nats-Schedule-Next %q",
+		j.Header.Get("Nats-Msg-Id"), j.Header.Get("Nats-Scheduler"), j.Header.Get("Nats-Schedule-Next"))
+	if j.Header.Get("Nats-Scheduler") != worker.ScheduleSubject(e.prefix, "remind-ann") {
+		t.Fatalf("the fired job names its schedule %q", j.Header.Get("Nats-Scheduler"))
+	}
 	if j.ID != "remind-ann" {
 		t.Fatalf("the delayed job's ID is %q, want remind-ann", j.ID)
 	}
