@@ -167,6 +167,7 @@ func ProvisionJobs(ctx context.Context, js jetstream.JetStream, cfg JobsConfig) 
 	if err := cfg.Validate(); err != nil {
 		return fmt.Errorf("worker: invalid jobs config: %w", err)
 	}
+	explicitWindow := cfg.Duplicates != 0
 	cfg.setDefaults()
 	streams := []jetstream.StreamConfig{
 		{
@@ -221,6 +222,33 @@ func ProvisionJobs(ctx context.Context, js jetstream.JetStream, cfg JobsConfig) 
 				return err
 			}
 		}
+		if explicitWindow {
+			if err := setWindow(ctx, js, sc.Name, cfg.Duplicates); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// setWindow sets an existing stream's duplicate window to the one asked
+// for. Only an explicit JobsConfig.Duplicates does: the default does not
+// undo a window an operator changed by hand.
+func setWindow(ctx context.Context, js jetstream.JetStream, name string, window time.Duration) error {
+	s, err := js.Stream(ctx, name)
+	if err != nil {
+		return fmt.Errorf("worker: look up stream %s: %w", name, err)
+	}
+	sc := s.CachedInfo().Config
+	if sc.Duplicates == window {
+		return nil
+	}
+	if sc.MaxAge > 0 && window > sc.MaxAge {
+		return fmt.Errorf("%w: stream %s: a duplicate window of %v does not fit in its max age %v", ErrStreamConfig, name, window, sc.MaxAge)
+	}
+	sc.Duplicates = window
+	if _, err := js.UpdateStream(ctx, sc); err != nil {
+		return fmt.Errorf("worker: set the duplicate window of stream %s to %v: %w", name, window, err)
 	}
 	return nil
 }

@@ -182,3 +182,44 @@ func TestWaitForManyJobs(t *testing.T) {
 		t.Fatalf("states %v, want 990 done and 10 dead-lettered", counts)
 	}
 }
+
+// The duplicate window is the stream's, and ProvisionJobs sets it on an
+// existing stream when asked: after it, the same job ID is a new job.
+func TestDuplicateWindowIsConfigurable(t *testing.T) {
+	e := newEnv(t, 1)
+	ctx := ctxFor(t, 30*time.Second)
+	if err := worker.ProvisionJobs(ctx, e.js, worker.JobsConfig{Prefix: e.prefix, Partitions: e.n, Duplicates: time.Second}); err != nil {
+		t.Fatal(err)
+	}
+	s, err := e.js.Stream(ctx, worker.JobsStream(e.prefix))
+	if err != nil || s.CachedInfo().Config.Duplicates != time.Second {
+		t.Fatalf("duplicate window after ProvisionJobs: %v (%v)", s.CachedInfo().Config.Duplicates, err)
+	}
+	p := e.producer(t)
+	first, err := p.Enqueue(ctx, nil, []byte("x"), worker.JobID("once"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if dup, err := p.Enqueue(ctx, nil, []byte("x"), worker.JobID("once")); err != nil || !dup.Duplicate || dup.Seq != first.Seq {
+		t.Fatalf("within the window: %+v, %v", dup, err)
+	}
+	// Past the window (the server sweeps it at about its length), the ID
+	// is free again: poll for it.
+	for {
+		again, err := p.Enqueue(ctx, nil, []byte("x"), worker.JobID("once"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !again.Duplicate {
+			if again.Seq <= first.Seq {
+				t.Fatalf("a new job at sequence %d, not after %d", again.Seq, first.Seq)
+			}
+			break
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatal("the job ID stayed a duplicate long past a one-second window")
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+}
