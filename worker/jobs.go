@@ -83,17 +83,17 @@ type JobsConfig struct {
 	// NoEffects skips the default output stream, for workers that only
 	// write to sinks or to subjects of their own streams.
 	NoEffects bool
-	// NoSchedules leaves message schedules (delayed and periodic jobs)
-	// off the job stream. They are on by default where the server has
-	// them (nats-server 2.12+) and MaxBytes is 0: a stream that schedules
-	// must allow roll-ups, which a schedule uses to replace the one before
-	// it on its own subject (a publisher allowed on a job subject could
-	// use a roll-up header to purge that partition's jobs), and must
-	// discard old messages when full, which would drop jobs once MaxBytes
-	// is reached. An existing stream without them gets them on the next
-	// ProvisionJobs under the same conditions; the server cannot turn
-	// them off again.
-	NoSchedules bool
+	// Schedules turns message schedules (delayed and periodic jobs) on
+	// for the job stream, new or existing; the server cannot turn them off
+	// again. They are off unless asked for, because a stream that
+	// schedules must allow roll-ups, which a schedule uses to replace the
+	// one before it on its own subject: any publisher allowed on a job
+	// subject could then send a roll-up header that purges the jobs of
+	// that partition before it, and it must discard old messages when
+	// full. Turn them on where only trusted publishers may write job
+	// subjects. ProvisionJobs fails, saying why, where they cannot be on:
+	// a server before nats-server 2.12, or a stream with MaxBytes.
+	Schedules bool
 }
 
 func (c *JobsConfig) setDefaults() {
@@ -167,6 +167,7 @@ func ProvisionJobs(ctx context.Context, js jetstream.JetStream, cfg JobsConfig) 
 	if err := cfg.Validate(); err != nil {
 		return fmt.Errorf("worker: invalid jobs config: %w", err)
 	}
+	explicitWindow := cfg.Duplicates != 0
 	cfg.setDefaults()
 	streams := []jetstream.StreamConfig{
 		{
@@ -196,7 +197,10 @@ func ProvisionJobs(ctx context.Context, js jetstream.JetStream, cfg JobsConfig) 
 			Metadata:    meta("effects", cfg),
 		})
 	}
-	schedules := !cfg.NoSchedules && serverAtLeast(js.Conn(), 2, 12)
+	schedules := cfg.Schedules
+	if schedules && !serverAtLeast(js.Conn(), 2, 12) {
+		return fmt.Errorf("%w: nats-server %s does not schedule messages: delayed and periodic jobs need nats-server 2.12 or later (leave JobsConfig.Schedules off)", ErrNoSchedules, js.Conn().ConnectedServerVersion())
+	}
 	for i, sc := range streams {
 		sc.Retention = jetstream.LimitsPolicy
 		sc.Storage = jetstream.FileStorage
@@ -211,7 +215,7 @@ func ProvisionJobs(ctx context.Context, js jetstream.JetStream, cfg JobsConfig) 
 		// a consumer of its own: say how many the job stream needs.
 		sc.MaxConsumers = maxConsumers(cfg.Partitions)
 		if i == 0 && schedules && !scheduleConfig(&sc) {
-			schedules = false
+			return fmt.Errorf("%w: job stream %s has a size limit (MaxBytes %d), and a stream that schedules must discard old messages when full, which would drop jobs (leave JobsConfig.Schedules off, or MaxBytes 0)", ErrNoSchedules, sc.Name, sc.MaxBytes)
 		}
 		if err := ensureStream(ctx, js, sc, cfg.Partitions); err != nil {
 			return err
@@ -221,6 +225,33 @@ func ProvisionJobs(ctx context.Context, js jetstream.JetStream, cfg JobsConfig) 
 				return err
 			}
 		}
+		if explicitWindow {
+			if err := setWindow(ctx, js, sc.Name, cfg.Duplicates); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// setWindow sets an existing stream's duplicate window to the one asked
+// for. Only an explicit JobsConfig.Duplicates does: the default does not
+// undo a window an operator changed by hand.
+func setWindow(ctx context.Context, js jetstream.JetStream, name string, window time.Duration) error {
+	s, err := js.Stream(ctx, name)
+	if err != nil {
+		return fmt.Errorf("worker: look up stream %s: %w", name, err)
+	}
+	sc := s.CachedInfo().Config
+	if sc.Duplicates == window {
+		return nil
+	}
+	if sc.MaxAge > 0 && window > sc.MaxAge {
+		return fmt.Errorf("%w: stream %s: a duplicate window of %v does not fit in its max age %v", ErrStreamConfig, name, window, sc.MaxAge)
+	}
+	sc.Duplicates = window
+	if _, err := js.UpdateStream(ctx, sc); err != nil {
+		return fmt.Errorf("worker: set the duplicate window of stream %s to %v: %w", name, window, err)
 	}
 	return nil
 }

@@ -59,7 +59,7 @@ func newEnv(t testing.TB, n int, opts ...natstest.Option) *env {
 func (e *env) provision(t testing.TB, js jetstream.JetStream) *coordinator.Bucket {
 	t.Helper()
 	ctx := ctxFor(t, 30*time.Second)
-	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: e.prefix, Partitions: e.n}); err != nil {
+	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: e.prefix, Partitions: e.n, Schedules: true}); err != nil {
 		t.Fatal(err)
 	}
 	return e.provisionBucket(t)

@@ -129,11 +129,13 @@ func whyNoSchedules(c jetstream.StreamConfig) string {
 	if c.MaxBytes > 0 || c.MaxMsgs > 0 {
 		return "it has a size limit (MaxBytes or MaxMsgs), and a stream that schedules must discard its oldest messages when full, which would drop jobs; provision a job stream without MaxBytes to schedule jobs"
 	}
-	return "it was provisioned without them; run worker.ProvisionJobs (or `leasehold init`) again to enable them"
+	return "it was provisioned without them; run worker.ProvisionJobs with JobsConfig.Schedules (or `leasehold init --schedules`) to enable them, once only trusted publishers may write job subjects"
 }
 
+var versionRE = regexp.MustCompile(`^v?(\d+)\.(\d+)`)
+
 func serverAtLeast(nc *nats.Conn, major, minor int) bool {
-	m := regexp.MustCompile(`^v?(\d+)\.(\d+)`).FindStringSubmatch(nc.ConnectedServerVersion())
+	m := versionRE.FindStringSubmatch(nc.ConnectedServerVersion())
 	if m == nil {
 		return false
 	}
@@ -168,8 +170,11 @@ func enableSchedules(ctx context.Context, js jetstream.JetStream, name string) e
 		return fmt.Errorf("worker: look up stream %s: %w", name, err)
 	}
 	sc := s.CachedInfo().Config
-	if sc.AllowMsgSchedules || !serverAtLeast(js.Conn(), 2, 12) || !scheduleConfig(&sc) {
+	if sc.AllowMsgSchedules {
 		return nil
+	}
+	if !scheduleConfig(&sc) {
+		return fmt.Errorf("%w: job stream %s: %s", ErrNoSchedules, name, whyNoSchedules(sc))
 	}
 	if _, err := js.UpdateStream(ctx, sc); err != nil {
 		return fmt.Errorf("worker: enable message schedules on stream %s: %w", name, err)

@@ -135,7 +135,8 @@ func (p *Producer) Status(ctx context.Context, ref Enqueued) (JobStatus, error) 
 		return st, err
 	}
 	if st.Progress >= st.Seq {
-		return p.finished(ctx, st)
+		err := p.finished(ctx, &st)
+		return st, err
 	}
 	snap, err := b.Snapshot(ctx)
 	if err != nil {
@@ -227,31 +228,44 @@ func (p *Producer) locate(ctx context.Context, ref Enqueued) (JobStatus, error) 
 	return st, nil
 }
 
-// finished tells a done job from a dead-lettered one: the dead letter is
-// stored before progress moves past the job.
-func (p *Producer) finished(ctx context.Context, st JobStatus) (JobStatus, error) {
-	st.State = JobDone
-	seq := strconv.FormatUint(st.Seq, 10)
-	cc := jetstream.ConsumerConfig{DeliverPolicy: jetstream.DeliverAllPolicy}
-	// The dead letter was stored after the job: start from the job's time
-	// when the job is still there.
-	if s, err := p.jobs(ctx); err == nil {
-		if m, err := s.GetMsg(ctx, st.Seq); err == nil {
-			cc = jetstream.ConsumerConfig{DeliverPolicy: jetstream.DeliverByStartTimePolicy, OptStartTime: ptr(m.Time.Add(-time.Second))}
+// finished tells done jobs from dead-lettered ones, all of whose
+// partitions' progress has passed them: a dead letter is stored before
+// progress moves past its job. It reads each partition's dead letters once,
+// from the time of its oldest job in sts.
+func (p *Producer) finished(ctx context.Context, sts ...*JobStatus) error {
+	byPart := map[leasehold.Partition]map[string]*JobStatus{}
+	oldest := map[leasehold.Partition]uint64{}
+	for _, st := range sts {
+		st.State = JobDone
+		if byPart[st.Partition] == nil {
+			byPart[st.Partition] = map[string]*JobStatus{}
+		}
+		byPart[st.Partition][strconv.FormatUint(st.Seq, 10)] = st
+		if o, ok := oldest[st.Partition]; !ok || st.Seq < o {
+			oldest[st.Partition] = st.Seq
 		}
 	}
-	err := scan(ctx, p.js, DLQStream(p.cfg.Prefix), DLQSubject(p.cfg.Prefix, st.Partition), cc,
-		func(m jetstream.Msg, md *jetstream.MsgMetadata) bool {
-			if m.Headers().Get(HeaderSeq) == seq {
-				st.State, st.Error, st.DeadLetter = JobDeadLettered, m.Headers().Get(HeaderError), md.Sequence.Stream
-				return false
+	for part, want := range byPart {
+		cc := jetstream.ConsumerConfig{DeliverPolicy: jetstream.DeliverAllPolicy}
+		if s, err := p.jobs(ctx); err == nil {
+			if m, err := s.GetMsg(ctx, oldest[part]); err == nil {
+				cc = jetstream.ConsumerConfig{DeliverPolicy: jetstream.DeliverByStartTimePolicy, OptStartTime: ptr(m.Time.Add(-time.Second))}
 			}
-			return true
-		})
-	if err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
-		return st, fmt.Errorf("worker: job %s: look for its dead letter: %w", st.Ref, err)
+		}
+		left := len(want)
+		err := scan(ctx, p.js, DLQStream(p.cfg.Prefix), DLQSubject(p.cfg.Prefix, part), cc,
+			func(m jetstream.Msg, md *jetstream.MsgMetadata) bool {
+				if st, ok := want[m.Headers().Get(HeaderSeq)]; ok && st.State != JobDeadLettered {
+					st.State, st.Error, st.DeadLetter = JobDeadLettered, m.Headers().Get(HeaderError), md.Sequence.Stream
+					left--
+				}
+				return left > 0
+			})
+		if err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
+			return fmt.Errorf("worker: look for the dead letters of partition %d: %w", part, err)
+		}
 	}
-	return st, nil
+	return nil
 }
 
 func ptr[T any](v T) *T { return &v }
@@ -319,7 +333,9 @@ func scan(ctx context.Context, js jetstream.JetStream, stream, filter string, cc
 // ends, and returns their statuses in the order of refs. It wakes on every
 // change to the fence records (each progress commit), and polls with
 // backoff beside that (up to a second between polls) for delayed jobs and
-// for a watch that fails. On ctx's end it returns the statuses as they
+// for a watch that fails. Each round reads each partition's progress once,
+// and the dead letters of a partition once for all its jobs found
+// finished. On ctx's end it returns the statuses as they
 // were and ctx's error.
 func (p *Producer) Wait(ctx context.Context, refs ...Enqueued) ([]JobStatus, error) {
 	b, err := p.bucket()
@@ -361,6 +377,7 @@ func (p *Producer) Wait(ctx context.Context, refs ...Enqueued) ([]JobStatus, err
 		out[i] = JobStatus{Ref: r.Ref(), ID: r.ID, Partition: r.Partition, Seq: r.Seq, Due: r.Due}
 	}
 	poll := 20 * time.Millisecond
+	var finished []*JobStatus
 	for {
 		left := 0
 		progress := map[leasehold.Partition]uint64{}
@@ -396,12 +413,13 @@ func (p *Producer) Wait(ctx context.Context, refs ...Enqueued) ([]JobStatus, err
 				left++
 				continue
 			}
-			st, err := p.finished(ctx, out[i])
-			if err != nil {
-				return out, err
-			}
-			out[i], done[i] = st, true
+			finished = append(finished, &out[i])
+			done[i] = true
 		}
+		if err := p.finished(ctx, finished...); err != nil {
+			return out, err
+		}
+		finished = finished[:0]
 		if left == 0 {
 			return out, nil
 		}

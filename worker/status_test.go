@@ -136,3 +136,90 @@ func TestJobStatusThroughEveryState(t *testing.T) {
 		t.Fatalf("Wait for a job due in an hour: %v, %+v", err, sts)
 	}
 }
+
+// Wait follows many jobs at once, on every partition, and tells the
+// dead-lettered ones apart.
+func TestWaitForManyJobs(t *testing.T) {
+	e := newEnv(t, 4)
+	ctx := ctxFor(t, 2*time.Minute)
+	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, Bucket: e.bucket})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := p.Batch()
+	for i := range 1000 {
+		k := "email"
+		if i%100 == 7 {
+			k = "telex"
+		}
+		if err := b.Enqueue(ctx, []byte(strconv.Itoa(i)), []byte(`{"to":"x"}`), worker.WithKind(k)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	jobs, err := b.Wait(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mux := worker.NewMux()
+	worker.Handle(mux, "email", func(ctx context.Context, j *worker.Job, m email) error { return j.Emit(ctx, []byte(m.To)) })
+	for _, name := range []string{"a", "b"} {
+		start(t, e.config(name, mux))
+	}
+	began := time.Now()
+	sts, err := p.Wait(ctx, jobs...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("Wait for %d jobs returned %v after the workers started", len(jobs), time.Since(began).Round(time.Millisecond))
+	counts := map[worker.JobState]int{}
+	for i, st := range sts {
+		counts[st.State]++
+		if st.Seq != jobs[i].Seq || st.Partition != jobs[i].Partition {
+			t.Fatalf("status %d is of %s, not %s", i, st.Ref, jobs[i].Ref())
+		}
+	}
+	if counts[worker.JobDone] != 990 || counts[worker.JobDeadLettered] != 10 {
+		t.Fatalf("states %v, want 990 done and 10 dead-lettered", counts)
+	}
+}
+
+// The duplicate window is the stream's, and ProvisionJobs sets it on an
+// existing stream when asked: after it, the same job ID is a new job.
+func TestDuplicateWindowIsConfigurable(t *testing.T) {
+	e := newEnv(t, 1)
+	ctx := ctxFor(t, 30*time.Second)
+	if err := worker.ProvisionJobs(ctx, e.js, worker.JobsConfig{Prefix: e.prefix, Partitions: e.n, Duplicates: time.Second, Schedules: true}); err != nil {
+		t.Fatal(err)
+	}
+	s, err := e.js.Stream(ctx, worker.JobsStream(e.prefix))
+	if err != nil || s.CachedInfo().Config.Duplicates != time.Second {
+		t.Fatalf("duplicate window after ProvisionJobs: %v (%v)", s.CachedInfo().Config.Duplicates, err)
+	}
+	p := e.producer(t)
+	first, err := p.Enqueue(ctx, nil, []byte("x"), worker.JobID("once"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if dup, err := p.Enqueue(ctx, nil, []byte("x"), worker.JobID("once")); err != nil || !dup.Duplicate || dup.Seq != first.Seq {
+		t.Fatalf("within the window: %+v, %v", dup, err)
+	}
+	// Past the window (the server sweeps it at about its length), the ID
+	// is free again: poll for it.
+	for {
+		again, err := p.Enqueue(ctx, nil, []byte("x"), worker.JobID("once"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !again.Duplicate {
+			if again.Seq <= first.Seq {
+				t.Fatalf("a new job at sequence %d, not after %d", again.Seq, first.Seq)
+			}
+			break
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatal("the job ID stayed a duplicate long past a one-second window")
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+}

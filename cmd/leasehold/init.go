@@ -24,7 +24,8 @@ func newInit() *cobra.Command {
 		conn            natsFlags
 		partitions      int
 		replicas        int
-		noSchedules     bool
+		schedules       bool
+		window          time.Duration
 		markerTTL       time.Duration
 		monitor         string
 		fenceBucket     string
@@ -64,7 +65,7 @@ production deployment lacks (sync_interval: always, replicas).`,
 				return err
 			}
 			fmt.Fprintf(out, "lease bucket %s and fence records %s: ready\n", b.Name(), b.FenceBucket())
-			if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: conn.prefix, Partitions: partitions, Replicas: replicas, NoSchedules: noSchedules}); err != nil {
+			if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: conn.prefix, Partitions: partitions, Replicas: replicas, Schedules: schedules, Duplicates: window}); err != nil {
 				return err
 			}
 			fmt.Fprintf(out, "streams %s, %s and %s: ready (%d partitions, %d replicas)\n",
@@ -81,7 +82,8 @@ production deployment lacks (sync_interval: always, replicas).`,
 	}
 	conn.register(cmd.Flags())
 	cmd.Flags().IntVar(&partitions, "partitions", 0, "partitions of the job stream (default 16; when the job stream exists, the count it records, which cannot change)")
-	cmd.Flags().BoolVar(&noSchedules, "no-schedules", false, "leave message schedules (delayed and periodic jobs) off the job stream; with them on, the stream allows roll-ups, so only trusted publishers may write job subjects")
+	cmd.Flags().DurationVar(&window, "duplicate-window", 0, "how long a repeated job ID is dropped as a duplicate, on every stream (default 2m; given, it is set on existing streams too)")
+	cmd.Flags().BoolVar(&schedules, "schedules", false, "turn message schedules (delayed and periodic jobs) on for the job stream, for good; the stream then allows roll-ups, with which any publisher allowed on a job subject can purge a partition's waiting jobs, so only trusted publishers may write job subjects")
 	cmd.Flags().IntVar(&replicas, "replicas", 1, "replicas of every stream and of the lease bucket (3 in production)")
 	cmd.Flags().DurationVar(&markerTTL, "marker-ttl", time.Minute, "how long release and expiry markers stay in the lease bucket")
 	cmd.Flags().StringVar(&fenceBucket, "fence-bucket", "", "the fence-record bucket, which keeps epochs and progress and outlives the lease bucket (default <bucket>-fences)")

@@ -17,7 +17,7 @@ func TestJobsShowAndWait(t *testing.T) {
 	defer cancel()
 	base := []string{"--nats", s.URL(), "--prefix", "jq"}
 	cli := func(args ...string) []string { return append(args, base...) }
-	mustRun(t, ctx, cli("init", "--partitions", "2")...)
+	mustRun(t, ctx, cli("init", "--partitions", "2", "--schedules")...)
 
 	out := mustRun(t, ctx, cli("enqueue", "--partitions", "2", "-n", "3", "--refs")...)
 	var refs []string

@@ -36,7 +36,7 @@ func main() {
 	nc := must(nats.Connect(url, opts...))
 	defer nc.Close()
 	js := must(jetstream.New(nc))
-	check(worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: "shop", Partitions: 4}))
+	check(worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: "shop", Partitions: 4, Schedules: true}))
 	leases := must(coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: "shop-leases"}))
 	kv := must(kvsink.New(ctx, js, kvsink.Config{Bucket: "shop-sink"})) // refuses stale epochs
 	mux := worker.NewMux()                                              // a typed handler per kind
