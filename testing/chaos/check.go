@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/history"
 )
 
 // Input is what the checker judges: the merged history of every process,
@@ -64,6 +65,10 @@ const (
 	CheckStoreLost = "enqueue-lost"
 	// CheckDecision: one log position decided two ways.
 	CheckDecision = "inconsistent-decision"
+	// CheckIncomplete: an effect of a job was applied although no attempt
+	// of the job that wrote it under its epoch completed: its attempts
+	// failed (an abort marker), or never marked their effects final.
+	CheckIncomplete = "incomplete-job-applied"
 )
 
 // Violation is one thing the checker found wrong.
@@ -172,6 +177,12 @@ type Figures struct {
 	LongestStallPartition string             `json:"liveness_max_stall_partition,omitempty"`
 	LivenessBoundMs       float64            `json:"liveness_bound_ms"`
 
+	// Attempts of jobs with effects, as the effect log and the workers'
+	// histories record them: completed (their effects marked final) and
+	// failed (closed by an abort marker).
+	AttemptsCompleted int `json:"job_attempts_completed"`
+	AttemptsFailed    int `json:"job_attempts_failed"`
+
 	Acquisitions int            `json:"acquisitions"`
 	Decisions    map[string]int `json:"decisions"`
 	Violations   int            `json:"violations"`
@@ -226,6 +237,7 @@ func Check(in Input) *Analysis {
 	c.checkJobs() // after checkLog: which log entries a fence admits
 	c.checkDecisions()
 	c.checkFinal()
+	c.checkAttempts()
 	c.checkInjected()
 	c.countZombies()
 	c.failovers()
@@ -565,6 +577,81 @@ func (c *checker) checkFinal() {
 			l := c.in.Log[idx[0]]
 			c.staleApplied(k, Violation{Check: CheckStale, Partition: st.Partition, Epoch: st.Epoch, Key: k,
 				Detail: fmt.Sprintf("the sink's value was written under epoch %d, which reached the effect log (position %d) only behind a newer barrier", st.Epoch, l.Position)})
+		}
+	}
+}
+
+// attemptKey names one attempt of one job under one epoch.
+type attemptKey struct {
+	p        leasehold.Partition
+	epoch    leasehold.Epoch
+	job, try uint64
+}
+
+// checkAttempts: no effect of a job that did not complete is applied. An
+// attempt completed when its worker recorded so (a KindAttempt event) or
+// marked its effects final in the log, which the worker does only once the
+// handler has returned nil; it failed when an abort marker closed it. Each
+// value in the sink that came from job effects must have come from a
+// completed attempt of the job under the value's epoch.
+func (c *checker) checkAttempts() {
+	done := map[attemptKey]bool{}
+	failed := map[attemptKey]bool{}
+	for _, e := range c.in.Events {
+		if e.Kind != KindAttempt {
+			continue
+		}
+		k := attemptKey{leasehold.Partition(e.Partition), leasehold.Epoch(e.Epoch), e.Seq, e.Attempt}
+		if e.Outcome == history.AttemptCompleted {
+			done[k] = true
+		} else {
+			failed[k] = true
+		}
+	}
+	for _, l := range c.in.Log {
+		if l.BadStamp || l.Mark.Standalone() {
+			continue
+		}
+		k := attemptKey{l.Stamp.Partition, l.Stamp.Epoch, l.Mark.Job, l.Mark.Attempt}
+		switch {
+		case l.Mark.Final():
+			done[k] = true
+		case l.Mark.Abort:
+			failed[k] = true
+		}
+	}
+	c.out.AttemptsCompleted = len(done)
+	for k := range failed {
+		if !done[k] {
+			c.out.AttemptsFailed++
+		}
+	}
+	for key, st := range c.in.Final {
+		if c.injKeys[key] {
+			continue
+		}
+		var tries []string
+		ok := false
+		for _, i := range c.logIdx[logKey(key, st.Epoch)] {
+			l := c.in.Log[i]
+			if l.Mark.Standalone() || l.BadMark {
+				ok = true // it stands alone: no job to complete
+				break
+			}
+			k := attemptKey{l.Stamp.Partition, l.Stamp.Epoch, l.Mark.Job, l.Mark.Attempt}
+			if done[k] {
+				ok = true
+				break
+			}
+			state := "never marked final"
+			if failed[k] {
+				state = "aborted"
+			}
+			tries = append(tries, fmt.Sprintf("attempt %d at log position %d: %s", l.Mark.Attempt, l.Position, state))
+		}
+		if !ok && len(tries) > 0 {
+			c.violate(Violation{Check: CheckIncomplete, Partition: st.Partition, Epoch: st.Epoch, Key: key,
+				Detail: "the sink holds this effect, and no attempt of its job under its epoch completed: " + strings.Join(tries, "; ")})
 		}
 	}
 }

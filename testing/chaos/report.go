@@ -91,6 +91,7 @@ func (rep Report) WriteTable(w io.Writer) error {
 	fmt.Fprintf(tw, "  duplicated\t%d\n", rep.JobsDuplicated)
 	fmt.Fprintf(tw, "  dead-lettered\t%d\n", rep.JobsDeadLettered)
 	fmt.Fprintf(tw, "stale applications\t%d\n", rep.StaleApplications)
+	fmt.Fprintf(tw, "job attempts completed / failed\t%d / %d\n", rep.AttemptsCompleted, rep.AttemptsFailed)
 	fmt.Fprintln(tw, "\t")
 	fmt.Fprintf(tw, "FAIL-OVER (%d)\t\n", rep.Failovers)
 	fmt.Fprintf(tw, "  p50\t%s\n", msString(rep.FailoverP50Ms))
