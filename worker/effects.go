@@ -51,6 +51,13 @@ func (e *EffectError) Unwrap() error { return e.Err }
 // once every effect is acknowledged, and fails (and runs again) if one is
 // not. After the lease is lost it returns an error matching
 // leasehold.ErrLeaseLost and publishes nothing.
+//
+// The effect carries the job and the attempt, and the attempt's latest
+// effect on each subject is held back until the handler returns: if it
+// returns nil, that effect leaves marked final, so that a stream sink
+// applies the job's effects on the subject all together; if the attempt
+// fails, it never leaves, and the ones that did are closed by an abort
+// marker (see output.go). A job of one effect sends one message.
 func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...EmitOption) error {
 	var o emitOpts
 	for _, opt := range opts {

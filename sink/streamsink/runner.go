@@ -21,6 +21,21 @@
 // committed progress, and refusing it would lose it. So each message is
 // judged against the fences as they stood at its log position.
 //
+// A job's effects apply all or none. Effects a worker publishes for a job
+// (leasehold.HeaderJob and the other job headers: leasehold.JobMark) are
+// held back, by fence, subject, lease and job, until the attempt's final
+// and every effect it counts are in the log and the job before it on the
+// subject was applied; then they are delivered together (one BatchHandler
+// call, one republish round). Effects of attempts that failed (an abort
+// marker), were superseded by a later attempt, were skipped by a later
+// job of the lease or cut short by a successor's barrier are never
+// applied, and are reported sink.Aborted. The saved position stops short
+// of the first effect of a job still open, and the last job applied per
+// fence and subject is saved beside it, so a restart finds open jobs again
+// and applies no job twice. Held effects are bounded (Config.MaxHeldEffects
+// and MaxHeldBytes, ErrGroupLimit). Effects without job headers apply on
+// their own. See groups.go.
+//
 // Progress is crash-safe. After each batch the runner saves the fence
 // shards the batch changed (most batches change none), then the last log
 // position it handled, and only then acks. A runner that dies mid-batch
@@ -253,7 +268,10 @@ func (r *Runner) Fences() int {
 	return len(r.fences.fences)
 }
 
-// Position returns the last log position handled and saved.
+// Position returns the last log position handled and saved. While a job's
+// effects are held open (see groups.go), the position saved for a restart
+// stops short of the job's first effect, and a restart reads the log again
+// from there.
 func (r *Runner) Position() uint64 {
 	r.mu.Lock()
 	defer r.mu.Unlock()
