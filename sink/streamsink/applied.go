@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -16,12 +17,113 @@ import (
 
 // What the runner applied of jobs, per fence and subject, is saved in
 // appliedShards keys "<consumer>.applied.<shard>", a fence's shard fixed
-// by shardOf. A batch writes the shards whose chains it applied a job on,
-// before its position. Written ahead of the position is harmless: an entry
-// names a job whose effects were delivered, and reading the log again
-// from the saved position then takes them for duplicates.
+// by shardOf, and the jobs applied since those were last written ride in
+// the position record (its "applied" list), which every batch writes
+// anyway: a batch of jobs costs no write more than a batch of standalone
+// effects. Once the list holds maxDelta chains, the shards it touches are
+// written first and the list starts over. Loading takes, per chain, the
+// later of the two. Written ahead of the position is harmless: an entry
+// names a job whose effects were delivered, and reading the log again from
+// the saved position takes them for duplicates.
 
 const appliedShards = 256
+
+// maxDelta is how many chains the position record lists; a variable for
+// tests.
+var maxDelta = 256
+
+// validate checks an entry read from the state bucket, which anyone with
+// access to it can write.
+func (e appliedEntry) validate() error {
+	switch {
+	case leasehold.ValidateScope(e.Scope) != nil:
+		return fmt.Errorf("scope %q", e.Scope)
+	case e.Partition >= leasehold.MaxPartitions:
+		return fmt.Errorf("partition %d", e.Partition)
+	case e.Epoch == 0 || e.Epoch > leasehold.MaxEpoch:
+		return fmt.Errorf("epoch %d", e.Epoch)
+	case e.Job == 0 || e.Subject == "":
+		return fmt.Errorf("job %d on subject %q", e.Job, e.Subject)
+	case e.Acquisition != "" && leasehold.ValidateAcquisition(e.Acquisition) != nil:
+		return fmt.Errorf("acquisition %q", e.Acquisition)
+	}
+	return nil
+}
+
+func (e appliedEntry) chain() chainKey {
+	return chainKey{fence: leasehold.FenceID{Scope: e.Scope, Partition: e.Partition}, subject: e.Subject}
+}
+
+func (e appliedEntry) applied() applied {
+	return applied{Epoch: e.Epoch, Acquisition: e.Acquisition, Job: e.Job}
+}
+
+func entryOf(c chainKey, a applied) appliedEntry {
+	return appliedEntry{Scope: c.fence.Scope, Partition: c.fence.Partition, Subject: c.subject, Epoch: a.Epoch, Acquisition: a.Acquisition, Job: a.Job}
+}
+
+// later reports whether a is later than b on one chain: a chain's epochs
+// only rise, and within a lease its jobs.
+func (a applied) later(b applied) bool {
+	if a.Epoch != b.Epoch {
+		return a.Epoch > b.Epoch
+	}
+	return a.Job > b.Job
+}
+
+// deltaEntries lists the jobs applied since the shards were written, in a
+// stable order.
+func (gs *groups) deltaEntries() []appliedEntry {
+	if gs == nil || len(gs.delta) == 0 {
+		return nil
+	}
+	out := make([]appliedEntry, 0, len(gs.delta))
+	for c, a := range gs.delta {
+		out = append(out, entryOf(c, a))
+	}
+	sort.Slice(out, func(i, j int) bool {
+		a, b := out[i], out[j]
+		if a.Scope != b.Scope {
+			return a.Scope < b.Scope
+		}
+		if a.Partition != b.Partition {
+			return a.Partition < b.Partition
+		}
+		return a.Subject < b.Subject
+	})
+	return out
+}
+
+// adoptApplied makes the loaded shards and the position record's list the
+// runner's applied jobs.
+func (r *Runner) adoptApplied(ap loadedApplied, delta []appliedEntry) {
+	r.groups = newGroups()
+	r.groups.applied, r.appliedRev = ap.entries, ap.rev
+	for _, e := range delta {
+		c, a := e.chain(), e.applied()
+		if cur, ok := r.groups.applied[c]; !ok || a.later(cur) {
+			r.groups.applied[c] = a
+		}
+		r.groups.delta[c] = r.groups.applied[c]
+	}
+}
+
+// checkpointApplied writes the shards of the chains in the position
+// record's list once it is long, so that the list can start over.
+func (r *Runner) checkpointApplied(ctx context.Context) error {
+	gs := r.groups
+	if len(gs.delta) < maxDelta && len(gs.dirty) == 0 {
+		return nil
+	}
+	for c := range gs.delta {
+		gs.dirty[appliedShard(c.fence)] = true
+	}
+	if err := r.saveApplied(ctx); err != nil {
+		return err
+	}
+	clear(gs.delta)
+	return nil
+}
 
 // appliedValue is the JSON value of an applied shard.
 type appliedValue struct {
@@ -78,14 +180,12 @@ func (r *Runner) loadApplied(ctx context.Context) (loadedApplied, error) {
 			return out, fmt.Errorf("streamsink: applied shard %s of %s is not leasehold's JSON (%v): fix or delete it, knowing that jobs are then applied again", r.appliedKey(k), r.cfg.StateBucket, err)
 		}
 		for _, e := range v.Applied {
-			id := leasehold.FenceID{Scope: e.Scope, Partition: e.Partition}
-			bad := leasehold.ValidateScope(e.Scope) != nil || e.Partition >= leasehold.MaxPartitions || e.Epoch == 0 || e.Epoch > leasehold.MaxEpoch ||
-				e.Job == 0 || e.Subject == "" || appliedShard(id) != k
-			if !bad && e.Acquisition != "" {
-				bad = leasehold.ValidateAcquisition(e.Acquisition) != nil
+			err := e.validate()
+			if err == nil && appliedShard(e.chain().fence) != k {
+				err = fmt.Errorf("fence %s belongs in shard %d", e.chain().fence, appliedShard(e.chain().fence))
 			}
-			if bad {
-				return out, fmt.Errorf("streamsink: applied shard %s of %s holds an entry that is not leasehold's (%+v): fix or delete it, knowing that jobs are then applied again", r.appliedKey(k), r.cfg.StateBucket, e)
+			if err != nil {
+				return out, fmt.Errorf("streamsink: applied shard %s of %s holds an entry that is not leasehold's (%v): fix or delete it, knowing that jobs are then applied again", r.appliedKey(k), r.cfg.StateBucket, err)
 			}
 		}
 		shards[k] = v.Applied

@@ -81,14 +81,15 @@ type groups struct {
 	open    map[groupKey]*group
 	chains  map[chainKey]map[groupKey]*group
 	applied map[chainKey]applied
-	dirty   map[int]bool // applied shards to write before the position moves
-	held    int          // effects held in open groups
-	bytes   int          // their data and headers
+	delta   map[chainKey]applied // applied since the shards were written: saved in the position record
+	dirty   map[int]bool         // applied shards being written
+	held    int                  // effects held in open groups
+	bytes   int                  // their data and headers
 }
 
 func newGroups() *groups {
 	return &groups{open: map[groupKey]*group{}, chains: map[chainKey]map[groupKey]*group{},
-		applied: map[chainKey]applied{}, dirty: map[int]bool{}}
+		applied: map[chainKey]applied{}, delta: map[chainKey]applied{}, dirty: map[int]bool{}}
 }
 
 // firstOpen returns the first log position of an open group's effects,
@@ -227,7 +228,7 @@ func (r *Runner) applyReady(k groupKey, outs *[]outcome) {
 		gs.held -= len(g.held)
 		gs.bytes -= g.bytes
 		gs.applied[k.chainKey] = applied{Epoch: k.epoch, Acquisition: k.acquisition, Job: k.job}
-		gs.dirty[appliedShard(k.fence)] = true
+		gs.delta[k.chainKey] = gs.applied[k.chainKey]
 		// The chain's groups of the lease up to this job were skipped by
 		// the worker: aborted, dead-lettered, superseded.
 		var next *groupKey
@@ -272,10 +273,9 @@ func (r *Runner) abandon(id leasehold.FenceID, e leasehold.Epoch, outs *[]outcom
 // resetGroups forgets the open groups: the runner reads the log again from
 // its saved position (see Runner.reload).
 func (r *Runner) resetGroups() {
-	applied := r.groups.applied
-	dirty := r.groups.dirty
+	old := r.groups
 	r.groups = newGroups()
-	r.groups.applied, r.groups.dirty = applied, dirty
+	r.groups.applied, r.groups.delta, r.groups.dirty = old.applied, old.delta, old.dirty
 }
 
 // heldEffects returns how many effects the open groups hold.
@@ -299,9 +299,7 @@ func (r *Runner) reload(ctx context.Context) error {
 	}
 	r.mu.Lock()
 	r.seq, r.saved, r.rev, r.fences, r.skips = st.seq, st.seq, st.rev, st.fences, st.skips
-	r.groups = newGroups()
-	r.groups.applied = ap.entries
-	r.appliedRev = ap.rev
+	r.adoptApplied(ap, st.delta)
 	r.heldCount = 0
 	r.mu.Unlock()
 	r.needReload = false

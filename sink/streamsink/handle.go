@@ -556,7 +556,7 @@ func (r *Runner) save(ctx context.Context, w *work) ([]int, error) {
 			}
 		}
 		if err == nil {
-			err = r.saveApplied(ctx)
+			err = r.checkpointApplied(ctx)
 		}
 		if err == nil {
 			var nrev uint64

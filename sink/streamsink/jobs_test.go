@@ -261,3 +261,70 @@ func TestJobEffectsLimit(t *testing.T) {
 	wl.wait(again, 3)
 	wl.want(map[string]int{"limit.0.60.0": 1, "limit.0.60.1": 1, "limit.0.60.2": 1})
 }
+
+// What was applied survives a restart whether it was saved in the position
+// record's list or, once that list was long, in the applied shards.
+func TestJobEffectsAppliedSaved(t *testing.T) {
+	defer streamsink.SetMaxDelta(2)()
+	wl := newWireLog(t, "saved")
+	r := start(t, wl.js, wl.cfg)
+	var last uint64
+	for p := range leasehold.Partition(5) {
+		h := nats.Header{}
+		leasehold.Stamp{Scope: "saved", Partition: p, Epoch: 1, Acquisition: "a1", Key: fmt.Sprintf("saved.%d.9.0", p), Worker: "w1"}.SetHeader(h)
+		leasehold.JobMark{Job: 9, Attempt: 1, Effects: 1}.SetHeader(h)
+		ack, err := wl.js.PublishMsg(ctxFor(t, 30*time.Second), &nats.Msg{Subject: fmt.Sprintf("saved.out.%d", p), Header: h, Data: []byte("x")})
+		if err != nil {
+			t.Fatal(err)
+		}
+		last = ack.Sequence
+		// One batch each, so that the list grows past its bound.
+		wl.wait(r, last)
+	}
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+	again := start(t, wl.js, wl.cfg)
+	// Replays of every job: each is a duplicate, not applied again.
+	msgs := readLog(t, wl.js, "saved-effects")
+	for _, m := range msgs {
+		ack, err := wl.js.PublishMsg(ctxFor(t, 30*time.Second), &nats.Msg{Subject: m.Subject, Header: m.Header, Data: m.Data})
+		if err != nil {
+			t.Fatal(err)
+		}
+		last = ack.Sequence
+	}
+	wl.wait(again, last)
+	got := wl.applied.snapshot()
+	if len(got) != 5 {
+		t.Errorf("applied %v, want 5 effects", got)
+	}
+	for k, n := range got {
+		if n != 1 {
+			t.Errorf("effect %s applied %d times after a restart and replays", k, n)
+		}
+	}
+}
+
+// readLog reads every message of stream.
+func readLog(t *testing.T, js jetstream.JetStream, stream string) []*jetstream.RawStreamMsg {
+	t.Helper()
+	ctx := ctxFor(t, 30*time.Second)
+	s, err := js.Stream(ctx, stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []*jetstream.RawStreamMsg
+	for seq := info.State.FirstSeq; seq <= info.State.LastSeq; seq++ {
+		m, err := s.GetMsg(ctx, seq)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, m)
+	}
+	return out
+}

@@ -165,8 +165,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Runner, erro
 	if err != nil {
 		return nil, err
 	}
-	r.groups = newGroups()
-	r.groups.applied, r.appliedRev = ap.entries, ap.rev
+	r.adoptApplied(ap, st.delta)
 	if err := r.registerGauges(); err != nil {
 		return nil, err
 	}
