@@ -289,7 +289,7 @@ func (c *checker) index() {
 				continue
 			}
 			c.out.Decisions[e.Outcome]++
-			if prev, ok := c.decided[e.Position]; ok && (prev.Outcome != e.Outcome || prev.Key != e.Key || prev.Epoch != e.Epoch) {
+			if prev, ok := c.decided[e.Position]; ok && (!sameOutcome(prev.Outcome, e.Outcome) || prev.Key != e.Key || prev.Epoch != e.Epoch) {
 				c.violate(Violation{Check: CheckDecision, Partition: leasehold.Partition(e.Partition), Epoch: leasehold.Epoch(e.Epoch), Key: e.Key,
 					Detail: fmt.Sprintf("log position %d was decided %s and then %s", e.Position, prev.Outcome, e.Outcome), Excerpt: []Event{prev, e}})
 				continue
@@ -301,6 +301,17 @@ func (c *checker) index() {
 	for proc, s := range open {
 		c.windows[proc] = append(c.windows[proc], [2]time.Time{s, time.Now()})
 	}
+}
+
+// sameOutcome reports whether two decisions of one log position agree. A
+// job's effect applied and then, read again after a restart, found applied
+// already (a duplicate) agree: the runner re-reads from short of a job still
+// open, and takes what it applied for duplicates.
+func sameOutcome(a, b string) bool {
+	if a == b {
+		return true
+	}
+	return (a == "accepted" && b == "duplicate") || (a == "duplicate" && b == "accepted")
 }
 
 // checkHolders is check (d): one holder per epoch (epochs are revisions of
@@ -520,10 +531,11 @@ func (c *checker) checkDecisions() {
 			if d.Epoch > maxOf[d.Partition] {
 				maxOf[d.Partition], last[d.Partition] = d.Epoch, d
 			}
-		case "accepted", "duplicate":
-			// A duplicate was admitted but not applied again: it moves the
+		case "accepted", "duplicate", "aborted":
+			// A duplicate was admitted but not applied again, and so was an
+			// effect of a job attempt that did not complete: each moves the
 			// maximum as an accepted effect does, and is no application.
-			if d.Outcome == "duplicate" {
+			if d.Outcome != "accepted" {
 				if d.Epoch > maxOf[d.Partition] {
 					maxOf[d.Partition], last[d.Partition] = d.Epoch, d
 				}
