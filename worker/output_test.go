@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
+
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/worker"
 )
@@ -77,5 +79,64 @@ func TestJobEffectsOnTheWire(t *testing.T) {
 	}
 	if k := keys[5]; k != worker.AbortKey(e.prefix, 0, s2, 3) {
 		t.Errorf("abort marker key %q", k)
+	}
+}
+
+// A rewind forgets what the rewound jobs did to the chain of finals: each
+// re-run names the job that completed before it, not itself or a job that
+// is to run again. The publish that fails is a real refusal: the
+// destination holds two messages and refuses a third until the test
+// removes the one in the way.
+func TestRewindKeepsTheChainOfFinals(t *testing.T) {
+	e := newEnv(t, 1)
+	ctx := ctxFor(t, time.Minute)
+	dest, err := e.js.CreateStream(ctx, jetstream.StreamConfig{
+		Name: "CHAIN", Subjects: []string{"chain.>"}, Storage: jetstream.FileStorage,
+		MaxMsgs: 2, Discard: jetstream.DiscardNew, MaxBytes: -1,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	blocker, err := e.js.Publish(ctx, "chain.x", []byte("in the way"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := newRecorder()
+	cfg := e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
+		return j.Publish(ctx, "chain.x", j.Data)
+	}))
+	cfg.Observer = rec
+	cfg.MaxAttempts = 1_000_000
+	start(t, cfg)
+	enq := e.enqueue(t, 0, 3)
+	rec.waitFor(t, 30*time.Second, "a refused publish, run again", func() bool {
+		return rec.count(kind(worker.EventJobFailed)) >= 2
+	})
+	if err := dest.DeleteMsg(ctx, blocker.Sequence); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.js.UpdateStream(ctx, jetstream.StreamConfig{Name: "CHAIN", Subjects: []string{"chain.>"}, Storage: jetstream.FileStorage, MaxMsgs: -1, MaxBytes: -1}); err != nil {
+		t.Fatal(err)
+	}
+	rec.waitFor(t, 30*time.Second, "progress past every job", func() bool {
+		return rec.count(func(ev worker.Event) bool {
+			return ev.Kind == worker.EventProgressCommitted && ev.Seq == enq[len(enq)-1].Seq
+		}) > 0
+	})
+	last := map[uint64]leasehold.JobMark{}
+	for _, m := range readStream(t, e.js, "CHAIN") {
+		mk, err := leasehold.JobMarkFromHeader(m.Headers())
+		if err != nil {
+			t.Fatalf("a final the sinks would refuse: %v", err)
+		}
+		if mk.Final() {
+			last[mk.Job] = mk
+		}
+	}
+	want := map[uint64]uint64{enq[0].Seq: 0, enq[1].Seq: enq[0].Seq, enq[2].Seq: enq[1].Seq}
+	for job, after := range want {
+		if mk, ok := last[job]; !ok || mk.After != after {
+			t.Errorf("job %d: last final %+v (stored: %v), want After %d", job, mk, ok, after)
+		}
 	}
 }
