@@ -315,7 +315,7 @@ func (r *Runner) registerGauges() error {
 	}
 	meter := mp.Meter("github.com/leasehold/leasehold/sink/streamsink")
 	attrs := metric.WithAttributes(telemetry.AttrSink.String(r.cfg.Name))
-	_, err := meter.Int64ObservableGauge("leasehold_sink_job_effects_held",
+	_, err := meter.Int64ObservableGauge("leasehold.sink.job_effects_held",
 		metric.WithDescription("Effects of jobs a stream sink holds until the rest of their job is in the log; it stops at Config.MaxHeldEffects."),
 		metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
 			o.Observe(int64(r.heldEffects()), attrs)
