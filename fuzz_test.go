@@ -2,6 +2,7 @@ package leasehold_test
 
 import (
 	"errors"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -109,6 +110,56 @@ func FuzzParseEpoch(f *testing.F) {
 		}
 		if e == 0 || e > leasehold.MaxEpoch || e.String() != s {
 			t.Fatalf("ParseEpoch(%q) = %d", s, e)
+		}
+	})
+}
+
+// FuzzJobMarkHeaders: job headers are read only when every one has a single
+// canonical value in its place, and what is read writes back the same.
+func FuzzJobMarkHeaders(f *testing.F) {
+	f.Add("Leasehold-Job", "7", "Leasehold-Attempt", "1", "Leasehold-Effects", "3", "Leasehold-After", "5")
+	f.Add("leasehold-job", "7", "LEASEHOLD-ATTEMPT", "2", "Leasehold-Abort", "1", "", "")
+	f.Add("Leasehold-Job", "07", "Leasehold-Attempt", "1", "Leasehold-Effects", "0", "Leasehold-After", "7")
+	f.Add("Leasehold-Job", "7", "Leasehold-Attempt", "1", "Leasehold-Abort", "1", "Leasehold-After", "1")
+	f.Add("Leasehold-Job", "18446744073709551615", "Leasehold-Attempt", "9007199254740993", "Leasehold-Effects", "1048577", "X", "y")
+	f.Fuzz(func(t *testing.T, n1, v1, n2, v2, n3, v3, n4, v4 string) {
+		h := map[string][]string{}
+		for _, kv := range [][2]string{{n1, v1}, {n2, v2}, {n3, v3}, {n4, v4}} {
+			h[kv[0]] = append(h[kv[0]], kv[1])
+		}
+		m, err := leasehold.JobMarkFromHeader(h)
+		if err != nil {
+			var je *leasehold.JobMarkError
+			if !errors.As(err, &je) || !errors.Is(err, leasehold.ErrBadJobMark) {
+				t.Fatalf("error %v is not a JobMarkError matching ErrBadJobMark", err)
+			}
+			if m != (leasehold.JobMark{}) {
+				t.Fatalf("error %v came with a partial mark %+v", err, m)
+			}
+			if !strings.Contains(err.Error(), je.Header) {
+				t.Fatalf("error %q does not name header %s", err, je.Header)
+			}
+			return
+		}
+		if !m.Standalone() && (m.Attempt == 0 || m.Attempt > leasehold.MaxAttempt) {
+			t.Fatalf("accepted attempt %d", m.Attempt)
+		}
+		if m.Final() && (m.Effects > leasehold.MaxJobEffects || m.After >= m.Job || m.Abort) {
+			t.Fatalf("accepted final %+v", m)
+		}
+		for k, vs := range h {
+			if strings.EqualFold(k, leasehold.HeaderJob) {
+				for _, v := range vs {
+					if v != strconv.FormatUint(m.Job, 10) {
+						t.Fatalf("accepted job %d beside the spelling %q", m.Job, v)
+					}
+				}
+			}
+		}
+		out := map[string][]string{}
+		m.SetHeader(out)
+		if back, err := leasehold.JobMarkFromHeader(out); err != nil || back != m {
+			t.Fatalf("round trip: %+v, %v; want %+v", back, err, m)
 		}
 	})
 }

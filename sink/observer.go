@@ -40,6 +40,11 @@ const (
 	// refuses it) and moved it to its dead-letter stream with the error;
 	// it was not applied.
 	DeadLettered
+	// Aborted: the effect belongs to an attempt of a job that did not
+	// complete (it failed, was superseded by a later attempt or skipped by
+	// a later job, or its lease was taken over before it completed); it
+	// was not applied, and none of the attempt's effects are.
+	Aborted
 	// Failed: the sink could not decide or apply (a network or database
 	// error); the effect may be retried. Err says why. It stays last.
 	Failed
@@ -65,6 +70,8 @@ func (o Outcome) String() string {
 		return "over_limit"
 	case DeadLettered:
 		return "dead_lettered"
+	case Aborted:
+		return "aborted"
 	case Failed:
 		return "failed"
 	}

@@ -219,12 +219,18 @@ func outcomeLabel(o Outcome) string {
 		return telemetry.OutcomeAdvanced
 	case DeadLettered:
 		return outcomeDeadLettered
+	case Aborted:
+		return outcomeAborted
 	}
 	return telemetry.OutcomeError
 }
 
 // outcomeDeadLettered is the leasehold_outcome label of the poison path.
 const outcomeDeadLettered = "dead_lettered"
+
+// outcomeAborted is the leasehold_outcome label of an effect of a job
+// attempt that did not complete.
+const outcomeAborted = "aborted"
 
 // newInstruments prepares what the Reporter's spans and counts reuse.
 func (r *Reporter) newInstruments(cfg telemetry.Config) {

@@ -51,6 +51,13 @@ func (e *EffectError) Unwrap() error { return e.Err }
 // once every effect is acknowledged, and fails (and runs again) if one is
 // not. After the lease is lost it returns an error matching
 // leasehold.ErrLeaseLost and publishes nothing.
+//
+// The effect carries the job and the attempt, and the attempt's latest
+// effect on each subject is held back until the handler returns: if it
+// returns nil, that effect leaves marked final, so that a stream sink
+// applies the job's effects on the subject all together; if the attempt
+// fails, it never leaves, and the ones that did are closed by an abort
+// marker (see output.go). A job of one effect sends one message.
 func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...EmitOption) error {
 	var o emitOpts
 	for _, opt := range opts {
@@ -63,38 +70,58 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 		j.fail(err)
 		return err
 	}
-	msg := &nats.Msg{Subject: subject, Data: data, Header: make(nats.Header, len(o.header)+6)}
+	msg := &nats.Msg{Subject: subject, Data: data, Header: make(nats.Header, len(o.header)+10)}
 	for k, vs := range o.header {
-		msg.Header[k] = vs
+		if !isJobHeader(k) {
+			msg.Header[k] = vs
+		}
 	}
 	sctx, span := j.r.startSend(ctx, subject, stamp)
 	j.r.stampHeader(sctx, msg.Header, stamp, j.nonce)
+	// Sized as the final it may become: the final's headers are the
+	// largest.
+	leasehold.JobMark{Job: j.Seq, Attempt: j.wire, Effects: leasehold.MaxJobEffects, After: j.Seq - 1}.SetHeader(msg.Header)
 	if err := j.r.checkSize(msg); err != nil {
 		err = &EffectError{Subject: subject, Key: stamp.Key, Err: err}
 		endSpan(span, err)
 		j.fail(err)
 		return err
 	}
-	// The last look before the message leaves: a process frozen since the
-	// stamp was reserved must not send it now.
-	if err := j.sendable(); err != nil {
-		endSpan(span, err)
-		j.fail(err)
-		return err
+	leasehold.JobMark{Job: j.Seq, Attempt: j.wire}.SetHeader(msg.Header)
+	// The subject's effect held so far is not its last: it goes now, and
+	// this one is held until the handler returns (see output.go).
+	prev, err := j.hold(msg)
+	if err == nil && prev != nil {
+		err = j.send(ctx, prev)
 	}
-	fut, err := j.r.publishAsync(ctx, msg)
 	if err != nil {
-		err = &EffectError{Subject: subject, Key: stamp.Key, Err: err}
 		endSpan(span, err)
 		j.fail(err)
 		return err
 	}
 	span.End()
-	j.mu.Lock()
-	j.futs = append(j.futs, fut)
-	j.mu.Unlock()
 	j.r.w.tel.Metrics.EffectsEmitted.Add(ctx, 1)
 	j.r.event(ctx, Event{Kind: EventEffectEmitted, Job: j, Seq: j.Seq, Attempt: j.Attempt, Stamp: stamp, Subject: subject})
+	return nil
+}
+
+// send publishes one of j's effects without waiting for its
+// acknowledgement, which close hands to the runner.
+func (j *Job) send(ctx context.Context, msg *nats.Msg) error {
+	key := msg.Header.Get(leasehold.HeaderKey)
+	// The last look before the message leaves: a process frozen since the
+	// stamp was reserved must not send it now.
+	if err := j.sendable(); err != nil {
+		return err
+	}
+	fut, err := j.r.publishAsync(ctx, msg)
+	if err != nil {
+		return &EffectError{Subject: msg.Subject, Key: key, Err: err}
+	}
+	j.mu.Lock()
+	j.futs = append(j.futs, fut)
+	j.out[msg.Subject].sent = true
+	j.mu.Unlock()
 	return nil
 }
 

@@ -36,6 +36,12 @@ type Job struct {
 
 	r     *runner
 	nonce string // unique to this attempt: its effects' message IDs carry it
+	wire  uint64 // the attempt's number on the wire: rises with every attempt of the lease
+
+	// out and subjects are the effects published per subject, in the
+	// order the subjects were first used (see output.go).
+	out      map[string]*subjectOutput
+	subjects []string
 
 	mu     sync.Mutex
 	next   int // index of the next effect
@@ -91,14 +97,23 @@ func (j *Job) usable() error {
 // deadline has not run yet when it wakes), or the runner's context ended
 // (a drain that ran out of time).
 func (j *Job) sendable() error {
-	if err := j.r.lease.Err(); err != nil {
+	if err := j.r.sendable(); err != nil {
 		return j.leaseLost(err)
 	}
-	if d := j.r.lease.Deadline(); !time.Now().Before(d) {
-		return j.leaseLost(fmt.Errorf("the lease's local deadline passed %v ago", time.Since(d).Round(time.Millisecond)))
+	return nil
+}
+
+// sendable reports why the runner's lease may no longer be written under
+// (see Job.sendable).
+func (r *runner) sendable() error {
+	if err := r.lease.Err(); err != nil {
+		return err
 	}
-	if err := j.r.ctx.Err(); err != nil {
-		return j.leaseLost(context.Cause(j.r.ctx))
+	if d := r.lease.Deadline(); !time.Now().Before(d) {
+		return fmt.Errorf("the lease's local deadline passed %v ago", time.Since(d).Round(time.Millisecond))
+	}
+	if err := r.ctx.Err(); err != nil {
+		return context.Cause(r.ctx)
 	}
 	return nil
 }

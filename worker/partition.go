@@ -61,6 +61,10 @@ type runner struct {
 	lastCommit time.Time
 	fetch      *fetcher
 	pending    uint64 // jobs after the last one handled, as the consumer saw them
+	attempts   uint64 // attempts run under the lease: the next one's number on the wire
+	// after is, per subject, the last job of this lease that completed
+	// with effects there: its next job's final names it (output.go).
+	after map[string]uint64
 
 	// Read by the stall watch while the runner's goroutine works.
 	progressAt   atomic.Int64  // unix nanoseconds of the last progress, or of being caught up
@@ -124,6 +128,7 @@ func newRunner(w *Worker, l *coordinator.Lease, prev *runner) *runner {
 		done:     make(chan struct{}),
 		draining: make(chan struct{}),
 		retries:  map[uint64]retryState{},
+		after:    map[string]uint64{},
 	}
 	r.spans = newSpans(r)
 	r.abandoned = make(chan struct{})
@@ -282,7 +287,7 @@ func (r *runner) handle(m jetstream.Msg) outcome {
 		return 0
 	}
 	r.pending = md.NumPending
-	futs, runs, out := r.runJob(m, md)
+	futs, done, out := r.runJob(m, md)
 	if out != 0 {
 		return out
 	}
@@ -293,7 +298,7 @@ func (r *runner) handle(m jetstream.Msg) outcome {
 			delete(r.retries, seq)
 		}
 	} else {
-		r.window = append(r.window, inflight{seq: seq, runs: runs, futs: futs, sent: time.Now()})
+		r.window = append(r.window, inflight{seq: seq, runs: done.runs, futs: futs, sent: time.Now(), undo: done.undo})
 	}
 	if seq, err := r.reap(r.ctx, len(r.window) >= r.w.cfg.MaxInFlight); err != nil {
 		if r.ctx.Err() != nil {
@@ -304,18 +309,25 @@ func (r *runner) handle(m jetstream.Msg) outcome {
 	return r.progress()
 }
 
+// completed is how a job's last attempt ended, for the window.
+type completed struct {
+	runs int         // attempts run
+	undo []afterUndo // what its finals changed in the after map
+}
+
 // runJob runs the attempts of one job until it succeeds or is
-// dead-lettered, and returns the publishes to wait for and the attempts
-// run.
-func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream.PubAckFuture, int, outcome) {
+// dead-lettered, and returns the publishes to wait for and how it ended.
+func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream.PubAckFuture, completed, outcome) {
 	seq := md.Sequence.Stream
 	st := r.retries[seq]
 	for !st.dead {
 		if out := r.acquireSlot(); out != 0 {
-			return nil, 0, out
+			return nil, completed{}, out
 		}
 		st.runs++
+		r.attempts++
 		job := r.newJob(m, md, st.runs)
+		job.wire = r.attempts
 		ctx := context.WithValue(r.ctx, jobKey{}, job)
 		ctx = r.w.tel.Propagator.Extract(ctx, telemetry.HeaderCarrier(job.Header))
 		ctx, span := r.startProcess(ctx, job)
@@ -331,29 +343,39 @@ func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream
 		if hung {
 			// Given up on: the partition is released, and the slot.
 			r.measure(ctx, span, took, err)
-			return nil, 0, outLost
+			return nil, completed{}, outLost
 		}
 		r.releaseSlot()
 		futs, effErr := job.close()
-		r.measure(ctx, span, took, cmp.Or(err, effErr))
 		if r.ctx.Err() != nil {
 			// The lease is gone (or the drain ran out of time): the job is
-			// not done, whatever the handler returned.
-			return nil, 0, outLost
+			// not done, whatever the handler returned, and its held
+			// effects never leave.
+			r.measure(ctx, span, took, cmp.Or(err, effErr))
+			return nil, completed{}, outLost
 		}
 		if err == nil {
 			err = effErr
 		}
+		var undo []afterUndo
+		if err == nil {
+			futs, undo, err = job.finish(ctx, r.after)
+		}
+		r.measure(ctx, span, took, err)
 		if err == nil {
 			// The job's failure count stays until its effects are
 			// acknowledged: an effect can still fail it.
 			r.event(ctx, Event{Kind: EventJobFinished, Job: job, Seq: seq, Attempt: st.runs, Duration: took})
-			return futs, st.runs, 0
+			return futs, completed{runs: st.runs, undo: undo}, 0
 		}
+		for i := len(undo) - 1; i >= 0; i-- {
+			r.after[undo[i].subject] = undo[i].prev
+		}
+		r.abort(seq, job.wire, job.sentSubjects())
 		if errors.Is(err, leasehold.ErrStaleEpoch) || errors.Is(err, leasehold.ErrLeaseLost) {
 			r.event(ctx, Event{Kind: EventJobFailed, Job: job, Seq: seq, Attempt: st.runs, Err: err, Duration: took})
 			r.log.Error("a sink refused this worker's epoch: another worker has taken the partition over; stopping it", "seq", seq, "err", err)
-			return nil, 0, outStale
+			return nil, completed{}, outStale
 		}
 		if st.counts(err, r.w.cfg.TransientFor) {
 			st.failures++
@@ -369,7 +391,7 @@ func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream
 		if !st.dead {
 			r.log.Warn("job failed; retrying", "seq", seq, "attempt", st.runs, "backoff", wait, "err", err)
 			if out := r.sleep(wait); out != 0 {
-				return nil, 0, out
+				return nil, completed{}, out
 			}
 		}
 	}
@@ -378,7 +400,7 @@ func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream
 		r.retries[seq] = st
 	}
 	futs, out := r.deadLetter(m, md, st)
-	return futs, st.runs, out
+	return futs, completed{runs: st.runs}, out
 }
 
 // measure records one attempt's outcome on its span, which it ends, and in
@@ -455,6 +477,7 @@ func (r *runner) sleep(d time.Duration) outcome {
 // than a successor), the partition is read again from its progress.
 func (r *runner) stopped() outcome {
 	r.event(r.ctx, Event{Kind: EventPartitionStopped, Seq: r.handled})
+	r.unwind()
 	r.window = nil
 	t := time.NewTimer(2 * r.w.ttl)
 	defer t.Stop()

@@ -25,6 +25,10 @@ type inflight struct {
 	futs  []jetstream.PubAckFuture
 	acked int // futs[:acked] are acknowledged
 	sent  time.Time
+
+	// For a rewind: what it changed in the runner's after map (see
+	// output.go).
+	undo []afterUndo
 }
 
 // reap moves the finished mark past jobs whose effects are all
@@ -120,6 +124,7 @@ func (r *runner) rewind(seq uint64, err error) outcome {
 		}
 	}
 	cancel()
+	r.unwind()
 	r.window = nil
 	r.w.tel.Metrics.JobsFailed.Add(r.ctx, 1)
 	wait := r.w.cfg.Backoff(max(st.runs, 1))

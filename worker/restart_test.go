@@ -88,7 +88,7 @@ func tryEffectKeys(js jetstream.JetStream, prefix string) (map[[2]uint64]bool, e
 	}
 	out := map[[2]uint64]bool{}
 	for _, m := range msgs {
-		if isBarrier(m) {
+		if isBarrier(m) || m.Headers().Get(leasehold.HeaderAbort) == "1" {
 			continue
 		}
 		s, err := leasehold.StampFromHeader(m.Headers())

@@ -32,7 +32,9 @@ wake), SIGKILL, SIGTERM, sink crashes, NATS server restarts or cluster node
 kills, a network partition of one worker (as root with ip and nft), and forged
 or garbage messages in the effect log. It then waits for the sink to catch
 up, checks the recorded history — no stale application, every job applied
-exactly once, epochs strictly rising, one holder per epoch, and liveness: no
+exactly once, no effect of a job attempt that did not complete applied (the
+attempts as the effect log and the workers record them), epochs strictly
+rising, one holder per epoch, and liveness: no
 partition with pending jobs and a live holder goes without progress for
 longer than the TTL + 5s (time a fault took away left out), and no job is
 left unapplied at the end — and prints the figures, the longest stall among

@@ -141,7 +141,7 @@ func Run(ctx context.Context, cfg Config) ([]Row, error) {
 		var got []Row
 		switch s {
 		case "e2e":
-			got, err = env.endToEnd(ctx)
+			got, err = env.endToEndAll(ctx)
 		case "latency":
 			got, err = env.latency(ctx)
 		case "fence":

@@ -28,6 +28,16 @@ const (
 	Decision = "decision" // a sink decided on an effect (Partition, Epoch, Key, Outcome, Max, Position)
 	Commit   = "commit"   // a worker committed progress (Partition, Epoch, Seq)
 	Fault    = "fault"    // the harness injected a fault (Proc is the target, Reason the fault)
+	// Attempt: an attempt of a job ended (Partition, Epoch, Seq: the job,
+	// Attempt: its number on the wire, Outcome: AttemptCompleted or
+	// AttemptFailed).
+	Attempt = "attempt"
+)
+
+// Outcomes of an Attempt event.
+const (
+	AttemptCompleted = "completed" // the handler returned nil and the job's effects were marked final
+	AttemptFailed    = "failed"    // the attempt failed: retried, dead-lettered, timed out or cut off
 )
 
 // Event is one line of history. Fields that do not apply are left empty.
@@ -45,6 +55,7 @@ type Event struct {
 	Holder    string    `json:"holder,omitempty"`
 	Reason    string    `json:"reason,omitempty"`
 	Position  uint64    `json:"pos,omitempty"` // a sink's position in its log, when it has one
+	Attempt   uint64    `json:"attempt,omitempty"`
 }
 
 // Writer appends events to a file. A nil *Writer records nothing, so

@@ -17,7 +17,7 @@ import (
 func BenchmarkDecideRepublish(b *testing.B) {
 	cfg := Config{Prefix: "bench", Logger: slog.New(slog.DiscardHandler)}
 	cfg.setDefaults()
-	r := &Runner{cfg: cfg, rep: sink.NewReporter(sink.ReporterConfig{Name: "b", Logger: cfg.Logger}), fences: newFenceTable(numShards)}
+	r := &Runner{cfg: cfg, rep: sink.NewReporter(sink.ReporterConfig{Name: "b", Logger: cfg.Logger}), fences: newFenceTable(numShards), groups: newGroups()}
 	msgs := make([]*logMsg, 2000)
 	for i := range msgs {
 		h := nats.Header{}
@@ -34,7 +34,7 @@ func BenchmarkDecideRepublish(b *testing.B) {
 	for i := 0; b.Loop(); i++ {
 		m := msgs[i%len(msgs)]
 		w.seq = m.seq - 1
-		o, err := r.decide(ctx, w, m)
+		o, err := r.decide(ctx, w, m, nil)
 		if err != nil || !o.deliver {
 			b.Fatal(err)
 		}

@@ -56,6 +56,12 @@ type Config struct {
 	// 131072 (DefaultMaxFences: two job streams of 65536 partitions, or
 	// one and 65536 locks); at most 262144 (MaxFencesLimit).
 	MaxFences int
+	// MaxHeldEffects and MaxHeldBytes bound the effects of jobs the runner
+	// holds until the rest of their job is in the log (see groups.go), and
+	// their data. At the limit it stops, with an error matching
+	// ErrGroupLimit in its log lines and Ready. Defaults 65536 and 64 MiB.
+	MaxHeldEffects int
+	MaxHeldBytes   int
 	// LegacyScope is the scope that wrote state saved before fence scopes
 	// (one value holding the position and every partition's fence),
 	// normally the job stream's prefix. New then converts that state in
@@ -223,6 +229,12 @@ func (c *Config) setDefaults() {
 	if c.MaxFences == 0 {
 		c.MaxFences = DefaultMaxFences
 	}
+	if c.MaxHeldEffects == 0 {
+		c.MaxHeldEffects = 1 << 16
+	}
+	if c.MaxHeldBytes == 0 {
+		c.MaxHeldBytes = 64 << 20
+	}
 	if c.HandlerBatch == 0 {
 		c.HandlerBatch = c.Batch
 	}
@@ -281,6 +293,9 @@ func (c Config) Validate() error {
 	}
 	if c.StallAfter < 0 {
 		errs = append(errs, fmt.Errorf("stall after %v: use a positive time", c.StallAfter))
+	}
+	if c.MaxHeldEffects < 0 || c.MaxHeldBytes < 0 {
+		errs = append(errs, errors.New("max held effects and bytes must not be negative (0 means the default)"))
 	}
 	if c.MaxFences < 1 || c.MaxFences > MaxFencesLimit {
 		errs = append(errs, fmt.Errorf("max fences %d: use 1 to %d", c.MaxFences, MaxFencesLimit))

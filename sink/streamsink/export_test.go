@@ -5,3 +5,11 @@ package streamsink
 // "saved": progress saved, messages not acked). An error from f stops Run
 // there, as a crash would.
 func (r *Runner) SetHook(f func(point string) error) { r.hook = f }
+
+// SetMaxDelta sets how many chains the position record lists before the
+// applied shards are written, until the returned func restores it.
+func SetMaxDelta(n int) func() {
+	old := maxDelta
+	maxDelta = n
+	return func() { maxDelta = old }
+}

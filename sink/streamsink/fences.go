@@ -157,11 +157,16 @@ type fenceTable struct {
 	// before the position next moves, so that no such entry is ever
 	// taken for one below it.
 	stale map[int]bool
+	// past keeps, while the saved position is held back behind the one
+	// decided (open job groups, see groups.go), each risen fence's earlier
+	// states since the saved position, the state as of it first: what a
+	// shard saves as the fence as of the saved position.
+	past map[leasehold.FenceID][]rise
 }
 
 func newFenceTable(n int) *fenceTable {
 	return &fenceTable{
-		n: n, fences: make(map[leasehold.FenceID]rise),
+		n: n, fences: make(map[leasehold.FenceID]rise), past: make(map[leasehold.FenceID][]rise),
 		members: make([][]leasehold.FenceID, n), reserved: make([]int, n), rev: make([]uint64, n),
 		stale: make(map[int]bool),
 	}
@@ -183,6 +188,8 @@ type work struct {
 	shards map[int][]leasehold.FenceID // the fences in raised, by shard
 	added  int                         // fences in raised that the table does not hold
 	extra  map[int]int                 // bytes those reserve, by shard
+	// grouped: the batch placed effects in job groups, or dropped some.
+	grouped bool
 }
 
 // fence returns id's state as of w.seq, and whether the fence exists.
@@ -247,28 +254,71 @@ func (w *work) dirty(t *fenceTable) []int {
 	return out
 }
 
-// history returns the entries shard k saves for its fences when w is saved:
-// each fence as of the saved position, and as w leaves it.
-func (w *work) history(t *fenceTable, k int) map[leasehold.FenceID][]rise {
+// history returns the entries shard k saves for its fences when w is saved
+// at position saved: each fence as of saved, and as w leaves it.
+func (w *work) history(t *fenceTable, k int, saved uint64) map[leasehold.FenceID][]rise {
 	out := make(map[leasehold.FenceID][]rise, len(t.members[k]))
 	for _, id := range t.members[k] {
-		out[id] = []rise{t.fences[id]}
+		latest := t.fences[id]
+		if r, ok := w.raised[id]; ok {
+			latest = r
+		}
+		if first, ok := t.asOf(id, saved); ok && first != latest {
+			out[id] = []rise{first, latest}
+		} else {
+			out[id] = []rise{latest}
+		}
 	}
 	for _, id := range w.shards[k] {
-		out[id] = append(out[id], w.raised[id])
+		if _, ok := out[id]; !ok {
+			out[id] = []rise{w.raised[id]}
+		}
 	}
 	return out
 }
 
-// commit makes w the table's state, once w's position is saved: the shards
-// written for it hold nothing above the position any more.
-func (t *fenceTable) commit(w *work, written []int) {
+// asOf returns fence id as it stood at position seq, if it existed.
+func (t *fenceTable) asOf(id leasehold.FenceID, seq uint64) (rise, bool) {
+	cur, ok := t.fences[id]
+	if !ok || cur.At <= seq {
+		return cur, ok
+	}
+	past := t.past[id]
+	for i := len(past) - 1; i >= 0; i-- {
+		if past[i].At <= seq {
+			return past[i], true
+		}
+	}
+	return rise{}, false
+}
+
+// commit makes w the table's state, once w is saved at position saved
+// (below w.seq while job groups are open): the shards written for it hold
+// nothing above saved any more but what history wrote for w.
+func (t *fenceTable) commit(w *work, written []int, saved uint64) {
 	for id, r := range w.raised {
-		if _, ok := t.fences[id]; ok {
+		if old, ok := t.fences[id]; ok {
+			if r.At > saved {
+				t.past[id] = append(t.past[id], old)
+			}
 			t.fences[id] = r
 		} else {
+			if r.At > saved {
+				t.past[id] = t.past[id][:0:0]
+			}
 			t.add(id, r)
 		}
+	}
+	for id, past := range t.past {
+		if t.fences[id].At <= saved {
+			delete(t.past, id)
+			continue
+		}
+		i := 0
+		for i+1 < len(past) && past[i+1].At <= saved {
+			i++
+		}
+		t.past[id] = past[i:]
 	}
 	for _, k := range written {
 		delete(t.stale, k)

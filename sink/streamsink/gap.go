@@ -179,6 +179,8 @@ func (r *Runner) ResumeAfterGap(ctx context.Context, to uint64) error {
 	if len(r.skips) > maxSkips {
 		r.skips = slices.Delete(r.skips, 0, len(r.skips)-maxSkips)
 	}
+	// Open jobs are given up with what the gap took.
+	r.resetGroups()
 	w := &work{seq: to}
 	written, err := r.save(ctx, w)
 	if err != nil {

@@ -65,7 +65,7 @@ func (r *Runner) handle(ctx context.Context, msgs []*logMsg) error {
 				}
 			}
 		}
-		o, err := r.decide(ctx, w, m)
+		o, err := r.decide(ctx, w, m, &outs)
 		if err != nil {
 			stopErr, rest = err, i
 			break
@@ -83,6 +83,12 @@ func (r *Runner) handle(ctx context.Context, msgs []*logMsg) error {
 		err := r.settle(ctx, outs, w)
 		endSpans(outs, err)
 		if err != nil {
+			if w.grouped || len(r.groups.open) > 0 {
+				// The groups hold what this batch placed in them: the
+				// saved state is made the runner's again, and the log
+				// read from its position.
+				r.needReload = true
+			}
 			return err
 		}
 		for _, o := range outs {
@@ -190,7 +196,7 @@ func (r *Runner) fill(ctx context.Context, w *work, upto uint64, outs *[]outcome
 				return err
 			}
 		}
-		o, err := r.decide(ctx, w, m)
+		o, err := r.decide(ctx, w, m, outs)
 		if err != nil {
 			return err
 		}
@@ -203,7 +209,10 @@ func (r *Runner) fill(ctx context.Context, w *work, upto uint64, outs *[]outcome
 // position (w's, since messages are decided in log order) and records a
 // rise. An error means the decision could not be taken (the lease bucket
 // did not answer); the message is decided again later.
-func (r *Runner) decide(ctx context.Context, w *work, m *logMsg) (outcome, error) {
+//
+// An effect of a job is placed in its group (see groups.go); what becomes
+// of the group's effects, applied or dropped, is appended to outs.
+func (r *Runner) decide(ctx context.Context, w *work, m *logMsg, outs *[]outcome) (outcome, error) {
 	o := outcome{m: m, report: true}
 	st, err := leasehold.StampFromHeader(m.header)
 	if err != nil {
@@ -251,6 +260,10 @@ func (r *Runner) decide(ctx context.Context, w *work, m *logMsg) (outcome, error
 			}
 		}
 		w.raise(r.fences, id, rise{At: m.seq, Epoch: st.Epoch, Acquisition: st.Acquisition, Holder: holderOf(st.Worker)})
+		if len(r.groups.open) > 0 {
+			w.grouped = true
+			r.abandon(id, st.Epoch, outs)
+		}
 	}
 	o.d.Max, o.d.MaxAcquisition = st.Epoch, st.Acquisition
 	if raise {
@@ -263,6 +276,19 @@ func (r *Runner) decide(ctx context.Context, w *work, m *logMsg) (outcome, error
 	}
 	o.d.Outcome = sink.Accepted
 	o.deliver = true
+	mark, err := leasehold.JobMarkFromHeader(m.header)
+	if err != nil {
+		o.term, o.deliver = true, false
+		o.d.Outcome = sink.BadStamp
+		o.d.Err = fmt.Errorf("streamsink: %s at log position %d (subject %s): %w", r.cfg.Stream, m.seq, m.subject, err)
+		return o, nil
+	}
+	if !mark.Standalone() {
+		w.grouped = true
+		if err := r.decideJob(&o, mark, outs); err != nil {
+			return outcome{}, err
+		}
+	}
 	return o, nil
 }
 
@@ -505,10 +531,17 @@ func MessageID(s leasehold.Stamp) string { return s.Scope + " " + s.Key }
 // because the key moved, and not by an earlier attempt of ours, means
 // another runner.
 func (r *Runner) save(ctx context.Context, w *work) ([]int, error) {
+	// The saved position stops short of the first effect of a job still
+	// open: a runner that starts from it finds the job's effects again.
+	pos := w.seq
+	if first := r.groups.firstOpen(); first != 0 && first-1 < pos {
+		pos = first - 1
+	}
+	pos = max(pos, r.saved)
 	shards := w.dirty(r.fences)
 	todo := make(map[int][]byte, len(shards))
 	for _, k := range shards {
-		body := encodeShard(w.history(r.fences, k))
+		body := encodeShard(w.history(r.fences, k, pos))
 		if len(body) > shardBytes {
 			// reserve and room keep this from happening.
 			return nil, fmt.Errorf("streamsink: fence shard %d would take %d bytes, above its bound of %d", k, len(body), shardBytes)
@@ -523,9 +556,13 @@ func (r *Runner) save(ctx context.Context, w *work) ([]int, error) {
 			}
 		}
 		if err == nil {
+			err = r.checkpointApplied(ctx)
+		}
+		if err == nil {
 			var nrev uint64
-			if nrev, err = r.savePosition(ctx, w.seq, r.rev); err == nil {
+			if nrev, err = r.savePosition(ctx, pos, r.rev); err == nil {
 				r.rev = nrev
+				r.saved = pos
 				return shards, nil
 			}
 		}
@@ -543,7 +580,8 @@ func (r *Runner) adopt(w *work, written []int) {
 	r.forgetTries(w.seq)
 	r.mu.Lock()
 	r.seq = w.seq
-	r.fences.commit(w, written)
+	r.fences.commit(w, written, r.saved)
+	r.heldCount = r.groups.held
 	close(r.progress)
 	r.progress = make(chan struct{})
 	r.mu.Unlock()

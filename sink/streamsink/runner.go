@@ -21,6 +21,21 @@
 // committed progress, and refusing it would lose it. So each message is
 // judged against the fences as they stood at its log position.
 //
+// A job's effects apply all or none. Effects a worker publishes for a job
+// (leasehold.HeaderJob and the other job headers: leasehold.JobMark) are
+// held back, by fence, subject, lease and job, until the attempt's final
+// and every effect it counts are in the log and the job before it on the
+// subject was applied; then they are delivered together (one BatchHandler
+// call, one republish round). Effects of attempts that failed (an abort
+// marker), were superseded by a later attempt, were skipped by a later
+// job of the lease or cut short by a successor's barrier are never
+// applied, and are reported sink.Aborted. The saved position stops short
+// of the first effect of a job still open, and the last job applied per
+// fence and subject is saved beside it, so a restart finds open jobs again
+// and applies no job twice. Held effects are bounded (Config.MaxHeldEffects
+// and MaxHeldBytes, ErrGroupLimit). Effects without job headers apply on
+// their own. See groups.go.
+//
 // Progress is crash-safe. After each batch the runner saves the fence
 // shards the batch changed (most batches change none), then the last log
 // position it handled, and only then acks. A runner that dies mid-batch
@@ -94,16 +109,23 @@ type Runner struct {
 	skips  []skip         // the operators' resumes the position record keeps
 	tries  map[uint64]int // failed deliveries by log position; deadLettered once moved
 
-	mu       sync.Mutex
-	seq      uint64        // the saved position
-	rev      uint64        // the position record's revision; only Run's goroutine uses it
-	fences   *fenceTable   // as of seq
-	progress chan struct{} // closed and replaced when seq advances
-	running  bool
-	lastOK   time.Time     // when Run last finished a step without error
-	lastErr  error         // the error of the last failed step, nil after a good one
-	gap      *GapError     // the gap Run stopped at, until resumed
-	resumed  chan struct{} // closed and replaced on a resume past a gap
+	// Job groups (groups.go), owned by Run's goroutine.
+	groups     *groups
+	saved      uint64         // the saved position: seq, or short of the first effect of an open job
+	appliedRev map[int]uint64 // revisions of the applied shards
+	needReload bool           // a batch that placed effects in groups was not saved
+
+	mu        sync.Mutex
+	heldCount int           // effects held in open groups, for the gauge
+	seq       uint64        // the position decided and saved (see saved)
+	rev       uint64        // the position record's revision; only Run's goroutine uses it
+	fences    *fenceTable   // as of seq
+	progress  chan struct{} // closed and replaced when seq advances
+	running   bool
+	lastOK    time.Time     // when Run last finished a step without error
+	lastErr   error         // the error of the last failed step, nil after a good one
+	gap       *GapError     // the gap Run stopped at, until resumed
+	resumed   chan struct{} // closed and replaced on a resume past a gap
 }
 
 // New prepares a runner: it finds the effect log (or creates it, with
@@ -138,7 +160,15 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Runner, erro
 	if err != nil {
 		return nil, err
 	}
-	r.seq, r.rev, r.fences, r.skips = st.seq, st.rev, st.fences, st.skips
+	r.seq, r.saved, r.rev, r.fences, r.skips = st.seq, st.seq, st.rev, st.fences, st.skips
+	ap, err := retry.Value(ctx, r.loadApplied)
+	if err != nil {
+		return nil, err
+	}
+	r.adoptApplied(ap, st.delta)
+	if err := r.registerGauges(); err != nil {
+		return nil, err
+	}
 	if st.legacy {
 		// Convert at once, so that a runner built before fence scopes
 		// finds state it refuses rather than state it would trust.
@@ -146,7 +176,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Runner, erro
 		if err != nil {
 			return nil, fmt.Errorf("streamsink: convert the progress saved before fence scopes: %w", err)
 		}
-		r.fences.commit(&work{}, written)
+		r.fences.commit(&work{}, written, st.seq)
 		r.log.LogAttrs(ctx, slog.LevelInfo, "streamsink: converted progress saved before fence scopes",
 			slog.String("sink", cfg.Name), slog.String("scope", cfg.LegacyScope), slog.Int("fences", len(r.fences.fences)), slog.Uint64("position", st.seq))
 	}
@@ -237,7 +267,10 @@ func (r *Runner) Fences() int {
 	return len(r.fences.fences)
 }
 
-// Position returns the last log position handled and saved.
+// Position returns the last log position handled and saved. While a job's
+// effects are held open (see groups.go), the position saved for a restart
+// stops short of the job's first effect, and a restart reads the log again
+// from there.
 func (r *Runner) Position() uint64 {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -353,6 +386,9 @@ func (r *Runner) Ready(context.Context) error {
 	if r.gap != nil {
 		return r.gap
 	}
+	if errors.Is(r.lastErr, ErrGroupLimit) {
+		return r.lastErr
+	}
 	if !r.running {
 		return fmt.Errorf("streamsink: sink %s is not running", r.cfg.Name)
 	}
@@ -375,6 +411,11 @@ var errStop = errors.New("streamsink: stopped")
 // busy one in full batches. (A Fetch loop rather than Consume: Consume can
 // stall a consumer with a backlog until its heartbeat check fires.)
 func (r *Runner) step(ctx context.Context) error {
+	if r.needReload {
+		if err := r.reload(ctx); err != nil {
+			return err
+		}
+	}
 	msgs, err := r.fetch(ctx, r.cfg.Batch, false)
 	if err != nil {
 		return err

@@ -180,7 +180,11 @@ func TestRepublishHeaders(t *testing.T) {
 	const traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 	h["traceparent"] = []string{traceparent}
 	h["tracestate"] = []string{"vendor=1"}
+	// A job's one effect, its final: applied at once, its headers kept.
 	h["Leasehold-Job"] = []string{"17"}
+	h["Leasehold-Attempt"] = []string{"1"}
+	h["Leasehold-Effects"] = []string{"1"}
+	h["Leasehold-After"] = []string{"0"}
 	// The log takes it; the downstream stream would refuse it for ever.
 	h["Nats-Expected-Stream"] = []string{"hdr-effects"}
 	h["nats-msg-id"] = []string{"k-1@4~abc"}
@@ -207,7 +211,7 @@ func TestRepublishHeaders(t *testing.T) {
 	wantHeaders := map[string]string{
 		leasehold.HeaderScope: "hdr", leasehold.HeaderPartition: "3", leasehold.HeaderEpoch: "4",
 		leasehold.HeaderAcquisition: "a4", leasehold.HeaderKey: "k-1", leasehold.HeaderWorker: "w4",
-		"Leasehold-Job": "17", "traceparent": traceparent, "tracestate": "vendor=1",
+		"Leasehold-Job": "17", "Leasehold-Attempt": "1", "Leasehold-Effects": "1", "Leasehold-After": "0", "traceparent": traceparent, "tracestate": "vendor=1",
 		jetstream.MsgIDHeader: streamsink.MessageID(st),
 	}
 	for k, vs := range m.Header {

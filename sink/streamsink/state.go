@@ -48,6 +48,9 @@ type position struct {
 	// Skipped lists the latest gaps an operator resumed past: log
 	// positions given up for lost.
 	Skipped []skip `json:"skipped,omitempty"`
+	// Applied lists the jobs applied since the applied shards were last
+	// written (see applied.go).
+	Applied []appliedEntry `json:"applied,omitempty"`
 }
 
 // legacyState is the progress a runner built before fence scopes saved.
@@ -64,7 +67,7 @@ func (r *Runner) positionKey() string { return r.cfg.Consumer }
 func (r *Runner) encodePosition(seq uint64) []byte {
 	b, _ := json.Marshal(position{Format: positionFormat, Seq: seq, Shards: r.fences.n,
 		Fences:  "in keys " + r.cfg.Consumer + ".fences.<shard>; read by leasehold stream sinks with fence scopes",
-		Skipped: r.skips})
+		Skipped: r.skips, Applied: r.groups.deltaEntries()})
 	return b
 }
 
@@ -75,6 +78,7 @@ type loaded struct {
 	fences *fenceTable
 	skips  []skip
 	legacy bool // converted from progress saved before fence scopes: to be saved at once
+	delta  []appliedEntry
 }
 
 // loadState reads the saved position and fences through the state bucket's
@@ -97,6 +101,7 @@ func (r *Runner) loadState(ctx context.Context) (loaded, error) {
 			Shards  int             `json:"shards"`
 			Fences  json.RawMessage `json:"fences"`
 			Skipped []skip          `json:"skipped"`
+			Applied []appliedEntry  `json:"applied"`
 		}
 		if err := json.Unmarshal(m.Data, &probe); err != nil {
 			return loaded{}, fmt.Errorf("streamsink: progress %s is not leasehold's JSON (%v): fix or delete the key and its %s.fences.* keys, knowing that the runner then starts over", where, err, r.positionKey())
@@ -116,6 +121,12 @@ func (r *Runner) loadState(ctx context.Context) (loaded, error) {
 				probe.Skipped = probe.Skipped[len(probe.Skipped)-maxSkips:]
 			}
 			out.skips = probe.Skipped
+			for _, e := range probe.Applied {
+				if err := e.validate(); err != nil {
+					return loaded{}, fmt.Errorf("streamsink: progress %s lists an applied job that is not leasehold's (%v): fix or delete the key, knowing that jobs are then applied again", where, err)
+				}
+			}
+			out.delta = probe.Applied
 		default:
 			return loaded{}, fmt.Errorf("streamsink: progress %s has format %d, which this runner does not know: it was saved by a later version; run that version", where, probe.Format)
 		}

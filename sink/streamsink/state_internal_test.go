@@ -105,7 +105,7 @@ func TestStateSizeBound(t *testing.T) {
 	t.Logf("65536 fences, two entries each: %d shards, largest %d bytes (bound %d), mean %d, total %d",
 		numShards, largest, shardBytes, total/numShards, total)
 
-	r.fences.commit(w, written)
+	r.fences.commit(w, written, w.seq)
 	again, err := New(ctx, srv.JetStream(t), cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -122,7 +122,7 @@ func TestStateSizeBound(t *testing.T) {
 	// Saved again with nothing raised, each fence keeps one entry.
 	total = 0
 	for k := range numShards {
-		total += len(encodeShard((&work{}).history(again.fences, k)))
+		total += len(encodeShard((&work{}).history(again.fences, k, again.seq)))
 	}
 	t.Logf("65536 fences, one entry each: total %d bytes", total)
 }
@@ -154,7 +154,7 @@ func TestShardFull(t *testing.T) {
 	for _, id := range ids {
 		w.raise(tab, id, worstRise(math.MaxUint64, leasehold.MaxEpoch, 'b'))
 	}
-	n := len(encodeShard(w.history(tab, 0)))
+	n := len(encodeShard(w.history(tab, 0, math.MaxUint64-1)))
 	if n > shardBytes {
 		t.Fatalf("a full shard of %d fences takes %d bytes, above the bound of %d", len(ids), n, shardBytes)
 	}

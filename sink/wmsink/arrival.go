@@ -145,6 +145,10 @@ func (f *Fencer) Fence(ctx context.Context, md map[string]string, apply func() e
 			f.rep.Report(ctx, d)
 		}
 		return nil
+	case isAbort(md):
+		d.Outcome, d.Max = sink.Aborted, st.Epoch
+		f.rep.Report(ctx, d)
+		return nil
 	}
 	d.Max = st.Epoch
 	if err := apply(); err != nil {

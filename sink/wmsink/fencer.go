@@ -54,6 +54,18 @@
 // backoff, so that a failure is retried at a bounded rate and shows in the
 // Failed decisions.
 //
+// # Jobs' effects
+//
+// A Fencer does not apply a job's effects all or none, as the stream sink
+// does: it hands each admitted effect to the handler as it comes, and
+// Watermill's concurrent handlers and redeliveries would leave nothing to
+// hold a job's effects back by. So the effects an attempt published before
+// it failed (a handler error, a dead letter, a timeout) reach the handler.
+// The abort markers such an attempt leaves (leasehold.HeaderAbort) are acked
+// without reaching it, reported sink.Aborted. Where a failed job's effects
+// must not apply, put a stream sink between the log and Watermill: its
+// downstream stream holds only completed jobs' effects.
+//
 // A Fencer decides; it does not order the handlers' writes. Watermill runs
 // handlers concurrently and redelivers out of order, so a destination
 // that keeps one value per key must dedupe by Leasehold-Key or compare
@@ -266,6 +278,10 @@ func (f *Fencer) decide(msg *message.Message) decision {
 			f.rep.Report(ctx, base)
 		}
 		d.act = ack
+	case isAbort(msg.Metadata):
+		base.Outcome, base.Max = sink.Aborted, st.Epoch
+		f.rep.Report(ctx, base)
+		d.act = ack
 	default:
 		f.failures.reset()
 		d.act = handle
@@ -322,6 +338,16 @@ func (s *failStreak) reset() {
 	s.mu.Lock()
 	s.n = 0
 	s.mu.Unlock()
+}
+
+// isAbort reports whether md is a job attempt's abort marker: no effect.
+func isAbort(md map[string]string) bool {
+	for k, v := range md {
+		if strings.EqualFold(k, leasehold.HeaderAbort) && v == "1" {
+			return true
+		}
+	}
+	return false
 }
 
 func isBarrier(md map[string]string) bool {

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/history"
 )
 
 // Input is what the checker judges: the merged history of every process,
@@ -64,6 +65,10 @@ const (
 	CheckStoreLost = "enqueue-lost"
 	// CheckDecision: one log position decided two ways.
 	CheckDecision = "inconsistent-decision"
+	// CheckIncomplete: an effect of a job was applied although no attempt
+	// of the job that wrote it under its epoch completed: its attempts
+	// failed (an abort marker), or never marked their effects final.
+	CheckIncomplete = "incomplete-job-applied"
 )
 
 // Violation is one thing the checker found wrong.
@@ -172,6 +177,12 @@ type Figures struct {
 	LongestStallPartition string             `json:"liveness_max_stall_partition,omitempty"`
 	LivenessBoundMs       float64            `json:"liveness_bound_ms"`
 
+	// Attempts of jobs with effects, as the effect log and the workers'
+	// histories record them: completed (their effects marked final) and
+	// failed (closed by an abort marker).
+	AttemptsCompleted int `json:"job_attempts_completed"`
+	AttemptsFailed    int `json:"job_attempts_failed"`
+
 	Acquisitions int            `json:"acquisitions"`
 	Decisions    map[string]int `json:"decisions"`
 	Violations   int            `json:"violations"`
@@ -226,6 +237,7 @@ func Check(in Input) *Analysis {
 	c.checkJobs() // after checkLog: which log entries a fence admits
 	c.checkDecisions()
 	c.checkFinal()
+	c.checkAttempts()
 	c.checkInjected()
 	c.countZombies()
 	c.failovers()
@@ -277,7 +289,7 @@ func (c *checker) index() {
 				continue
 			}
 			c.out.Decisions[e.Outcome]++
-			if prev, ok := c.decided[e.Position]; ok && (prev.Outcome != e.Outcome || prev.Key != e.Key || prev.Epoch != e.Epoch) {
+			if prev, ok := c.decided[e.Position]; ok && (!sameOutcome(prev.Outcome, e.Outcome) || prev.Key != e.Key || prev.Epoch != e.Epoch) {
 				c.violate(Violation{Check: CheckDecision, Partition: leasehold.Partition(e.Partition), Epoch: leasehold.Epoch(e.Epoch), Key: e.Key,
 					Detail: fmt.Sprintf("log position %d was decided %s and then %s", e.Position, prev.Outcome, e.Outcome), Excerpt: []Event{prev, e}})
 				continue
@@ -289,6 +301,17 @@ func (c *checker) index() {
 	for proc, s := range open {
 		c.windows[proc] = append(c.windows[proc], [2]time.Time{s, time.Now()})
 	}
+}
+
+// sameOutcome reports whether two decisions of one log position agree. A
+// job's effect applied and then, read again after a restart, found applied
+// already (a duplicate) agree: the runner re-reads from short of a job still
+// open, and takes what it applied for duplicates.
+func sameOutcome(a, b string) bool {
+	if a == b {
+		return true
+	}
+	return (a == "accepted" && b == "duplicate") || (a == "duplicate" && b == "accepted")
 }
 
 // checkHolders is check (d): one holder per epoch (epochs are revisions of
@@ -508,10 +531,11 @@ func (c *checker) checkDecisions() {
 			if d.Epoch > maxOf[d.Partition] {
 				maxOf[d.Partition], last[d.Partition] = d.Epoch, d
 			}
-		case "accepted", "duplicate":
-			// A duplicate was admitted but not applied again: it moves the
+		case "accepted", "duplicate", "aborted":
+			// A duplicate was admitted but not applied again, and so was an
+			// effect of a job attempt that did not complete: each moves the
 			// maximum as an accepted effect does, and is no application.
-			if d.Outcome == "duplicate" {
+			if d.Outcome != "accepted" {
 				if d.Epoch > maxOf[d.Partition] {
 					maxOf[d.Partition], last[d.Partition] = d.Epoch, d
 				}
@@ -565,6 +589,81 @@ func (c *checker) checkFinal() {
 			l := c.in.Log[idx[0]]
 			c.staleApplied(k, Violation{Check: CheckStale, Partition: st.Partition, Epoch: st.Epoch, Key: k,
 				Detail: fmt.Sprintf("the sink's value was written under epoch %d, which reached the effect log (position %d) only behind a newer barrier", st.Epoch, l.Position)})
+		}
+	}
+}
+
+// attemptKey names one attempt of one job under one epoch.
+type attemptKey struct {
+	p        leasehold.Partition
+	epoch    leasehold.Epoch
+	job, try uint64
+}
+
+// checkAttempts: no effect of a job that did not complete is applied. An
+// attempt completed when its worker recorded so (a KindAttempt event) or
+// marked its effects final in the log, which the worker does only once the
+// handler has returned nil; it failed when an abort marker closed it. Each
+// value in the sink that came from job effects must have come from a
+// completed attempt of the job under the value's epoch.
+func (c *checker) checkAttempts() {
+	done := map[attemptKey]bool{}
+	failed := map[attemptKey]bool{}
+	for _, e := range c.in.Events {
+		if e.Kind != KindAttempt {
+			continue
+		}
+		k := attemptKey{leasehold.Partition(e.Partition), leasehold.Epoch(e.Epoch), e.Seq, e.Attempt}
+		if e.Outcome == history.AttemptCompleted {
+			done[k] = true
+		} else {
+			failed[k] = true
+		}
+	}
+	for _, l := range c.in.Log {
+		if l.BadStamp || l.Mark.Standalone() {
+			continue
+		}
+		k := attemptKey{l.Stamp.Partition, l.Stamp.Epoch, l.Mark.Job, l.Mark.Attempt}
+		switch {
+		case l.Mark.Final():
+			done[k] = true
+		case l.Mark.Abort:
+			failed[k] = true
+		}
+	}
+	c.out.AttemptsCompleted = len(done)
+	for k := range failed {
+		if !done[k] {
+			c.out.AttemptsFailed++
+		}
+	}
+	for key, st := range c.in.Final {
+		if c.injKeys[key] {
+			continue
+		}
+		var tries []string
+		ok := false
+		for _, i := range c.logIdx[logKey(key, st.Epoch)] {
+			l := c.in.Log[i]
+			if l.Mark.Standalone() || l.BadMark {
+				ok = true // it stands alone: no job to complete
+				break
+			}
+			k := attemptKey{l.Stamp.Partition, l.Stamp.Epoch, l.Mark.Job, l.Mark.Attempt}
+			if done[k] {
+				ok = true
+				break
+			}
+			state := "never marked final"
+			if failed[k] {
+				state = "aborted"
+			}
+			tries = append(tries, fmt.Sprintf("attempt %d at log position %d: %s", l.Mark.Attempt, l.Position, state))
+		}
+		if !ok && len(tries) > 0 {
+			c.violate(Violation{Check: CheckIncomplete, Partition: st.Partition, Epoch: st.Epoch, Key: key,
+				Detail: "the sink holds this effect, and no attempt of its job under its epoch completed: " + strings.Join(tries, "; ")})
 		}
 	}
 }

@@ -252,3 +252,40 @@ func TestCheckFailover(t *testing.T) {
 		t.Fatal("percentile")
 	}
 }
+
+// A value in the sink from an attempt that never completed (its effects
+// not marked final, an abort marker after them) is found; one from an
+// attempt whose final is in the log, or that its worker recorded
+// completed, is not.
+func TestCheckFindsIncompleteJobApplied(t *testing.T) {
+	s := newStory()
+	for i := range s.in.Log {
+		l := &s.in.Log[i]
+		switch l.Stamp.Key {
+		case s.key(1):
+			l.Mark = leasehold.JobMark{Job: 1, Attempt: 1, Effects: 1}
+		case s.key(2):
+			l.Mark = leasehold.JobMark{Job: 2, Attempt: 2}
+		}
+	}
+	s.pos++
+	abort := leasehold.Stamp{Scope: "chaos", Acquisition: "a", Partition: 0, Epoch: 20, Key: "chaos.0.2.abort.2", Worker: "b"}
+	s.in.Log = append(s.in.Log, LogEntry{Position: s.pos, Stamp: abort, Mark: leasehold.JobMark{Job: 2, Attempt: 2, Abort: true}})
+	a := Check(s.in)
+	if got := checks(a); got != CheckIncomplete {
+		t.Fatalf("violations %q, want %s: %v", got, CheckIncomplete, a.Violations)
+	}
+	if v := a.Violations[0]; v.Key != s.key(2) || !strings.Contains(v.Detail, "aborted") {
+		t.Errorf("violation %v, want job 2's aborted attempt", v)
+	}
+	if a.AttemptsCompleted != 1 || a.AttemptsFailed != 1 {
+		t.Errorf("attempts: %d completed, %d failed; want 1 and 1", a.AttemptsCompleted, a.AttemptsFailed)
+	}
+
+	// The worker's record of a completed attempt is enough.
+	s.in.Log = s.in.Log[:len(s.in.Log)-1]
+	s.ev(12, Event{Proc: "b", Kind: KindAttempt, Epoch: 20, Seq: 2, Attempt: 2, Outcome: "completed"})
+	if a := Check(s.in); !a.OK() {
+		t.Errorf("violations %v after the attempt was recorded completed", a.Violations)
+	}
+}

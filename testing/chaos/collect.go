@@ -82,6 +82,8 @@ func readEffectLog(ctx context.Context, js jetstream.JetStream, prefix string) (
 		} else {
 			e.Stamp = st
 			_, e.Barrier = headerValue(h, leasehold.HeaderBarrier)
+			e.Mark, err = leasehold.JobMarkFromHeader(h)
+			e.BadMark = err != nil
 		}
 		out = append(out, e)
 		return nil

@@ -20,6 +20,7 @@ const (
 	KindDecision = history.Decision // a sink decided on an effect (Partition, Epoch, Key, Outcome, Max, Position)
 	KindCommit   = history.Commit   // a worker committed progress (Partition, Epoch, Seq)
 	KindFault    = history.Fault    // the harness injected a fault (Proc: target, Reason: what)
+	KindAttempt  = history.Attempt  // an attempt of a job ended (Partition, Epoch, Seq, Attempt, Outcome)
 )
 
 // ApplyStage is the Reason of a decision taken by the destination a sink
@@ -102,6 +103,10 @@ type LogEntry struct {
 	Stamp    leasehold.Stamp // zero when BadStamp
 	Barrier  bool
 	BadStamp bool
+	// Mark is what the entry says of its job (zero: it stands alone);
+	// BadMark when that cannot be read.
+	Mark    leasehold.JobMark
+	BadMark bool
 }
 
 // Job is one job of the job stream.

@@ -91,6 +91,7 @@ func (rep Report) WriteTable(w io.Writer) error {
 	fmt.Fprintf(tw, "  duplicated\t%d\n", rep.JobsDuplicated)
 	fmt.Fprintf(tw, "  dead-lettered\t%d\n", rep.JobsDeadLettered)
 	fmt.Fprintf(tw, "stale applications\t%d\n", rep.StaleApplications)
+	fmt.Fprintf(tw, "job attempts completed / failed\t%d / %d\n", rep.AttemptsCompleted, rep.AttemptsFailed)
 	fmt.Fprintln(tw, "\t")
 	fmt.Fprintf(tw, "FAIL-OVER (%d)\t\n", rep.Failovers)
 	fmt.Fprintf(tw, "  p50\t%s\n", msString(rep.FailoverP50Ms))
@@ -125,7 +126,7 @@ func (rep Report) WriteTable(w io.Writer) error {
 	case !rep.Settled:
 		fmt.Fprintln(w, "\nCHECK FAILED: the sink did not catch up with every job in time")
 	default:
-		fmt.Fprintln(w, "\ncheck passed: no stale application, every job applied exactly once, epochs rise, one holder per epoch, no partition stalled past the bound")
+		fmt.Fprintln(w, "\ncheck passed: no stale application, every job applied exactly once, no effect of an incomplete job attempt applied, epochs rise, one holder per epoch, no partition stalled past the bound")
 	}
 	if rep.Dir != "" {
 		fmt.Fprintf(w, "history, logs and stores kept in %s\n", rep.Dir)

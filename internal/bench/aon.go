@@ -1,0 +1,176 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/sink/streamsink"
+	"github.com/leasehold/leasehold/worker"
+)
+
+// aonEffects is how many effects each job of the all-or-none row emits:
+// the worker holds the last back until the handler returns, and the
+// stream sink holds the first two until the last is in the log.
+const aonEffects = 3
+
+// endToEndAll measures the end-to-end row and, beside it, the same
+// pipeline with jobs of aonEffects effects each, applied all or none.
+func (e *env) endToEndAll(ctx context.Context) ([]Row, error) {
+	rows, err := e.endToEnd(ctx)
+	if err != nil {
+		return rows, err
+	}
+	aon, err := e.allOrNone(ctx)
+	return append(rows, aon...), err
+}
+
+// allOrNone measures jobs per second with aonEffects effects per job
+// against jobs of one effect, interleaved, both through leasehold.
+func (e *env) allOrNone(ctx context.Context) ([]Row, error) {
+	n := e.pipeJobs()
+	var multi, one []float64
+	for i := range e.cfg.Runs {
+		order := []int{aonEffects, 1}
+		if i%2 == 1 {
+			order = []int{1, aonEffects}
+		}
+		for _, k := range order {
+			r, err := e.aonThroughput(ctx, fmt.Sprintf("aon%d-%d", k, i), n, k)
+			if err != nil {
+				return nil, err
+			}
+			if k == 1 {
+				one = append(one, r)
+			} else {
+				multi = append(multi, r)
+			}
+		}
+		e.progress("all-or-none run %d: %d effects a job %.0f jobs/s, one effect %.0f jobs/s", i+1, aonEffects, multi[i], one[i])
+	}
+	return []Row{paired("e2e_throughput_all_or_none", "jobs/s", multi, one,
+		fmt.Sprintf("end-to-end with all-or-none effects: %d jobs of %d effects of %d B each, %d partitions, %d workers, stream sink runner into memory; baseline: the same pipeline with one effect a job (%dx fewer effect messages)",
+			n, aonEffects, pipePayload, pipePartitions, pipeWorkers, aonEffects))}, nil
+}
+
+// aonThroughput runs the leasehold pipeline with jobs of k effects and
+// returns jobs per second, from the first enqueue to the last effect
+// applied.
+func (e *env) aonThroughput(ctx context.Context, prefix string, n, k int) (float64, error) {
+	ap := newApplied(n*k, false)
+	nc, js, err := e.connect("bench setup " + prefix)
+	if err != nil {
+		return 0, err
+	}
+	defer e.release(nc)
+	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: prefix, Partitions: pipePartitions}); err != nil {
+		return 0, err
+	}
+	defer e.dropStreams(ctx, js, prefix+"-")
+	stop, err := e.startAON(ctx, js, prefix, ap, k)
+	if err != nil {
+		return 0, err
+	}
+	defer stop()
+	prod, err := worker.NewProducer(js, worker.ProducerConfig{Prefix: prefix, Partitions: pipePartitions})
+	if err != nil {
+		return 0, err
+	}
+	t0 := time.Now()
+	if err := enqueueAll(ctx, prod, n); err != nil {
+		return 0, err
+	}
+	if err := ap.wait(ctx, time.Minute); err != nil {
+		return 0, fmt.Errorf("pipeline %s: %w", prefix, err)
+	}
+	return float64(n) / time.Since(t0).Seconds(), nil
+}
+
+// startAON starts the pipeline of startLeasehold with a handler that
+// emits k effects a job.
+func (e *env) startAON(ctx context.Context, js jetstream.JetStream, prefix string, ap *applied, k int) (func(), error) {
+	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: prefix + "-leases", MarkerTTL: time.Second})
+	if err != nil {
+		return nil, err
+	}
+	var stops []func()
+	stopAll := func() {
+		for i := len(stops) - 1; i >= 0; i-- {
+			stops[i]()
+		}
+	}
+	mem := sink.NewMemory(sink.MemoryConfig{Logger: e.quiet()})
+	rnc, rjs, err := e.connect("bench sink " + prefix)
+	if err != nil {
+		return nil, err
+	}
+	runner, err := streamsink.New(ctx, rjs, streamsink.Config{
+		Prefix: prefix,
+		BatchHandler: func(ctx context.Context, effs []sink.Effect) error {
+			if err := mem.Apply(ctx, effs...); err != nil {
+				return err
+			}
+			for _, eff := range effs {
+				ap.add(eff.Data)
+			}
+			return nil
+		},
+		Logger: e.quiet(),
+	})
+	if err != nil {
+		e.release(rnc)
+		return nil, err
+	}
+	stops = append(stops, e.goRun(ctx, func(ctx context.Context) { _ = runner.Run(ctx) }, func() { e.release(rnc) }))
+	handler := worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
+		for range k {
+			if err := j.Emit(ctx, j.Data); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	var ws []*worker.Worker
+	for i := range pipeWorkers {
+		wnc, wjs, err := e.connect(fmt.Sprintf("bench worker %s-%d", prefix, i))
+		if err != nil {
+			stopAll()
+			return nil, err
+		}
+		w, err := worker.New(worker.Config{
+			JetStream: wjs, Prefix: prefix, Partitions: pipePartitions, Handler: handler, Bucket: bucket, FetchBatch: pipeBatch,
+			Coordinator: coordinator.Config{Worker: fmt.Sprintf("%s-w%d", prefix, i), RebalanceDelay: 50 * time.Millisecond, Logger: e.quiet()},
+			Logger:      e.quiet(),
+		})
+		if err != nil {
+			e.release(wnc)
+			stopAll()
+			return nil, err
+		}
+		ws = append(ws, w)
+		stops = append(stops, e.goRun(ctx, func(ctx context.Context) { _ = w.Run(ctx) }, func() { e.release(wnc) }))
+	}
+	stable := 0
+	err = wait(ctx, time.Minute, "workers balance", func() bool {
+		total, lo, hi := 0, pipePartitions, 0
+		for _, w := range ws {
+			n := len(w.Held())
+			total, lo, hi = total+n, min(lo, n), max(hi, n)
+		}
+		if total == pipePartitions && hi-lo <= 1 {
+			stable++
+		} else {
+			stable = 0
+		}
+		return stable >= 40
+	})
+	if err != nil {
+		stopAll()
+		return nil, err
+	}
+	return stopAll, nil
+}

@@ -1,0 +1,192 @@
+package leasehold
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+)
+
+// Header names of a job's effects, beside the stamp. An effect a worker
+// publishes for a job carries the job and the attempt; the attempt's last
+// effect on a subject is its final, which also says how many effects the
+// attempt published there and which job completed before it. A sink that
+// consumes the log applies a job's effects on a subject all together, once
+// it holds the final and every effect it counts, and never those of an
+// attempt that did not complete. An effect with no HeaderJob stands alone
+// and is applied on its own.
+const (
+	HeaderJob     = "Leasehold-Job"     // the job's input sequence
+	HeaderAttempt = "Leasehold-Attempt" // the attempt, rising within a lease
+	HeaderEffects = "Leasehold-Effects" // on the final: the attempt's effects on its subject, the final included
+	// HeaderAfter is on the final: the job, in the same lease, whose
+	// attempt completed last before this one with effects on the subject;
+	// 0 when none did.
+	HeaderAfter = "Leasehold-After"
+	// HeaderAbort marks a message with no effect that closes an attempt
+	// which published effects on its subject and then failed.
+	HeaderAbort = "Leasehold-Abort"
+)
+
+// MaxJobEffects bounds HeaderEffects: the effects one attempt may publish
+// on one subject.
+const MaxJobEffects = 1 << 20
+
+// MaxAttempt bounds HeaderAttempt.
+const MaxAttempt = 1 << 53
+
+// JobMark is what a message says of the job that published it.
+type JobMark struct {
+	Job     uint64 // the job's input sequence; 0: the effect stands alone
+	Attempt uint64
+	// Effects is set on the attempt's final: how many effects it published
+	// on the subject, the final included.
+	Effects int
+	After   uint64 // on the final: see HeaderAfter
+	Abort   bool   // the message closes the attempt: it is no effect
+}
+
+// Standalone reports whether the message belongs to no job.
+func (m JobMark) Standalone() bool { return m.Job == 0 }
+
+// Final reports whether the message is its attempt's last effect.
+func (m JobMark) Final() bool { return m.Effects > 0 }
+
+// SetHeader writes m into h; a standalone mark removes the job headers.
+func (m JobMark) SetHeader(h map[string][]string) {
+	for _, k := range jobHeaders {
+		delete(h, k)
+	}
+	if m.Standalone() {
+		return
+	}
+	h[HeaderJob] = []string{strconv.FormatUint(m.Job, 10)}
+	h[HeaderAttempt] = []string{strconv.FormatUint(m.Attempt, 10)}
+	switch {
+	case m.Abort:
+		h[HeaderAbort] = []string{"1"}
+	case m.Final():
+		h[HeaderEffects] = []string{strconv.Itoa(m.Effects)}
+		h[HeaderAfter] = []string{strconv.FormatUint(m.After, 10)}
+	}
+}
+
+var jobHeaders = [...]string{HeaderJob, HeaderAttempt, HeaderEffects, HeaderAfter, HeaderAbort}
+
+// ErrBadJobMark is matched by the error of JobMarkFromHeader.
+var ErrBadJobMark = errors.New("leasehold: malformed job headers")
+
+// JobMarkError reports a job header that is missing, malformed or out of
+// place.
+type JobMarkError struct {
+	Header string
+	Value  string
+	Err    error
+}
+
+func (e *JobMarkError) Error() string {
+	return fmt.Sprintf("leasehold: header %s %q: %v: effects of a job carry Leasehold-Job and Leasehold-Attempt, and their final Leasehold-Effects and Leasehold-After, as the worker writes them", e.Header, e.Value, e.Err)
+}
+
+// Is makes errors.Is(err, ErrBadJobMark) true.
+func (e *JobMarkError) Is(target error) bool { return target == ErrBadJobMark }
+
+// Unwrap returns what is wrong.
+func (e *JobMarkError) Unwrap() error { return e.Err }
+
+// JobMarkFromHeader reads the job headers of a message, strictly: names
+// match without regard to case, a header given twice with different
+// values is an error, numbers are canonical decimals within bounds, and a
+// header out of place (an abort that counts effects, a final with no
+// attempt, an After not below the job) is an error. A message with none of
+// the headers is standalone.
+func JobMarkFromHeader(h map[string][]string) (JobMark, error) {
+	var vals [len(jobHeaders)]string
+	var seen [len(jobHeaders)]bool
+	any := false
+	for k, vs := range h {
+		i := jobHeaderIndex(k)
+		if i < 0 {
+			continue
+		}
+		for _, v := range vs {
+			if seen[i] && v != vals[i] {
+				return JobMark{}, &JobMarkError{Header: jobHeaders[i], Value: v, Err: errConflict}
+			}
+			vals[i], seen[i], any = v, true, true
+		}
+	}
+	if !any {
+		return JobMark{}, nil
+	}
+	bad := func(i int, err error) (JobMark, error) {
+		return JobMark{}, &JobMarkError{Header: jobHeaders[i], Value: vals[i], Err: err}
+	}
+	var m JobMark
+	var err error
+	if !seen[0] {
+		return bad(0, errors.New("is missing beside other job headers"))
+	}
+	if m.Job, err = parseCanonical(vals[0], 1<<63); err != nil || m.Job == 0 {
+		return bad(0, orZero(err))
+	}
+	if !seen[1] {
+		return bad(1, errMissing)
+	}
+	if m.Attempt, err = parseCanonical(vals[1], MaxAttempt); err != nil || m.Attempt == 0 {
+		return bad(1, orZero(err))
+	}
+	if seen[4] {
+		if vals[4] != "1" {
+			return bad(4, errors.New(`is not "1"`))
+		}
+		if seen[2] || seen[3] {
+			return bad(4, errors.New("is given beside Leasehold-Effects or Leasehold-After: an abort marker counts no effects"))
+		}
+		m.Abort = true
+		return m, nil
+	}
+	if seen[2] != seen[3] {
+		if !seen[2] {
+			return bad(2, errors.New("is missing beside Leasehold-After"))
+		}
+		return bad(3, errors.New("is missing beside Leasehold-Effects"))
+	}
+	if !seen[2] {
+		return m, nil
+	}
+	n, err := parseCanonical(vals[2], MaxJobEffects)
+	if err != nil || n == 0 {
+		return bad(2, orZero(err))
+	}
+	m.Effects = int(n)
+	if m.After, err = parseCanonical(vals[3], 1<<63); err != nil {
+		return bad(3, err)
+	}
+	if m.After >= m.Job {
+		return bad(3, fmt.Errorf("names job %d, not one before job %d", m.After, m.Job))
+	}
+	return m, nil
+}
+
+func orZero(err error) error {
+	if err != nil {
+		return err
+	}
+	return errors.New("is zero, and it counts from 1")
+}
+
+// jobHeaderIndex returns the index in jobHeaders of name, matched without
+// regard to case, or -1.
+func jobHeaderIndex(name string) int {
+	const prefix = "Leasehold-"
+	if len(name) <= len(prefix) || !strings.EqualFold(name[:len(prefix)], prefix) {
+		return -1
+	}
+	for i, h := range jobHeaders {
+		if len(h) == len(name) && strings.EqualFold(h, name) {
+			return i
+		}
+	}
+	return -1
+}

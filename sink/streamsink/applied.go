@@ -1,0 +1,265 @@
+package streamsink
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/leader"
+)
+
+// What the runner applied of jobs, per fence and subject, is saved in
+// appliedShards keys "<consumer>.applied.<shard>", a fence's shard fixed
+// by shardOf, and the jobs applied since those were last written ride in
+// the position record (its "applied" list), which every batch writes
+// anyway: a batch of jobs costs no write more than a batch of standalone
+// effects. Once the list holds maxDelta chains, the shards it touches are
+// written first and the list starts over. Loading takes, per chain, the
+// later of the two. Written ahead of the position is harmless: an entry
+// names a job whose effects were delivered, and reading the log again from
+// the saved position takes them for duplicates.
+
+const appliedShards = 256
+
+// maxDelta is how many chains the position record lists; a variable for
+// tests.
+var maxDelta = 256
+
+// validate checks an entry read from the state bucket, which anyone with
+// access to it can write.
+func (e appliedEntry) validate() error {
+	switch {
+	case leasehold.ValidateScope(e.Scope) != nil:
+		return fmt.Errorf("scope %q", e.Scope)
+	case e.Partition >= leasehold.MaxPartitions:
+		return fmt.Errorf("partition %d", e.Partition)
+	case e.Epoch == 0 || e.Epoch > leasehold.MaxEpoch:
+		return fmt.Errorf("epoch %d", e.Epoch)
+	case e.Job == 0 || e.Subject == "":
+		return fmt.Errorf("job %d on subject %q", e.Job, e.Subject)
+	case e.Acquisition != "" && leasehold.ValidateAcquisition(e.Acquisition) != nil:
+		return fmt.Errorf("acquisition %q", e.Acquisition)
+	}
+	return nil
+}
+
+func (e appliedEntry) chain() chainKey {
+	return chainKey{fence: leasehold.FenceID{Scope: e.Scope, Partition: e.Partition}, subject: e.Subject}
+}
+
+func (e appliedEntry) applied() applied {
+	return applied{Epoch: e.Epoch, Acquisition: e.Acquisition, Job: e.Job}
+}
+
+func entryOf(c chainKey, a applied) appliedEntry {
+	return appliedEntry{Scope: c.fence.Scope, Partition: c.fence.Partition, Subject: c.subject, Epoch: a.Epoch, Acquisition: a.Acquisition, Job: a.Job}
+}
+
+// later reports whether a is later than b on one chain: a chain's epochs
+// only rise, and within a lease its jobs.
+func (a applied) later(b applied) bool {
+	if a.Epoch != b.Epoch {
+		return a.Epoch > b.Epoch
+	}
+	return a.Job > b.Job
+}
+
+// deltaEntries lists the jobs applied since the shards were written, in a
+// stable order.
+func (gs *groups) deltaEntries() []appliedEntry {
+	if gs == nil || len(gs.delta) == 0 {
+		return nil
+	}
+	out := make([]appliedEntry, 0, len(gs.delta))
+	for c, a := range gs.delta {
+		out = append(out, entryOf(c, a))
+	}
+	sort.Slice(out, func(i, j int) bool {
+		a, b := out[i], out[j]
+		if a.Scope != b.Scope {
+			return a.Scope < b.Scope
+		}
+		if a.Partition != b.Partition {
+			return a.Partition < b.Partition
+		}
+		return a.Subject < b.Subject
+	})
+	return out
+}
+
+// adoptApplied makes the loaded shards and the position record's list the
+// runner's applied jobs.
+func (r *Runner) adoptApplied(ap loadedApplied, delta []appliedEntry) {
+	r.groups = newGroups()
+	r.groups.applied, r.appliedRev = ap.entries, ap.rev
+	for _, e := range delta {
+		c, a := e.chain(), e.applied()
+		if cur, ok := r.groups.applied[c]; !ok || a.later(cur) {
+			r.groups.applied[c] = a
+		}
+		r.groups.delta[c] = r.groups.applied[c]
+	}
+}
+
+// checkpointApplied writes the shards of the chains in the position
+// record's list once it is long, so that the list can start over.
+func (r *Runner) checkpointApplied(ctx context.Context) error {
+	gs := r.groups
+	if len(gs.delta) < maxDelta && len(gs.dirty) == 0 {
+		return nil
+	}
+	for c := range gs.delta {
+		gs.dirty[appliedShard(c.fence)] = true
+	}
+	if err := r.saveApplied(ctx); err != nil {
+		return err
+	}
+	clear(gs.delta)
+	return nil
+}
+
+// appliedValue is the JSON value of an applied shard.
+type appliedValue struct {
+	Applied []appliedEntry `json:"applied"`
+}
+
+type appliedEntry struct {
+	Scope       string              `json:"s"`
+	Partition   leasehold.Partition `json:"p"`
+	Subject     string              `json:"sub"`
+	Epoch       leasehold.Epoch     `json:"e"`
+	Acquisition string              `json:"a,omitempty"`
+	Job         uint64              `json:"j"`
+}
+
+func appliedShard(id leasehold.FenceID) int { return shardOf(id, appliedShards) }
+
+func (r *Runner) appliedKey(k int) string { return r.cfg.Consumer + ".applied." + strconv.Itoa(k) }
+
+type loadedApplied struct {
+	entries map[chainKey]applied
+	rev     map[int]uint64
+}
+
+// loadApplied reads the applied shards through the stream leader. Anyone
+// with access to the state bucket can write them: they are checked.
+func (r *Runner) loadApplied(ctx context.Context) (loadedApplied, error) {
+	out := loadedApplied{entries: map[chainKey]applied{}, rev: map[int]uint64{}}
+	prefix := r.kvSubject(r.cfg.Consumer + ".applied.")
+	shards := map[int][]appliedEntry{}
+	for next := uint64(1); ; {
+		rctx, cancel := context.WithTimeout(ctx, r.cfg.RequestTimeout)
+		m, err := r.state.Next(rctx, next, prefix+"*")
+		cancel()
+		if err != nil {
+			return out, fmt.Errorf("streamsink: read the applied jobs of %s/%s: %w", r.cfg.StateBucket, r.cfg.Consumer, err)
+		}
+		if m == nil {
+			break
+		}
+		next = m.Seq + 1
+		name := strings.TrimPrefix(m.Subject, prefix)
+		k, err := strconv.Atoi(name)
+		if err != nil || k < 0 || k >= appliedShards || strconv.Itoa(k) != name {
+			return out, fmt.Errorf("streamsink: key %s of %s is not one of the runner's applied shards: delete it", r.appliedKey(k), r.cfg.StateBucket)
+		}
+		out.rev[k] = m.Seq
+		delete(shards, k)
+		if leader.IsMarker(m.Header) {
+			continue
+		}
+		var v appliedValue
+		if err := json.Unmarshal(m.Data, &v); err != nil {
+			return out, fmt.Errorf("streamsink: applied shard %s of %s is not leasehold's JSON (%v): fix or delete it, knowing that jobs are then applied again", r.appliedKey(k), r.cfg.StateBucket, err)
+		}
+		for _, e := range v.Applied {
+			err := e.validate()
+			if err == nil && appliedShard(e.chain().fence) != k {
+				err = fmt.Errorf("fence %s belongs in shard %d", e.chain().fence, appliedShard(e.chain().fence))
+			}
+			if err != nil {
+				return out, fmt.Errorf("streamsink: applied shard %s of %s holds an entry that is not leasehold's (%v): fix or delete it, knowing that jobs are then applied again", r.appliedKey(k), r.cfg.StateBucket, err)
+			}
+		}
+		shards[k] = v.Applied
+	}
+	for _, es := range shards {
+		for _, e := range es {
+			out.entries[chainKey{fence: leasehold.FenceID{Scope: e.Scope, Partition: e.Partition}, subject: e.Subject}] = applied{Epoch: e.Epoch, Acquisition: e.Acquisition, Job: e.Job}
+		}
+	}
+	return out, nil
+}
+
+// encodeApplied writes shard k, leaving out chains whose fence has risen
+// past them for good (at or below the saved position).
+func (r *Runner) encodeApplied(k int) []byte {
+	var v appliedValue
+	for c, a := range r.groups.applied {
+		if appliedShard(c.fence) != k {
+			continue
+		}
+		if f, ok := r.fences.fences[c.fence]; ok && f.Epoch > a.Epoch && f.At <= r.saved {
+			if _, moving := r.fences.past[c.fence]; !moving {
+				delete(r.groups.applied, c)
+				continue
+			}
+		}
+		v.Applied = append(v.Applied, appliedEntry{Scope: c.fence.Scope, Partition: c.fence.Partition, Subject: c.subject, Epoch: a.Epoch, Acquisition: a.Acquisition, Job: a.Job})
+	}
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
+	enc.SetEscapeHTML(false)
+	_ = enc.Encode(v)
+	return b.Bytes()
+}
+
+// saveApplied writes the applied shards changed since the last save.
+func (r *Runner) saveApplied(ctx context.Context) error {
+	gs := r.groups
+	if len(gs.dirty) == 0 {
+		return nil
+	}
+	var (
+		mu   sync.Mutex
+		wg   sync.WaitGroup
+		errs []error
+		sem  = make(chan struct{}, shardWriters)
+	)
+	bodies := map[int][]byte{}
+	for k := range gs.dirty {
+		body := r.encodeApplied(k)
+		if len(body) > shardBytes {
+			return fmt.Errorf("%w: the applied jobs of shard %d take %d bytes, above the bound of %d: too many fences and subjects carry job effects for this runner; split the log among runners (Config.FilterSubject)", ErrGroupLimit, k, len(body), shardBytes)
+		}
+		bodies[k] = body
+	}
+	for k, body := range bodies {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func(k int, body []byte, rev uint64) {
+			defer func() { <-sem; wg.Done() }()
+			nrev, err := r.put(ctx, r.appliedKey(k), body, rev)
+			if err != nil && isStateConflict(err) {
+				nrev, err = r.mine(ctx, r.appliedKey(k), body, err)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				errs = append(errs, fmt.Errorf("write applied shard %d: %w", k, err))
+				return
+			}
+			r.appliedRev[k] = nrev
+			delete(gs.dirty, k)
+		}(k, body, r.appliedRev[k])
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}

@@ -1,0 +1,164 @@
+package worker
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+)
+
+// A job's effects published through Job.Publish and Job.Emit apply all or
+// none. Each carries the job and the attempt (leasehold.HeaderJob,
+// leasehold.HeaderAttempt); the attempt number rises with every attempt
+// the runner makes under its lease, a rewind's re-run included. The latest
+// effect on each subject is held back until the handler returns: when it
+// succeeds, that effect goes out as the subject's final, counting the
+// attempt's effects there (leasehold.HeaderEffects) and naming the job
+// that completed before it on the subject in this lease
+// (leasehold.HeaderAfter), so that a sink reading the log knows when it
+// holds the whole job, and that no job it skipped completed in between.
+// When the attempt fails, an abort marker closes each subject it already
+// published on; the held effects never leave. A job with one effect per
+// subject sends exactly what it did before the protocol: its one effect,
+// marked final.
+//
+// Effects written through Job.Apply and Job.NextStamp, and messages
+// stamped by hand, carry no job: they apply on their own.
+
+// subjectOutput is what one attempt emitted on one subject.
+type subjectOutput struct {
+	held  *nats.Msg // the latest effect, not sent yet
+	count int       // effects emitted, the held one included
+	sent  bool      // at least one left
+}
+
+// hold makes msg the subject's held effect and returns the one it
+// replaces, to be sent now.
+func (j *Job) hold(msg *nats.Msg) (*nats.Msg, error) {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if err := j.usable(); err != nil {
+		return nil, err
+	}
+	if j.out == nil {
+		j.out = make(map[string]*subjectOutput, 1)
+	}
+	o := j.out[msg.Subject]
+	if o == nil {
+		o = &subjectOutput{}
+		j.out[msg.Subject] = o
+		j.subjects = append(j.subjects, msg.Subject)
+	}
+	if o.count >= leasehold.MaxJobEffects {
+		return nil, Permanent(&EffectError{Subject: msg.Subject, Key: msg.Header.Get(leasehold.HeaderKey),
+			Err: fmt.Errorf("the attempt emitted %d effects on this subject, the most a job may (leasehold.MaxJobEffects): split the work into more jobs", o.count)})
+	}
+	prev := o.held
+	o.held, o.count = msg, o.count+1
+	return prev, nil
+}
+
+// finish sends, once the handler has returned nil, each subject's held
+// effect marked as the attempt's final, and returns the publishes to wait
+// for. after holds, per subject, the last job of this lease that completed
+// with effects there; finish records j in it and remembers what it
+// replaced, for a rewind to restore.
+func (j *Job) finish(ctx context.Context, after map[string]uint64) ([]jetstream.PubAckFuture, []afterUndo, error) {
+	var undo []afterUndo
+	for _, subject := range j.subjects {
+		o := j.out[subject]
+		msg := o.held
+		o.held = nil
+		leasehold.JobMark{Job: j.Seq, Attempt: j.wire, Effects: o.count, After: after[subject]}.SetHeader(msg.Header)
+		if err := j.send(ctx, msg); err != nil {
+			j.fail(err)
+			return nil, undo, err
+		}
+		undo = append(undo, afterUndo{subject: subject, prev: after[subject]})
+		after[subject] = j.Seq
+	}
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	return j.futs, undo, nil
+}
+
+// afterUndo is what a completed job changed in the runner's after map.
+type afterUndo struct {
+	subject string
+	prev    uint64
+}
+
+// sentSubjects lists the subjects on which the attempt published effects.
+func (j *Job) sentSubjects() []string {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	var out []string
+	for _, s := range j.subjects {
+		if j.out[s].sent {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+// AbortKey is the idempotency key of the abort marker of attempt (as
+// numbered on the wire) of the job at seq of partition p.
+func AbortKey(scope string, p leasehold.Partition, seq, attempt uint64) string {
+	return scope + "." + p.String() + "." + strconv.FormatUint(seq, 10) + ".abort." + strconv.FormatUint(attempt, 10)
+}
+
+// abort closes, on each subject, an attempt that published effects there
+// and did not complete, so that no sink waits for the rest of it. It is
+// sent at once and waited for: a failing attempt is rare, and its marker
+// should be in the log before the next attempt's effects. It is a
+// courtesy: a sink drops the attempt anyway once a later attempt, a later
+// job or a successor's barrier supersedes it, so a marker that cannot be
+// sent (the lease is gone) is only logged.
+func (r *runner) abort(seq, attempt uint64, subjects []string) {
+	if len(subjects) == 0 {
+		return
+	}
+	stamp := r.info.Stamp(AbortKey(r.info.Scope, r.p, seq, attempt))
+	nonce := newNonce()
+	for _, subject := range subjects {
+		if err := r.sendable(); err != nil {
+			r.log.Debug("an abort marker was not sent: the lease is gone, and a successor's barrier closes the attempt", "seq", seq, "subject", subject, "err", err)
+			return
+		}
+		msg := &nats.Msg{Subject: subject, Header: nats.Header{}}
+		r.stampHeader(r.ctx, msg.Header, stamp, nonce)
+		leasehold.JobMark{Job: seq, Attempt: attempt, Abort: true}.SetHeader(msg.Header)
+		if err := r.publishSync(context.WithoutCancel(r.ctx), msg, r.w.cfg.EffectTimeout); err != nil {
+			r.log.Warn("an abort marker was not stored; sinks drop the attempt when a later one, a later job or a successor's barrier supersedes it", "seq", seq, "subject", subject, "err", err)
+		}
+	}
+}
+
+// unwind forgets, on a rewind, what the jobs of the window did to the
+// runner's after map. Their attempts need no abort marker: each is run
+// again under a higher attempt number, which supersedes it at the sinks,
+// and should the lease end first, the successor's barrier does.
+func (r *runner) unwind() {
+	for i := len(r.window) - 1; i >= 0; i-- {
+		e := &r.window[i]
+		for k := len(e.undo) - 1; k >= 0; k-- {
+			r.after[e.undo[k].subject] = e.undo[k].prev
+		}
+	}
+}
+
+// isJobHeader reports whether name is one of the job headers, which the
+// worker alone writes.
+func isJobHeader(name string) bool {
+	for _, h := range []string{leasehold.HeaderJob, leasehold.HeaderAttempt, leasehold.HeaderEffects, leasehold.HeaderAfter, leasehold.HeaderAbort} {
+		if strings.EqualFold(name, h) {
+			return true
+		}
+	}
+	return false
+}
