@@ -3,7 +3,9 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"hash/fnv"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -46,9 +48,44 @@ type exampleHandler struct {
 	// prop carries the job's trace context into write-behind effects, so a
 	// sink's refusal joins the zombie's trace.
 	prop propagation.TextMapPropagator
+	// failFirst, above 0, picks one job in failFirst (by its ID) whose
+	// first attempt emits two effects through the SDK and then fails; its
+	// next attempt emits the one effect and succeeds. A sink must apply
+	// nothing of the failed attempt: the chaos harness checks that.
+	failFirst int
+}
+
+// errFailedOnPurpose fails the first attempt of a job failFirst picks.
+var errFailedOnPurpose = errors.New("example handler: this attempt fails after emitting, on purpose (--fail-first-attempt)")
+
+// picked reports whether failFirst picks the job.
+func (h *exampleHandler) picked(job *worker.Job) bool {
+	if h.failFirst <= 0 {
+		return false
+	}
+	f := fnv.New32a()
+	f.Write([]byte(job.ID))
+	return f.Sum32()%uint32(h.failFirst) == 0
 }
 
 func (h *exampleHandler) Handle(ctx context.Context, job *worker.Job) error {
+	if h.picked(job) {
+		if err := h.work(ctx); err != nil {
+			return err
+		}
+		if err := job.Emit(ctx, h.effect(job, job.Lease.Epoch)); err != nil {
+			return err
+		}
+		if job.Attempt > 1 {
+			return nil
+		}
+		// The first effect goes to the wire now, the second is held
+		// back as the attempt's last; the failure sends an abort marker.
+		if err := job.Emit(ctx, h.effect(job, job.Lease.Epoch)); err != nil {
+			return err
+		}
+		return errFailedOnPurpose
+	}
 	if !h.writeBehind {
 		if err := h.work(ctx); err != nil {
 			return err

@@ -28,6 +28,7 @@ type workerFlags struct {
 	httpAddr     string
 	workTime     time.Duration
 	writeBehind  bool
+	failFirst    int
 	historyDir   string
 	logLevel     string
 	otlp         string
@@ -67,6 +68,8 @@ what it has, commits progress and releases its partitions within
 	fs.StringVar(&f.historyDir, "history", "", "directory to append this process's event history to (for the chaos checker)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&f.otlp, "otlp", "", "OTLP/HTTP endpoint to send traces to, such as http://127.0.0.1:4318 (default $OTEL_EXPORTER_OTLP_ENDPOINT; none: no traces)")
+	fs.IntVar(&f.failFirst, "fail-first-attempt", 0, "example handler: one job in N (by its ID) emits two effects and fails its first attempt, then succeeds with one (for the chaos checker)")
+	_ = fs.MarkHidden("fail-first-attempt")
 	_ = fs.MarkHidden("history")
 	return cmd
 }
@@ -122,7 +125,7 @@ func runWorker(ctx context.Context, f workerFlags) error {
 		Prefix:     f.conn.prefix,
 		Partitions: f.partitions,
 		Bucket:     bucket,
-		Handler:    &exampleHandler{js: js, prefix: f.conn.prefix, workTime: f.workTime, writeBehind: f.writeBehind, hist: hist, prop: tel.Config().Propagator},
+		Handler:    &exampleHandler{js: js, prefix: f.conn.prefix, workTime: f.workTime, writeBehind: f.writeBehind, failFirst: f.failFirst, hist: hist, prop: tel.Config().Propagator},
 		Coordinator: coordinator.Config{
 			Worker:          f.id,
 			TTL:             f.ttl,

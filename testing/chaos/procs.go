@@ -69,6 +69,9 @@ func (h *harness) startWorker(w *proc) error {
 		"--drain-timeout", "5s",
 		"--work-time", h.cfg.WorkTime.String(),
 		"--history", h.histDir,
+		// One job in 7 fails its first attempt after emitting through
+		// the SDK: nothing of that attempt may be applied.
+		"--fail-first-attempt", "7",
 		"--http", "",
 		"--log-level", "warn",
 	}
