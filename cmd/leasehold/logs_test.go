@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -34,7 +35,7 @@ func TestFrozenWorkerLogs(t *testing.T) {
 	procs := map[string]*fleet.Proc{}
 	for _, name := range []string{"alice", "bob"} {
 		p, err := fleet.Start(name, []string{"worker", "--nats", s.URL(), "--worker-id", name, "--ttl", "1s", "--work-time", "20ms",
-			"--http", "", "--log-level", "info"}, fleet.Options{LogDir: dir})
+			"--http", "", "--log-level", "info", "--pid-file", filepath.Join(dir, name+".pid")}, fleet.Options{LogDir: dir})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -80,6 +81,10 @@ func TestFrozenWorkerLogs(t *testing.T) {
 		}
 	}
 	holders("shared by alice and bob", "alice", "bob")
+	// --pid-file names exactly this process, for kill -STOP $(cat FILE).
+	if b, err := os.ReadFile(filepath.Join(dir, "alice.pid")); err != nil || strings.TrimSpace(string(b)) != strconv.Itoa(procs["alice"].Pid()) {
+		t.Fatalf("alice.pid holds %q (%v), want %d", b, err, procs["alice"].Pid())
+	}
 	if err := procs["alice"].Pause(); err != nil {
 		t.Fatal(err)
 	}
@@ -106,6 +111,9 @@ func TestFrozenWorkerLogs(t *testing.T) {
 			if strings.Contains(out, bad) {
 				t.Errorf("%s's log has %q:\n%s", name, bad, out)
 			}
+		}
+		if _, err := os.Stat(filepath.Join(dir, name+".pid")); !os.IsNotExist(err) {
+			t.Errorf("%s's pid file outlived the worker: %v", name, err)
 		}
 		for _, once := range []string{`msg="worker starting"`, `msg="worker stopped"`} {
 			if n := strings.Count(out, once); n != 1 {

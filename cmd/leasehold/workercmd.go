@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"strconv"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -30,6 +31,7 @@ type workerFlags struct {
 	writeBehind  bool
 	failFirst    int
 	historyDir   string
+	pidFile      string
 	logLevel     string
 	otlp         string
 	stallAfter   time.Duration
@@ -65,6 +67,7 @@ what it has, commits progress and releases its partitions within
 	fs.BoolVar(&f.writeBehind, "write-behind", false, "example handler takes its stamp before the work and publishes afterwards (makes zombie writes when paused)")
 	fs.DurationVar(&f.stallAfter, "stall-after", 2*time.Minute, "how long a held partition with waiting jobs may commit nothing before it counts as stalled (keep it above the longest job)")
 	fs.DurationVar(&f.handleTO, "handle-timeout", 5*time.Minute, "bound on one attempt of a job; past it the attempt fails and counts towards the dead-letter stream")
+	fs.StringVar(&f.pidFile, "pid-file", "", "file to write this process's ID to while it runs (to signal exactly this worker: kill -STOP $(cat FILE))")
 	fs.StringVar(&f.historyDir, "history", "", "directory to append this process's event history to (for the chaos checker)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&f.otlp, "otlp", "", "OTLP/HTTP endpoint to send traces to, such as http://127.0.0.1:4318 (default $OTEL_EXPORTER_OTLP_ENDPOINT; none: no traces)")
@@ -82,6 +85,13 @@ func runWorker(ctx context.Context, f workerFlags) error {
 	if f.id == "" {
 		host, _ := os.Hostname()
 		f.id = sanitize(host)
+	}
+	if f.pidFile != "" {
+		remove, err := writePidFile(f.pidFile)
+		if err != nil {
+			return err
+		}
+		defer remove()
 	}
 	nc, js, err := f.conn.connect(ctx, "leasehold worker "+f.id)
 	if err != nil {
@@ -159,6 +169,20 @@ func runWorker(ctx context.Context, f workerFlags) error {
 		return fmt.Errorf("worker %s: %w", f.id, err)
 	}
 	return nil
+}
+
+// writePidFile writes this process's ID to path, and returns what removes
+// it again unless another process has written its own meanwhile.
+func writePidFile(path string) (remove func(), err error) {
+	pid := strconv.Itoa(os.Getpid()) + "\n"
+	if err := os.WriteFile(path, []byte(pid), 0o644); err != nil {
+		return nil, fmt.Errorf("--pid-file: %w", err)
+	}
+	return func() {
+		if b, err := os.ReadFile(path); err == nil && string(b) == pid {
+			_ = os.Remove(path)
+		}
+	}, nil
 }
 
 // flushTelemetry exports the spans not yet sent before the process exits.
