@@ -64,9 +64,13 @@ type Event struct {
 	Job     *Job            // job and effect events
 	Seq     uint64          // the job's sequence; for partition and commit events, the progress
 	Attempt int
-	Stamp   leasehold.Stamp // effects and barriers
-	Subject string          // effects and barriers; for fences, "fence"
-	Err     error
+	// WireAttempt is, for job events, the attempt's number on the wire
+	// (the Leasehold-Attempt header of its effects), which rises with
+	// every attempt under the lease.
+	WireAttempt uint64
+	Stamp       leasehold.Stamp // effects and barriers
+	Subject     string          // effects and barriers; for fences, "fence"
+	Err         error
 	// Duration is the attempt's run time for job events, and the drain
 	// time for Drained.
 	Duration time.Duration

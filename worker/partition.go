@@ -141,6 +141,9 @@ func (r *runner) event(ctx context.Context, e Event) {
 	}
 	e.Lease = r.info
 	e.Time = time.Now()
+	if e.Job != nil && e.WireAttempt == 0 {
+		e.WireAttempt = e.Job.wire
+	}
 	r.w.cfg.Observer.WorkerEvent(ctx, e)
 }
 

@@ -165,6 +165,11 @@ func historyObserver(w *history.Writer) worker.Observer {
 			}
 		case worker.EventProgressCommitted:
 			ev.Kind, ev.Seq = history.Commit, e.Seq
+		case worker.EventJobFinished, worker.EventJobFailed, worker.EventJobHung:
+			ev.Kind, ev.Seq, ev.Attempt, ev.Outcome = history.Attempt, e.Seq, e.WireAttempt, history.AttemptFailed
+			if e.Kind == worker.EventJobFinished {
+				ev.Outcome = history.AttemptCompleted
+			}
 		default:
 			return
 		}

@@ -601,24 +601,21 @@ type attemptKey struct {
 }
 
 // checkAttempts: no effect of a job that did not complete is applied. An
-// attempt completed when its worker recorded so (a KindAttempt event) or
-// marked its effects final in the log, which the worker does only once the
-// handler has returned nil; it failed when an abort marker closed it. Each
-// value in the sink that came from job effects must have come from a
+// attempt completed when its effects are marked final in the log, which the
+// worker does only once the handler has returned nil; it failed when its
+// worker recorded so (a KindAttempt event) or an abort marker closed it. A
+// worker's record of completion is not enough: a final that never reached
+// the log leaves the attempt incomplete, and none of its effects may apply.
+// Each value in the sink that came from job effects must have come from a
 // completed attempt of the job under the value's epoch.
 func (c *checker) checkAttempts() {
 	done := map[attemptKey]bool{}
 	failed := map[attemptKey]bool{}
 	for _, e := range c.in.Events {
-		if e.Kind != KindAttempt {
+		if e.Kind != KindAttempt || e.Outcome == history.AttemptCompleted {
 			continue
 		}
-		k := attemptKey{leasehold.Partition(e.Partition), leasehold.Epoch(e.Epoch), e.Seq, e.Attempt}
-		if e.Outcome == history.AttemptCompleted {
-			done[k] = true
-		} else {
-			failed[k] = true
-		}
+		failed[attemptKey{leasehold.Partition(e.Partition), leasehold.Epoch(e.Epoch), e.Seq, e.Attempt}] = true
 	}
 	for _, l := range c.in.Log {
 		if l.BadStamp || l.Mark.Standalone() {

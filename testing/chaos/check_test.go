@@ -255,8 +255,9 @@ func TestCheckFailover(t *testing.T) {
 
 // A value in the sink from an attempt that never completed (its effects
 // not marked final, an abort marker after them) is found; one from an
-// attempt whose final is in the log, or that its worker recorded
-// completed, is not.
+// attempt whose final is in the log is not. A worker's record that the
+// attempt completed does not excuse a final missing from the log, and its
+// record of a failure counts the attempt failed.
 func TestCheckFindsIncompleteJobApplied(t *testing.T) {
 	s := newStory()
 	for i := range s.in.Log {
@@ -282,10 +283,16 @@ func TestCheckFindsIncompleteJobApplied(t *testing.T) {
 		t.Errorf("attempts: %d completed, %d failed; want 1 and 1", a.AttemptsCompleted, a.AttemptsFailed)
 	}
 
-	// The worker's record of a completed attempt is enough.
+	// The worker's record of a completed attempt is not enough.
 	s.in.Log = s.in.Log[:len(s.in.Log)-1]
 	s.ev(12, Event{Proc: "b", Kind: KindAttempt, Epoch: 20, Seq: 2, Attempt: 2, Outcome: "completed"})
-	if a := Check(s.in); !a.OK() {
-		t.Errorf("violations %v after the attempt was recorded completed", a.Violations)
+	if got := checks(Check(s.in)); got != CheckIncomplete {
+		t.Errorf("violations %q after the attempt was recorded completed without a final in the log, want %s", got, CheckIncomplete)
+	}
+	// Its record of a failure, without an abort marker, counts.
+	s.in.Events = s.in.Events[:len(s.in.Events)-1]
+	s.ev(12, Event{Proc: "b", Kind: KindAttempt, Epoch: 20, Seq: 2, Attempt: 2, Outcome: "failed"})
+	if a := Check(s.in); checks(a) != CheckIncomplete || a.AttemptsFailed != 1 {
+		t.Errorf("violations %q, %d failed attempts, after the attempt was recorded failed", checks(a), a.AttemptsFailed)
 	}
 }
