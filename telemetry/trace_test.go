@@ -71,8 +71,19 @@ func TestRejectedWriteSpans(t *testing.T) {
 	if processA.Status().Code != codes.Error || str(processA, semconv.ErrorTypeKey) != telemetry.ErrorTypeStaleEpoch {
 		t.Errorf("A's process span: status %v, error.type %q", processA.Status(), str(processA, semconv.ErrorTypeKey))
 	}
-	sendA := spans.one(t, "A's send span", func(s sdktrace.ReadOnlySpan) bool {
-		return s.Name() == "send zz.out.{partition}" && str(s, telemetry.AttrWorker) == zombieA && !boolean(s, telemetry.AttrBarrier)
+	// A's handler emits two effects: the first is sent, and the stream
+	// sink's process span is its child; the second is held back as the
+	// attempt's last, and the failed attempt's abort marker is sent.
+	sendA := spans.one(t, "A's send span the stream sink processed", func(s sdktrace.ReadOnlySpan) bool {
+		if s.Name() != "send zz.out.{partition}" || str(s, telemetry.AttrWorker) != zombieA || boolean(s, telemetry.AttrBarrier) {
+			return false
+		}
+		for _, c := range spans {
+			if c.Name() == "process zz.out.{partition}" && c.Parent().SpanID() == s.SpanContext().SpanID() {
+				return true
+			}
+		}
+		return false
 	})
 	if sendA.SpanKind() != trace.SpanKindProducer || sendA.Parent().SpanID() != processA.SpanContext().SpanID() {
 		t.Errorf("A's send span: kind %v, parent %v; want a producer child of A's process span", sendA.SpanKind(), sendA.Parent().SpanID())
