@@ -49,14 +49,20 @@ func (f *jobsFlags) open(cmd *cobra.Command, args []string) (*worker.Producer, [
 	if err != nil {
 		return nil, nil, nil, err
 	}
+	p, closeConn, err := f.producer(cmd)
+	return p, refs, closeConn, err
+}
+
+// producer connects and returns a producer of the job stream of --prefix.
+func (f *jobsFlags) producer(cmd *cobra.Command) (*worker.Producer, func(), error) {
 	ctx := cmd.Context()
 	nc, js, err := f.conn.connect(ctx, "leasehold jobs")
 	if err != nil {
-		return nil, nil, nil, err
+		return nil, nil, err
 	}
-	fail := func(err error) (*worker.Producer, []worker.Enqueued, func(), error) {
+	fail := func(err error) (*worker.Producer, func(), error) {
 		nc.Close()
-		return nil, nil, nil, err
+		return nil, nil, err
 	}
 	n, err := f.conn.resolvePartitions(ctx, js, f.partitions, 0)
 	if err != nil {
@@ -70,7 +76,7 @@ func (f *jobsFlags) open(cmd *cobra.Command, args []string) (*worker.Producer, [
 	if err != nil {
 		return fail(err)
 	}
-	return p, refs, nc.Close, nil
+	return p, nc.Close, nil
 }
 
 // readRefs parses the references in args; "-" reads them from in.

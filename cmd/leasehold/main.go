@@ -34,6 +34,6 @@ func newRoot() *cobra.Command {
 	root.SuggestionsMinimumDistance = suggestDistance
 	root.SetFlagErrorFunc(flagError)
 	root.PersistentFlags().String("config", "", "YAML file of settings (long flag names as keys); env LEASEHOLD_CONFIG")
-	root.AddCommand(newDemo(), newInit(), newWorkerCmd(), newSinkCmd(), newEnqueue(), newJobs(), newStatus(), newFence(), newDLQ(), newChaos(), newBench())
+	root.AddCommand(newDemo(), newInit(), newWorkerCmd(), newSinkCmd(), newEnqueue(), newJobs(), newSchedule(), newStatus(), newFence(), newDLQ(), newChaos(), newBench())
 	return root
 }
