@@ -88,7 +88,8 @@ type JobsConfig struct {
 	// them (nats-server 2.12+) and MaxBytes is 0: a stream that schedules
 	// must allow roll-ups, which a schedule uses to replace the one before
 	// it on its own subject (a publisher allowed on a job subject could
-	// use a roll-up header to purge that partition's jobs), and must
+	// use a roll-up header to purge that partition's jobs, or with
+	// "Nats-Rollup: all" every partition's jobs and schedules), and must
 	// discard old messages when full, which would drop jobs once MaxBytes
 	// is reached. An existing stream without them gets them on the next
 	// ProvisionJobs under the same conditions; the server cannot turn
