@@ -122,12 +122,12 @@ key and worker. A missing key is an error.`,
 				tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 				st := e.Stamp
 				fmt.Fprintf(tw, "key\t%s\n", e.Subject)
-				fmt.Fprintf(tw, "scope\t%s\n", orDash(st.Scope))
+				fmt.Fprintf(tw, "scope\t%s\n", shown(st.Scope))
 				fmt.Fprintf(tw, "partition\t%d\n", st.Partition)
 				fmt.Fprintf(tw, "epoch\t%d\n", st.Epoch)
-				fmt.Fprintf(tw, "acquisition\t%s\n", orDash(st.Acquisition))
-				fmt.Fprintf(tw, "idempotency key\t%s\n", st.Key)
-				fmt.Fprintf(tw, "worker\t%s\n", orDash(st.Worker))
+				fmt.Fprintf(tw, "acquisition\t%s\n", shown(st.Acquisition))
+				fmt.Fprintf(tw, "idempotency key\t%s\n", shown(st.Key))
+				fmt.Fprintf(tw, "worker\t%s\n", shown(st.Worker))
 				fmt.Fprintf(tw, "size\t%d bytes\n", len(e.Data))
 				tw.Flush()
 				fmt.Fprintf(out, "value\n%s\n", printable(e.Data, 0))
@@ -207,7 +207,7 @@ func printSinkValues(out io.Writer, bucket string, effects []sink.Effect, fences
 	fmt.Fprintln(tw, "KEY\tSCOPE\tPARTITION\tEPOCH\tACQUISITION\tWORKER\tVALUE")
 	for _, e := range effects {
 		st := e.Stamp
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\t%s\n", e.Subject, orDash(st.Scope), st.Partition, st.Epoch, orDash(st.Acquisition), orDash(st.Worker), printable(e.Data, 40))
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\t%s\n", e.Subject, shown(st.Scope), st.Partition, st.Epoch, shown(st.Acquisition), shown(st.Worker), printable(e.Data, 40))
 	}
 	tw.Flush()
 	if len(fences) > 0 {
@@ -215,7 +215,7 @@ func printSinkValues(out io.Writer, bucket string, effects []sink.Effect, fences
 		tw = tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 		fmt.Fprintln(tw, "SCOPE\tPARTITION\tFENCED AT EPOCH\tHOLDER")
 		for _, f := range fences {
-			fmt.Fprintf(tw, "%s\t%d\t%d\t%s\n", f.Scope, f.Partition, f.Epoch, orDash(f.Holder))
+			fmt.Fprintf(tw, "%s\t%d\t%d\t%s\n", shown(f.Scope), f.Partition, f.Epoch, shown(f.Holder))
 		}
 		tw.Flush()
 	}
@@ -234,6 +234,10 @@ func printable(data []byte, limit int) string {
 	}
 	return s
 }
+
+// shown is a stamp's field for a terminal: the bucket holds what anyone
+// allowed to write it put there, and a header carries escape sequences.
+func shown(s string) string { return orDash(printable([]byte(s), 0)) }
 
 func orDash(s string) string {
 	if s == "" {
