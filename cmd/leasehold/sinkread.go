@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -49,8 +50,8 @@ bucket records (the highest epoch it accepted, and from whom). Reads go to
 the stream leader, so a replica that is behind cannot hide a write.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return f.with(cmd.Context(), func(ctx context.Context, s *kvsink.Sink) error {
-				effects, err := s.Effects(ctx)
+			return f.with(cmd.Context(), func(ctx context.Context, js jetstream.JetStream, s *kvsink.Sink) error {
+				effects, bad, err := readEffects(ctx, js, s)
 				if err != nil {
 					return err
 				}
@@ -78,12 +79,16 @@ the stream leader, so a replica that is behind cannot hide a write.`,
 						fences = []sinkFence{}
 					}
 					return writeJSON(out, struct {
-						Bucket string      `json:"bucket"`
-						Values []sinkValue `json:"values"`
-						Fences []sinkFence `json:"fences"`
-					}{f.kvBucket, vals, fences})
+						Bucket     string      `json:"bucket"`
+						Values     []sinkValue `json:"values"`
+						Fences     []sinkFence `json:"fences"`
+						Unreadable []badValue  `json:"unreadable,omitempty"`
+					}{f.kvBucket, vals, fences, bad})
 				}
 				printSinkValues(out, f.kvBucket, effects, fences)
+				for _, b := range bad {
+					fmt.Fprintf(out, "key %s: %s\n", b.Key, printable([]byte(b.Error), 0))
+				}
 				return nil
 			})
 		},
@@ -107,7 +112,7 @@ key and worker. A missing key is an error.`,
 			if err := kvsink.CheckKey(key); err != nil {
 				return fmt.Errorf("KEY %q: %w", key, err)
 			}
-			return f.with(cmd.Context(), func(ctx context.Context, s *kvsink.Sink) error {
+			return f.with(cmd.Context(), func(ctx context.Context, js jetstream.JetStream, s *kvsink.Sink) error {
 				e, ok, err := s.Get(ctx, key)
 				if err != nil {
 					return err
@@ -141,7 +146,7 @@ key and worker. A missing key is an error.`,
 
 // with connects, binds the sink's existing bucket without changing it, and
 // runs fn.
-func (f *sinkReadFlags) with(ctx context.Context, fn func(context.Context, *kvsink.Sink) error) error {
+func (f *sinkReadFlags) with(ctx context.Context, fn func(context.Context, jetstream.JetStream, *kvsink.Sink) error) error {
 	nc, js, err := f.conn.connect(ctx, "leasehold sink read")
 	if err != nil {
 		return err
@@ -157,7 +162,52 @@ func (f *sinkReadFlags) with(ctx context.Context, fn func(context.Context, *kvsi
 	if err != nil {
 		return err
 	}
-	return fn(ctx, s)
+	return fn(ctx, js, s)
+}
+
+// badValue is a key whose value ls cannot read: written around the sink,
+// without a stamp or with a broken one.
+type badValue struct {
+	Key   string `json:"key"`
+	Error string `json:"error"`
+}
+
+// readEffects reads every value of the sink's bucket. A value it cannot
+// read is listed apart rather than failing the whole listing: the
+// listing is how an operator finds it.
+func readEffects(ctx context.Context, js jetstream.JetStream, s *kvsink.Sink) ([]sink.Effect, []badValue, error) {
+	effects, err := s.Effects(ctx)
+	if err == nil {
+		return effects, nil, nil
+	}
+	bucket := s.KeyValue().Bucket()
+	str, err := js.Stream(ctx, "KV_"+bucket)
+	if err != nil {
+		return nil, nil, fmt.Errorf("list the keys of the KV sink bucket %s: %w", bucket, err)
+	}
+	prefix := "$KV." + bucket + "."
+	info, err := str.Info(ctx, jetstream.WithSubjectFilter(prefix+">"))
+	if err != nil {
+		return nil, nil, fmt.Errorf("list the keys of the KV sink bucket %s: %w", bucket, err)
+	}
+	keys := make([]string, 0, len(info.State.Subjects))
+	for subj := range info.State.Subjects {
+		if key := strings.TrimPrefix(subj, prefix); !strings.HasPrefix(key, "_leasehold.") { // the sink's own records
+			keys = append(keys, key)
+		}
+	}
+	slices.Sort(keys)
+	var bad []badValue
+	for _, key := range keys {
+		e, ok, err := s.Get(ctx, key)
+		switch {
+		case err != nil:
+			bad = append(bad, badValue{Key: key, Error: err.Error()})
+		case ok:
+			effects = append(effects, e)
+		}
+	}
+	return effects, bad, nil
 }
 
 // sinkValue is one value of ls and get --json.
