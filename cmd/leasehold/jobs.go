@@ -12,7 +12,6 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -62,7 +61,7 @@ func (f *jobsFlags) open(cmd *cobra.Command, args []string) (*worker.Producer, [
 	if err != nil {
 		return fail(err)
 	}
-	b, err := coordinator.OpenBucket(ctx, js, f.conn.leaseBucket())
+	b, err := f.conn.openLeaseBucket(ctx, js)
 	if err != nil {
 		return fail(err)
 	}
