@@ -65,7 +65,10 @@ type JobsConfig struct {
 	// MaxAge is how long a job is kept. Default 0: jobs stay until MaxBytes
 	// is reached or workers trim them (Config.TrimCommitted). A job that
 	// ages out before a worker handles it is gone, so set it well above the
-	// longest backlog you can have.
+	// longest backlog you can have. The schedules of delayed and periodic
+	// jobs are exempt (they carry "Nats-TTL: never", so a job stream with
+	// MaxAge and schedules allows per-message TTLs); the jobs they fire
+	// age out as any job does.
 	MaxAge time.Duration
 	// MaxBytes bounds the job stream's size; when full, enqueues are
 	// refused rather than old jobs dropped. Default 0: no bound.

@@ -95,9 +95,10 @@ type Producer struct {
 	sendName  string // the enqueue span's name
 	sendAttrs []attribute.KeyValue
 
-	mu          sync.Mutex
-	checked     bool // the stream's partition count matched
-	schedulesOK bool // the job stream allows message schedules
+	mu           sync.Mutex
+	checked      bool // the stream's partition count matched
+	schedulesOK  bool // the job stream allows message schedules
+	schedulesAge bool // and has a MaxAge that schedules must be exempt from
 }
 
 // NewProducer returns a Producer that enqueues through js.
