@@ -56,3 +56,33 @@ func TestAttackRollupAllPurgesEveryPartition(t *testing.T) {
 		t.Errorf("the roll-up's dead letter says %q; it purged every partition's jobs and every schedule, and should say so", why)
 	}
 }
+
+// The roll-up check sat in Mux alone: a worker with a plain handler ran a
+// forged roll-up as one more job, and the jobs it purged went unseen.
+func TestAttackRollupReachesAPlainHandler(t *testing.T) {
+	e := newEnv(t, 1)
+	p := e.producer(t)
+	ctx := ctxFor(t, time.Minute)
+	if _, err := p.EnqueueTo(ctx, 0, []byte(`{}`)); err != nil {
+		t.Fatal(err)
+	}
+	forged := &nats.Msg{Subject: worker.JobSubject(e.prefix, 0), Data: []byte(`{}`), Header: nats.Header{"Nats-Rollup": []string{"sub"}}}
+	if _, err := e.js.PublishMsg(ctx, forged); err != nil {
+		t.Fatal(err)
+	}
+	ran := make(chan uint64, 10)
+	rec := newRecorder()
+	cfg := e.config("w", worker.HandlerFunc(func(_ context.Context, j *worker.Job) error { ran <- j.Seq; return nil }))
+	cfg.Observer = rec
+	start(t, cfg)
+	rec.waitFor(t, 30*time.Second, "the roll-up to be dead-lettered", func() bool { return rec.count(kind(worker.EventJobDeadLettered)) == 1 })
+	select {
+	case seq := <-ran:
+		t.Errorf("the handler ran the roll-up (sequence %d)", seq)
+	default:
+	}
+	dlq := readStream(t, e.js, worker.DLQStream(e.prefix))
+	if len(dlq) != 1 || !strings.Contains(dlq[0].Headers().Get(worker.HeaderError), "carries a Nats-Rollup header") {
+		t.Fatalf("%d dead letters; want the roll-up's, saying what it did", len(dlq))
+	}
+}

@@ -92,7 +92,9 @@ type JobsConfig struct {
 	// must allow roll-ups, which a schedule uses to replace the one before
 	// it on its own subject (a publisher allowed on a job subject could
 	// use a roll-up header to purge that partition's jobs, or with
-	// "Nats-Rollup: all" every partition's jobs and schedules), and must
+	// "Nats-Rollup: all" every partition's jobs and schedules; the worker
+	// that meets such a message dead-letters it, saying what was purged,
+	// whatever its handler), and must
 	// discard old messages when full, which would drop jobs once MaxBytes
 	// is reached. An existing stream without them gets them on the next
 	// ProvisionJobs under the same conditions; the server cannot turn
