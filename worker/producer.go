@@ -252,6 +252,10 @@ func (p *Producer) message(ctx context.Context, part leasehold.Partition, data [
 		if hasPrefixFold(k, "Nats-Rollup") || hasPrefixFold(k, "Nats-Schedule") || hasPrefixFold(k, "Nats-Scheduler") {
 			return nil, fmt.Errorf("worker: enqueue: header %s is a server directive that would purge or schedule jobs; use EnqueueAt or Producer.Schedule", k)
 		}
+		if strings.EqualFold(k, "Nats-TTL") {
+			// A job stream with MaxAge and schedules allows message TTLs.
+			return nil, fmt.Errorf("worker: enqueue: header %s would have the server delete the job, handled or not, when it expires; bound a job's age with JobsConfig.MaxAge", k)
+		}
 		msg.Header[k] = vs
 	}
 	p.tel.Propagator.Inject(ctx, telemetry.HeaderCarrier(msg.Header))
