@@ -63,3 +63,38 @@ func TestAttackStatusOfAJobThatIsNotThere(t *testing.T) {
 		t.Errorf("Wait for %s, which no job holds: %v; want an error at once, not a wait for ever", never.Ref(), err)
 	}
 }
+
+// A job removed from the stream before its partition reached it (aged
+// out, deleted by hand) will never run: its status must not say pending,
+// and Wait must not wait for it.
+func TestAttackStatusOfAJobRemovedUnrun(t *testing.T) {
+	e := newEnv(t, 1)
+	ctx := ctxFor(t, time.Minute)
+	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, Bucket: e.bucket})
+	if err != nil {
+		t.Fatal(err)
+	}
+	gone, err := p.EnqueueTo(ctx, 0, []byte("x"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.EnqueueTo(ctx, 0, []byte("y")); err != nil {
+		t.Fatal(err)
+	}
+	s, err := e.js.Stream(ctx, worker.JobsStream(e.prefix))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.DeleteMsg(ctx, gone.Seq); err != nil {
+		t.Fatal(err)
+	}
+	st, err := p.Status(ctx, gone)
+	if err == nil && st.State != worker.JobUnknown {
+		t.Errorf("status of a job deleted before it ran: %+v; want unknown", st)
+	}
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if _, err := p.Wait(wctx, gone); err == nil || strings.Contains(err.Error(), "deadline") {
+		t.Errorf("Wait for a job deleted before it ran: %v; want an error at once", err)
+	}
+}

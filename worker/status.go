@@ -71,7 +71,17 @@ type JobStatus struct {
 	DeadLetter uint64 `json:"dead_letter,omitempty"`
 	// Detail says what could not be found, for JobUnknown.
 	Detail string `json:"detail,omitempty"`
+
+	// removed: the job stream no longer holds the job (trimmed once
+	// done, or aged out or deleted before it ran).
+	removed bool
 }
+
+// goneUnrun says a removed job will never run: its partition's
+// progress, read after the job was found missing, has not reached it.
+func (st JobStatus) goneUnrun() bool { return st.removed && st.Progress < st.Seq }
+
+const goneDetail = "the job stream no longer holds the job and its partition's progress never reached it: it aged out (MaxAge) or was deleted before it ran"
 
 // Ref names the job for Status, ParseRef and `leasehold jobs`:
 // "<partition>:<seq>", and for a delayed job
@@ -136,6 +146,10 @@ func (p *Producer) Status(ctx context.Context, ref Enqueued) (JobStatus, error) 
 	}
 	if st.Progress >= st.Seq {
 		return p.finished(ctx, st)
+	}
+	if st.goneUnrun() {
+		st.Detail = goneDetail
+		return st, nil
 	}
 	snap, err := b.Snapshot(ctx)
 	if err != nil {
@@ -246,6 +260,7 @@ func (p *Producer) checkStored(ctx context.Context, s jetstream.Stream, st JobSt
 		if st.Seq > info.State.LastSeq {
 			st.Detail = fmt.Sprintf("the job stream holds no sequence %d: its last is %d", st.Seq, info.State.LastSeq)
 		}
+		st.removed = true
 	default:
 		return st, fmt.Errorf("worker: job %s: read it: %w", st.Ref, err)
 	}
@@ -416,6 +431,10 @@ func (p *Producer) Wait(ctx context.Context, refs ...Enqueued) ([]JobStatus, err
 				progress[r.Partition] = pr
 			}
 			out[i].Progress = pr
+			if out[i].goneUnrun() {
+				out[i].Detail = goneDetail
+				return out, fmt.Errorf("worker: wait for job %s: %s", out[i].Ref, goneDetail)
+			}
 			if pr < out[i].Seq {
 				out[i].State = JobPending
 				left++
