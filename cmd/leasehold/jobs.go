@@ -197,7 +197,9 @@ func printJobs(out io.Writer, sts []worker.JobStatus, asJSON bool) error {
 		case st.State == worker.JobDeadLettered:
 			detail = fmt.Sprintf("dead letter %d: %s", st.DeadLetter, st.Error)
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\t%s\t%d\t%s\n", st.Ref, st.Partition, st.Seq, st.State, holder, epoch, st.Progress, detail)
+		// A dead letter's reason is a header anyone allowed to publish on
+		// the dead-letter stream could write.
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\t%s\t%d\t%s\n", st.Ref, st.Partition, st.Seq, st.State, printable([]byte(holder), 0), epoch, st.Progress, printable([]byte(detail), 0))
 	}
 	return tw.Flush()
 }
