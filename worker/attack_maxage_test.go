@@ -51,3 +51,45 @@ func TestAttackSchedulesOutliveMaxAge(t *testing.T) {
 		}
 	}
 }
+
+// A job stream with MaxAge made before schedules were on gets them, and
+// the per-message TTL that exempts them, on the next ProvisionJobs.
+func TestAttackMaxAgeStreamUpgradedToSchedules(t *testing.T) {
+	srv := natstest.Start(t)
+	js := srv.JetStream(t)
+	ctx := ctxFor(t, time.Minute)
+	cfg := worker.JobsConfig{Prefix: "jobs", Partitions: 1, MaxAge: time.Hour, NoSchedules: true}
+	if err := worker.ProvisionJobs(ctx, js, cfg); err != nil {
+		t.Fatal(err)
+	}
+	p, err := worker.NewProducer(js, worker.ProducerConfig{Prefix: "jobs", Partitions: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.EnqueueTo(ctx, 0, []byte("x"), worker.EnqueueIn(time.Hour)); err == nil {
+		t.Fatal("a delayed job on a stream without schedules was stored")
+	}
+	cfg.NoSchedules = false
+	if err := worker.ProvisionJobs(ctx, js, cfg); err != nil {
+		t.Fatal(err)
+	}
+	p, err = worker.NewProducer(js, worker.ProducerConfig{Prefix: "jobs", Partitions: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e, err := p.EnqueueTo(ctx, 0, []byte("x"), worker.EnqueueIn(2*time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := js.Stream(ctx, worker.JobsStream("jobs"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := s.GetMsg(ctx, e.Seq)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ttl := m.Header.Get("Nats-TTL"); ttl != "never" {
+		t.Errorf("a schedule due after MaxAge carries Nats-TTL %q; want never", ttl)
+	}
+}
