@@ -65,7 +65,10 @@ type JobsConfig struct {
 	// MaxAge is how long a job is kept. Default 0: jobs stay until MaxBytes
 	// is reached or workers trim them (Config.TrimCommitted). A job that
 	// ages out before a worker handles it is gone, so set it well above the
-	// longest backlog you can have.
+	// longest backlog you can have. The schedules of delayed and periodic
+	// jobs are exempt (they carry "Nats-TTL: never", so a job stream with
+	// MaxAge and schedules allows per-message TTLs); the jobs they fire
+	// age out as any job does.
 	MaxAge time.Duration
 	// MaxBytes bounds the job stream's size; when full, enqueues are
 	// refused rather than old jobs dropped. Default 0: no bound.
@@ -89,8 +92,10 @@ type JobsConfig struct {
 	// schedules must allow roll-ups, which a schedule uses to replace the
 	// one before it on its own subject: any publisher allowed on a job
 	// subject could then send a roll-up header that purges the jobs of
-	// that partition before it, and it must discard old messages when
-	// full. Turn them on where only trusted publishers may write job
+	// that partition before it (or with "Nats-Rollup: all" every
+	// partition's jobs and schedules; the worker that meets such a message
+	// dead-letters it, saying what was purged, whatever its handler), and
+	// it must discard old messages when full. Turn them on where only trusted publishers may write job
 	// subjects. ProvisionJobs fails, saying why, where they cannot be on:
 	// a server before nats-server 2.12, or a stream with MaxBytes.
 	Schedules bool

@@ -85,11 +85,8 @@ func (m *Mux) Handle(ctx context.Context, job *Job) error {
 var ErrUnknownKind = errors.New("no handler serves the job's kind")
 
 func (m *Mux) route(job *Job) (Handler, error) {
-	if len(headerValues(job.Header, "Nats-Rollup")) > 0 {
-		// A job stream that schedules allows roll-ups; no producer of ours
-		// sends one on a job subject.
-		return nil, Permanent(fmt.Errorf("job %d of partition %d carries a Nats-Rollup header: the server purged every job stored before it on %s; find who publishes it (the purged jobs are gone, replay them from their source)",
-			job.Seq, job.Partition, job.Subject))
+	if err := rollupError(job); err != nil {
+		return nil, err
 	}
 	vals := headerValues(job.Header, HeaderKind)
 	m.mu.RLock()
@@ -114,6 +111,24 @@ func (m *Mux) route(job *Job) (Handler, error) {
 			job.Seq, job.Partition, kind, ErrUnknownKind, m.served()))
 	}
 	return h, nil
+}
+
+// rollupError refuses a job that carries Nats-Rollup: the worker checks it
+// before any handler runs, a Mux again for a Mux used on its own.
+func rollupError(job *Job) error {
+	rollup := headerValues(job.Header, "Nats-Rollup")
+	if len(rollup) == 0 {
+		return nil
+	}
+	// A job stream that schedules allows roll-ups; no producer of ours
+	// sends one on a job subject.
+	purged := "on " + job.Subject
+	if strings.EqualFold(strings.TrimSpace(rollup[0]), "all") {
+		// Only this partition sees it: say what the others lost.
+		purged = "on every partition, and every delayed and periodic job's schedule"
+	}
+	return Permanent(fmt.Errorf("job %d of partition %d carries a Nats-Rollup header: the server purged every job stored before it %s; find who publishes it (the purged jobs are gone, replay them from their source)",
+		job.Seq, job.Partition, purged))
 }
 
 // served describes the kinds for an error message; m.mu is held.

@@ -338,7 +338,11 @@ func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream
 		r.event(ctx, Event{Kind: EventJobStarted, Job: job, Seq: seq, Attempt: st.runs})
 		start := time.Now()
 		dog := r.watch(ctx, job, st, start)
-		err := call(ctx, r.w.handler, job)
+		// A roll-up purged jobs before it: whatever the handler, say so.
+		err := rollupError(job)
+		if err == nil {
+			err = call(ctx, r.w.handler, job)
+		}
 		took := time.Since(start)
 		hung := dog.done()
 		err = attemptError(ctx, err)

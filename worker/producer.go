@@ -95,9 +95,10 @@ type Producer struct {
 	sendName  string // the enqueue span's name
 	sendAttrs []attribute.KeyValue
 
-	mu          sync.Mutex
-	checked     bool // the stream's partition count matched
-	schedulesOK bool // the job stream allows message schedules
+	mu           sync.Mutex
+	checked      bool // the stream's partition count matched
+	schedulesOK  bool // the job stream allows message schedules
+	schedulesAge bool // and has a MaxAge that schedules must be exempt from
 }
 
 // NewProducer returns a Producer that enqueues through js.
@@ -250,6 +251,10 @@ func (p *Producer) message(ctx context.Context, part leasehold.Partition, data [
 	for k, vs := range o.header {
 		if hasPrefixFold(k, "Nats-Rollup") || hasPrefixFold(k, "Nats-Schedule") || hasPrefixFold(k, "Nats-Scheduler") {
 			return nil, fmt.Errorf("worker: enqueue: header %s is a server directive that would purge or schedule jobs; use EnqueueAt or Producer.Schedule", k)
+		}
+		if strings.EqualFold(k, "Nats-TTL") {
+			// A job stream with MaxAge and schedules allows message TTLs.
+			return nil, fmt.Errorf("worker: enqueue: header %s would have the server delete the job, handled or not, when it expires; bound a job's age with JobsConfig.MaxAge", k)
 		}
 		msg.Header[k] = vs
 	}

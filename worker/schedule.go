@@ -42,6 +42,9 @@ const (
 	hdrScheduleTZ     = "Nats-Schedule-Time-Zone"
 	hdrScheduler      = "Nats-Scheduler"
 	hdrScheduleNext   = "Nats-Schedule-Next"
+	// hdrTTL "never" exempts a schedule from the job stream's MaxAge,
+	// which would otherwise drop it unfired (ADR-43; needs AllowMsgTTL).
+	hdrTTL = "Nats-TTL"
 )
 
 // ErrNoSchedules is matched by the error of a delayed or periodic enqueue
@@ -96,7 +99,18 @@ func (p *Producer) schedule(ctx context.Context, msg *nats.Msg, part leasehold.P
 	// The server drops Nats-Msg-Id from the job it fires: the job keeps
 	// its ID in a header of ours.
 	msg.Header[HeaderJobID] = []string{o.id}
+	p.neverExpire(msg.Header)
 	return nil
+}
+
+// neverExpire marks a schedule as exempt from the job stream's MaxAge,
+// where the stream has one.
+func (p *Producer) neverExpire(h nats.Header) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.schedulesAge {
+		h[hdrTTL] = []string{"never"}
+	}
 }
 
 // checkSchedules checks once that the job stream allows message schedules
@@ -118,10 +132,14 @@ func (p *Producer) checkSchedules(ctx context.Context, cron bool) error {
 	if err != nil {
 		return fmt.Errorf("worker: look up job stream %s: %w", JobsStream(p.cfg.Prefix), err)
 	}
-	if !s.CachedInfo().Config.AllowMsgSchedules {
-		return fmt.Errorf("%w: job stream %s does not allow message schedules: %s", ErrNoSchedules, JobsStream(p.cfg.Prefix), whyNoSchedules(s.CachedInfo().Config))
+	sc := s.CachedInfo().Config
+	if !sc.AllowMsgSchedules {
+		return fmt.Errorf("%w: job stream %s does not allow message schedules: %s", ErrNoSchedules, JobsStream(p.cfg.Prefix), whyNoSchedules(sc))
 	}
-	p.schedulesOK = true
+	if sc.MaxAge > 0 && !sc.AllowMsgTTL {
+		return fmt.Errorf("%w: job stream %s ages messages out after %v, schedules included, and does not allow the per-message TTL that exempts them: run worker.ProvisionJobs with JobsConfig.Schedules (or `leasehold init --schedules`) again to allow it", ErrNoSchedules, JobsStream(p.cfg.Prefix), sc.MaxAge)
+	}
+	p.schedulesOK, p.schedulesAge = true, sc.MaxAge > 0
 	return nil
 }
 
@@ -148,12 +166,16 @@ func serverAtLeast(nc *nats.Conn, major, minor int) bool {
 // requires roll-ups (each schedule replaces the one before it on its
 // subject) and refuses DiscardNew. Without MaxBytes or MaxMsgs nothing is
 // ever discarded, so DiscardOld changes nothing; with them, schedules stay
-// off, since a full stream would drop its oldest jobs.
+// off, since a full stream would drop its oldest jobs. With MaxAge, the
+// stream allows per-message TTLs: schedules carry "Nats-TTL: never", so
+// that a delayed job due later than MaxAge, or a periodic job's schedule
+// older than it, is not aged out unfired.
 func scheduleConfig(sc *jetstream.StreamConfig) bool {
 	if sc.MaxBytes > 0 || sc.MaxMsgs > 0 {
 		return false
 	}
 	sc.AllowMsgSchedules = true
+	sc.AllowMsgTTL = sc.AllowMsgTTL || sc.MaxAge > 0
 	sc.AllowRollup = true
 	sc.DenyPurge = false
 	sc.Discard = jetstream.DiscardOld
@@ -170,7 +192,7 @@ func enableSchedules(ctx context.Context, js jetstream.JetStream, name string) e
 		return fmt.Errorf("worker: look up stream %s: %w", name, err)
 	}
 	sc := s.CachedInfo().Config
-	if sc.AllowMsgSchedules {
+	if sc.AllowMsgSchedules && (sc.MaxAge == 0 || sc.AllowMsgTTL) {
 		return nil
 	}
 	if !scheduleConfig(&sc) {
@@ -335,6 +357,7 @@ func (p *Producer) register(ctx context.Context, pj Periodic) error {
 	msg.Header.Set(HeaderKind, pj.Kind)
 	msg.Header.Set(HeaderPeriodic, pj.Name)
 	msg.Header.Set(HeaderJobID, "periodic/"+pj.Name)
+	p.neverExpire(msg.Header)
 
 	s, err := p.js.Stream(ctx, JobsStream(p.cfg.Prefix))
 	if err != nil {
@@ -378,7 +401,7 @@ func sameSchedule(stored *jetstream.RawStreamMsg, msg *nats.Msg) bool {
 	if !bytes.Equal(stored.Data, msg.Data) {
 		return false
 	}
-	for _, k := range []string{hdrSchedule, hdrScheduleTZ, hdrScheduleTarget, HeaderKind, HeaderPeriodic, HeaderEvery, HeaderJobID} {
+	for _, k := range []string{hdrSchedule, hdrScheduleTZ, hdrScheduleTarget, HeaderKind, HeaderPeriodic, HeaderEvery, HeaderJobID, hdrTTL} {
 		if stored.Header.Get(k) != msg.Header.Get(k) {
 			return false
 		}

@@ -71,7 +71,17 @@ type JobStatus struct {
 	DeadLetter uint64 `json:"dead_letter,omitempty"`
 	// Detail says what could not be found, for JobUnknown.
 	Detail string `json:"detail,omitempty"`
+
+	// removed: the job stream no longer holds the job (trimmed once
+	// done, or aged out or deleted before it ran).
+	removed bool
 }
+
+// goneUnrun says a removed job will never run: its partition's
+// progress, read after the job was found missing, has not reached it.
+func (st JobStatus) goneUnrun() bool { return st.removed && st.Progress < st.Seq }
+
+const goneDetail = "the job stream no longer holds the job and its partition's progress never reached it: it aged out (MaxAge) or was deleted before it ran"
 
 // Ref names the job for Status, ParseRef and `leasehold jobs`:
 // "<partition>:<seq>", and for a delayed job
@@ -128,7 +138,7 @@ func (p *Producer) Status(ctx context.Context, ref Enqueued) (JobStatus, error) 
 		return JobStatus{}, err
 	}
 	st, err := p.locate(ctx, ref)
-	if err != nil || st.State != JobUnknown {
+	if err != nil || st.State != JobUnknown || st.Detail != "" {
 		return st, err
 	}
 	if st.Progress, err = b.Progress(ctx, st.Partition); err != nil {
@@ -137,6 +147,10 @@ func (p *Producer) Status(ctx context.Context, ref Enqueued) (JobStatus, error) 
 	if st.Progress >= st.Seq {
 		err := p.finished(ctx, &st)
 		return st, err
+	}
+	if st.goneUnrun() {
+		st.Detail = goneDetail
+		return st, nil
 	}
 	snap, err := b.Snapshot(ctx)
 	if err != nil {
@@ -189,12 +203,12 @@ func (p *Producer) locate(ctx context.Context, ref Enqueued) (JobStatus, error) 
 	if int(ref.Partition) >= p.cfg.Partitions || ref.Seq == 0 {
 		return st, fmt.Errorf("worker: job %s: no such partition or sequence (the job stream has %d partitions)", st.Ref, p.cfg.Partitions)
 	}
-	if ref.Due.IsZero() {
-		return st, nil
-	}
 	s, err := p.jobs(ctx)
 	if err != nil {
 		return st, err
+	}
+	if ref.Due.IsZero() {
+		return p.checkStored(ctx, s, st)
 	}
 	subject := ScheduleSubject(p.cfg.Prefix, ref.ID)
 	sched, err := s.GetLastMsgForSubject(ctx, subject)
@@ -225,6 +239,32 @@ func (p *Producer) locate(ctx context.Context, ref Enqueued) (JobStatus, error) 
 		return st, nil
 	}
 	st.Seq = found
+	return st, nil
+}
+
+// checkStored checks that the job stream holds, or held, partition
+// st.Partition's job at st.Seq: a reference is user input, and the
+// partition's progress passes the sequences of other partitions' jobs
+// too. A job trimmed since cannot be checked and is taken as it is.
+func (p *Producer) checkStored(ctx context.Context, s jetstream.Stream, st JobStatus) (JobStatus, error) {
+	subject := JobSubject(p.cfg.Prefix, st.Partition)
+	m, err := s.GetMsg(ctx, st.Seq)
+	switch {
+	case err == nil && m.Subject != subject:
+		st.Detail = fmt.Sprintf("sequence %d of the job stream is a message on %s, not a job of partition %d", st.Seq, m.Subject, st.Partition)
+	case err == nil:
+	case errors.Is(err, jetstream.ErrMsgNotFound):
+		info, err := s.Info(ctx)
+		if err != nil {
+			return st, fmt.Errorf("worker: job %s: %w", st.Ref, err)
+		}
+		if st.Seq > info.State.LastSeq {
+			st.Detail = fmt.Sprintf("the job stream holds no sequence %d: its last is %d", st.Seq, info.State.LastSeq)
+		}
+		st.removed = true
+	default:
+		return st, fmt.Errorf("worker: job %s: read it: %w", st.Ref, err)
+	}
 	return st, nil
 }
 
@@ -408,6 +448,10 @@ func (p *Producer) Wait(ctx context.Context, refs ...Enqueued) ([]JobStatus, err
 				progress[r.Partition] = pr
 			}
 			out[i].Progress = pr
+			if out[i].goneUnrun() {
+				out[i].Detail = goneDetail
+				return out, fmt.Errorf("worker: wait for job %s: %s", out[i].Ref, goneDetail)
+			}
 			if pr < out[i].Seq {
 				out[i].State = JobPending
 				left++

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -73,9 +74,13 @@ their partitions at that time. --refs prints each job's reference, which
 			if id != "" && count > 1 {
 				return fmt.Errorf("--id with --count %d: one ID names one job", count)
 			}
+			if math.IsNaN(rate) || rate < 0 {
+				return fmt.Errorf("--rate %v: give jobs per second, or 0 for as fast as the server takes them", rate)
+			}
 			var tick <-chan time.Time
-			if rate > 0 {
-				t := time.NewTicker(time.Duration(float64(time.Second) / rate))
+			// A rate above a job a nanosecond is no limit.
+			if every := time.Duration(float64(time.Second) / rate); rate > 0 && every > 0 {
+				t := time.NewTicker(every)
 				defer t.Stop()
 				tick = t.C
 			}

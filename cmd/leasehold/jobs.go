@@ -12,7 +12,6 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -68,7 +67,7 @@ func (f *jobsFlags) producer(cmd *cobra.Command) (*worker.Producer, func(), erro
 	if err != nil {
 		return fail(err)
 	}
-	b, err := coordinator.OpenBucket(ctx, js, f.conn.leaseBucket())
+	b, err := f.conn.openLeaseBucket(ctx, js)
 	if err != nil {
 		return fail(err)
 	}
@@ -204,7 +203,9 @@ func printJobs(out io.Writer, sts []worker.JobStatus, asJSON bool) error {
 		case st.State == worker.JobDeadLettered:
 			detail = fmt.Sprintf("dead letter %d: %s", st.DeadLetter, st.Error)
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\t%s\t%d\t%s\n", st.Ref, st.Partition, st.Seq, st.State, holder, epoch, st.Progress, detail)
+		// A dead letter's reason is a header anyone allowed to publish on
+		// the dead-letter stream could write.
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\t%s\t%d\t%s\n", st.Ref, st.Partition, st.Seq, st.State, printable([]byte(holder), 0), epoch, st.Progress, printable([]byte(detail), 0))
 	}
 	return tw.Flush()
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -49,8 +50,8 @@ bucket records (the highest epoch it accepted, and from whom). Reads go to
 the stream leader, so a replica that is behind cannot hide a write.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return f.with(cmd.Context(), func(ctx context.Context, s *kvsink.Sink) error {
-				effects, err := s.Effects(ctx)
+			return f.with(cmd.Context(), func(ctx context.Context, js jetstream.JetStream, s *kvsink.Sink) error {
+				effects, bad, err := readEffects(ctx, js, s)
 				if err != nil {
 					return err
 				}
@@ -78,12 +79,16 @@ the stream leader, so a replica that is behind cannot hide a write.`,
 						fences = []sinkFence{}
 					}
 					return writeJSON(out, struct {
-						Bucket string      `json:"bucket"`
-						Values []sinkValue `json:"values"`
-						Fences []sinkFence `json:"fences"`
-					}{f.kvBucket, vals, fences})
+						Bucket     string      `json:"bucket"`
+						Values     []sinkValue `json:"values"`
+						Fences     []sinkFence `json:"fences"`
+						Unreadable []badValue  `json:"unreadable,omitempty"`
+					}{f.kvBucket, vals, fences, bad})
 				}
 				printSinkValues(out, f.kvBucket, effects, fences)
+				for _, b := range bad {
+					fmt.Fprintf(out, "key %s: %s\n", b.Key, printable([]byte(b.Error), 0))
+				}
 				return nil
 			})
 		},
@@ -107,7 +112,7 @@ key and worker. A missing key is an error.`,
 			if err := kvsink.CheckKey(key); err != nil {
 				return fmt.Errorf("KEY %q: %w", key, err)
 			}
-			return f.with(cmd.Context(), func(ctx context.Context, s *kvsink.Sink) error {
+			return f.with(cmd.Context(), func(ctx context.Context, js jetstream.JetStream, s *kvsink.Sink) error {
 				e, ok, err := s.Get(ctx, key)
 				if err != nil {
 					return err
@@ -122,12 +127,12 @@ key and worker. A missing key is an error.`,
 				tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 				st := e.Stamp
 				fmt.Fprintf(tw, "key\t%s\n", e.Subject)
-				fmt.Fprintf(tw, "scope\t%s\n", orDash(st.Scope))
+				fmt.Fprintf(tw, "scope\t%s\n", shown(st.Scope))
 				fmt.Fprintf(tw, "partition\t%d\n", st.Partition)
 				fmt.Fprintf(tw, "epoch\t%d\n", st.Epoch)
-				fmt.Fprintf(tw, "acquisition\t%s\n", orDash(st.Acquisition))
-				fmt.Fprintf(tw, "idempotency key\t%s\n", st.Key)
-				fmt.Fprintf(tw, "worker\t%s\n", orDash(st.Worker))
+				fmt.Fprintf(tw, "acquisition\t%s\n", shown(st.Acquisition))
+				fmt.Fprintf(tw, "idempotency key\t%s\n", shown(st.Key))
+				fmt.Fprintf(tw, "worker\t%s\n", shown(st.Worker))
 				fmt.Fprintf(tw, "size\t%d bytes\n", len(e.Data))
 				tw.Flush()
 				fmt.Fprintf(out, "value\n%s\n", printable(e.Data, 0))
@@ -141,7 +146,7 @@ key and worker. A missing key is an error.`,
 
 // with connects, binds the sink's existing bucket without changing it, and
 // runs fn.
-func (f *sinkReadFlags) with(ctx context.Context, fn func(context.Context, *kvsink.Sink) error) error {
+func (f *sinkReadFlags) with(ctx context.Context, fn func(context.Context, jetstream.JetStream, *kvsink.Sink) error) error {
 	nc, js, err := f.conn.connect(ctx, "leasehold sink read")
 	if err != nil {
 		return err
@@ -157,7 +162,52 @@ func (f *sinkReadFlags) with(ctx context.Context, fn func(context.Context, *kvsi
 	if err != nil {
 		return err
 	}
-	return fn(ctx, s)
+	return fn(ctx, js, s)
+}
+
+// badValue is a key whose value ls cannot read: written around the sink,
+// without a stamp or with a broken one.
+type badValue struct {
+	Key   string `json:"key"`
+	Error string `json:"error"`
+}
+
+// readEffects reads every value of the sink's bucket. A value it cannot
+// read is listed apart rather than failing the whole listing: the
+// listing is how an operator finds it.
+func readEffects(ctx context.Context, js jetstream.JetStream, s *kvsink.Sink) ([]sink.Effect, []badValue, error) {
+	effects, err := s.Effects(ctx)
+	if err == nil {
+		return effects, nil, nil
+	}
+	bucket := s.KeyValue().Bucket()
+	str, err := js.Stream(ctx, "KV_"+bucket)
+	if err != nil {
+		return nil, nil, fmt.Errorf("list the keys of the KV sink bucket %s: %w", bucket, err)
+	}
+	prefix := "$KV." + bucket + "."
+	info, err := str.Info(ctx, jetstream.WithSubjectFilter(prefix+">"))
+	if err != nil {
+		return nil, nil, fmt.Errorf("list the keys of the KV sink bucket %s: %w", bucket, err)
+	}
+	keys := make([]string, 0, len(info.State.Subjects))
+	for subj := range info.State.Subjects {
+		if key := strings.TrimPrefix(subj, prefix); !strings.HasPrefix(key, "_leasehold.") { // the sink's own records
+			keys = append(keys, key)
+		}
+	}
+	slices.Sort(keys)
+	var bad []badValue
+	for _, key := range keys {
+		e, ok, err := s.Get(ctx, key)
+		switch {
+		case err != nil:
+			bad = append(bad, badValue{Key: key, Error: err.Error()})
+		case ok:
+			effects = append(effects, e)
+		}
+	}
+	return effects, bad, nil
 }
 
 // sinkValue is one value of ls and get --json.
@@ -207,7 +257,7 @@ func printSinkValues(out io.Writer, bucket string, effects []sink.Effect, fences
 	fmt.Fprintln(tw, "KEY\tSCOPE\tPARTITION\tEPOCH\tACQUISITION\tWORKER\tVALUE")
 	for _, e := range effects {
 		st := e.Stamp
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\t%s\n", e.Subject, orDash(st.Scope), st.Partition, st.Epoch, orDash(st.Acquisition), orDash(st.Worker), printable(e.Data, 40))
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\t%s\n", e.Subject, shown(st.Scope), st.Partition, st.Epoch, shown(st.Acquisition), shown(st.Worker), printable(e.Data, 40))
 	}
 	tw.Flush()
 	if len(fences) > 0 {
@@ -215,7 +265,7 @@ func printSinkValues(out io.Writer, bucket string, effects []sink.Effect, fences
 		tw = tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 		fmt.Fprintln(tw, "SCOPE\tPARTITION\tFENCED AT EPOCH\tHOLDER")
 		for _, f := range fences {
-			fmt.Fprintf(tw, "%s\t%d\t%d\t%s\n", f.Scope, f.Partition, f.Epoch, orDash(f.Holder))
+			fmt.Fprintf(tw, "%s\t%d\t%d\t%s\n", shown(f.Scope), f.Partition, f.Epoch, shown(f.Holder))
 		}
 		tw.Flush()
 	}
@@ -234,6 +284,10 @@ func printable(data []byte, limit int) string {
 	}
 	return s
 }
+
+// shown is a stamp's field for a terminal: the bucket holds what anyone
+// allowed to write it put there, and a header carries escape sequences.
+func shown(s string) string { return orDash(printable([]byte(s), 0)) }
 
 func orDash(s string) string {
 	if s == "" {

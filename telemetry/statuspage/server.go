@@ -94,6 +94,9 @@ const idleAfter = 30 * time.Second
 // goroutine and an encoding of the state on every change.
 const maxViewers = 32
 
+// writeTimeout bounds one write of an event stream.
+const writeTimeout = 10 * time.Second
+
 // lagEvery is how often the lag is read again: it takes a request per
 // partition.
 const lagEvery = 5 * time.Second
@@ -195,7 +198,7 @@ func (s *Server) asset(name, contentType string) http.HandlerFunc {
 // at most every 200ms, with a comment every 15s to keep proxies from
 // closing an idle stream.
 func (s *Server) serveEvents(w http.ResponseWriter, r *http.Request) {
-	flusher, ok := w.(http.Flusher)
+	_, ok := w.(http.Flusher)
 	if !ok {
 		http.Error(w, "streaming unsupported", http.StatusInternalServerError)
 		return
@@ -212,6 +215,16 @@ func (s *Server) serveEvents(w http.ResponseWriter, r *http.Request) {
 	defer s.touch(-1)
 	secure(w, "text/event-stream")
 	w.WriteHeader(http.StatusOK)
+	// A client that stops reading would block a write, and hold its
+	// slot, for as long as it keeps the connection open.
+	rc := http.NewResponseController(w)
+	send := func(format string, args ...any) bool {
+		_ = rc.SetWriteDeadline(time.Now().Add(writeTimeout))
+		if _, err := fmt.Fprintf(w, format, args...); err != nil {
+			return false
+		}
+		return rc.Flush() == nil
+	}
 	keepAlive := time.NewTicker(15 * time.Second)
 	defer keepAlive.Stop()
 	var sent uint64
@@ -226,10 +239,9 @@ func (s *Server) serveEvents(w http.ResponseWriter, r *http.Request) {
 				return
 			}
 			// JSON holds no newline, so one data line carries it.
-			if _, err := fmt.Fprintf(w, "event: state\ndata: %s\n\n", data); err != nil {
+			if !send("event: state\ndata: %s\n\n", data) {
 				return
 			}
-			flusher.Flush()
 			sent, first = version, false
 		}
 		select {
@@ -238,10 +250,9 @@ func (s *Server) serveEvents(w http.ResponseWriter, r *http.Request) {
 		case <-s.stopped:
 			return
 		case <-keepAlive.C:
-			if _, err := fmt.Fprint(w, ": keep-alive\n\n"); err != nil {
+			if !send(": keep-alive\n\n") {
 				return
 			}
-			flusher.Flush()
 		case <-changed:
 			select {
 			case <-time.After(200 * time.Millisecond):

@@ -1,0 +1,43 @@
+package main
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/sink/kvsink"
+	"github.com/leasehold/leasehold/testing/natstest"
+)
+
+// A KV sink's bucket holds what anyone allowed to write it put there, and
+// a stamp's worker is free text that a NATS header carries byte for byte,
+// escape sequences included. `sink get` and `sink ls` print to an
+// operator's terminal: a forged worker must not reach it raw.
+func TestAttackSinkReadForgedStamp(t *testing.T) {
+	s := natstest.Start(t, natstest.Listen())
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	js := s.JetStream(t)
+	if _, err := kvsink.New(ctx, js, kvsink.Config{Bucket: kvsink.DefaultBucket, Name: "kvs"}); err != nil {
+		t.Fatal(err)
+	}
+	st := leasehold.Stamp{Scope: "leasehold", Partition: 0, Epoch: 7, Acquisition: "a1", Key: "k1", Worker: "w1\x1b]0;owned\x07\x1b[2J"}
+	h := nats.Header{}
+	st.SetHeader(h)
+	if _, err := js.PublishMsg(ctx, &nats.Msg{Subject: "$KV." + kvsink.DefaultBucket + ".k1", Data: []byte("v"), Header: h}); err != nil {
+		t.Fatal(err)
+	}
+	for _, args := range [][]string{{"sink", "get", "k1"}, {"sink", "ls"}} {
+		out, err := run(t, ctx, append(args, "--nats", s.URL())...)
+		if err != nil {
+			t.Fatalf("%s: %v\n%s", strings.Join(args, " "), err, out)
+		}
+		if strings.ContainsAny(out, "\x1b\x07") {
+			t.Errorf("%s prints a forged worker's escape sequences raw:\n%q", strings.Join(args, " "), out)
+		}
+	}
+}
