@@ -169,7 +169,8 @@ func (g *group) noticeRewrite(e jetstream.KeyValueEntry) {
 		return
 	}
 	l := g.held[p]
-	if l == nil || l.session == nil || e.Revision() <= l.rev || l.releasing.Load() {
+	// A session-held record is written once, at its epoch's revision.
+	if l == nil || l.session == nil || l.releasing.Load() || e.Revision() <= uint64(l.info.Epoch) {
 		return
 	}
 	holder := ""
