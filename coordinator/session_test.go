@@ -195,7 +195,7 @@ func TestSessionExpiredHolderIsTakenOnce(t *testing.T) {
 	}
 	var last leasehold.Epoch
 	for round := range rounds {
-		z := newSessionCoord(t, b, fmt.Sprintf("zombie-%d", round), time.Second)
+		z := newSessionCoord(t, b, fmt.Sprintf("zombie-%d", round), 2*time.Second)
 		zs, err := z.RegisterSession(ctx)
 		if err != nil {
 			t.Fatal(err)
