@@ -368,7 +368,13 @@ func (l *Lease) Release(ctx context.Context) error {
 		err = nil
 		break
 	}
-	if err != nil {
+	switch {
+	case err != nil && l.session != nil:
+		// The record lives as long as the session: the worker group
+		// removes it at a later reconciliation, or the session's end frees it.
+		err = fmt.Errorf("release %s: %w (the worker group retries; the partition is free at the latest when this worker's registration ends)", l, err)
+		l.c.cfg.Logger.Warn("lease release failed", "partition", l.info.Partition, "epoch", l.info.Epoch, "err", err)
+	case err != nil:
 		// The lease will expire on its own within the TTL.
 		err = fmt.Errorf("release %s: %w (it expires on its own within %v)", l, err, l.c.cfg.TTL)
 		l.c.cfg.Logger.Warn("lease release failed", "partition", l.info.Partition, "epoch", l.info.Epoch, "err", err)
