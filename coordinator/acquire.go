@@ -66,6 +66,8 @@ type Coordinator struct {
 
 	mu    sync.Mutex
 	group *group // set while Run runs
+
+	ended endedSessions
 }
 
 // New returns a Coordinator for the worker cfg describes.
@@ -100,6 +102,13 @@ type acquireOpts struct {
 	// repair lets the fence step rewrite a fence record that does not
 	// decode or claims an epoch the lease bucket never issued.
 	repair bool
+	// session, when set, is the member registration the lease is to live
+	// by (Run's default): the record names it and carries no TTL.
+	session *Lease
+	// hint is the revision the first write expects: a marker's, or a
+	// record's whose session the worker knows has ended. The write is a
+	// compare-and-set, so a wrong hint costs a read, not safety.
+	hint uint64
 }
 
 // ManualRenew leaves renewal to the caller: the lease does not renew
@@ -158,7 +167,7 @@ func (c *Coordinator) Acquire(ctx context.Context, p leasehold.Partition, opts .
 // acquire takes the lease key of t, then fences t's record, then hands the
 // lease out.
 func (c *Coordinator) acquire(ctx context.Context, t target, o acquireOpts) (*Lease, error) {
-	l, err := c.acquireKey(ctx, t, o.takeover)
+	l, err := c.acquireKey(ctx, t, o)
 	if err != nil {
 		return nil, err
 	}
@@ -172,7 +181,7 @@ func (c *Coordinator) acquire(ctx context.Context, t target, o acquireOpts) (*Le
 	}
 	c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventAcquired, Lease: l.info, Lock: l.name, Time: time.Now()})
 	l.logAcquired()
-	if !o.manual {
+	if !o.manual && l.session == nil {
 		l.startKeepalive()
 	}
 	return l, nil
@@ -184,22 +193,29 @@ func (l *Lease) startKeepalive() {
 }
 
 // acquireKey writes a fresh lease record to t's key if the key holds no
-// live record (or holds the foreign record at revision takeover). Each
+// live record (or holds the foreign record at revision o.takeover). Each
 // attempt that gets no answer is settled by reading the key from the stream
-// leader: the record's token tells whether the write landed.
-func (c *Coordinator) acquireKey(ctx context.Context, t target, takeover uint64) (*Lease, error) {
+// leader: the record's token tells whether the write landed. With
+// o.session, the record is held by that session, and a partition record
+// whose session has ended counts as free.
+func (c *Coordinator) acquireKey(ctx context.Context, t target, o acquireOpts) (*Lease, error) {
+	takeover, sess := o.takeover, o.session
 	rec := record{
 		Holder:   c.cfg.Worker,
 		Token:    newToken(),
 		TTLMilli: c.cfg.TTL.Milliseconds(),
 		Acquired: time.Now().UTC(),
 	}
+	ttl := c.cfg.TTL
+	if sess != nil {
+		rec.Session, rec.TTLMilli, ttl = uint64(sess.info.Epoch), sessionTTLMilli, 0
+	}
 	value, err := json.Marshal(rec)
 	if err != nil {
 		return nil, err
 	}
 	var (
-		expect    uint64 // takeover is written over only once read and checked
+		expect    = o.hint // takeover is written over only once read and checked
 		firstSent time.Time
 		lastErr   error
 		transient bool // the last attempt failed without an answer: back off
@@ -212,15 +228,20 @@ func (c *Coordinator) acquireKey(ctx context.Context, t target, takeover uint64)
 			case <-time.After(backoff(attempt)):
 			}
 		}
+		if sess != nil {
+			if err := sess.Err(); err != nil {
+				return nil, fmt.Errorf("coordinator: acquire %s: the member registration ended: %w", t, err)
+			}
+		}
 		sent := time.Now()
 		if firstSent.IsZero() {
 			firstSent = sent
 		}
 		rctx, cancel := context.WithTimeout(ctx, c.cfg.RequestTimeout)
-		rev, err := c.b.put(rctx, t.key, value, expect, c.cfg.TTL)
+		rev, err := c.b.put(rctx, t.key, value, expect, ttl)
 		cancel()
 		if err == nil {
-			return c.newLease(t, rec, rev, sent), nil
+			return c.newLease(t, rec, rev, sent, sess), nil
 		}
 		lastErr = err
 		if isRefusal(err) && !isConflict(err) {
@@ -243,10 +264,13 @@ func (c *Coordinator) acquireKey(ctx context.Context, t target, takeover uint64)
 			expect = e.rev
 		case entryValue:
 			r, foreign := foreignReason(e.data, e.header)
+			if t.kind == kindPartition {
+				r, foreign = partitionReason(e.data, e.header)
+			}
 			if foreign == "" && r.Token == rec.Token {
 				// An earlier attempt landed. Count the lease from the first
 				// send, the earliest it can have been stored.
-				l := c.newLease(t, rec, e.rev, firstSent)
+				l := c.newLease(t, rec, e.rev, firstSent, sess)
 				if ctx.Err() != nil {
 					_ = l.Release(context.WithoutCancel(ctx))
 					return nil, fmt.Errorf("coordinator: acquire %s: %w", t, ctx.Err())
@@ -259,6 +283,29 @@ func (c *Coordinator) acquireKey(ctx context.Context, t target, takeover uint64)
 					continue
 				}
 				return nil, &ForeignRecordError{Bucket: c.b.name, Key: t.key, Revision: e.rev, Reason: foreign}
+			}
+			if r.Session != 0 {
+				if sess != nil && r.Holder == rec.Holder && r.Session == rec.Session {
+					// Written under this very session, yet not held: an
+					// acquisition whose outcome was given up on, or a
+					// release that failed. Nobody else can hold it.
+					expect = e.rev
+					continue
+				}
+				rctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), c.cfg.RequestTimeout)
+				live, lerr := c.sessionLive(rctx, r.Holder, r.Session)
+				cancel()
+				if lerr != nil {
+					lastErr = fmt.Errorf("%w (%v)", err, lerr)
+					transient = true
+					continue
+				}
+				if !live {
+					// Its session has ended for good: the partition is
+					// free, at exactly this revision.
+					expect = e.rev
+					continue
+				}
 			}
 			return nil, &HeldError{Lease: c.b.leaseOf(t, r, e.rev), Lock: t.name}
 		}

@@ -43,6 +43,21 @@ type Config struct {
 	// Default 30s.
 	ShutdownTimeout time.Duration
 
+	// RenewPartitions makes every partition lease Run holds renew itself,
+	// one write per partition every RenewEvery, as leases taken with
+	// Acquire and locks do. By default Run's partition leases live by this
+	// worker's member session instead: the registration member.<worker>
+	// is the only key the worker renews, so the lease bucket takes about
+	// 3/TTL writes a second per worker whatever the partition count, plus
+	// one write per acquisition and release, and every worker's watch
+	// receives only those. Epochs, fencing and fail-over within the TTL
+	// are the same either way; with sessions all of a worker's partitions
+	// share one local deadline, and a registration that cannot renew loses
+	// them all at once. Workers of either setting share a bucket. Workers
+	// of releases before sessions never take over a partition a session
+	// holds (see the package documentation).
+	RenewPartitions bool
+
 	// OnAcquire is called by Run when it has acquired a partition and fenced
 	// its progress. The lease is live; start consuming. It must not block.
 	// Releasing the lease gives the partition up: Run may acquire it again

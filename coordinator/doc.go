@@ -39,4 +39,59 @@
 // the same sticky, balanced assignment from the bucket's contents, takes the
 // partitions assigned to it and hands off the ones it should no longer hold
 // after a drain hook. See Coordinator.Run.
+//
+// # Member sessions
+//
+// By default the partition leases Run holds live by the worker's member
+// registration, its session, instead of renewing one by one; the worker
+// renews only member.<worker>, so the bucket's idle write rate is about
+// W × 3 / TTL for W workers, whatever the partition count, and each
+// worker's watch receives only those writes plus acquisitions and
+// releases. The rules:
+//
+//   - A session is one registration, named by the revision of the write
+//     that acquired member.<worker>; every renewal (a compare-and-set on
+//     the last revision, carrying the TTL) repeats it in the record.
+//   - A session-held partition record names its holder and session
+//     ("session" in the JSON), carries no per-message TTL and names a TTL
+//     of about 70 years ("ttl_ms"). It is written only to acquire (its
+//     revision is the epoch, as before) and to release (a revision-checked
+//     purge). The fence record is fenced on acquisition exactly as for a
+//     lease that renews itself.
+//   - A taker overwrites such a record only after reading member.<holder>
+//     through the stream leader and finding no value, a marker, or another
+//     session; and then by compare-and-set on the partition record's
+//     revision. An ended session never comes back: its renewal expects a
+//     revision the marker or the new registration moved, and a new
+//     registration is a new session that holds nothing. So at most one
+//     session holds a partition live on the server (I2), and epochs still
+//     increase strictly (I1).
+//   - Every partition lease of a session has the session's local deadline
+//     (last successful renewal of the registration sent + TTL − margin) and
+//     ends with it (I6); a lease also ends when the watch shows another
+//     write on its record (an operator's Fence, a take-over). Lease's
+//     Context, Done, Err and Deadline work as for a lease that renews
+//     itself; Renew renews the session.
+//   - A worker that leaves drains and releases its partitions first and
+//     deregisters last. A record this worker's session still holds but
+//     does not (a release that failed) is purged when the assignment gives
+//     the partition to another worker.
+//
+// Config.RenewPartitions turns sessions off for a worker: its partition
+// leases renew themselves. Locks (Lock, TryLock, RunSingleton) and leases
+// taken with Acquire always renew themselves.
+//
+// Mixed fleets. Workers of this version, with sessions or without, share a
+// bucket: each understands both kinds of record, never takes a lease that
+// renews itself before it expires or is released, and takes a
+// session-held one only once its session ended. Workers of releases
+// before sessions read a session-held record as one without a TTL that
+// names a TTL of 70 years: they do not take it over (they log a warning
+// once per record) and hold their own partitions as before, so nothing is
+// held twice, but they never take over a partition from a session that
+// ended either: until every worker is upgraded, partitions of a session
+// member that crashed wait for one of this version. Their `leasehold
+// status` reports such records as foreign, and their `leasehold fence`
+// would remove them: fence with this version's tool. The bucket's format
+// is otherwise unchanged; a rolling upgrade needs no migration.
 package coordinator

@@ -1,6 +1,11 @@
 package coordinator
 
-import "time"
+import (
+	"context"
+	"time"
+
+	"github.com/leasehold/leasehold"
+)
 
 // SetWallClock makes Provision read f instead of the real clock, until the
 // returned function is called.
@@ -15,3 +20,27 @@ var (
 	EncodeLockName = encodeLockName
 	DecodeLockName = decodeLockName
 )
+
+// RegisterSession registers c's member key without renewing it: a session
+// for AcquireInSession, renewed by the test (Renew, KeepRenewing) or left
+// to expire.
+func (c *Coordinator) RegisterSession(ctx context.Context) (*Lease, error) {
+	return c.acquireKey(ctx, memberTarget(c.cfg.Worker), acquireOpts{})
+}
+
+// KeepRenewing starts l's keepalive.
+func (l *Lease) KeepRenewing() { l.startKeepalive() }
+
+// AcquireInSession acquires partition p held by session, as Run does with
+// member sessions, the default.
+func (c *Coordinator) AcquireInSession(ctx context.Context, p leasehold.Partition, session *Lease) (*Lease, error) {
+	return c.acquire(ctx, partitionTarget(p), acquireOpts{session: session})
+}
+
+// Freeze stops l's local deadline, as if the process had been paused
+// before it could fire: its holder keeps believing it holds.
+func (l *Lease) Freeze() {
+	l.dmu.Lock()
+	defer l.dmu.Unlock()
+	l.timer.Stop()
+}

@@ -297,6 +297,7 @@ func (g *group) onWatch(ctx context.Context, ev watchEvent) bool {
 	}
 	if g.next != nil {
 		if ev.entry != nil {
+			g.noticeRewrite(ev.entry)
 			g.next.apply(ev.entry)
 			return false
 		}
@@ -310,6 +311,7 @@ func (g *group) onWatch(ctx context.Context, ev watchEvent) bool {
 	if ev.entry == nil {
 		return false
 	}
+	g.noticeRewrite(ev.entry)
 	changed, membership := g.view.applyKind(ev.entry)
 	if membership {
 		g.membersSince = time.Now()
@@ -329,7 +331,7 @@ func (g *group) reconcile(ctx context.Context) {
 		// Lost the registration (a pause, a partition from the server):
 		// register again before taking anything.
 		rctx, cancel := context.WithTimeout(ctx, 2*g.c.cfg.RequestTimeout)
-		l, err := g.c.acquireKey(rctx, memberTarget(me), 0)
+		l, err := g.c.acquireKey(rctx, memberTarget(me), acquireOpts{})
 		cancel()
 		if err == nil {
 			l.startKeepalive()
@@ -359,10 +361,15 @@ func (g *group) reconcile(ctx context.Context) {
 		members = append(members, me)
 	}
 	owners := make([]string, g.n)
+	var orphans []int
 	for p, s := range g.view.slots {
 		owners[p] = s.holder
 		if s.holder == me {
 			owners[p] = "" // ours on the server, but not (or no longer) held here
+			if s.session != 0 && g.member != nil && s.session == uint64(g.member.info.Epoch) &&
+				g.held[leasehold.Partition(p)] == nil && g.acquiring[leasehold.Partition(p)] == nil {
+				orphans = append(orphans, p)
+			}
 		}
 	}
 	for p := range g.held {
@@ -393,13 +400,37 @@ func (g *group) reconcile(ctx context.Context) {
 			call()
 		}
 	}
+	for _, p := range orphans {
+		if target[p] != me {
+			g.purgeOrphan(ctx, leasehold.Partition(p), g.view.slots[p].rev)
+		}
+	}
+	sess := g.member
+	if g.c.sessions() && sess == nil {
+		return // nothing can be taken without a session
+	}
+	if !g.c.sessions() {
+		sess = nil
+	}
 	for i, m := range target {
 		p := leasehold.Partition(i)
 		if m != me || g.held[p] != nil || g.acquiring[p] != nil || now.Before(g.retryAt[p]) {
 			continue
 		}
-		var takeover uint64
-		if s := g.view.slots[i]; s.holder != "" {
+		var takeover, hint uint64
+		switch s := g.view.slots[i]; {
+		case s.holder == "":
+			hint = s.rev
+		case s.session != 0:
+			if g.sessionLive(s) {
+				continue
+			}
+			// The view says its session ended; the acquisition checks that
+			// through the leader unless it is known already.
+			if s.holder == me || g.c.ended.has(sessionKey{s.holder, s.session}) {
+				hint = s.rev
+			}
+		default:
 			if !s.stuck(now, g.c.cfg.TTL) {
 				continue
 			}
@@ -431,7 +462,7 @@ func (g *group) reconcile(ctx context.Context) {
 			// group's context: its outcome is settled, not abandoned.
 			actx, cancel := context.WithTimeout(ctx, g.c.cfg.TTL)
 			defer cancel()
-			l, err := g.c.acquire(actx, partitionTarget(p), acquireOpts{takeover: takeover})
+			l, err := g.c.acquire(actx, partitionTarget(p), acquireOpts{takeover: takeover, session: sess, hint: hint})
 			g.acqCh <- acquireResult{p: p, lease: l, err: err, takeover: takeover}
 		}()
 	}
@@ -451,8 +482,14 @@ func (g *group) onAcquired(r acquireResult) {
 		switch {
 		case errors.Is(r.err, errCalledOff):
 		case errors.As(r.err, &held) && r.takeover == 0:
-			if s := &g.view.slots[r.p]; s.holder != held.Lease.Holder || s.epoch != held.Lease.Epoch {
+			s := &g.view.slots[r.p]
+			if s.holder != held.Lease.Holder || s.epoch != held.Lease.Epoch {
 				s.holder, s.epoch, s.sum = held.Lease.Holder, held.Lease.Epoch, 0
+			}
+			if s.session != 0 {
+				// The view thought the holder's session over, and the
+				// leader says it is not: the member watch is behind.
+				g.retryAt[r.p] = time.Now().Add(g.c.cfg.RenewEvery)
 			}
 		case errors.As(r.err, &foreign):
 			// The watch shows the record, and it is taken over once it is
@@ -476,7 +513,11 @@ func (g *group) onAcquired(r acquireResult) {
 	g.mu.Lock()
 	g.held[r.p] = l
 	g.mu.Unlock()
-	g.view.slots[r.p] = slot{holder: l.info.Holder, epoch: l.info.Epoch, rev: uint64(l.info.Epoch), since: time.Now(), ttl: g.c.cfg.TTL}
+	s := slot{holder: l.info.Holder, epoch: l.info.Epoch, rev: uint64(l.info.Epoch), since: time.Now(), ttl: g.c.cfg.TTL}
+	if l.session != nil {
+		s.session, s.ttl = uint64(l.session.info.Epoch), 0
+	}
+	g.view.slots[r.p] = s
 	g.watchLoss(l)
 	if g.c.cfg.OnAcquire != nil {
 		g.c.cfg.OnAcquire(l)
@@ -532,7 +573,9 @@ func (g *group) shutdown() {
 	if g.stopWatch != nil {
 		g.stopWatch()
 	}
-	g.releaseMember()
+	if !g.c.sessions() {
+		g.releaseMember()
+	}
 	// Let running acquisitions finish; what they take is revoked below.
 	pending := len(g.acquiring)
 	for pending > 0 {
@@ -563,6 +606,8 @@ func (g *group) shutdown() {
 		case <-g.watchCh:
 		}
 	}
+	// Session-held partitions live by the registration: it goes last.
+	g.releaseMember()
 	g.tasks.Wait()
 	g.watchers.Wait()
 }

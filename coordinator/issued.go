@@ -87,6 +87,9 @@ func (b *Bucket) issued(ctx context.Context, key string) (leasehold.Epoch, error
 	switch e.kind {
 	case entryValue:
 		r, foreign := foreignReason(e.data, e.header)
+		if strings.HasPrefix(key, partitionKeyPrefix) {
+			r, foreign = partitionReason(e.data, e.header)
+		}
 		if foreign == "" {
 			return epochOf(r, e.rev), nil
 		}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/leasehold/leasehold"
@@ -68,6 +69,11 @@ type Lease struct {
 	member bool
 	value  []byte // the renewal value: the record with the epoch filled in
 	token  string
+	// session is the member registration that keeps a session-held
+	// partition lease alive; nil for a lease that renews itself.
+	session     *Lease
+	stopSession func() bool
+	releasing   atomic.Bool // Release has begun: a change the watch shows is its own
 
 	ctx    context.Context
 	cancel context.CancelCauseFunc
@@ -120,8 +126,12 @@ func (l *Lease) Err() error {
 }
 
 // Deadline is the local deadline: the send time of the last successful
-// renewal plus the TTL minus the margin.
+// renewal plus the TTL minus the margin. A session-held lease has its
+// session's deadline.
 func (l *Lease) Deadline() time.Time {
+	if l.session != nil {
+		return l.session.Deadline()
+	}
 	l.dmu.Lock()
 	defer l.dmu.Unlock()
 	return l.deadline
@@ -146,7 +156,7 @@ func (l *Lease) String() string {
 	return fmt.Sprintf("%s epoch %d (%s)", what, l.info.Epoch, l.info.Holder)
 }
 
-func (c *Coordinator) newLease(t target, rec record, rev uint64, sent time.Time) *Lease {
+func (c *Coordinator) newLease(t target, rec record, rev uint64, sent time.Time, session *Lease) *Lease {
 	rec.Epoch = rev
 	value, _ := json.Marshal(rec)
 	l := &Lease{
@@ -163,6 +173,13 @@ func (c *Coordinator) newLease(t target, rec record, rev uint64, sent time.Time)
 	}
 	l.info.Epoch = leasehold.Epoch(rev)
 	l.ctx, l.cancel = context.WithCancelCause(context.Background())
+	if session != nil {
+		// No timer and no renewals of its own: the session's deadline and
+		// end are the lease's.
+		l.session = session
+		l.stopSession = context.AfterFunc(session.ctx, l.sessionEnded)
+		return l
+	}
 	l.dmu.Lock()
 	l.deadline = sent.Add(c.cfg.TTL - c.cfg.Margin)
 	l.timer = time.AfterFunc(time.Until(l.deadline), l.deadlinePassed)
@@ -205,12 +222,17 @@ func (l *Lease) end(cause error) error {
 		return l.ended
 	}
 	l.ended = cause
-	l.timer.Stop()
+	if l.timer != nil {
+		l.timer.Stop()
+	}
 	return nil
 }
 
 // finish cancels the context with cause and stops the keepalive.
 func (l *Lease) finish(cause error) {
+	if l.stopSession != nil {
+		l.stopSession()
+	}
 	l.cancel(cause)
 	l.signalStop()
 }
@@ -239,7 +261,15 @@ func (l *Lease) check(ctx context.Context, cause error) (bool, error) {
 // matching leasehold.ErrLeaseLost when the lease is gone, and another error
 // when the outcome is not known yet (the lease may still be held; the
 // local deadline decides).
+//
+// A session-held lease renews its session: the member registration.
 func (l *Lease) Renew(ctx context.Context) error {
+	if l.session != nil {
+		if err := l.Err(); err != nil {
+			return err
+		}
+		return l.session.Renew(ctx)
+	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if err := l.Err(); err != nil {
@@ -293,6 +323,7 @@ func (l *Lease) extend(sent time.Time) {
 // one. It returns an error matching leasehold.ErrLeaseLost when another
 // worker already holds the partition. Calling it again returns nil.
 func (l *Lease) Release(ctx context.Context) error {
+	l.releasing.Store(true)
 	l.signalStop()
 	if l.stopped != nil {
 		<-l.stopped
@@ -338,7 +369,13 @@ func (l *Lease) Release(ctx context.Context) error {
 		err = nil
 		break
 	}
-	if err != nil {
+	switch {
+	case err != nil && l.session != nil:
+		// The record lives as long as the session: the worker group
+		// removes it at a later reconciliation, or the session's end frees it.
+		err = fmt.Errorf("release %s: %w (the worker group retries; the partition is free at the latest when this worker's registration ends)", l, err)
+		l.c.cfg.Logger.Warn("lease release failed", "partition", l.info.Partition, "epoch", l.info.Epoch, "err", err)
+	case err != nil:
 		// The lease will expire on its own within the TTL.
 		err = fmt.Errorf("release %s: %w (it expires on its own within %v)", l, err, l.c.cfg.TTL)
 		l.c.cfg.Logger.Warn("lease release failed", "partition", l.info.Partition, "epoch", l.info.Epoch, "err", err)

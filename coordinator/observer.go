@@ -42,6 +42,7 @@ type LostReason string
 const (
 	LostRefused  LostReason = "refused"  // the server refused a renewal: another write replaced the lease
 	LostDeadline LostReason = "deadline" // the local deadline passed before a renewal succeeded
+	LostSession  LostReason = "session"  // the member registration that kept the lease alive ended
 )
 
 // Event describes one thing that happened to a lease.

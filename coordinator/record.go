@@ -31,6 +31,11 @@ type record struct {
 	Epoch    uint64    `json:"epoch,omitempty"`
 	TTLMilli int64     `json:"ttl_ms"`
 	Acquired time.Time `json:"acquired"`
+	// Session, in a partition record written under a member session, is
+	// the revision that acquired the holder's registration (member.<holder>):
+	// the lease lives as long as that registration does, carries no TTL of
+	// its own and is never renewed. 0 in a lease that renews itself.
+	Session uint64 `json:"session,omitempty"`
 }
 
 func newToken() string {

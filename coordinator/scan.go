@@ -31,14 +31,25 @@ const scanBatch = 2048
 // serves. Writes made while it runs may or may not be seen. It stops at
 // the first error fn returns.
 func scanLast(ctx context.Context, js jetstream.JetStream, stream, filter string, fn func(scanned) error) error {
-	cons, err := js.CreateConsumer(ctx, stream, jetstream.ConsumerConfig{
+	cfg := jetstream.ConsumerConfig{
 		DeliverPolicy:     jetstream.DeliverLastPerSubjectPolicy,
 		FilterSubject:     filter,
 		AckPolicy:         jetstream.AckNonePolicy,
 		MemoryStorage:     true,
 		Replicas:          1,
 		InactiveThreshold: time.Minute,
-	})
+	}
+	cons, err := js.CreateConsumer(ctx, stream, cfg)
+	// On a cluster, the JetStream API can have no responder for a moment
+	// while streams are created or deleted nearby: ask again, a few times.
+	for attempt := 1; attempt <= 5 && errors.Is(err, nats.ErrNoResponders); attempt++ {
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("coordinator: read %s of stream %s: %w (after: %v)", filter, stream, ctx.Err(), err)
+		case <-timeAfter(backoff(attempt + 2)):
+		}
+		cons, err = js.CreateConsumer(ctx, stream, cfg)
+	}
 	if err != nil {
 		return fmt.Errorf("coordinator: read %s of stream %s: %w", filter, stream, err)
 	}

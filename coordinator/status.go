@@ -165,7 +165,7 @@ func (sn *snapshotter) lease(m scanned) error {
 		}
 		ps := sn.part(p)
 		ps.Renewed = m.time
-		r, foreign := foreignReason(m.data, m.header)
+		r, foreign := partitionReason(m.data, m.header)
 		if foreign != "" {
 			ps.Holder = "?"
 			f := at.foreign(foreign, "the partition is held by nobody until the record goes")
@@ -179,6 +179,9 @@ func (sn *snapshotter) lease(m scanned) error {
 		}
 		ps.Holder, ps.Epoch, ps.Acquired = r.Holder, epochOf(r, m.seq), r.Acquired
 		ps.TTL = time.Duration(r.TTLMilli) * time.Millisecond
+		if r.Session != 0 {
+			ps.TTL = 0 // lives as long as the holder's registration
+		}
 	case strings.HasPrefix(key, lockKeyPrefix):
 		name, err := decodeLockName(key[len(lockKeyPrefix):])
 		if err != nil {

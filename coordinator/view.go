@@ -22,6 +22,10 @@ type slot struct {
 	rev   uint64
 	since time.Time
 	ttl   time.Duration // the TTL the record names; 0 when it does not decode
+	// session is the holder's session the record names (the default; Config.RenewPartitions turns it off);
+	// 0 for a lease that renews itself. Such a record stays unchanged for
+	// as long as it is held.
+	session uint64
 }
 
 // member is what the bucket says about one member key.
@@ -30,7 +34,8 @@ type member struct {
 	since   time.Time
 	sum     uint64
 	ttl     time.Duration
-	foreign bool // the record does not decode as this member's registration
+	foreign bool   // the record does not decode as this member's registration
+	session uint64 // the revision that acquired the registration
 	// checked says the record at rev was read through the leader once it
 	// looked stale, and ttlless what that found: a record the server does
 	// not expire.
@@ -84,16 +89,19 @@ func (v *view) applyKind(e jetstream.KeyValueEntry) (changed, membership bool) {
 		next := &member{rev: e.Revision(), since: now, sum: sum, foreign: true}
 		if r, err := decodeRecord(e.Value()); err == nil && r.Holder == id && r.TTLMilli > 0 {
 			next.ttl, next.foreign = time.Duration(r.TTLMilli)*time.Millisecond, false
+			next.session = uint64(epochOf(r, e.Revision()))
 		}
 		v.members[id] = next
-		return cur == nil || cur.foreign != next.foreign, true
+		return cur == nil || cur.foreign != next.foreign || cur.session != next.session, true
 	case strings.HasPrefix(key, partitionKeyPrefix):
 		p, err := leasehold.ParsePartition(key[len(partitionKeyPrefix):])
 		if err != nil || int(p) >= len(v.slots) {
 			return false, false
 		}
 		cur := &v.slots[p]
-		var next slot
+		// A free partition keeps the revision of its marker: the next
+		// acquisition expects it.
+		next := slot{rev: e.Revision(), since: now}
 		if live {
 			sum := maphash.Bytes(recordSeed, e.Value())
 			if cur.sum == sum && cur.holder != "" {
@@ -104,6 +112,9 @@ func (v *view) applyKind(e jetstream.KeyValueEntry) (changed, membership bool) {
 			if r, err := decodeRecord(e.Value()); err == nil {
 				next.holder, next.epoch = r.Holder, epochOf(r, e.Revision())
 				next.ttl = time.Duration(r.TTLMilli) * time.Millisecond
+				if r.Session != 0 && r.TTLMilli == sessionTTLMilli {
+					next.session, next.ttl = r.Session, 0
+				}
 			}
 		}
 		changed = cur.holder != next.holder || cur.epoch != next.epoch
@@ -143,8 +154,9 @@ func staleAfter(ttl, own time.Duration) time.Duration {
 
 // stuck reports whether the partition record in s has stayed unchanged for
 // longer than a lease could.
+// A session-held record is never stuck: it lives as long as its session.
 func (s slot) stuck(now time.Time, own time.Duration) bool {
-	return s.holder != "" && s.rev != 0 && now.Sub(s.since) > staleAfter(s.ttl, own)
+	return s.holder != "" && s.session == 0 && s.rev != 0 && now.Sub(s.since) > staleAfter(s.ttl, own)
 }
 
 // dead reports whether m is known not to be a live registration: a record

@@ -18,7 +18,8 @@ type scaleResult struct {
 // scale starts many group members at once on thousands of partitions and
 // measures how long until every partition is held, and until every member
 // holds its share; then, with the group idle, the lease bucket's write
-// rate (renewals) and the memory per member. The lease layer is measured
+// rate (member renewals: partition records are written only to acquire
+// and release) and the memory per member. The lease layer is measured
 // as coordinator.Run members in this process, each on its own connection;
 // full `leasehold worker` processes, which also read every partition they
 // hold through a consumer of their own, are tried once with a bound, and
@@ -47,8 +48,39 @@ func (e *env) scale(ctx context.Context) ([]Row, error) {
 	rows := []Row{
 		single("scale_owned", "s", owned, what+": from the first start until every partition is held; target <= 5 s"),
 		single("scale_balanced", "s", balanced, what+": until every member holds its share"),
-		single("scale_renew_load", "KV ops/s", ops, what+fmt.Sprintf(": lease bucket writes per second once balanced and idle, over %v (each lease renews every TTL/3; members too); every member's watch receives each of them", window)),
+		single("scale_renew_load", "KV ops/s", ops, what+fmt.Sprintf(": lease bucket writes per second once balanced and idle, over %v (each member renews its registration every TTL/3, which keeps its partitions; target <= 100); every member's watch receives each of them", window)),
 		single("scale_heap_per_member", "MiB", mem, what+": growth of this process's Go heap in use (after GC) per member once balanced, the server's share included"),
+	}
+
+	// The most partitions the API allows, over many lease-layer members:
+	// how fast acquisitions go, and that the idle load stays with the
+	// members.
+	bigParts, bigWorkers, bigRuns := 65536, 64, min(e.cfg.Runs, 2)
+	if e.cfg.Quick {
+		bigParts, bigWorkers, bigRuns = 4096, 8, 1
+	}
+	var bigOwned, bigBalanced, bigOps []float64
+	bwhat := fmt.Sprintf("%d partitions, %d %v started together, TTL %v", bigParts, bigWorkers, asLeases, ttl)
+	for run := range bigRuns {
+		bigBound := time.Minute
+		r, err := e.scaleRun(ctx, fmt.Sprintf("sl%d", run), bigParts, bigWorkers, ttl, window, asLeases, bigBound)
+		if err != nil {
+			e.progress("scale with %d partitions: %v", bigParts, err)
+			rows = append(rows, Row{Name: "scale_max_balanced", Unit: "s",
+				Note: fmt.Sprintf("%s: did not balance within %v on this machine (%v)", bwhat, bigBound, err)})
+			bigRuns = 0
+			break
+		}
+		bigOwned, bigBalanced, bigOps = append(bigOwned, r.owned), append(bigBalanced, r.balanced), append(bigOps, r.opsPerSec)
+		e.progress("scale run %d: %d partitions over %d lease-layer members: all registered after %.3f s, all held after %.3f s, balanced after %.3f s; %.0f lease writes/s idle; heap %.2f MiB per member",
+			run+1, bigParts, bigWorkers, r.joined, r.owned, r.balanced, r.opsPerSec, r.memMiB)
+	}
+	if bigRuns > 0 {
+		rows = append(rows,
+			single("scale_max_owned", "s", bigOwned, bwhat+": from the first start until every partition is held"),
+			single("scale_max_balanced", "s", bigBalanced, bwhat+": until every member holds its share; target <= 10 s"),
+			single("scale_max_renew_load", "KV ops/s", bigOps, bwhat+fmt.Sprintf(": lease bucket writes per second once balanced and idle, over %v", window)),
+		)
 	}
 
 	bound := 90 * time.Second
@@ -95,7 +127,7 @@ func (e *env) scaleRun(ctx context.Context, prefix string, partitions, workers i
 	}
 	res.owned = time.Since(t0).Seconds()
 	if err := wait(ctx, bound, "every worker holds its share", func() bool { return g.balanced(ids, false) }); err != nil {
-		return res, err
+		return res, fmt.Errorf("%w (%s)", err, g.summary())
 	}
 	res.balanced = time.Since(t0).Seconds()
 
@@ -140,4 +172,18 @@ func heapInUse() float64 {
 	var m runtime.MemStats
 	runtime.ReadMemStats(&m)
 	return float64(m.HeapInuse) / (1 << 20)
+}
+
+// summary summarises who holds how many partitions, for a run that does
+// not converge.
+func (g *procGroup) summary() string {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	count := map[string]int{}
+	for _, s := range g.slots {
+		count[s.holder]++
+	}
+	free := count[""]
+	delete(count, "")
+	return fmt.Sprintf("%d partitions free, %d members registered, held: %v", free, len(g.live), count)
 }
