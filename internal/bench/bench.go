@@ -35,6 +35,12 @@ type Config struct {
 	// Quick runs a reduced set with small sizes and two runs each, fast
 	// enough for a test.
 	Quick bool
+	// Cluster measures on a 3-node JetStream cluster in this process, with
+	// every stream and bucket, the baselines' included, at 3 replicas.
+	Cluster bool
+	// Sync starts the servers with sync_interval: always, so that every
+	// write is on disk before it is acknowledged.
+	Sync bool
 	// Runs is how many runs each figure is the median of. Default 5, or 2
 	// with Quick.
 	Runs int
@@ -60,7 +66,7 @@ type Config struct {
 }
 
 // Scenarios names what Run can measure, in the order it measures them.
-var Scenarios = []string{"e2e", "latency", "fence", "failover", "scaleout", "scale"}
+var Scenarios = []string{"e2e", "latency", "tracing", "fence", "failover", "scaleout", "scale"}
 
 func (c *Config) setDefaults() {
 	if c.Runs == 0 {
@@ -144,6 +150,8 @@ func Run(ctx context.Context, cfg Config) ([]Row, error) {
 			got, err = env.endToEnd(ctx)
 		case "latency":
 			got, err = env.latency(ctx)
+		case "tracing":
+			got, err = env.tracingCost(ctx)
 		case "fence":
 			got, err = env.fenceCost(ctx)
 		case "failover":

@@ -128,12 +128,12 @@ func (e *env) fenceCost(ctx context.Context) ([]Row, error) {
 	}
 	defer e.release(nc)
 	defer e.dropStreams(ctx, js, "fence-")
-	ks, err := kvsink.New(ctx, js, kvsink.Config{Bucket: "fence-kv", Logger: e.quiet()})
+	ks, err := kvsink.New(ctx, js, kvsink.Config{Bucket: "fence-kv", Replicas: e.replicas(), Logger: e.quiet()})
 	if err != nil {
 		return rows, err
 	}
 	kv, err := retry.Value(ctx, func(ctx context.Context) (jetstream.KeyValue, error) {
-		return js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "fence-plain", History: 1, Storage: jetstream.FileStorage})
+		return js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "fence-plain", History: 1, Storage: jetstream.FileStorage, Replicas: e.replicas()})
 	})
 	if err != nil {
 		return rows, err
