@@ -494,7 +494,7 @@ func (e *env) pipeJobs() int {
 // endToEnd measures both pipelines' throughput, interleaved.
 func (e *env) endToEnd(ctx context.Context) ([]Row, error) {
 	n := e.pipeJobs()
-	var lh, raw []float64
+	var lh, raw, lhCPU, rawCPU []float64
 	for i := range e.cfg.Runs {
 		order := []bool{true, false} // raw first on even runs
 		if i%2 == 1 {
@@ -505,23 +505,28 @@ func (e *env) endToEnd(ctx context.Context) ([]Row, error) {
 			if isRaw {
 				name = fmt.Sprintf("e2e-raw%d", i)
 			}
+			cpu0 := cpuTime()
 			r, err := e.throughput(ctx, isRaw, name, n)
+			cpu := (cpuTime() - cpu0).Seconds() * 1e6 / float64(n)
 			if err != nil {
 				return nil, err
 			}
 			if isRaw {
-				raw = append(raw, r)
+				raw, rawCPU = append(raw, r), append(rawCPU, cpu)
 			} else {
-				lh = append(lh, r)
+				lh, lhCPU = append(lh, r), append(lhCPU, cpu)
 			}
 		}
-		e.progress("e2e run %d: leasehold %.0f jobs/s, raw %.0f jobs/s", i+1, lh[i], raw[i])
+		e.progress("e2e run %d: leasehold %.0f jobs/s %.0f µs CPU/job, raw %.0f jobs/s %.0f µs CPU/job", i+1, lh[i], lhCPU[i], raw[i], rawCPU[i])
 	}
 	// The latency rows pace both pipelines at half the slower one's
 	// maximum, so that neither queues.
 	e.maxRate = min(median(lh), median(raw))
-	return []Row{paired("e2e_throughput", "jobs/s", lh, raw,
-		fmt.Sprintf("%d jobs of %d B, %d partitions, %d workers, stream sink runner into memory; baseline: raw JetStream, same hops and acks; target ratio >= 0.9", n, pipePayload, pipePartitions, pipeWorkers))}, nil
+	return []Row{
+		paired("e2e_throughput", "jobs/s", lh, raw,
+			fmt.Sprintf("%d jobs of %d B, %d partitions, %d workers, stream sink runner into memory; baseline: raw JetStream, same hops and acks; target ratio >= 0.9", n, pipePayload, pipePartitions, pipeWorkers)),
+		paired("e2e_cpu", "µs CPU/job", lhCPU, rawCPU, "CPU time of this process (the servers, producer, workers and sink) per job in the e2e_throughput runs; baseline: the raw pipeline. On a shared machine this holds better than throughput"),
+	}, nil
 }
 
 // latency measures enqueue-to-applied latency at half of leasehold's
