@@ -161,12 +161,12 @@ func (e *env) progress(format string, args ...any) {
 
 // connect opens a connection of its own, as each worker of a real
 // deployment has; it is closed by release or when the bench ends.
-func (e *env) connect(name string) (*nats.Conn, jetstream.JetStream, error) {
+func (e *env) connect(name string, opts ...jetstream.JetStreamOpt) (*nats.Conn, jetstream.JetStream, error) {
 	nc, err := nats.Connect(e.url, nats.Name(name), nats.MaxReconnects(-1))
 	if err != nil {
 		return nil, nil, fmt.Errorf("connect to the embedded server: %w", err)
 	}
-	js, err := jetstream.New(nc, jetstream.WithPublishAsyncMaxPending(4000))
+	js, err := jetstream.New(nc, append([]jetstream.JetStreamOpt{jetstream.WithPublishAsyncMaxPending(4000)}, opts...)...)
 	if err != nil {
 		nc.Close()
 		return nil, nil, err

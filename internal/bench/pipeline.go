@@ -270,7 +270,10 @@ func (e *env) startRaw(ctx context.Context, js jetstream.JetStream, prefix strin
 	store := &rawStore{data: map[string][]byte{}}
 	stops = append(stops, e.goRun(ctx, func(ctx context.Context) { rawSink(ctx, scons, store, ap) }, func() { e.release(snc) }))
 	for w := range pipeWorkers {
-		wnc, wjs, err := e.connect(fmt.Sprintf("bench raw worker %s-%d", prefix, w))
+		// A publish whose answer is lost fails after a bound, as
+		// leasehold's effects do after EffectTimeout, and its job is
+		// redelivered at once instead of after AckWait.
+		wnc, wjs, err := e.connect(fmt.Sprintf("bench raw worker %s-%d", prefix, w), jetstream.WithPublishAsyncTimeout(5*time.Second))
 		if err != nil {
 			stopAll()
 			return nil, err
