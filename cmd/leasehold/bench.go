@@ -22,7 +22,8 @@ func newBench() *cobra.Command {
 		Short: "Measure leasehold against raw JetStream, fail-over and scale",
 		Long: `bench measures, on this machine, what leasehold's safety costs: end-to-end
 throughput and latency beside a hand-written JetStream pipeline with the same
-hops and acks, the fence's cost per write in the memory, KV and PostgreSQL sinks
+hops and acks, what tracing costs at the default sampler and with every trace
+sampled, the fence's cost per write in the memory, KV and PostgreSQL sinks
 beside unfenced writes, crash fail-over (SIGKILL) and graceful hand-off
 (SIGTERM) of worker processes, scale-out under load, and 4096 partitions over 32
 worker processes. It starts its own NATS server (and PostgreSQL, when installed)

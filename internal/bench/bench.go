@@ -1,6 +1,7 @@
 // Package bench measures what leasehold's safety costs: end-to-end
 // throughput and latency beside a hand-written JetStream pipeline with the
-// same hops, the fence's cost per write in each sink beside an unfenced
+// same hops, what tracing costs at each sampling setting, the fence's
+// cost per write in each sink beside an unfenced
 // write of the same kind, crash fail-over and graceful hand-off of worker
 // processes, scale-out, and lease load at thousands of partitions.
 //
@@ -11,7 +12,9 @@
 //     side (A B A B, the order alternating), and the ratio is the median of
 //     the per-run ratios, so the machine's drift weighs on both sides alike.
 //   - Everything runs on this machine: an embedded NATS server listening on
-//     loopback TCP, worker processes started from Config.Binary through
+//     loopback TCP (or, with Config.Cluster, three clustered ones with
+//     every stream and bucket at three replicas; with Config.Sync, syncing
+//     every write), worker processes started from Config.Binary through
 //     internal/fleet, and a throwaway PostgreSQL server when its binaries
 //     are installed (the PostgreSQL row is skipped, with a note, when not).
 //   - Nothing here asserts a time. Targets are stated in each row's note
