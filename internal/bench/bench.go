@@ -1,9 +1,9 @@
 // Package bench measures what leasehold's safety costs: end-to-end
 // throughput and latency beside a hand-written JetStream pipeline with the
 // same hops, what tracing costs at each sampling setting, the fence's
-// cost per write in each sink beside an unfenced
-// write of the same kind, crash fail-over and graceful hand-off of worker
-// processes, scale-out, and lease load at thousands of partitions.
+// cost per write in each sink beside an unfenced write of the same kind,
+// crash fail-over and graceful hand-off of worker processes, scale-out,
+// and lease load at thousands of partitions.
 //
 // The contract:
 //
