@@ -17,6 +17,8 @@ import (
 	"testing"
 	"time"
 
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+
 	"github.com/leasehold/leasehold/telemetry"
 )
 
@@ -39,6 +41,7 @@ func TestJaeger(t *testing.T) {
 	const service = "leasehold-jaeger-test"
 	tel, _, shutdown, err := telemetry.Setup(context.Background(), telemetry.SetupConfig{
 		ServiceName: service, OTLPEndpoint: "http://" + j.otlp, NoGlobals: true,
+		Sampler: sdktrace.AlwaysSample(),
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -11,6 +11,17 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
+// DefaultSampleRatio is the share of new traces DefaultSampler records.
+const DefaultSampleRatio = 0.1
+
+// DefaultSampler is the sampler Setup uses when neither its config nor the
+// environment names one: the decision of a job's enqueuer where the job
+// carries one (so a trace is recorded whole or not at all), and one in
+// ten of the traces that start here. Setup wraps it with KeepRefusals.
+func DefaultSampler() sdktrace.Sampler {
+	return sdktrace.ParentBased(sdktrace.TraceIDRatioBased(DefaultSampleRatio))
+}
+
 // KeepRefusals returns a sampler that samples every span started with
 // error.type=stale_epoch, and leaves every other decision to base. A sink
 // starts such a span for a refused write whose own trace was not sampled

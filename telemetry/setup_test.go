@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/trace"
 	coltracepb "go.opentelemetry.io/proto/otlp/collector/trace/v1"
 	commonpb "go.opentelemetry.io/proto/otlp/common/v1"
 	tracepb "go.opentelemetry.io/proto/otlp/trace/v1"
@@ -98,6 +100,8 @@ func TestSetupExportsRejectedWrites(t *testing.T) {
 	rcv := newReceiver(t)
 	tel, metrics, shutdown, err := telemetry.Setup(context.Background(), telemetry.SetupConfig{
 		ServiceName: "zombie-otlp", OTLPEndpoint: rcv.srv.URL, NoGlobals: true,
+		// The zombie's whole trace, not the refusals alone.
+		Sampler: sdktrace.AlwaysSample(),
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -166,6 +170,7 @@ func TestSetupReadsEnvironment(t *testing.T) {
 	rcv := newReceiver(t)
 	t.Setenv("OTEL_EXPORTER_OTLP_ENDPOINT", rcv.srv.URL)
 	t.Setenv("OTEL_SERVICE_NAME", "from-env")
+	t.Setenv("OTEL_TRACES_SAMPLER", "always_on")
 	tel, _, shutdown, err := telemetry.Setup(context.Background(), telemetry.SetupConfig{NoGlobals: true})
 	if err != nil {
 		t.Fatal(err)
@@ -238,5 +243,87 @@ func TestSetupKeepsRefusals(t *testing.T) {
 	t.Setenv("OTEL_TRACES_SAMPLER", "sometimes")
 	if _, _, _, err := telemetry.Setup(context.Background(), telemetry.SetupConfig{OTLPEndpoint: rcv.srv.URL, NoGlobals: true}); err == nil || !strings.Contains(err.Error(), "OTEL_TRACES_SAMPLER") {
 		t.Fatalf("an unknown sampler: %v", err)
+	}
+}
+
+// With no sampler configured, Setup records one in ten new traces, every
+// trace whose parent was sampled, and every refused write, whether or not
+// its trace was sampled.
+func TestSetupDefaultSampler(t *testing.T) {
+	rcv := newReceiver(t)
+	t.Setenv("OTEL_TRACES_SAMPLER", "")
+	tel, _, shutdown, err := telemetry.Setup(context.Background(), telemetry.SetupConfig{OTLPEndpoint: rcv.srv.URL, NoGlobals: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer shutdown(context.Background())
+
+	// 2000 new traces at 1 in 10: 200 expected, standard deviation 13.4;
+	// 120 and 280 are six deviations away.
+	const n = 2000
+	sampled := 0
+	var unsampled []context.Context
+	for range n {
+		ctx, span := tel.Tracer.Start(context.Background(), "process orders.jobs.{partition}")
+		if span.SpanContext().IsSampled() {
+			sampled++
+			_, child := tel.Tracer.Start(ctx, "send orders.out.{partition}")
+			if !child.SpanContext().IsSampled() {
+				t.Fatal("the child of a sampled span was not sampled")
+			}
+			child.End()
+		} else {
+			unsampled = append(unsampled, ctx)
+		}
+		span.End()
+	}
+	if sampled < 120 || sampled > 280 {
+		t.Errorf("%d of %d new traces sampled, want about %v", sampled, n, telemetry.DefaultSampleRatio*n)
+	}
+	// A remote parent that was sampled is followed, one that was not too.
+	for _, flags := range []trace.TraceFlags{trace.FlagsSampled, 0} {
+		parent := trace.NewSpanContext(trace.SpanContextConfig{TraceID: trace.TraceID{1}, SpanID: trace.SpanID{1}, TraceFlags: flags, Remote: true})
+		_, span := tel.Tracer.Start(trace.ContextWithRemoteSpanContext(context.Background(), parent), "process")
+		if span.SpanContext().IsSampled() != parent.IsSampled() {
+			t.Errorf("parent sampled %v, child sampled %v", parent.IsSampled(), span.SpanContext().IsSampled())
+		}
+		span.End()
+	}
+
+	// Ten refused writes, each in a trace that was not sampled: all ten
+	// are recorded.
+	mem := sink.NewMemory(sink.MemoryConfig{Logger: quiet(), Telemetry: tel.Config()})
+	if err := mem.Advance(context.Background(), leasehold.Lease{Scope: "orders", Partition: 0, Epoch: 9, Acquisition: "a9", Holder: "b"}); err != nil {
+		t.Fatal(err)
+	}
+	const refusals = 10
+	if len(unsampled) < refusals {
+		t.Fatalf("only %d unsampled traces", len(unsampled))
+	}
+	for i := range refusals {
+		err := mem.Apply(unsampled[i], sink.Effect{Stamp: leasehold.Stamp{Scope: "orders", Partition: 0, Epoch: 8, Acquisition: "a8", Key: "k" + string(rune('a'+i)), Worker: "a"}})
+		if err == nil {
+			t.Fatal("a stale write was applied")
+		}
+	}
+	if err := shutdown(ctxFor(t, 30*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	got := 0
+	for _, s := range rcv.spans() {
+		if v, ok := kv(s.span.Attributes, "error.type"); ok && v.GetStringValue() == telemetry.ErrorTypeStaleEpoch {
+			got++
+		}
+	}
+	if got != refusals {
+		t.Fatalf("%d refused writes recorded, want %d", got, refusals)
+	}
+}
+
+// DefaultSampler is what Setup uses, and what the description says.
+func TestDefaultSamplerDescription(t *testing.T) {
+	var _ sdktrace.Sampler = telemetry.DefaultSampler()
+	if d := telemetry.DefaultSampler().Description(); !strings.Contains(d, "TraceIDRatioBased{0.1}") {
+		t.Fatalf("DefaultSampler = %s", d)
 	}
 }

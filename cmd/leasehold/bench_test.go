@@ -52,7 +52,8 @@ func TestBenchQuickJSON(t *testing.T) {
 			t.Errorf("row %s: a baseline without a ratio or the other way round: %v", name, r)
 		}
 	}
-	for _, want := range []string{"e2e_throughput", "e2e_latency_p50", "e2e_latency_p99", "fence_memory", "fence_kv", "fence_postgres",
+	for _, want := range []string{"e2e_throughput", "e2e_cpu", "e2e_latency_p50", "e2e_latency_p99", "tracing_default", "tracing_always",
+		"fence_memory", "fence_kv", "fence_kv_batch", "fence_kv_batch_vs_idempotent", "kv_atomic_floor", "fence_postgres",
 		"failover_crash_p99", "handoff_graceful_p99", "scaleout_balanced", "scaleout_rejected_writes", "scale_owned", "scale_renew_load", "scale_workers_balanced"} {
 		if !seen[want] {
 			t.Errorf("no row %s in:\n%s", want, out)
@@ -63,6 +64,36 @@ func TestBenchQuickJSON(t *testing.T) {
 			if v, _ := r["value"].(float64); v <= 0 || r["baseline"] == nil {
 				t.Errorf("e2e_throughput has no measurement beside its baseline: %v", r)
 			}
+		}
+	}
+}
+
+// TestBenchClusterSync runs the pipeline, tracing and fence rows on a
+// 3-node cluster with every write synced, and checks that each comes with
+// its baseline and that the table names the configuration.
+func TestBenchClusterSync(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a 3-node NATS cluster")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	out, err := run(t, ctx, "bench", "--quick", "--cluster", "--sync", "--only", "e2e,tracing,fence")
+	if err != nil {
+		t.Fatalf("bench --cluster --sync: %v\n%s", err, out)
+	}
+	if !strings.Contains(out, "servers: 3-node cluster, R3, sync_interval always") {
+		t.Errorf("the table does not name the configuration:\n%s", out)
+	}
+	for _, name := range []string{"e2e_throughput", "tracing_default", "fence_kv_batch"} {
+		found := false
+		for _, line := range strings.Split(out, "\n") {
+			f := strings.Fields(line)
+			if len(f) == 6 && f[0] == name && f[3] != "-" && f[4] != "-" {
+				found = true
+			}
+		}
+		if !found {
+			t.Errorf("no row %s with a baseline and a ratio in:\n%s", name, out)
 		}
 	}
 }

@@ -1,8 +1,9 @@
 // Package bench measures what leasehold's safety costs: end-to-end
 // throughput and latency beside a hand-written JetStream pipeline with the
-// same hops, the fence's cost per write in each sink beside an unfenced
-// write of the same kind, crash fail-over and graceful hand-off of worker
-// processes, scale-out, and lease load at thousands of partitions.
+// same hops, what tracing costs at each sampling setting, the fence's
+// cost per write in each sink beside an unfenced write of the same kind,
+// crash fail-over and graceful hand-off of worker processes, scale-out,
+// and lease load at thousands of partitions.
 //
 // The contract:
 //
@@ -11,7 +12,9 @@
 //     side (A B A B, the order alternating), and the ratio is the median of
 //     the per-run ratios, so the machine's drift weighs on both sides alike.
 //   - Everything runs on this machine: an embedded NATS server listening on
-//     loopback TCP, worker processes started from Config.Binary through
+//     loopback TCP (or, with Config.Cluster, three clustered ones with
+//     every stream and bucket at three replicas; with Config.Sync, syncing
+//     every write), worker processes started from Config.Binary through
 //     internal/fleet, and a throwaway PostgreSQL server when its binaries
 //     are installed (the PostgreSQL row is skipped, with a note, when not).
 //   - Nothing here asserts a time. Targets are stated in each row's note
@@ -35,6 +38,12 @@ type Config struct {
 	// Quick runs a reduced set with small sizes and two runs each, fast
 	// enough for a test.
 	Quick bool
+	// Cluster measures on a 3-node JetStream cluster in this process, with
+	// every stream and bucket, the baselines' included, at 3 replicas.
+	Cluster bool
+	// Sync starts the servers with sync_interval: always, so that every
+	// write is on disk before it is acknowledged.
+	Sync bool
 	// Runs is how many runs each figure is the median of. Default 5, or 2
 	// with Quick.
 	Runs int
@@ -60,7 +69,7 @@ type Config struct {
 }
 
 // Scenarios names what Run can measure, in the order it measures them.
-var Scenarios = []string{"e2e", "latency", "fence", "failover", "scaleout", "scale"}
+var Scenarios = []string{"e2e", "latency", "tracing", "fence", "failover", "scaleout", "scale"}
 
 func (c *Config) setDefaults() {
 	if c.Runs == 0 {
@@ -144,6 +153,8 @@ func Run(ctx context.Context, cfg Config) ([]Row, error) {
 			got, err = env.endToEndAll(ctx)
 		case "latency":
 			got, err = env.latency(ctx)
+		case "tracing":
+			got, err = env.tracingCost(ctx)
 		case "fence":
 			got, err = env.fenceCost(ctx)
 		case "failover":

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"strings"
@@ -58,6 +59,22 @@ func TestValidate(t *testing.T) {
 	}
 }
 
+func TestConfiguration(t *testing.T) {
+	for _, c := range []struct {
+		cfg  Config
+		want string
+	}{
+		{Config{}, "1 server, R1, default sync (2 min)"},
+		{Config{Cluster: true}, "3-node cluster, R3, default sync (2 min)"},
+		{Config{Sync: true}, "1 server, R1, sync_interval always"},
+		{Config{Cluster: true, Sync: true}, "3-node cluster, R3, sync_interval always"},
+	} {
+		if got := c.cfg.Configuration(); got != c.want {
+			t.Errorf("%+v: %q, want %q", c.cfg, got, c.want)
+		}
+	}
+}
+
 func TestWriters(t *testing.T) {
 	b, r := 2.0, 0.5
 	rows := []Row{
@@ -91,7 +108,7 @@ func TestWriters(t *testing.T) {
 func TestInProcessScenarios(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	rows, err := Run(ctx, Config{Quick: true, Runs: 1, Scenarios: []string{"e2e", "fence"}, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	rows, err := Run(ctx, Config{Quick: true, Runs: 1, Scenarios: []string{"e2e", "tracing", "fence"}, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -99,13 +116,68 @@ func TestInProcessScenarios(t *testing.T) {
 	for _, r := range rows {
 		names[r.Name] = r
 	}
-	for _, n := range []string{"e2e_throughput", "fence_memory", "fence_kv", "fence_kv_batch", "fence_postgres"} {
+	for _, n := range []string{"e2e_throughput", "e2e_cpu", "tracing_default", "tracing_always", "tracing_default_cpu", "tracing_always_cpu",
+		"fence_memory", "fence_kv", "fence_kv_batch", "fence_kv_batch_vs_idempotent", "kv_atomic_floor", "fence_postgres"} {
 		if _, ok := names[n]; !ok {
 			t.Errorf("no row %s in %+v", n, rows)
 		}
 	}
 	if r := names["e2e_throughput"]; r.Value <= 0 || r.Baseline == nil || *r.Baseline <= 0 || r.Ratio == nil {
 		t.Errorf("e2e_throughput = %+v", r)
+	}
+}
+
+// On the cluster every stream and bucket a scenario creates, the leasehold
+// pipeline's and the raw baseline's, has three replicas, and the nodes sync
+// every write when asked to.
+func TestClusterEnvReplicates(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	cfg := Config{Cluster: true, Sync: true, Runs: 1, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	cfg.setDefaults()
+	e, err := startEnv(ctx, &cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.close()
+	if len(e.srvs) != 3 || strings.Count(e.url, ",") != 2 {
+		t.Fatalf("%d servers at %q, want 3", len(e.srvs), e.url)
+	}
+	for _, srv := range e.srvs {
+		if !srv.JetStreamConfig().SyncAlways {
+			t.Errorf("%s does not sync every write", srv.Name())
+		}
+	}
+	nc, js, err := e.connect("test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.release(nc)
+	for _, raw := range []bool{false, true} {
+		prefix := fmt.Sprintf("rep%v", raw)
+		p, err := e.startPipeline(ctx, raw, prefix, newApplied(1, false))
+		if err != nil {
+			t.Fatal(err)
+		}
+		names := js.StreamNames(ctx)
+		seen := 0
+		for n := range names.Name() {
+			if !strings.Contains(n, prefix) {
+				continue
+			}
+			seen++
+			s, err := js.Stream(ctx, n)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r := s.CachedInfo().Config.Replicas; r != 3 {
+				t.Errorf("stream %s has %d replicas, want 3", n, r)
+			}
+		}
+		if seen < 3 {
+			t.Errorf("raw %v: only %d streams under %s", raw, seen, prefix)
+		}
+		p.stop()
 	}
 }
 

@@ -18,12 +18,15 @@ import (
 	"github.com/leasehold/leasehold/internal/fleet"
 )
 
-// env is what every scenario shares: the server, and where processes log.
+// env is what every scenario shares: the servers, the replica count every
+// stream and bucket is created with, and where processes log. Scenarios
+// create their streams through replicas() and connect through connect or
+// url, so each runs unchanged on one server or on the cluster.
 type env struct {
 	cfg    *Config
 	log    *slog.Logger
-	srv    *server.Server
-	url    string
+	srvs   []*server.Server
+	url    string // every node's client URL, comma-separated
 	dir    string // removed on close
 	logDir string
 
@@ -33,15 +36,21 @@ type env struct {
 	conns []*nats.Conn
 }
 
-// startEnv starts an embedded NATS server on loopback TCP: clients in this
-// process and worker processes reach it the same way, and TCP is faster
-// here than the in-process pipe.
+// startEnv starts an embedded NATS server, or with Config.Cluster three
+// clustered in this process, on loopback TCP: clients in this process and
+// worker processes reach them the same way, and TCP is faster here than
+// the in-process pipe. With Config.Sync every node syncs each write to
+// disk before acknowledging it (sync_interval: always).
 func startEnv(ctx context.Context, cfg *Config) (*env, error) {
 	dir, err := os.MkdirTemp("", "leasehold-bench-")
 	if err != nil {
 		return nil, fmt.Errorf("bench: %w", err)
 	}
-	srv, err := embedded.Start(embedded.Config{Name: "bench", StoreDir: dir + "/nats", Listen: true, Tweak: func(o *server.Options) {
+	e := &env{cfg: cfg, log: cfg.Logger, dir: dir, logDir: cfg.LogDir}
+	if e.logDir == "" {
+		e.logDir = dir + "/logs"
+	}
+	tweak := func(o *server.Options) {
 		// Thousands of consumers and worker connections: lift the caps the
 		// embedded defaults set for tests.
 		o.JetStreamMaxMemory = 2 << 30
@@ -50,16 +59,84 @@ func startEnv(ctx context.Context, cfg *Config) (*env, error) {
 		// otherwise, also when the stream says -1 (unlimited); a worker
 		// reads each partition it holds through a consumer of its own.
 		o.JetStreamLimits.DefaultMaxConsumers = -1
-	}})
-	if err != nil {
-		os.RemoveAll(dir)
-		return nil, fmt.Errorf("bench: %w", err)
 	}
-	e := &env{cfg: cfg, log: cfg.Logger, srv: srv, url: srv.ClientURL(), dir: dir, logDir: cfg.LogDir}
-	if e.logDir == "" {
-		e.logDir = dir + "/logs"
+	nodes := []embedded.Config{{Name: "bench", StoreDir: dir + "/nats", Listen: true, SyncAlways: cfg.Sync, Tweak: tweak}}
+	if cfg.Cluster {
+		ports, err := embedded.FreePorts("127.0.0.1", 2*clusterSize)
+		if err != nil {
+			os.RemoveAll(dir)
+			return nil, fmt.Errorf("bench: %w", err)
+		}
+		var routes []string
+		for i := range clusterSize {
+			routes = append(routes, embedded.Addr("127.0.0.1", ports[clusterSize+i]))
+		}
+		nodes = nodes[:0]
+		for i := range clusterSize {
+			name := fmt.Sprintf("bench-%c", 'a'+i)
+			nodes = append(nodes, embedded.Config{Name: name, StoreDir: dir + "/" + name, Listen: true, Port: ports[i], SyncAlways: cfg.Sync, Tweak: tweak,
+				Cluster: &embedded.ClusterConfig{Name: "bench", Port: ports[clusterSize+i], Routes: routes}})
+		}
+	}
+	// Start the nodes together: each is ready for clients before it has
+	// routes to the others.
+	var urls []string
+	for _, n := range nodes {
+		srv, err := embedded.Start(n)
+		if err != nil {
+			e.close()
+			return nil, fmt.Errorf("bench: %w", err)
+		}
+		e.srvs = append(e.srvs, srv)
+		urls = append(urls, srv.ClientURL())
+	}
+	e.url = strings.Join(urls, ",")
+	if err := e.waitJetStream(ctx); err != nil {
+		e.close()
+		return nil, err
 	}
 	return e, nil
+}
+
+// clusterSize is the number of nodes of the --cluster configuration.
+const clusterSize = 3
+
+// replicas is the replica count of every stream and bucket the scenarios
+// create: 3 on the cluster, as deployments run them.
+func (e *env) replicas() int {
+	if e.cfg.Cluster {
+		return clusterSize
+	}
+	return 1
+}
+
+// waitJetStream waits until JetStream answers, which on a cluster means it
+// has elected a meta leader.
+func (e *env) waitJetStream(ctx context.Context) error {
+	nc, js, err := e.connect("bench wait")
+	if err != nil {
+		return err
+	}
+	defer e.release(nc)
+	return wait(ctx, time.Minute, "JetStream ready", func() bool {
+		actx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		_, err := js.AccountInfo(actx)
+		return err == nil
+	})
+}
+
+// Configuration names the server configuration cfg measures, as the table
+// heading says it.
+func (cfg Config) Configuration() string {
+	what := "1 server, R1"
+	if cfg.Cluster {
+		what = fmt.Sprintf("%d-node cluster, R%d", clusterSize, clusterSize)
+	}
+	if cfg.Sync {
+		return what + ", sync_interval always"
+	}
+	return what + ", default sync (2 min)"
 }
 
 func (e *env) close() {
@@ -69,8 +146,12 @@ func (e *env) close() {
 	}
 	e.conns = nil
 	e.mu.Unlock()
-	e.srv.Shutdown()
-	e.srv.WaitForShutdown()
+	for _, srv := range e.srvs {
+		srv.Shutdown()
+	}
+	for _, srv := range e.srvs {
+		srv.WaitForShutdown()
+	}
 	os.RemoveAll(e.dir)
 }
 
@@ -80,12 +161,12 @@ func (e *env) progress(format string, args ...any) {
 
 // connect opens a connection of its own, as each worker of a real
 // deployment has; it is closed by release or when the bench ends.
-func (e *env) connect(name string) (*nats.Conn, jetstream.JetStream, error) {
+func (e *env) connect(name string, opts ...jetstream.JetStreamOpt) (*nats.Conn, jetstream.JetStream, error) {
 	nc, err := nats.Connect(e.url, nats.Name(name), nats.MaxReconnects(-1))
 	if err != nil {
 		return nil, nil, fmt.Errorf("connect to the embedded server: %w", err)
 	}
-	js, err := jetstream.New(nc, jetstream.WithPublishAsyncMaxPending(4000))
+	js, err := jetstream.New(nc, append([]jetstream.JetStreamOpt{jetstream.WithPublishAsyncMaxPending(4000)}, opts...)...)
 	if err != nil {
 		nc.Close()
 		return nil, nil, err

@@ -133,6 +133,7 @@ func (e *env) scaleOut(ctx context.Context) ([]Row, error) {
 	}
 	runner, err := streamsink.New(ctx, rjs, streamsink.Config{
 		Prefix:   "so",
+		Replicas: e.replicas(),
 		Handler:  func(ctx context.Context, eff sink.Effect) error { return mem.Apply(ctx, eff) },
 		Observer: count,
 		Logger:   e.quiet(),

@@ -2,13 +2,17 @@ package bench
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/nats-io/nuid"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/internal/retry"
@@ -128,12 +132,12 @@ func (e *env) fenceCost(ctx context.Context) ([]Row, error) {
 	}
 	defer e.release(nc)
 	defer e.dropStreams(ctx, js, "fence-")
-	ks, err := kvsink.New(ctx, js, kvsink.Config{Bucket: "fence-kv", Logger: e.quiet()})
+	ks, err := kvsink.New(ctx, js, kvsink.Config{Bucket: "fence-kv", Replicas: e.replicas(), Logger: e.quiet()})
 	if err != nil {
 		return rows, err
 	}
 	kv, err := retry.Value(ctx, func(ctx context.Context) (jetstream.KeyValue, error) {
-		return js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "fence-plain", History: 1, Storage: jetstream.FileStorage})
+		return js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "fence-plain", History: 1, Storage: jetstream.FileStorage, Replicas: e.replicas()})
 	})
 	if err != nil {
 		return rows, err
@@ -177,13 +181,124 @@ func (e *env) fenceCost(ctx context.Context) ([]Row, error) {
 	if err != nil {
 		return rows, err
 	}
-	rows = append(rows, paired("fence_kv_batch", "µs/effect", fb, pb, fmt.Sprintf("kvsink Apply of %d effects in one atomic batch (as the sink runner applies a fetched batch) vs %d asynchronous KV Puts awaited together", batch, batch)))
+	rows = append(rows, paired("fence_kv_batch", "µs/effect", fb, pb, fmt.Sprintf("kvsink Apply of %d effects in one atomic batch (as the sink runner applies a fetched batch) vs %d asynchronous KV Puts awaited together; target ratio <= 2", batch, batch)))
+
+	// The same, beside the writers that do part of the sink's work: an
+	// unfenced idempotent writer that records each key and writes its
+	// value in one atomic batch (what exactly-once takes without a fence),
+	// and the atomic batch of the values alone (the floor of any write of
+	// many keys in one step on this server).
+	_, err = retry.Value(ctx, func(ctx context.Context) (jetstream.KeyValue, error) {
+		return js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "fence-atomic", History: 1, Storage: jetstream.FileStorage, Replicas: e.replicas()})
+	})
+	if err != nil {
+		return rows, err
+	}
+	if err := allowAtomic(ctx, js, "KV_fence-atomic"); err != nil {
+		return rows, err
+	}
+	nc2 := js.Conn()
+	fi, pi, err := e.pairedWrites(ctx, "kv batched vs idempotent",
+		batched(batch, func(ctx context.Context, es []sink.Effect) error {
+			for i := range es {
+				es[i].Stamp.Key = "idem-" + es[i].Stamp.Key
+			}
+			return ks.Apply(ctx, es...)
+		}),
+		batched(batch, func(ctx context.Context, es []sink.Effect) error {
+			msgs := make([]*nats.Msg, 0, 2*len(es))
+			for i := range es {
+				d := nats.NewMsg("$KV.fence-atomic.d." + es[i].Stamp.Key)
+				d.Header.Set(jetstream.ExpectedLastSubjSeqHeader, "0")
+				v := nats.NewMsg("$KV.fence-atomic." + es[i].Subject)
+				v.Data = es[i].Data
+				msgs = append(msgs, d, v)
+			}
+			return atomicPublish(ctx, nc2, msgs)
+		}), n["kv"])
+	if err != nil {
+		return rows, err
+	}
+	rows = append(rows, paired("fence_kv_batch_vs_idempotent", "µs/effect", fi, pi, fmt.Sprintf("kvsink Apply of %d effects vs an unfenced idempotent writer: one atomic batch of each effect's dedupe key (created only if absent) and value; the ratio is what the fence itself adds", batch)))
+
+	fa, pa, err := e.pairedWrites(ctx, "kv atomic floor",
+		batched(batch, func(ctx context.Context, es []sink.Effect) error {
+			msgs := make([]*nats.Msg, 0, len(es))
+			for i := range es {
+				v := nats.NewMsg("$KV.fence-atomic." + es[i].Subject)
+				v.Data = es[i].Data
+				msgs = append(msgs, v)
+			}
+			return atomicPublish(ctx, nc2, msgs)
+		}),
+		batched(batch, func(ctx context.Context, es []sink.Effect) error {
+			for i := range es {
+				if _, err := js.PublishAsync("$KV.fence-plain."+es[i].Subject, es[i].Data); err != nil {
+					return err
+				}
+			}
+			select {
+			case <-js.PublishAsyncComplete():
+				return nil
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}), n["kv"])
+	if err != nil {
+		return rows, err
+	}
+	rows = append(rows, paired("kv_atomic_floor", "µs/effect", fa, pa, fmt.Sprintf("no fence: one atomic batch of %d values vs %d asynchronous KV Puts; the least a write of many keys in one step costs here", batch, batch)))
 
 	row, err := e.fencePostgres(ctx, n["postgres"])
 	if err != nil {
 		return rows, err
 	}
 	return append(rows, row), nil
+}
+
+// allowAtomic lets a bucket's stream take atomic batches.
+func allowAtomic(ctx context.Context, js jetstream.JetStream, stream string) error {
+	st, err := js.Stream(ctx, stream)
+	if err != nil {
+		return err
+	}
+	cfg := st.CachedInfo().Config
+	cfg.AllowAtomicPublish = true
+	_, err = js.UpdateStream(ctx, cfg)
+	return err
+}
+
+// atomicPublish publishes msgs as one JetStream atomic batch and waits for
+// the commit's answer.
+func atomicPublish(ctx context.Context, nc *nats.Conn, msgs []*nats.Msg) error {
+	id := nuid.Next()
+	for i, m := range msgs {
+		m.Header.Set("Nats-Batch-Id", id)
+		m.Header.Set("Nats-Batch-Sequence", strconv.Itoa(i+1))
+		if i < len(msgs)-1 {
+			if err := nc.PublishMsg(m); err != nil {
+				return err
+			}
+		}
+	}
+	last := msgs[len(msgs)-1]
+	last.Header.Set("Nats-Batch-Commit", "1")
+	rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	resp, err := nc.RequestMsgWithContext(rctx, last)
+	if err != nil {
+		return fmt.Errorf("atomic batch: %w", err)
+	}
+	var ack struct {
+		Error *jetstream.APIError `json:"error"`
+	}
+	if err := json.Unmarshal(resp.Data, &ack); err != nil {
+		return fmt.Errorf("atomic batch: %w", err)
+	}
+	if ack.Error != nil {
+		return fmt.Errorf("atomic batch: %w", ack.Error)
+	}
+	return nil
 }
 
 // fencePostgres measures pgsink beside a plain upsert into a table of the

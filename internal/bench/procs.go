@@ -69,11 +69,11 @@ func (e *env) newProcGroup(ctx context.Context, prefix string, partitions int, t
 		procs: map[string]*fleet.Proc{}, slots: make([]leaseSlot, partitions), live: map[string]bool{},
 		seen: make([]effectSeen, partitions), exits: map[string]struct{}{},
 	}
-	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: prefix, Partitions: partitions}); err != nil {
+	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: prefix, Partitions: partitions, Replicas: e.replicas()}); err != nil {
 		g.close(ctx)
 		return nil, err
 	}
-	b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: g.bucket, MarkerTTL: time.Second})
+	b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: g.bucket, MarkerTTL: time.Second, Replicas: e.replicas()})
 	if err != nil {
 		g.close(ctx)
 		return nil, err

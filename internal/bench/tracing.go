@@ -1,0 +1,139 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+
+	"github.com/leasehold/leasehold/telemetry"
+)
+
+// A tracing setting is how the pipeline's processes would be configured:
+// telemetry.Setup with an OTLP endpoint and a sampler, or without an
+// endpoint (metrics only), which is the baseline.
+type tracing int
+
+const (
+	tracingOff     tracing = iota // Setup without an endpoint: metrics, no spans
+	tracingDefault                // Setup's default sampler
+	tracingAlways                 // every trace sampled
+)
+
+func (t tracing) String() string { return [...]string{"off", "default", "always"}[t] }
+
+// otlpSink is an OTLP/HTTP receiver that reads each export and drops it,
+// standing in for a collector: the pipeline pays for building, batching,
+// encoding and posting every span, and nothing for storing them.
+type otlpSink struct {
+	srv   *http.Server
+	ln    net.Listener
+	posts atomic.Int64
+	bytes atomic.Int64
+}
+
+func startOTLPSink() (*otlpSink, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, fmt.Errorf("OTLP receiver: %w", err)
+	}
+	o := &otlpSink{ln: ln}
+	o.srv = &http.Server{ReadHeaderTimeout: 5 * time.Second, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n, _ := io.Copy(io.Discard, r.Body)
+		o.posts.Add(1)
+		o.bytes.Add(n)
+		// An empty ExportTraceServiceResponse: everything accepted.
+		w.Header().Set("Content-Type", "application/x-protobuf")
+		w.WriteHeader(http.StatusOK)
+	})}
+	go func() { _ = o.srv.Serve(ln) }()
+	return o, nil
+}
+
+func (o *otlpSink) endpoint() string { return "http://" + o.ln.Addr().String() }
+
+func (o *otlpSink) close() { _ = o.srv.Close() }
+
+// cpuTime is the CPU time this process has used, user and system.
+func cpuTime() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// setupTracing builds the telemetry of one pipeline run with setting t,
+// the way `leasehold worker` and `leasehold sink` build theirs.
+func (e *env) setupTracing(ctx context.Context, t tracing, o *otlpSink) (*telemetry.Telemetry, func(), error) {
+	cfg := telemetry.SetupConfig{ServiceName: "leasehold-bench", NoGlobals: true}
+	switch t {
+	case tracingDefault:
+		cfg.OTLPEndpoint = o.endpoint()
+	case tracingAlways:
+		cfg.OTLPEndpoint = o.endpoint()
+		cfg.Sampler = sdktrace.AlwaysSample()
+	}
+	tel, _, shutdown, err := telemetry.Setup(ctx, cfg)
+	if err != nil {
+		return nil, nil, err
+	}
+	return tel, func() {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+		defer cancel()
+		if err := shutdown(sctx); err != nil && !errors.Is(err, context.DeadlineExceeded) {
+			e.log.Warn("bench: telemetry shutdown", "err", err)
+		}
+	}, nil
+}
+
+// tracingCost measures leasehold's end-to-end throughput with tracing at
+// Setup's default sampler and with every trace sampled, each beside the
+// same pipeline with metrics and no spans, all three interleaved.
+func (e *env) tracingCost(ctx context.Context) ([]Row, error) {
+	o, err := startOTLPSink()
+	if err != nil {
+		return nil, err
+	}
+	defer o.close()
+	n := e.pipeJobs()
+	settings := []tracing{tracingOff, tracingDefault, tracingAlways}
+	got, cpus := map[tracing][]float64{}, map[tracing][]float64{}
+	for i := range e.cfg.Runs {
+		for j := range settings {
+			t := settings[(i+j)%len(settings)] // rotate the order
+			tel, stop, err := e.setupTracing(ctx, t, o)
+			if err != nil {
+				return nil, err
+			}
+			cpu0 := cpuTime()
+			r, err := e.throughputWith(ctx, false, fmt.Sprintf("tr-%v%d", t, i), n, tel.Config())
+			cpu := (cpuTime() - cpu0).Seconds() * 1e6 / float64(n)
+			stop()
+			if err != nil {
+				return nil, err
+			}
+			got[t] = append(got[t], r)
+			cpus[t] = append(cpus[t], cpu)
+		}
+		e.progress("tracing run %d: off %.0f jobs/s %.0f µs CPU/job, default %.0f jobs/s %.0f µs, always %.0f jobs/s %.0f µs", i+1,
+			got[tracingOff][i], cpus[tracingOff][i], got[tracingDefault][i], cpus[tracingDefault][i], got[tracingAlways][i], cpus[tracingAlways][i])
+	}
+	e.progress("tracing: %d exports, %.1f MiB received", o.posts.Load(), float64(o.bytes.Load())/(1<<20))
+	what := fmt.Sprintf("leasehold end to end (%d jobs, as e2e_throughput) with telemetry.Setup exporting over OTLP/HTTP to a receiver that drops the spans", n)
+	base := "; baseline: the same with Setup and no endpoint (metrics, no spans)"
+	cpuNote := "CPU time of this process (server, producer, workers, sink runner, exporter) per job in the tracing rows' runs; baseline: tracing off. On a shared machine this holds better than throughput"
+	return []Row{
+		paired("tracing_default", "jobs/s", got[tracingDefault], got[tracingOff], what+", Setup's default sampler (parent-based, 1 in 10 new traces, every refused write)"+base+"; target ratio >= 0.9"),
+		paired("tracing_always", "jobs/s", got[tracingAlways], got[tracingOff], what+", every trace sampled"+base+"; target ratio >= 0.8"),
+		paired("tracing_default_cpu", "µs CPU/job", cpus[tracingDefault], cpus[tracingOff], cpuNote),
+		paired("tracing_always_cpu", "µs CPU/job", cpus[tracingAlways], cpus[tracingOff], cpuNote),
+	}, nil
+}
