@@ -177,7 +177,11 @@ func (c *Coordinator) newLease(t target, rec record, rev uint64, sent time.Time,
 		// No timer and no renewals of its own: the session's deadline and
 		// end are the lease's.
 		l.session = session
+		// A session that has already ended runs sessionEnded at once, in
+		// a goroutine of its own that reads stopSession: set it under dmu.
+		l.dmu.Lock()
 		l.stopSession = context.AfterFunc(session.ctx, l.sessionEnded)
+		l.dmu.Unlock()
 		return l
 	}
 	l.dmu.Lock()
@@ -230,8 +234,11 @@ func (l *Lease) end(cause error) error {
 
 // finish cancels the context with cause and stops the keepalive.
 func (l *Lease) finish(cause error) {
-	if l.stopSession != nil {
-		l.stopSession()
+	l.dmu.Lock()
+	stop := l.stopSession
+	l.dmu.Unlock()
+	if stop != nil {
+		stop()
 	}
 	l.cancel(cause)
 	l.signalStop()
