@@ -1,32 +1,49 @@
 // Package examples holds runnable programs, one per directory; this test
-// keeps each of their files short enough to read in one sitting.
+// keeps each of them short enough to read in one sitting, and tested.
 package examples
 
 import (
 	"bytes"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 )
 
-// maxLines bounds a file of an example.
+// maxLines bounds the code of an example: all its .go files but its tests.
 const maxLines = 250
 
-func TestExampleFilesAreShort(t *testing.T) {
-	files, err := filepath.Glob("*/*.go")
+func TestExamplesAreShort(t *testing.T) {
+	dirs, err := filepath.Glob("*/main.go")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(files) == 0 {
-		t.Fatal("no example files found")
+	if len(dirs) == 0 {
+		t.Fatal("no examples found")
 	}
-	for _, f := range files {
-		b, err := os.ReadFile(f)
+	for _, m := range dirs {
+		dir := filepath.Dir(m)
+		files, err := filepath.Glob(filepath.Join(dir, "*.go"))
 		if err != nil {
 			t.Fatal(err)
 		}
-		if n := bytes.Count(b, []byte("\n")); n >= maxLines {
-			t.Errorf("%s has %d lines: split it (under %d), by what each part shows", f, n, maxLines)
+		code, tests := 0, 0
+		for _, f := range files {
+			b, err := os.ReadFile(f)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if strings.HasSuffix(f, "_test.go") {
+				tests++
+				continue
+			}
+			code += bytes.Count(b, []byte("\n"))
+		}
+		if code >= maxLines {
+			t.Errorf("%s has %d lines of code: an example shows one thing, in under %d", dir, code, maxLines)
+		}
+		if tests == 0 {
+			t.Errorf("%s has no test that runs it", dir)
 		}
 	}
 }

@@ -1,12 +1,10 @@
-// Command postgres runs a job handler that writes to PostgreSQL through
-// leasehold's fenced sink: each "orders" job marks an order paid and
-// credits the merchant's account in one transaction (pgsink.ApplyTx) that
-// also checks the job's epoch against the partition's fence and records
-// the job's idempotency key. Midway, worker-a freezes in the middle of a
-// job; worker-b takes the partition over, and worker-a's late transaction
-// is refused as a whole.
+// Command postgres: a job handler whose SQL commits in one transaction with
+// the fence check and the job's idempotency key (pgsink.ApplyTx). worker-a
+// freezes in the middle of a job; worker-b takes over and pays the order;
+// worker-a wakes up, and its late transaction is refused whole.
 //
-//	go run ./examples/postgres -nats nats://127.0.0.1:4222 -postgres postgres://localhost/shop
+//	go run ./examples/postgres -postgres postgres://user:password@127.0.0.1:5432/shop
+//	go run ./examples/postgres -postgres ... -nats nats://127.0.0.1:4222
 package main
 
 import (
@@ -15,106 +13,225 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"log/slog"
+	"log"
 	"os"
-	"os/signal"
-	"regexp"
-	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/sink/pgsink"
+	"github.com/leasehold/leasehold/worker"
 )
 
-// config is what the example needs to know.
-type config struct {
-	// NATS is the server URL. Default $NATS_URL, else
-	// nats://127.0.0.1:4222.
-	NATS string
-	// Postgres is the database's connection string. Default
-	// $DATABASE_URL. Required.
-	Postgres string
-	// Partitions of the job stream. Default 4.
-	Partitions int
-	// Jobs is the number of orders to pay. Default 20.
-	Jobs int
-	// Prefix names the job stream ("<prefix>-jobs") and the lease bucket
-	// ("<prefix>-leases"). Default "orders".
-	Prefix string
-	// Schema holds the example's tables. It is dropped and created again
-	// on every run, so the example refuses a schema it did not create.
-	// Default "leasehold_example".
-	Schema string
-	// Logger receives the components' own logs. Default: none.
-	Logger *slog.Logger
-}
+type Order struct{ ID string }
 
-const (
-	defaultNATS   = "nats://127.0.0.1:4222"
-	defaultPrefix = "orders"
-	defaultSchema = "leasehold_example"
-)
+// The schema is dropped and created again on every run; its comment marks it
+// as this example's, so that a schema of the same name of anyone else's is not.
+const mark = "leasehold examples/postgres: dropped and re-created on every run"
 
-func (c *config) setDefaults() {
-	if c.NATS == "" {
-		c.NATS = defaultNATS
-	}
-	if c.Partitions == 0 {
-		c.Partitions = 4
-	}
-	if c.Jobs == 0 {
-		c.Jobs = 20
-	}
-	if c.Prefix == "" {
-		c.Prefix = defaultPrefix
-	}
-	if c.Schema == "" {
-		c.Schema = defaultSchema
-	}
-	if c.Logger == nil {
-		c.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
-	}
-}
-
-var (
-	token      = regexp.MustCompile(`^[A-Za-z0-9_-]+$`)
-	identifier = regexp.MustCompile(`^[a-z_][a-z0-9_]*$`)
-)
-
-func (c config) validate() error {
-	var errs []error
-	if c.Postgres == "" {
-		errs = append(errs, errors.New("no PostgreSQL: pass -postgres postgres://user:password@host:5432/db or set DATABASE_URL"))
-	}
-	if c.Partitions < 1 || c.Partitions > 256 {
-		errs = append(errs, fmt.Errorf("-partitions %d: use 1 to 256", c.Partitions))
-	}
-	if c.Jobs < 1 || c.Jobs > 100_000 {
-		errs = append(errs, fmt.Errorf("-jobs %d: use 1 to 100000", c.Jobs))
-	}
-	if !token.MatchString(c.Prefix) {
-		errs = append(errs, fmt.Errorf("-prefix %q: use letters, digits, '-' and '_' only (it is a subject token)", c.Prefix))
-	}
-	if !identifier.MatchString(c.Schema) {
-		errs = append(errs, fmt.Errorf("-schema %q: use lower-case letters, digits and '_', starting with a letter", c.Schema))
-	}
-	return errors.Join(errs...)
-}
+const ddl = `DROP SCHEMA IF EXISTS leasehold_example CASCADE;
+CREATE SCHEMA leasehold_example;
+COMMENT ON SCHEMA leasehold_example IS '` + mark + `';
+CREATE TABLE leasehold_example.orders (id text PRIMARY KEY, cents bigint NOT NULL, payments int NOT NULL DEFAULT 0, paid_by text);
+CREATE TABLE leasehold_example.accounts (id text PRIMARY KEY, balance_cents bigint NOT NULL);
+INSERT INTO leasehold_example.orders (id, cents) VALUES ('o-1', 1000), ('o-2', 2000), ('o-3', 3000);
+INSERT INTO leasehold_example.accounts VALUES ('merchant', 0);`
 
 func main() {
-	var cfg config
-	var verbose bool
-	flag.StringVar(&cfg.NATS, "nats", os.Getenv("NATS_URL"), "NATS server `URL` (default $NATS_URL, else "+defaultNATS+")")
-	flag.StringVar(&cfg.Postgres, "postgres", os.Getenv("DATABASE_URL"), "PostgreSQL connection `string` (default $DATABASE_URL)")
-	flag.IntVar(&cfg.Partitions, "partitions", 4, "partitions of the job stream")
-	flag.IntVar(&cfg.Jobs, "jobs", 20, "orders to pay")
-	flag.StringVar(&cfg.Prefix, "prefix", defaultPrefix, "`name` of the job stream and lease bucket")
-	flag.StringVar(&cfg.Schema, "schema", defaultSchema, "PostgreSQL `schema` for the tables (dropped and re-created on every run)")
-	flag.BoolVar(&verbose, "v", false, "also log what the components do, to stderr")
+	natsURL := flag.String("nats", os.Getenv("NATS_URL"), "NATS server `URL` (empty: an embedded server)")
+	pgURL := flag.String("postgres", os.Getenv("DATABASE_URL"), "PostgreSQL connection `string`")
 	flag.Parse()
-	if verbose {
-		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if _, err := run(ctx, os.Stdout, *natsURL, *pgURL); err != nil {
+		log.Fatal(err)
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := run(ctx, os.Stdout, cfg); err != nil {
-		fmt.Fprintln(os.Stderr, "postgres:", err)
-		os.Exit(1)
+}
+
+// run plays the example and returns the error that refused worker-a's late
+// transaction.
+func run(ctx context.Context, out io.Writer, natsURL, pgURL string) (*leasehold.StaleEpochError, error) {
+	say := func(format string, args ...any) { fmt.Fprintf(out, format+"\n", args...) }
+	db, err := pgxpool.New(ctx, pgURL)
+	if err != nil {
+		return nil, err
 	}
+	defer db.Close()
+	var comment *string
+	err = db.QueryRow(ctx, `SELECT obj_description(oid, 'pg_namespace') FROM pg_namespace WHERE nspname = 'leasehold_example'`).Scan(&comment)
+	if err == nil && (comment == nil || *comment != mark) {
+		return nil, errors.New("schema leasehold_example exists and was not created by this example: use another database")
+	} else if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		return nil, fmt.Errorf("PostgreSQL (pass -postgres or set DATABASE_URL): %w", err)
+	}
+	if _, err := db.Exec(ctx, ddl); err != nil {
+		return nil, err
+	}
+	if err := pgsink.CreateSchema(ctx, db, pgsink.Config{DB: db, Schema: "leasehold_example"}); err != nil {
+		return nil, err // the sink's tables: leasehold_fence and leasehold_keys
+	}
+
+	opts := []nats.Option{}
+	if natsURL == "" {
+		dir, err := os.MkdirTemp("", "pgexample")
+		if err != nil {
+			return nil, err
+		}
+		defer os.RemoveAll(dir)
+		srv, err := server.NewServer(&server.Options{JetStream: true, StoreDir: dir, DontListen: true, NoSigs: true})
+		if err != nil {
+			return nil, err
+		}
+		srv.Start()
+		defer srv.Shutdown()
+		opts = append(opts, nats.InProcessServer(srv))
+	}
+	nc, err := nats.Connect(natsURL, opts...)
+	if err != nil {
+		return nil, err
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return nil, err
+	}
+	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: "orders", Partitions: 1, NoEffects: true}); err != nil {
+		return nil, err
+	}
+	if s, err := js.Stream(ctx, worker.JobsStream("orders")); err != nil || s.Purge(ctx) != nil {
+		return nil, fmt.Errorf("drop an earlier run's jobs: %v", err)
+	}
+	leases, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: "orders-leases"})
+	if err != nil {
+		return nil, err
+	}
+
+	// The handler pays an order: both UPDATEs run inside ApplyTx, after the
+	// check of the job's stamp against the partition's fence and the insert
+	// of its idempotency key, and commit with them or not at all. worker-a
+	// freezes in o-2 after taking the stamp, until wake is closed.
+	held, wake, late := make(chan leasehold.Stamp, 1), make(chan struct{}), make(chan error, 1)
+	handler := func(sink *pgsink.Sink) worker.Handler {
+		return worker.JSON(func(ctx context.Context, job *worker.Job, o Order) error {
+			stamp, err := job.NextStamp() // partition, epoch, idempotency key
+			if err != nil {
+				return err
+			}
+			frozen := stamp.Worker == "worker-a" && o.ID == "o-2"
+			if frozen {
+				held <- stamp
+				<-wake
+				ctx = context.WithoutCancel(ctx) // a frozen process never looks at its context
+			}
+			err = sink.ApplyTx(ctx, stamp, func(ctx context.Context, tx pgx.Tx) error {
+				var cents int64
+				if err := tx.QueryRow(ctx, `UPDATE leasehold_example.orders SET payments = payments + 1, paid_by = $2
+					WHERE id = $1 RETURNING cents`, o.ID, stamp.Worker).Scan(&cents); err != nil {
+					return err
+				}
+				_, err := tx.Exec(ctx, `UPDATE leasehold_example.accounts SET balance_cents = balance_cents + $1 WHERE id = 'merchant'`, cents)
+				return err
+			})
+			if frozen {
+				late <- err
+			}
+			return err
+		})
+	}
+	start := func(name string) (context.CancelFunc, chan error, error) {
+		sink, err := pgsink.New(pgsink.Config{DB: db, Schema: "leasehold_example"})
+		if err != nil {
+			return nil, nil, err
+		}
+		w, err := worker.New(worker.Config{JetStream: js, Prefix: "orders", Partitions: 1, Bucket: leases, Handler: handler(sink),
+			Fences:          []worker.Fence{sink}, // raised in PostgreSQL on acquiring a partition, before its first job
+			BarrierSubjects: func(leasehold.Partition) []string { return nil },
+			Coordinator:     coordinator.Config{Worker: name, ShutdownTimeout: time.Second, RebalanceDelay: 100 * time.Millisecond}})
+		wctx, stop := context.WithCancel(ctx)
+		done := make(chan error, 1)
+		if err == nil {
+			go func() { done <- w.Run(wctx) }()
+		}
+		return stop, done, err
+	}
+	table := func() error {
+		rows, _ := db.Query(ctx, `SELECT id, payments, coalesce(paid_by, '-'), (SELECT balance_cents FROM leasehold_example.accounts)
+			FROM leasehold_example.orders ORDER BY id`)
+		var id, by string
+		var payments, balance int64
+		_, err := pgx.ForEachRow(rows, []any{&id, &payments, &by, &balance}, func() error {
+			say("   %s: payments %d, paid by %s", id, payments, by)
+			return nil
+		})
+		say("   merchant balance: %d cents", balance)
+		return err
+	}
+
+	say("1. worker-a takes the partition; jobs pay o-1, o-2 and o-3")
+	stopA, doneA, err := start("worker-a")
+	if err != nil {
+		return nil, err
+	}
+	defer stopA()
+	p, err := worker.NewProducer(js, worker.ProducerConfig{Prefix: "orders", Partitions: 1, Bucket: leases})
+	if err != nil {
+		return nil, err
+	}
+	var jobs []worker.Enqueued
+	for _, id := range []string{"o-1", "o-2", "o-3"} {
+		j, err := worker.Enqueue(ctx, p, "pay", Order{id})
+		if err != nil {
+			return nil, err
+		}
+		jobs = append(jobs, j)
+	}
+	var stale leasehold.Stamp
+	select {
+	case stale = <-held:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	say("2. worker-a pays o-1, then freezes in o-2 holding its stamp (epoch %d, key %s)", stale.Epoch, stale.Key)
+
+	say("3. worker-a is told to stop; its drain gives up on the frozen handler; worker-b takes over")
+	stopA()
+	stopB, doneB, err := start("worker-b")
+	if err != nil {
+		return nil, err
+	}
+	defer stopB()
+	if _, err := p.Wait(ctx, jobs...); err != nil {
+		return nil, err
+	}
+	say("   worker-b resumed after worker-a's last commit (a job it ran again found its key applied: skipped)")
+	if err := table(); err != nil {
+		return nil, err
+	}
+
+	say("4. worker-a wakes up and runs its transaction for o-2 under epoch %d", stale.Epoch)
+	close(wake)
+	var refused *leasehold.StaleEpochError
+	select {
+	case err = <-late:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	if !errors.As(err, &refused) {
+		return nil, fmt.Errorf("worker-a's late transaction: got %v, want a *leasehold.StaleEpochError", err)
+	}
+	say("   refused whole, before its UPDATEs ran: %v", err)
+	if err := table(); err != nil {
+		return nil, err
+	}
+	if err := <-doneA; err != nil {
+		return nil, fmt.Errorf("worker-a: %w", err)
+	}
+	stopB()
+	return refused, <-doneB
 }

@@ -1,9 +1,7 @@
-// Command watermill runs leasehold workers that publish through a Watermill
-// publisher, stamped by worker/wmstamp, into a downstream Watermill router
-// whose handler is guarded by the fencing middleware of sink/wmsink. A
-// message that worker-a stamped before it lost its partition arrives after
-// worker-b took over, and the middleware drops it while worker-b's messages
-// go through.
+// Command watermill: leasehold workers publish through a Watermill publisher
+// stamped by worker/wmstamp to a router behind sink/wmsink's fencing
+// middleware. worker-a's message for o-2 hangs in the network; worker-b takes
+// over and ships o-2 again; the stale message arrives and is dropped.
 //
 //	go run ./examples/watermill                        # an embedded NATS server
 //	go run ./examples/watermill -nats nats://127.0.0.1:4222
@@ -11,145 +9,226 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
-	"log/slog"
+	"io"
+	"log"
 	"os"
-	"os/signal"
-	"regexp"
-	"syscall"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/sink/wmsink"
+	"github.com/leasehold/leasehold/worker"
+	"github.com/leasehold/leasehold/worker/wmstamp"
 )
 
-// config is what the example needs to know.
-type config struct {
-	// NATS is the server URL. Empty starts an embedded server in a
-	// temporary directory. Default $NATS_URL.
-	NATS string
-	// Partitions of the job stream. Default 2.
-	Partitions int
-	// Jobs is the number of orders to ship. Default 8.
-	Jobs int
-	// Prefix names the job stream ("<prefix>-jobs") and the lease bucket
-	// ("<prefix>-leases"). Default "shipping".
-	Prefix string
-	// Logger receives the components' own logs. Default: none.
-	Logger *slog.Logger
-}
+type Order struct{ ID string }
 
-const defaultPrefix = "shipping"
-
-func (c *config) setDefaults() {
-	if c.Partitions == 0 {
-		c.Partitions = 2
-	}
-	if c.Jobs == 0 {
-		c.Jobs = 8
-	}
-	if c.Prefix == "" {
-		c.Prefix = defaultPrefix
-	}
-	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
-	}
-}
-
-var token = regexp.MustCompile(`^[A-Za-z0-9_-]+$`)
-
-func (c config) validate() error {
-	var errs []error
-	if c.Partitions < 1 || c.Partitions > 256 {
-		errs = append(errs, fmt.Errorf("-partitions %d: use 1 to 256", c.Partitions))
-	}
-	if c.Jobs < 1 || c.Jobs > 100_000 {
-		errs = append(errs, fmt.Errorf("-jobs %d: use 1 to 100000", c.Jobs))
-	}
-	if !token.MatchString(c.Prefix) {
-		errs = append(errs, fmt.Errorf("-prefix %q: use letters, digits, '-' and '_' only (it is a subject token)", c.Prefix))
-	}
-	return errors.Join(errs...)
+type shipment struct {
+	order string
+	stamp leasehold.Stamp
 }
 
 func main() {
-	var cfg config
-	var verbose bool
-	flag.StringVar(&cfg.NATS, "nats", os.Getenv("NATS_URL"), "NATS server `URL` (default $NATS_URL; empty: start an embedded server)")
-	flag.IntVar(&cfg.Partitions, "partitions", 2, "partitions of the job stream")
-	flag.IntVar(&cfg.Jobs, "jobs", 8, "orders to ship")
-	flag.StringVar(&cfg.Prefix, "prefix", defaultPrefix, "`name` of the job stream and lease bucket")
-	flag.BoolVar(&verbose, "v", false, "also log what the components do, to stderr")
+	url := flag.String("nats", os.Getenv("NATS_URL"), "NATS server `URL` (empty: an embedded server)")
 	flag.Parse()
-	if verbose {
-		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := run(ctx, os.Stdout, cfg); err != nil {
-		fmt.Fprintln(os.Stderr, "watermill:", err)
-		os.Exit(1)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if _, err := run(ctx, os.Stdout, *url); err != nil {
+		log.Fatal(err)
 	}
 }
 
-// natsServer hands out one connection per worker, as separate processes
-// would each have their own.
-type natsServer struct {
-	desc     string
-	url      string
-	embedded *server.Server
-	dir      string
-}
-
-// openNATS reaches the server at url, or starts an embedded one when url
-// is empty.
-func openNATS(url string) (*natsServer, error) {
-	if url != "" {
-		return &natsServer{desc: url, url: url}, nil
+// run plays the example and returns the message the middleware dropped.
+func run(ctx context.Context, out io.Writer, url string) (sink.Decision, error) {
+	say := func(format string, args ...any) { fmt.Fprintf(out, format+"\n", args...) }
+	var drop sink.Decision
+	opts := []nats.Option{}
+	if url == "" {
+		dir, err := os.MkdirTemp("", "watermill")
+		if err != nil {
+			return drop, err
+		}
+		defer os.RemoveAll(dir)
+		srv, err := server.NewServer(&server.Options{JetStream: true, StoreDir: dir, DontListen: true, NoSigs: true})
+		if err != nil {
+			return drop, err
+		}
+		srv.Start()
+		defer srv.Shutdown()
+		opts = append(opts, nats.InProcessServer(srv))
 	}
-	dir, err := os.MkdirTemp("", "leasehold-watermill-")
+	nc, err := nats.Connect(url, opts...)
 	if err != nil {
-		return nil, fmt.Errorf("embedded NATS: %w", err)
+		return drop, err
 	}
-	s, err := server.NewServer(&server.Options{
-		ServerName: "watermill-example",
-		JetStream:  true,
-		StoreDir:   dir,
-		DontListen: true, // clients connect in-process
-		NoSigs:     true,
-		NoLog:      true,
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return drop, err
+	}
+	// One partition, no JetStream effect log: the effects are Watermill messages.
+	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: "shipping", Partitions: 1, NoEffects: true}); err != nil {
+		return drop, err
+	}
+	if s, err := js.Stream(ctx, worker.JobsStream("shipping")); err != nil || s.Purge(ctx) != nil {
+		return drop, fmt.Errorf("drop an earlier run's jobs: %v", err)
+	}
+	leases, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: "shipping-leases"})
+	if err != nil {
+		return drop, err
+	}
+
+	// Downstream: a router whose handler only sees messages of a current epoch.
+	// gochannel has no log positions, so the middleware judges in arrival order.
+	pubsub := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
+	defer pubsub.Close()
+	shipped, dropped := make(chan shipment, 16), make(chan sink.Decision, 1)
+	fencer, err := wmsink.New(wmsink.Config{ArrivalOrder: true, Observer: sink.ObserverFunc(func(_ context.Context, d sink.Decision) {
+		if d.Outcome.Dropped() {
+			dropped <- d
+		}
+	})})
+	if err != nil {
+		return drop, err
+	}
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	if err != nil {
+		return drop, err
+	}
+	router.AddMiddleware(fencer.Middleware)
+	router.AddConsumerHandler("ship", "shipments", pubsub, func(m *message.Message) error {
+		st, err := leasehold.StampFromMetadata(m.Metadata)
+		var o Order
+		if err == nil {
+			err = json.Unmarshal(m.Payload, &o)
+		}
+		shipped <- shipment{o.ID, st}
+		return err
 	})
+	routed := make(chan error, 1)
+	go func() { routed <- router.Run(context.WithoutCancel(ctx)) }()
+	defer func() { router.Close(); <-routed }()
+	<-router.Running()
+
+	// Upstream: workers whose handler publishes one stamped message per order.
+	// The network holds worker-a's message for o-2 until wake is closed.
+	held, wake := make(chan leasehold.Stamp, 1), make(chan struct{})
+	network := publishFunc(func(topic string, msgs ...*message.Message) error {
+		if m := msgs[0]; m.Metadata.Get(leasehold.HeaderWorker) == "worker-a" && string(m.Payload) == `{"ID":"o-2"}` {
+			st, _ := leasehold.StampFromMetadata(m.Metadata)
+			held <- st
+			<-wake
+		}
+		return pubsub.Publish(topic, msgs...)
+	})
+	pub := wmstamp.NewPublisher(network, wmstamp.Config{})
+	mux := worker.NewMux()
+	worker.Handle(mux, "ship", func(ctx context.Context, _ *worker.Job, o Order) error {
+		payload, _ := json.Marshal(o)
+		return pub.Publish("shipments", message.NewMessageWithContext(ctx, watermill.NewUUID(), payload)) // ctx: the job's stamp
+	})
+	start := func(name string) (context.CancelFunc, chan error, error) {
+		w, err := worker.New(worker.Config{JetStream: js, Prefix: "shipping", Partitions: 1, Bucket: leases, Handler: mux,
+			BarrierSubjects: func(leasehold.Partition) []string { return nil },
+			Coordinator:     coordinator.Config{Worker: name, ShutdownTimeout: time.Second, RebalanceDelay: 100 * time.Millisecond}})
+		wctx, stop := context.WithCancel(ctx)
+		done := make(chan error, 1)
+		if err == nil {
+			go func() { done <- w.Run(wctx) }()
+		}
+		return stop, done, err
+	}
+	seen := map[string]bool{} // idempotency keys: a job run again after a take-over ships once
+	next := func(what string) error {
+		for {
+			select {
+			case s := <-shipped:
+				if seen[s.stamp.Key] {
+					say("   downstream: %s again from %s, key %s: shipped already, skipped", s.order, s.stamp.Worker, s.stamp.Key)
+					continue
+				}
+				seen[s.stamp.Key] = true
+				say("   downstream shipped %s from %s (epoch %d, key %s)", s.order, s.stamp.Worker, s.stamp.Epoch, s.stamp.Key)
+				return nil
+			case <-ctx.Done():
+				return fmt.Errorf("waiting for %s: %w", what, ctx.Err())
+			}
+		}
+	}
+
+	say("1. worker-a takes the partition; o-1, o-2 and o-3 are enqueued")
+	stopA, doneA, err := start("worker-a")
 	if err != nil {
-		os.RemoveAll(dir)
-		return nil, fmt.Errorf("embedded NATS: %w", err)
+		return drop, err
 	}
-	go s.Start()
-	if !s.ReadyForConnections(10 * time.Second) {
-		s.Shutdown()
-		s.WaitForShutdown()
-		os.RemoveAll(dir)
-		return nil, errors.New("embedded NATS: the server did not start within 10s")
+	defer stopA()
+	p, err := worker.NewProducer(js, worker.ProducerConfig{Prefix: "shipping", Partitions: 1, Bucket: leases})
+	if err != nil {
+		return drop, err
 	}
-	return &natsServer{desc: "an embedded server (in this process)", embedded: s, dir: dir}, nil
+	for _, id := range []string{"o-1", "o-2", "o-3"} {
+		if _, err := worker.Enqueue(ctx, p, "ship", Order{id}); err != nil {
+			return drop, err
+		}
+	}
+	if err := next("o-1"); err != nil {
+		return drop, err
+	}
+	var stale leasehold.Stamp
+	select {
+	case stale = <-held:
+	case <-ctx.Done():
+		return drop, ctx.Err()
+	}
+	say("2. worker-a's message for o-2 (epoch %d) hangs in the network", stale.Epoch)
+
+	say("3. worker-a is told to stop; its drain gives up on the stuck handler and releases; worker-b takes over")
+	stopA()
+	stopB, doneB, err := start("worker-b")
+	if err != nil {
+		return drop, err
+	}
+	defer stopB()
+	for _, id := range []string{"o-2", "o-3"} {
+		if err := next(id); err != nil {
+			return drop, err
+		}
+	}
+
+	say("4. the network delivers worker-a's stale message for o-2")
+	close(wake)
+	select {
+	case drop = <-dropped:
+	case s := <-shipped:
+		return drop, fmt.Errorf("the stale message was not dropped: the handler ran for %s from %s under epoch %d", s.order, s.stamp.Worker, s.stamp.Epoch)
+	case <-ctx.Done():
+		return drop, ctx.Err()
+	}
+	if !errors.Is(drop.Err, leasehold.ErrStaleEpoch) || drop.Stamp.Key != stale.Key {
+		return drop, fmt.Errorf("dropped %+v (%v), want worker-a's message %s as stale", drop.Stamp, drop.Err, stale.Key)
+	}
+	say("   the middleware dropped it (acked, handler not called): %v", drop.Err)
+	if err := <-doneA; err != nil {
+		return drop, fmt.Errorf("worker-a: %w", err)
+	}
+	stopB()
+	return drop, <-doneB
 }
 
-func (s *natsServer) connect(name string) (*nats.Conn, error) {
-	if s.embedded != nil {
-		return nats.Connect("", nats.InProcessServer(s.embedded), nats.Name(name))
-	}
-	nc, err := nats.Connect(s.url, nats.Name(name))
-	if err != nil {
-		return nil, fmt.Errorf("connect to NATS at %s: %w (is the server up, with JetStream? pass -nats nats://host:4222, or leave -nats empty for an embedded server)", s.url, err)
-	}
-	return nc, nil
-}
+// publishFunc is a message.Publisher made of a function.
+type publishFunc func(topic string, msgs ...*message.Message) error
 
-func (s *natsServer) close() {
-	if s.embedded != nil {
-		s.embedded.Shutdown()
-		s.embedded.WaitForShutdown()
-		os.RemoveAll(s.dir)
-	}
-}
+func (f publishFunc) Publish(topic string, msgs ...*message.Message) error { return f(topic, msgs...) }
+func (f publishFunc) Close() error                                         { return nil }
