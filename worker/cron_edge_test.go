@@ -13,7 +13,7 @@ import (
 // A periodic job's definition the server cannot run (a time zone it does
 // not know, a cron it cannot parse) must fail Schedule, not be stored as
 // a schedule the server drops when it falls due, silently.
-func TestAttackPeriodicTheServerCannotRun(t *testing.T) {
+func TestPeriodicTheServerCannotRun(t *testing.T) {
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, time.Minute)
 	p := e.producer(t)
@@ -31,7 +31,7 @@ func TestAttackPeriodicTheServerCannotRun(t *testing.T) {
 // A job stream with MaxAge and schedules allows per-message TTLs (for the
 // schedules), so a Nats-TTL header on a job would have the server delete
 // it unhandled once it expires: the producer refuses one.
-func TestAttackEnqueueWithATTLHeader(t *testing.T) {
+func TestEnqueueWithATTLHeader(t *testing.T) {
 	srv := natstest.Start(t)
 	js := srv.JetStream(t)
 	ctx := ctxFor(t, time.Minute)

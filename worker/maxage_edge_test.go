@@ -14,7 +14,7 @@ import (
 // enqueue, and a periodic job's schedule once it is older than MaxAge,
 // would be dropped by the server without a trace, the delayed job lost
 // and the periodic one silent until some process registers it again.
-func TestAttackSchedulesOutliveMaxAge(t *testing.T) {
+func TestSchedulesOutliveMaxAge(t *testing.T) {
 	srv := natstest.Start(t)
 	e := &env{srv: srv, prefix: "jobs", n: 1}
 	e.js = srv.JetStream(t)
@@ -54,7 +54,7 @@ func TestAttackSchedulesOutliveMaxAge(t *testing.T) {
 
 // A job stream with MaxAge made before schedules were on gets them, and
 // the per-message TTL that exempts them, on the next ProvisionJobs.
-func TestAttackMaxAgeStreamUpgradedToSchedules(t *testing.T) {
+func TestMaxAgeStreamUpgradedToSchedules(t *testing.T) {
 	srv := natstest.Start(t)
 	js := srv.JetStream(t)
 	ctx := ctxFor(t, time.Minute)

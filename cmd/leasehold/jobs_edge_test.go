@@ -13,7 +13,7 @@ import (
 // another job stream answers with that stream's progress, which says
 // nothing about this one's jobs. As status does, jobs refuses a bucket
 // that serves another prefix.
-func TestAttackJobsWithAnotherStreamsBucket(t *testing.T) {
+func TestJobsWithAnotherStreamsBucket(t *testing.T) {
 	s := natstest.Start(t, natstest.Listen())
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()

@@ -16,7 +16,7 @@ import (
 // maxViewers slots for good: maxViewers such clients lock every operator
 // out of the page. A write that cannot go out within a bound ends the
 // stream.
-func TestAttackEventStreamClientThatNeverReads(t *testing.T) {
+func TestEventStreamClientThatNeverReads(t *testing.T) {
 	s := New(Config{Prefix: "leasehold"})
 	big := strings.Repeat("x", 1000)
 	s.mu.Lock()

@@ -17,7 +17,7 @@ import (
 // partition it lands on sees it, so its dead letter is the one place that
 // can say how much went: it must not say one partition's jobs went when
 // all did.
-func TestAttackRollupAllPurgesEveryPartition(t *testing.T) {
+func TestRollupAllPurgesEveryPartition(t *testing.T) {
 	e := newEnv(t, 2)
 	p := e.producer(t)
 	ctx := ctxFor(t, time.Minute)
@@ -59,7 +59,7 @@ func TestAttackRollupAllPurgesEveryPartition(t *testing.T) {
 
 // The roll-up check sat in Mux alone: a worker with a plain handler ran a
 // forged roll-up as one more job, and the jobs it purged went unseen.
-func TestAttackRollupReachesAPlainHandler(t *testing.T) {
+func TestRollupReachesAPlainHandler(t *testing.T) {
 	e := newEnv(t, 1)
 	p := e.producer(t)
 	ctx := ctxFor(t, time.Minute)

@@ -16,7 +16,7 @@ import (
 // fires on its target for as long as it is stored. Dead-lettering it
 // leaves it in the stream, and Unschedule cannot name it, so it goes on
 // firing jobs on the other partition.
-func TestAttackScheduleForgedOnAPartitionSubject(t *testing.T) {
+func TestScheduleForgedOnAPartitionSubject(t *testing.T) {
 	e := newEnv(t, 2)
 	ctx := ctxFor(t, time.Minute)
 	forged := &nats.Msg{Subject: worker.JobSubject(e.prefix, 0), Data: []byte(`{}`), Header: nats.Header{

@@ -14,7 +14,7 @@ import (
 // partition's job, or no job at all, is not that partition's job: its
 // status must not say done because the partition's progress passed the
 // number, nor pending for ever because it never will.
-func TestAttackStatusOfAJobThatIsNotThere(t *testing.T) {
+func TestStatusOfAJobThatIsNotThere(t *testing.T) {
 	e := newEnv(t, 2)
 	ctx := ctxFor(t, time.Minute)
 	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, Bucket: e.bucket})
@@ -67,7 +67,7 @@ func TestAttackStatusOfAJobThatIsNotThere(t *testing.T) {
 // A job removed from the stream before its partition reached it (aged
 // out, deleted by hand) will never run: its status must not say pending,
 // and Wait must not wait for it.
-func TestAttackStatusOfAJobRemovedUnrun(t *testing.T) {
+func TestStatusOfAJobRemovedUnrun(t *testing.T) {
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, time.Minute)
 	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, Bucket: e.bucket})

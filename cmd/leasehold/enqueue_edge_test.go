@@ -13,7 +13,7 @@ import (
 // nanosecond made a zero ticker interval, and time.NewTicker panics on
 // one. Any positive rate enqueues, as fast as the server takes them at
 // most.
-func TestAttackEnqueueHugeRate(t *testing.T) {
+func TestEnqueueHugeRate(t *testing.T) {
 	s := natstest.Start(t, natstest.Listen())
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()

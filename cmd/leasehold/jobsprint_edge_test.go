@@ -11,7 +11,7 @@ import (
 // A dead letter's reason is a header of a message in the dead-letter
 // stream, which anyone allowed to publish there can write, escape
 // sequences included; `jobs show` prints it to a terminal.
-func TestAttackJobsShowQuotesControlBytes(t *testing.T) {
+func TestJobsShowQuotesControlBytes(t *testing.T) {
 	var out bytes.Buffer
 	sts := []worker.JobStatus{
 		{Ref: "0:1", Seq: 1, State: worker.JobDeadLettered, DeadLetter: 3, Error: "boom\x1b]0;owned\x07\x1b[2J"},

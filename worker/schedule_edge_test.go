@@ -16,7 +16,7 @@ import (
 // documentation says); one the server cannot write as RFC 3339 (past year
 // 9999, before year 0) is refused at the producer, not stored as a
 // schedule that never fires.
-func TestAttackEnqueueAtExtremes(t *testing.T) {
+func TestEnqueueAtExtremes(t *testing.T) {
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, time.Minute)
 	p := e.producer(t)
@@ -46,7 +46,7 @@ func TestAttackEnqueueAtExtremes(t *testing.T) {
 // Re-registering a periodic job with a changed interval, as a rolling
 // deploy does, leaves one schedule, the new one; registering it again
 // unchanged, as every restart does, stores nothing.
-func TestAttackPeriodicRedeclared(t *testing.T) {
+func TestPeriodicRedeclared(t *testing.T) {
 	e := newEnv(t, 2)
 	ctx := ctxFor(t, time.Minute)
 	p := e.producer(t)
