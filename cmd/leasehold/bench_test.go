@@ -16,6 +16,7 @@ func TestBenchQuickJSON(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts worker processes and a NATS server")
 	}
+	skipUnderRace(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	out, err := run(t, ctx, "bench", "--quick", "--json")
@@ -75,6 +76,7 @@ func TestBenchClusterSync(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts a 3-node NATS cluster")
 	}
+	skipUnderRace(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	out, err := run(t, ctx, "bench", "--quick", "--cluster", "--sync", "--only", "e2e,tracing,fence")
@@ -102,5 +104,16 @@ func TestBenchRejectsUnknownScenario(t *testing.T) {
 	out, err := run(t, context.Background(), "bench", "--only", "e2e,nonsense")
 	if err == nil || !strings.Contains(err.Error(), `scenario "nonsense"`) {
 		t.Fatalf("bench --only nonsense: %v\n%s", err, out)
+	}
+}
+
+// skipUnderRace skips a test that runs benchmarks from end to end: under
+// the race detector they take minutes of a slow machine's time and test
+// the bench command, not concurrent code of its own (the code they run is
+// raced by its own packages' tests). CI runs them without the detector.
+func skipUnderRace(t *testing.T) {
+	t.Helper()
+	if raceDetector {
+		t.Skip("a whole bench run; slow under the race detector, so CI runs it without: go test -run 'TestBench' ./cmd/leasehold")
 	}
 }
