@@ -67,7 +67,7 @@ func (e *env) aonThroughput(ctx context.Context, prefix string, n, k int) (float
 		return 0, err
 	}
 	defer e.release(nc)
-	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: prefix, Partitions: pipePartitions}); err != nil {
+	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: prefix, Partitions: pipePartitions, Replicas: e.replicas()}); err != nil {
 		return 0, err
 	}
 	defer e.dropStreams(ctx, js, prefix+"-")
@@ -93,7 +93,7 @@ func (e *env) aonThroughput(ctx context.Context, prefix string, n, k int) (float
 // startAON starts the pipeline of startLeasehold with a handler that
 // emits k effects a job.
 func (e *env) startAON(ctx context.Context, js jetstream.JetStream, prefix string, ap *applied, k int) (func(), error) {
-	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: prefix + "-leases", MarkerTTL: time.Second})
+	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: prefix + "-leases", MarkerTTL: time.Second, Replicas: e.replicas()})
 	if err != nil {
 		return nil, err
 	}
@@ -109,7 +109,8 @@ func (e *env) startAON(ctx context.Context, js jetstream.JetStream, prefix strin
 		return nil, err
 	}
 	runner, err := streamsink.New(ctx, rjs, streamsink.Config{
-		Prefix: prefix,
+		Prefix:   prefix,
+		Replicas: e.replicas(),
 		BatchHandler: func(ctx context.Context, effs []sink.Effect) error {
 			if err := mem.Apply(ctx, effs...); err != nil {
 				return err
