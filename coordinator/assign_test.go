@@ -1,7 +1,9 @@
 package coordinator
 
 import (
+	"cmp"
 	"fmt"
+	"math/rand/v2"
 	"slices"
 	"testing"
 )
@@ -103,46 +105,144 @@ func TestAssignSpreadsFreshPartitionsEvenly(t *testing.T) {
 	checkBalanced(t, 4096, members, got)
 }
 
-func BenchmarkAssign4096x32(b *testing.B) {
-	var members []string
-	for i := range 32 {
-		members = append(members, fmt.Sprintf("worker-%02d", i))
-	}
-	owners := Assign(4096, members, nil)
-	b.ResetTimer()
-	for b.Loop() {
-		Assign(4096, members, owners)
+// BenchmarkAssign computes the assignment as every worker does after each
+// change it sees: from nothing (a cold start) and from a balanced state, at
+// 4096 partitions over 32 members and 65,536 over 64; fresh as Assign does,
+// and kept as a worker keeps its assigner between changes.
+//
+//	go test ./coordinator -run '^$' -bench 'Assign$'
+func BenchmarkAssign(b *testing.B) {
+	for _, size := range []struct{ n, k int }{{4096, 32}, {65536, 64}} {
+		members := make([]string, size.k)
+		for i := range members {
+			members[i] = fmt.Sprintf("worker-%02d-abcdef", i)
+		}
+		free := make([]string, size.n)
+		balanced := Assign(size.n, members, free)
+		for _, c := range []struct {
+			name   string
+			owners []string
+		}{{"cold", free}, {"balanced", balanced}} {
+			b.Run(fmt.Sprintf("%dx%d/%s/fresh", size.n, size.k, c.name), func(b *testing.B) {
+				for b.Loop() {
+					Assign(size.n, members, c.owners)
+				}
+			})
+			b.Run(fmt.Sprintf("%dx%d/%s/kept", size.n, size.k, c.name), func(b *testing.B) {
+				a := newAssigner(size.n)
+				for b.Loop() {
+					a.setMembers(members)
+					a.assign(c.owners)
+				}
+			})
+		}
 	}
 }
 
-// BenchmarkAssign computes the assignment of 4096 partitions over 32
-// members, as every worker does after each change it sees: from nothing
-// (a cold start) and from a balanced state, with the scores hashed afresh
-// each time (as Assign does) and from the cache a worker keeps.
-//
-//	go test ./coordinator -run '^$' -bench Assign
-func BenchmarkAssign(b *testing.B) {
-	const n, k = 4096, 32
-	members := make([]string, k)
-	for i := range members {
-		members[i] = fmt.Sprintf("worker-%02d-abcdef", i)
+// assignReference is the assignment as its definition states it, every
+// member's score computed for every free partition: the assigner, which
+// keeps first choices across membership changes, must agree with it
+// exactly, or workers of different versions would disagree.
+func assignReference(n int, members []string, owners []string) []string {
+	target := make([]string, n)
+	if len(members) == 0 || n == 0 {
+		return target
 	}
-	free := make([]string, n)
-	balanced := Assign(n, members, free)
-	for _, c := range []struct {
-		name   string
-		owners []string
-	}{{"cold", free}, {"balanced", balanced}} {
-		b.Run(c.name+"/hashed", func(b *testing.B) {
-			for b.Loop() {
-				assign(n, members, c.owners, nil)
-			}
+	members = slices.Clone(members)
+	slices.Sort(members)
+	members = slices.Compact(members)
+	index := map[string]int{}
+	for i, m := range members {
+		index[m] = i
+	}
+	held := make([][]int, len(members))
+	for p := 0; p < n && p < len(owners); p++ {
+		if i, ok := index[owners[p]]; ok {
+			held[i] = append(held[i], p)
+		}
+	}
+	order := make([]int, len(members))
+	for i := range order {
+		order[i] = i
+	}
+	slices.SortStableFunc(order, func(a, b int) int { return cmp.Compare(len(held[b]), len(held[a])) })
+	share := make([]int, len(members))
+	for rank, i := range order {
+		share[i] = n / len(members)
+		if rank < n%len(members) {
+			share[i]++
+		}
+	}
+	taken := make([]int, len(members))
+	for i, ps := range held {
+		slices.SortFunc(ps, func(a, b int) int {
+			return cmp.Or(cmp.Compare(score(b, members[i]), score(a, members[i])), cmp.Compare(a, b))
 		})
-		b.Run(c.name+"/cached", func(b *testing.B) {
-			var cache scoreCache
-			for b.Loop() {
-				assign(n, members, c.owners, &cache)
+		for _, p := range ps[:min(len(ps), share[i])] {
+			target[p] = members[i]
+			taken[i]++
+		}
+	}
+	for p := range target {
+		if target[p] != "" {
+			continue
+		}
+		best := -1
+		var bestScore uint64
+		for i, m := range members {
+			if taken[i] < share[i] {
+				if s := score(p, m); best < 0 || s > bestScore {
+					best, bestScore = i, s
+				}
 			}
-		})
+		}
+		target[p] = members[best]
+		taken[best]++
+	}
+	return target
+}
+
+// One assigner, kept across a random history of joins, leaves and holdings
+// (as a worker keeps it), gives exactly the reference assignment at every
+// step; so does Assign.
+func TestAssignerMatchesTheDefinition(t *testing.T) {
+	rng := rand.New(rand.NewPCG(7, 11))
+	for _, n := range []int{1, 7, 64, 1000} {
+		a := newAssigner(n)
+		var members []string
+		owners := make([]string, n)
+		for step := range 200 {
+			switch r := rng.IntN(10); {
+			case r < 4 || len(members) == 0:
+				members = append(members, fmt.Sprintf("w%d", rng.IntN(40)))
+			case r < 6:
+				i := rng.IntN(len(members))
+				members = slices.Delete(members, i, i+1)
+			default:
+				for range rng.IntN(n) + 1 {
+					owners[rng.IntN(n)] = fmt.Sprintf("w%d", rng.IntN(45)) // some not members
+				}
+				if rng.IntN(4) == 0 {
+					owners[rng.IntN(n)] = ""
+				}
+			}
+			want := assignReference(n, members, owners)
+			a.setMembers(members)
+			got := make([]string, n)
+			for p, i := range a.assign(owners) {
+				if i >= 0 {
+					got[p] = a.members[i]
+				}
+			}
+			if !slices.Equal(got, want) {
+				t.Fatalf("n=%d step %d members %v: the assigner differs from the definition", n, step, members)
+			}
+			if got := Assign(n, members, owners); !slices.Equal(got, want) {
+				t.Fatalf("n=%d step %d members %v: Assign differs from the definition", n, step, members)
+			}
+			if step%3 == 0 {
+				owners = want // the group converges to what it computed
+			}
+		}
 	}
 }

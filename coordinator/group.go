@@ -28,7 +28,7 @@ func (c *Coordinator) Run(ctx context.Context) error {
 		n:         c.cfg.Partitions,
 		held:      map[leasehold.Partition]*Lease{},
 		draining:  map[leasehold.Partition]bool{},
-		acquiring: map[leasehold.Partition]context.CancelFunc{},
+		acquiring: map[leasehold.Partition]bool{},
 		retryAt:   map[leasehold.Partition]time.Time{},
 		warned:    map[string]uint64{},
 		watchCh:   make(chan watchEvent, 256),
@@ -37,6 +37,7 @@ func (c *Coordinator) Run(ctx context.Context) error {
 		drainCh:   make(chan *Lease, 16),
 		done:      make(chan struct{}),
 		sem:       make(chan struct{}, 8),
+		mine:      -1,
 	}
 	c.setGroup(g)
 	defer c.setGroup(nil)
@@ -87,18 +88,21 @@ type group struct {
 	mu        sync.Mutex // guards held for Held
 	held      map[leasehold.Partition]*Lease
 	draining  map[leasehold.Partition]bool
-	acquiring map[leasehold.Partition]context.CancelFunc // cancels an acquisition not yet started
+	acquiring map[leasehold.Partition]bool // the acquisitions running
 	member    *Lease
 
 	view, next    *view                             // next: the snapshot being read after a rescan
 	retryAt       map[leasehold.Partition]time.Time // a failed acquisition is not retried before
 	warned        map[string]uint64                 // the revision of each record already warned about
-	scores        scoreCache
-	ready         bool      // the first snapshot is complete
-	membersSince  time.Time // when membership last changed
-	revokePending bool      // revocations wait for membership to settle
-	gen           int       // watcher generation
-	snapshots     int       // initial snapshots of the current watchers still coming
+	assigner      *assigner
+	target        []int32               // the last reconciliation's assignment, by index in assigner
+	mine          int32                 // this worker's index there; -1 when not a member
+	queue         []leasehold.Partition // partitions it gives this worker, to acquire in turn
+	ready         bool                  // the first snapshot is complete
+	membersSince  time.Time             // when membership last changed
+	revokePending bool                  // revocations wait for membership to settle
+	gen           int                   // watcher generation
+	snapshots     int                   // initial snapshots of the current watchers still coming
 	stopWatch     context.CancelFunc
 	watchers      sync.WaitGroup
 
@@ -161,6 +165,7 @@ func (g *group) run(ctx context.Context) error {
 			markDirty()
 		case r := <-g.acqCh:
 			g.onAcquired(r)
+			g.startQueued(ctx, time.Now())
 			markDirty()
 		case l := <-g.drainCh:
 			g.drop(l)
@@ -341,7 +346,6 @@ func (g *group) reconcile(ctx context.Context) {
 	}
 	now := time.Now()
 	members := make([]string, 0, len(g.view.members)+1)
-	live := make(map[string]bool, len(g.view.members)+1)
 	for id, m := range g.view.members {
 		if id == me {
 			continue
@@ -355,19 +359,19 @@ func (g *group) reconcile(ctx context.Context) {
 			continue
 		}
 		members = append(members, id)
-		live[id] = true
 	}
 	if g.member != nil {
 		members = append(members, me)
 	}
 	owners := make([]string, g.n)
 	var orphans []int
-	for p, s := range g.view.slots {
+	for p := range g.view.slots {
+		s := &g.view.slots[p]
 		owners[p] = s.holder
 		if s.holder == me {
 			owners[p] = "" // ours on the server, but not (or no longer) held here
 			if s.session != 0 && g.member != nil && s.session == uint64(g.member.info.Epoch) &&
-				g.held[leasehold.Partition(p)] == nil && g.acquiring[leasehold.Partition(p)] == nil {
+				g.held[leasehold.Partition(p)] == nil && !g.acquiring[leasehold.Partition(p)] {
 				orphans = append(orphans, p)
 			}
 		}
@@ -375,13 +379,17 @@ func (g *group) reconcile(ctx context.Context) {
 	for p := range g.held {
 		owners[p] = me
 	}
-	g.scores.keep(live, me)
-	target := assign(g.n, members, owners, &g.scores)
+	if g.assigner == nil {
+		g.assigner = newAssigner(g.n)
+	}
+	g.assigner.setMembers(members)
+	target := g.assigner.assign(owners)
+	mine := g.assigner.indexOf(me) // -1 without a registration: nothing is ours
 
 	settled := time.Since(g.membersSince) >= g.c.cfg.RebalanceDelay || g.member == nil
 	g.revokePending = false
 	for p, l := range g.held {
-		if target[p] != me && !g.draining[p] {
+		if target[p] != mine && !g.draining[p] {
 			if !settled {
 				g.revokePending = true
 				continue
@@ -390,21 +398,32 @@ func (g *group) reconcile(ctx context.Context) {
 			g.revoke(l)
 		}
 	}
-	// Acquisitions still waiting for their turn that the assignment no
-	// longer gives this worker are called off: when workers start together,
-	// the first to look sees itself alone and queues every partition, and
-	// taking them all only to hand nearly all of them off again is most of
-	// what a cold start would cost.
-	for p, call := range g.acquiring {
-		if target[p] != me {
-			call()
-		}
-	}
 	for _, p := range orphans {
-		if target[p] != me {
+		if target[p] != mine {
 			g.purgeOrphan(ctx, leasehold.Partition(p), g.view.slots[p].rev)
 		}
 	}
+	// The partitions to take, lowest first, wait in a queue that this
+	// reconciliation replaces: when workers start together, the first to
+	// look sees itself alone and wants every partition, and taking them all
+	// only to hand nearly all of them off again is most of what a cold
+	// start would cost. A queued partition costs an entry, not a goroutine:
+	// at 65,536 partitions a goroutine each was most of a cold start's
+	// memory.
+	g.target, g.mine = target, mine
+	g.queue = g.queue[:0]
+	for i, m := range target {
+		p := leasehold.Partition(i)
+		if m == mine && mine >= 0 && g.held[p] == nil && !g.acquiring[p] && !now.Before(g.retryAt[p]) {
+			g.queue = append(g.queue, p)
+		}
+	}
+	g.startQueued(ctx, now)
+}
+
+// startQueued starts queued acquisitions while fewer than the group's
+// bound run.
+func (g *group) startQueued(ctx context.Context, now time.Time) {
 	sess := g.member
 	if g.c.sessions() && sess == nil {
 		return // nothing can be taken without a session
@@ -412,13 +431,15 @@ func (g *group) reconcile(ctx context.Context) {
 	if !g.c.sessions() {
 		sess = nil
 	}
-	for i, m := range target {
-		p := leasehold.Partition(i)
-		if m != me || g.held[p] != nil || g.acquiring[p] != nil || now.Before(g.retryAt[p]) {
+	me := g.c.cfg.Worker
+	for len(g.queue) > 0 && len(g.acquiring) < cap(g.sem) {
+		p := g.queue[0]
+		g.queue = g.queue[1:]
+		if int(p) >= len(g.target) || g.target[p] != g.mine || g.held[p] != nil || g.acquiring[p] || now.Before(g.retryAt[p]) {
 			continue
 		}
 		var takeover, hint uint64
-		switch s := g.view.slots[i]; {
+		switch s := g.view.slots[p]; {
 		case s.holder == "":
 			hint = s.rev
 		case s.session != 0:
@@ -441,23 +462,17 @@ func (g *group) reconcile(ctx context.Context) {
 			g.warnOnce(partitionKey(p), s.rev, "partition record has stayed unchanged for longer than a lease can: taking the partition over",
 				"partition", p, "revision", s.rev, "holder", s.holder, "unchanged_for", now.Sub(s.since).Round(time.Millisecond))
 		}
-		queued, call := context.WithCancel(ctx)
-		g.acquiring[p] = call
+		g.acquiring[p] = true
 		g.tasks.Add(1)
 		go func() {
 			defer g.tasks.Done()
-			defer call()
 			select {
 			case g.sem <- struct{}{}:
-			case <-queued.Done():
-				g.acqCh <- acquireResult{p: p, err: fmt.Errorf("coordinator: acquire partition %d: %w", p, errCalledOff)}
+			case <-ctx.Done():
+				g.acqCh <- acquireResult{p: p, err: fmt.Errorf("coordinator: acquire partition %d: %w", p, ctx.Err())}
 				return
 			}
 			defer func() { <-g.sem }()
-			if queued.Err() != nil {
-				g.acqCh <- acquireResult{p: p, err: fmt.Errorf("coordinator: acquire partition %d: %w", p, errCalledOff)}
-				return
-			}
 			// Once started, an acquisition runs to its end under the
 			// group's context: its outcome is settled, not abandoned.
 			actx, cancel := context.WithTimeout(ctx, g.c.cfg.TTL)
@@ -468,10 +483,6 @@ func (g *group) reconcile(ctx context.Context) {
 	}
 }
 
-// errCalledOff is the outcome of a queued acquisition that the assignment
-// no longer wanted by the time its turn came.
-var errCalledOff = errors.New("the assignment moved the partition elsewhere before its turn")
-
 func (g *group) onAcquired(r acquireResult) {
 	delete(g.acquiring, r.p)
 	if r.err != nil {
@@ -480,7 +491,8 @@ func (g *group) onAcquired(r acquireResult) {
 			foreign *ForeignRecordError
 		)
 		switch {
-		case errors.Is(r.err, errCalledOff):
+		case errors.Is(r.err, context.Canceled):
+			// The group is leaving.
 		case errors.As(r.err, &held) && r.takeover == 0:
 			s := &g.view.slots[r.p]
 			if s.holder != held.Lease.Holder || s.epoch != held.Lease.Epoch {
