@@ -41,8 +41,9 @@ func scanLast(ctx context.Context, js jetstream.JetStream, stream, filter string
 	}
 	cons, err := js.CreateConsumer(ctx, stream, cfg)
 	// On a cluster, the JetStream API can have no responder for a moment
-	// while streams are created or deleted nearby: ask again, a few times.
-	for attempt := 1; attempt <= 5 && errors.Is(err, nats.ErrNoResponders); attempt++ {
+	// while streams are created or deleted nearby, for a second or more on
+	// a busy machine: ask again, for about five seconds at most.
+	for attempt := 1; attempt <= 10 && errors.Is(err, nats.ErrNoResponders); attempt++ {
 		select {
 		case <-ctx.Done():
 			return fmt.Errorf("coordinator: read %s of stream %s: %w (after: %v)", filter, stream, ctx.Err(), err)
