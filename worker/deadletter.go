@@ -1,6 +1,9 @@
 package worker
 
 import (
+	"context"
+	"errors"
+	"fmt"
 	"strconv"
 	"strings"
 	"time"
@@ -74,6 +77,9 @@ func (r *runner) deadLetter(m jetstream.Msg, md *jetstream.MsgMetadata, st retry
 			r.w.tel.Metrics.JobsDeadLettered.Add(ctx, 1)
 			r.event(ctx, Event{Kind: EventJobDeadLettered, Seq: md.Sequence.Stream, Attempt: st.runs, Stamp: stamp, Subject: msg.Subject, Err: st.err})
 			r.log.Error("job dead-lettered", "seq", md.Sequence.Stream, "attempts", st.runs, "dlq", msg.Subject, "err", st.err)
+			if len(headerValues(m.Headers(), hdrSchedule)) > 0 {
+				r.removeSchedule(fut, m.Subject(), strings.Join(headerValues(m.Headers(), hdrScheduleTarget), ","), md.Sequence.Stream)
+			}
 			return []jetstream.PubAckFuture{fut}, 0
 		}
 		if r.ctx.Err() != nil {
@@ -87,6 +93,42 @@ func (r *runner) deadLetter(m jetstream.Msg, md *jetstream.MsgMetadata, st retry
 			return nil, out
 		}
 	}
+}
+
+// removeSchedule removes the schedule stored at seq of the job stream,
+// once its dead letter (fut) is stored. A schedule on a partition subject
+// is not leasehold's (its schedules live on subjects of their own): a
+// forger's or a mistaken publisher's, which the server would go on firing
+// at its target for ever. Its copy in the dead-letter stream is what is
+// kept. It waits at most a few seconds for each step, and says what to run
+// by hand when it cannot remove it.
+func (r *runner) removeSchedule(fut jetstream.PubAckFuture, subject, target string, seq uint64) {
+	stream := JobsStream(r.w.cfg.Prefix)
+	manual := fmt.Sprintf("nats stream rmm %s %d", stream, seq)
+	t := time.NewTimer(5 * time.Second)
+	defer t.Stop()
+	select {
+	case <-fut.Ok():
+	case err := <-fut.Err():
+		r.log.Error("a schedule stored on a partition subject keeps firing: its dead letter was not stored, so it stays; remove it once it is", "seq", seq, "subject", subject, "err", err, "remove_with", manual)
+		return
+	case <-t.C:
+		r.log.Error("a schedule stored on a partition subject keeps firing: its dead letter was not acknowledged in time, so it stays", "seq", seq, "subject", subject, "remove_with", manual)
+		return
+	case <-r.ctx.Done():
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.ctx, 5*time.Second)
+	defer cancel()
+	s, err := r.w.cfg.JetStream.Stream(ctx, stream)
+	if err == nil {
+		err = s.DeleteMsg(ctx, seq)
+	}
+	if err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
+		r.log.Error("a schedule stored on a partition subject keeps firing: it could not be removed from the job stream", "seq", seq, "subject", subject, "err", err, "remove_with", manual)
+		return
+	}
+	r.log.Warn("removed a schedule stored on a partition subject, which would have gone on firing jobs; its dead letter keeps it", "seq", seq, "subject", subject, "target", target)
 }
 
 func hasPrefixFold(s, prefix string) bool {
