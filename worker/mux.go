@@ -113,19 +113,34 @@ func (m *Mux) route(job *Job) (Handler, error) {
 	return h, nil
 }
 
-// rollupError refuses a job that carries Nats-Rollup: the worker checks it
-// before any handler runs, a Mux again for a Mux used on its own.
+// rollupError refuses a job that carries Nats-Rollup, or that is itself a
+// stored schedule: the worker checks it before any handler runs, a Mux
+// again for a Mux used on its own.
 func rollupError(job *Job) error {
 	rollup := headerValues(job.Header, "Nats-Rollup")
-	if len(rollup) == 0 {
-		return nil
+	purged := ""
+	if len(rollup) > 0 {
+		// A job stream that schedules allows roll-ups; no producer of ours
+		// sends one on a job subject.
+		purged = "on " + job.Subject
+		if strings.EqualFold(strings.TrimSpace(rollup[0]), "all") {
+			// Only this partition sees it: say what the others lost.
+			purged = "on every partition, and every delayed and periodic job's schedule"
+		}
 	}
-	// A job stream that schedules allows roll-ups; no producer of ours
-	// sends one on a job subject.
-	purged := "on " + job.Subject
-	if strings.EqualFold(strings.TrimSpace(rollup[0]), "all") {
-		// Only this partition sees it: say what the others lost.
-		purged = "on every partition, and every delayed and periodic job's schedule"
+	if sched := headerValues(job.Header, hdrSchedule); len(sched) > 0 {
+		// leasehold stores schedules on subjects of their own; one on a
+		// partition subject would fire at its target for as long as it is
+		// stored. Its dead letter keeps it, and the worker then removes it.
+		what := ""
+		if purged != "" {
+			what = "; the Nats-Rollup it carries purged every job stored before it " + purged + " (the purged jobs are gone, replay them from their source)"
+		}
+		return Permanent(fmt.Errorf("job %d of partition %d is a schedule (Nats-Schedule: %q) stored on the partition's subject, which only a forger or a mistaken publisher puts there%s; find who publishes it",
+			job.Seq, job.Partition, oneLine(sched[0], 200), what))
+	}
+	if purged == "" {
+		return nil
 	}
 	return Permanent(fmt.Errorf("job %d of partition %d carries a Nats-Rollup header: the server purged every job stored before it %s; find who publishes it (the purged jobs are gone, replay them from their source)",
 		job.Seq, job.Partition, purged))
