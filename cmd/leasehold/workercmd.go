@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net/http"
+	"net/http/pprof"
 	"os"
 	"strconv"
 	"time"
@@ -36,6 +38,7 @@ type workerFlags struct {
 	otlp         string
 	stallAfter   time.Duration
 	handleTO     time.Duration
+	pprofAddr    string
 }
 
 func newWorkerCmd() *cobra.Command {
@@ -72,6 +75,7 @@ what it has, commits progress and releases its partitions within
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&f.otlp, "otlp", "", "OTLP/HTTP endpoint to send traces to, such as http://127.0.0.1:4318 (default $OTEL_EXPORTER_OTLP_ENDPOINT; none: no traces)")
 	fs.IntVar(&f.failFirst, "fail-first-attempt", 0, "example handler: one job in N (by its ID) emits two effects and fails its first attempt, then succeeds with one (for the chaos checker)")
+	fs.StringVar(&f.pprofAddr, "pprof", "", "address to serve Go's runtime profiles on, under /debug/pprof/ (heap, goroutine, ...), apart from --http ('' to serve none)")
 	_ = fs.MarkHidden("fail-first-attempt")
 	_ = fs.MarkHidden("history")
 	return cmd
@@ -163,12 +167,31 @@ func runWorker(ctx context.Context, f workerFlags) error {
 		return err
 	}
 	defer wait()
+	waitPprof, err := serveHTTP(httpCtx, f.pprofAddr, pprofMux(), log)
+	if err != nil {
+		stopHTTP()
+		return err
+	}
+	defer waitPprof()
 	defer stopHTTP()
 	// The worker logs its start and stop itself.
 	if err := w.Run(ctx); err != nil {
 		return fmt.Errorf("worker %s: %w", f.id, err)
 	}
 	return nil
+}
+
+// pprofMux serves the runtime's profiles. They stay off the --http mux:
+// a heap or goroutine dump shows job data and is for an operator to ask
+// for on an address of their choosing.
+func pprofMux() *http.ServeMux {
+	mux := http.NewServeMux()
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	return mux
 }
 
 // writePidFile writes this process's ID to path, and returns what removes
