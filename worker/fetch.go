@@ -29,7 +29,7 @@ import (
 // consumer.
 type fetcher struct {
 	r      *runner
-	out    chan jetstream.Msg
+	out    chan *jobMsg
 	cancel context.CancelFunc
 	done   chan struct{}
 }
@@ -39,7 +39,7 @@ var errGap = errors.New("delivery sequence gap")
 
 func (r *runner) startFetch(from uint64) *fetcher {
 	ctx, cancel := context.WithCancel(r.ctx)
-	f := &fetcher{r: r, out: make(chan jetstream.Msg, r.w.cfg.FetchBatch), cancel: cancel, done: make(chan struct{})}
+	f := &fetcher{r: r, out: make(chan *jobMsg, r.w.cfg.FetchBatch), cancel: cancel, done: make(chan struct{})}
 	go f.run(ctx, from)
 	return f
 }
@@ -83,9 +83,12 @@ func (f *fetcher) run(ctx context.Context, from uint64) {
 			}
 			continue
 		}
+		// Keep the name only: the consumer's cached info, a few KiB a
+		// held partition, need not live while its jobs are read.
+		name := cons.CachedInfo().Name
 		start := next
-		next, err = f.pull(ctx, cons, next)
-		f.r.deleteConsumer(cons)
+		next, err = f.pull(ctx, name, next)
+		f.r.deleteConsumer(name)
 		if ctx.Err() != nil {
 			return
 		}
@@ -113,9 +116,9 @@ var errMissedHeartbeat = errors.New("no heartbeat from the pull request")
 // batch waits to be handed over.
 const pullSlack = 16
 
-// pull sends pull requests for cons until something goes wrong, handing
+// pull sends pull requests for consumer name until something goes wrong, handing
 // each job to out; it returns the next sequence to read.
-func (f *fetcher) pull(ctx context.Context, cons jetstream.Consumer, next uint64) (uint64, error) {
+func (f *fetcher) pull(ctx context.Context, name string, next uint64) (uint64, error) {
 	cfg := &f.r.w.cfg
 	nc := cfg.JetStream.Conn()
 	// One request is outstanding at a time and asks for at most a batch:
@@ -139,7 +142,7 @@ func (f *fetcher) pull(ctx context.Context, cons jetstream.Consumer, next uint64
 	if err != nil {
 		return next, err
 	}
-	subject := apiPrefix(cfg.JetStream) + "CONSUMER.MSG.NEXT." + JobsStream(cfg.Prefix) + "." + cons.CachedInfo().Name
+	subject := apiPrefix(cfg.JetStream) + "CONSUMER.MSG.NEXT." + JobsStream(cfg.Prefix) + "." + name
 	timer := time.NewTimer(quiet)
 	defer timer.Stop()
 	var delivered uint64
@@ -256,12 +259,12 @@ func (j *jobMsg) TermWithReason(string) error               { return errAckNone 
 
 // deleteConsumer removes an ephemeral consumer this runner is done with.
 // The server would remove it after its inactivity threshold anyway.
-func (r *runner) deleteConsumer(cons jetstream.Consumer) {
+func (r *runner) deleteConsumer(name string) {
 	js := r.w.cfg.JetStream
 	if !js.Conn().IsConnected() {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
-	_ = js.DeleteConsumer(ctx, JobsStream(r.w.cfg.Prefix), cons.CachedInfo().Name)
+	_ = js.DeleteConsumer(ctx, JobsStream(r.w.cfg.Prefix), name)
 }
