@@ -116,8 +116,9 @@ var errMissedHeartbeat = errors.New("no heartbeat from the pull request")
 // batch waits to be handed over.
 const pullSlack = 16
 
-// pull sends pull requests for consumer name until something goes wrong, handing
-// each job to out; it returns the next sequence to read.
+// pull sends pull requests for the consumer named name until something
+// goes wrong, handing each job to out; it returns the next sequence to
+// read.
 func (f *fetcher) pull(ctx context.Context, name string, next uint64) (uint64, error) {
 	cfg := &f.r.w.cfg
 	nc := cfg.JetStream.Conn()
