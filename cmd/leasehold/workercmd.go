@@ -2,8 +2,10 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/pprof"
 	"os"
@@ -167,7 +169,7 @@ func runWorker(ctx context.Context, f workerFlags) error {
 		return err
 	}
 	defer wait()
-	waitPprof, err := serveHTTP(httpCtx, f.pprofAddr, pprofMux(), log)
+	waitPprof, err := servePprof(httpCtx, f.pprofAddr, log)
 	if err != nil {
 		stopHTTP()
 		return err
@@ -181,17 +183,35 @@ func runWorker(ctx context.Context, f workerFlags) error {
 	return nil
 }
 
-// pprofMux serves the runtime's profiles. They stay off the --http mux:
-// a heap or goroutine dump shows job data and is for an operator to ask
-// for on an address of their choosing.
-func pprofMux() *http.ServeMux {
+// servePprof serves the runtime's profiles on addr until ctx ends; with no
+// address it does nothing. They stay off the --http mux: a heap or
+// goroutine dump shows job data and is for an operator to ask for on an
+// address of their choosing.
+func servePprof(ctx context.Context, addr string, log *slog.Logger) (wait func(), err error) {
+	if addr == "" {
+		return func() {}, nil
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("--pprof %s: %w (pick a free address, or leave it unset)", addr, err)
+	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("/debug/pprof/", pprof.Index)
 	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
 	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
 	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
-	return mux
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Error("pprof server stopped", "err", err)
+		}
+	}()
+	stop := context.AfterFunc(ctx, func() { _ = srv.Close() })
+	log.Info("serving runtime profiles under /debug/pprof/", "addr", ln.Addr().String())
+	return func() { <-done; stop() }, nil
 }
 
 // writePidFile writes this process's ID to path, and returns what removes
