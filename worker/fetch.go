@@ -2,27 +2,34 @@ package worker
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// fetcher reads one partition's jobs, in order, into out. It pulls with a
-// Fetch loop on an ephemeral consumer that starts at a given sequence and
-// acks nothing (progress is the lease's, not the consumer's); the next
-// Fetch is sent as soon as the previous batch is handed over, so a batch is
-// always in hand. It does not use Consume: in nats.go v1.55 a refill that
-// falls due while a pull request is being sent is skipped, and a consumer
-// with a backlog stalls until the heartbeat check fires. When anything
-// looks wrong (an error, a missed heartbeat, a gap in the delivery
+// fetcher reads one partition's jobs, in order, into out. It pulls from
+// an ephemeral consumer that starts at a given sequence and acks nothing
+// (progress is the lease's, not the consumer's): one pull request at a
+// time on one subscription that lives as long as the consumer, the next
+// request sent as soon as the previous one's jobs are handed over, so a
+// batch is always in hand. It does not use Consume: in nats.go v1.55 a
+// refill that falls due while a pull request is being sent is skipped, and
+// a consumer with a backlog stalls until the heartbeat check fires. Nor
+// does it use Fetch, which subscribes, allocates its buffers and starts a
+// goroutine for every request: a worker holds hundreds of partitions, most
+// of them idle, each with a request always waiting. When anything looks
+// wrong (an error status, a missed heartbeat, a gap in the delivery
 // sequence) it drops the consumer and creates a new one at the next
 // sequence it needs, which also covers a server restart that forgot the
 // consumer.
 type fetcher struct {
 	r      *runner
-	out    chan jetstream.Msg
+	out    chan *jobMsg
 	cancel context.CancelFunc
 	done   chan struct{}
 }
@@ -32,7 +39,7 @@ var errGap = errors.New("delivery sequence gap")
 
 func (r *runner) startFetch(from uint64) *fetcher {
 	ctx, cancel := context.WithCancel(r.ctx)
-	f := &fetcher{r: r, out: make(chan jetstream.Msg, r.w.cfg.FetchBatch), cancel: cancel, done: make(chan struct{})}
+	f := &fetcher{r: r, out: make(chan *jobMsg, r.w.cfg.FetchBatch), cancel: cancel, done: make(chan struct{})}
 	go f.run(ctx, from)
 	return f
 }
@@ -76,9 +83,12 @@ func (f *fetcher) run(ctx context.Context, from uint64) {
 			}
 			continue
 		}
+		// Keep the name only: the consumer's cached info, a few KiB a
+		// held partition, need not live while its jobs are read.
+		name := cons.CachedInfo().Name
 		start := next
-		next, err = f.pull(ctx, cons, next)
-		f.r.deleteConsumer(cons)
+		next, err = f.pull(ctx, name, next)
+		f.r.deleteConsumer(name)
 		if ctx.Err() != nil {
 			return
 		}
@@ -90,56 +100,103 @@ func (f *fetcher) run(ctx context.Context, from uint64) {
 	}
 }
 
-// pull fetches batches from cons until something goes wrong, handing each
-// message to out; it returns the next sequence to read.
-func (f *fetcher) pull(ctx context.Context, cons jetstream.Consumer, next uint64) (uint64, error) {
+// pullRequest is the body of a JetStream pull request
+// ($JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>).
+type pullRequest struct {
+	Batch     int           `json:"batch"`
+	Expires   time.Duration `json:"expires"`
+	Heartbeat time.Duration `json:"idle_heartbeat,omitempty"`
+}
+
+// errMissedHeartbeat reports a pull request the server stopped answering.
+var errMissedHeartbeat = errors.New("no heartbeat from the pull request")
+
+// pullSlack is the room the subscription has beyond one batch, for the
+// heartbeats and the status that end a request, which arrive while the
+// batch waits to be handed over.
+const pullSlack = 16
+
+// pull sends pull requests for the consumer named name until something
+// goes wrong, handing each job to out; it returns the next sequence to
+// read.
+func (f *fetcher) pull(ctx context.Context, name string, next uint64) (uint64, error) {
 	cfg := &f.r.w.cfg
-	opts := func(fctx context.Context) []jetstream.FetchOpt {
-		o := []jetstream.FetchOpt{jetstream.FetchContext(fctx)}
-		if cfg.FetchWait >= time.Second {
-			o = append(o, jetstream.FetchHeartbeat(cfg.FetchWait/5))
-		}
-		return o
+	nc := cfg.JetStream.Conn()
+	// One request is outstanding at a time and asks for at most a batch:
+	// the subscription holds what it sends without ever dropping (a drop
+	// would show as a gap).
+	msgs := make(chan *nats.Msg, cfg.FetchBatch+pullSlack)
+	sub, err := nc.ChanSubscribe(nc.NewInbox(), msgs)
+	if err != nil {
+		return next, fmt.Errorf("subscribe for jobs: %w", err)
 	}
+	defer func() { _ = sub.Unsubscribe() }()
+	req := pullRequest{Batch: cfg.FetchBatch, Expires: cfg.FetchWait}
+	// Without word from the server for this long the request is gone: two
+	// heartbeats, or with none (a short FetchWait) its expiry and a second.
+	quiet := cfg.FetchWait + time.Second
+	if cfg.FetchWait >= time.Second {
+		req.Heartbeat = cfg.FetchWait / 5
+		quiet = 2 * req.Heartbeat
+	}
+	body, err := json.Marshal(req)
+	if err != nil {
+		return next, err
+	}
+	subject := apiPrefix(cfg.JetStream) + "CONSUMER.MSG.NEXT." + JobsStream(cfg.Prefix) + "." + name
+	timer := time.NewTimer(quiet)
+	defer timer.Stop()
 	var delivered uint64
 	for {
-		fctx, cancel := context.WithTimeout(ctx, cfg.FetchWait)
-		batch, err := cons.Fetch(cfg.FetchBatch, opts(fctx)...)
-		if err != nil {
-			cancel()
-			return next, err
+		if err := nc.PublishRequest(subject, sub.Subject, body); err != nil {
+			return next, fmt.Errorf("pull request: %w", err)
 		}
+		timer.Reset(quiet)
 		n, pending := 0, uint64(0)
-		for m := range batch.Messages() {
+	request:
+		for n < cfg.FetchBatch {
+			var m *nats.Msg
+			select {
+			case m = <-msgs:
+			case <-timer.C:
+				if req.Heartbeat > 0 {
+					return next, fmt.Errorf("%w for %v", errMissedHeartbeat, quiet)
+				}
+				break request // its end was lost: send the next
+			case <-ctx.Done():
+				return next, ctx.Err()
+			}
+			if status := m.Header.Get("Status"); status != "" && len(m.Data) == 0 {
+				switch status {
+				case "100": // idle heartbeat
+					timer.Reset(quiet)
+					continue
+				case "404", "408": // the request expired
+					break request
+				}
+				return next, fmt.Errorf("pull request ended: status %s %s", status, m.Header.Get("Description"))
+			}
 			md, err := m.Metadata()
 			if err != nil {
-				cancel()
 				return next, fmt.Errorf("job metadata: %w", err)
 			}
 			if md.Sequence.Consumer != delivered+1 {
-				cancel()
 				return next, fmt.Errorf("%w: expected delivery %d, got %d", errGap, delivered+1, md.Sequence.Consumer)
 			}
 			delivered++
 			n++
 			pending = md.NumPending
-			if md.Sequence.Stream < next {
-				continue // already handed over
-			}
-			next = md.Sequence.Stream + 1
-			select {
-			case f.out <- m:
-			case <-ctx.Done():
-				cancel()
-				return next, ctx.Err()
-			}
-		}
-		cancel()
-		if ctx.Err() != nil {
-			return next, ctx.Err()
-		}
-		if err := batch.Error(); err != nil && !errors.Is(err, context.DeadlineExceeded) {
-			return next, err
+			if md.Sequence.Stream >= next {
+				next = md.Sequence.Stream + 1
+				select {
+				case f.out <- newJobMsg(m, md):
+				case <-ctx.Done():
+					return next, ctx.Err()
+				}
+			} // else: already handed over
+			// However long the hand-over took, the heartbeats that came
+			// meanwhile wait in msgs.
+			timer.Reset(quiet)
 		}
 		if n == 0 {
 			f.r.touch() // nothing waits: the partition is caught up
@@ -153,14 +210,62 @@ func (f *fetcher) pull(ctx context.Context, cons jetstream.Consumer, next uint64
 	}
 }
 
+// apiPrefix is the JetStream API prefix js sends its requests under, with
+// its trailing dot.
+func apiPrefix(js jetstream.JetStream) string {
+	o := js.Options()
+	switch {
+	case o.APIPrefix != "":
+		return strings.TrimSuffix(o.APIPrefix, ".") + "."
+	case o.Domain != "":
+		return "$JS." + o.Domain + ".API."
+	}
+	return jetstream.DefaultAPIPrefix
+}
+
+// jobMsg is a job as the fetcher's pull requests receive it. The consumer
+// acknowledges nothing, so neither does it.
+type jobMsg struct {
+	m  *nats.Msg
+	md jetstream.MsgMetadata
+}
+
+// errAckNone refuses an acknowledgement of a job.
+var errAckNone = errors.New("worker: job consumers acknowledge nothing: progress is committed through the lease")
+
+func newJobMsg(m *nats.Msg, md *nats.MsgMetadata) *jobMsg {
+	return &jobMsg{m: m, md: jetstream.MsgMetadata{
+		Sequence:     jetstream.SequencePair{Consumer: md.Sequence.Consumer, Stream: md.Sequence.Stream},
+		NumDelivered: md.NumDelivered,
+		NumPending:   md.NumPending,
+		Timestamp:    md.Timestamp,
+		Stream:       md.Stream,
+		Consumer:     md.Consumer,
+		Domain:       md.Domain,
+	}}
+}
+
+func (j *jobMsg) Metadata() (*jetstream.MsgMetadata, error) { md := j.md; return &md, nil }
+func (j *jobMsg) Data() []byte                              { return j.m.Data }
+func (j *jobMsg) Headers() nats.Header                      { return j.m.Header }
+func (j *jobMsg) Subject() string                           { return j.m.Subject }
+func (j *jobMsg) Reply() string                             { return j.m.Reply }
+func (j *jobMsg) Ack() error                                { return errAckNone }
+func (j *jobMsg) DoubleAck(context.Context) error           { return errAckNone }
+func (j *jobMsg) Nak() error                                { return errAckNone }
+func (j *jobMsg) NakWithDelay(time.Duration) error          { return errAckNone }
+func (j *jobMsg) InProgress() error                         { return errAckNone }
+func (j *jobMsg) Term() error                               { return errAckNone }
+func (j *jobMsg) TermWithReason(string) error               { return errAckNone }
+
 // deleteConsumer removes an ephemeral consumer this runner is done with.
 // The server would remove it after its inactivity threshold anyway.
-func (r *runner) deleteConsumer(cons jetstream.Consumer) {
+func (r *runner) deleteConsumer(name string) {
 	js := r.w.cfg.JetStream
 	if !js.Conn().IsConnected() {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
-	_ = js.DeleteConsumer(ctx, JobsStream(r.w.cfg.Prefix), cons.CachedInfo().Name)
+	_ = js.DeleteConsumer(ctx, JobsStream(r.w.cfg.Prefix), name)
 }

@@ -2,8 +2,12 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
+	"net"
+	"net/http"
+	"net/http/pprof"
 	"os"
 	"strconv"
 	"time"
@@ -36,6 +40,7 @@ type workerFlags struct {
 	otlp         string
 	stallAfter   time.Duration
 	handleTO     time.Duration
+	pprofAddr    string
 }
 
 func newWorkerCmd() *cobra.Command {
@@ -72,6 +77,7 @@ what it has, commits progress and releases its partitions within
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&f.otlp, "otlp", "", "OTLP/HTTP endpoint to send traces to, such as http://127.0.0.1:4318 (default $OTEL_EXPORTER_OTLP_ENDPOINT; none: no traces)")
 	fs.IntVar(&f.failFirst, "fail-first-attempt", 0, "example handler: one job in N (by its ID) emits two effects and fails its first attempt, then succeeds with one (for the chaos checker)")
+	fs.StringVar(&f.pprofAddr, "pprof", "", "address to serve Go's runtime profiles on, under /debug/pprof/ (heap, goroutine, ...), apart from --http ('' to serve none)")
 	_ = fs.MarkHidden("fail-first-attempt")
 	_ = fs.MarkHidden("history")
 	return cmd
@@ -163,12 +169,49 @@ func runWorker(ctx context.Context, f workerFlags) error {
 		return err
 	}
 	defer wait()
+	waitPprof, err := servePprof(httpCtx, f.pprofAddr, log)
+	if err != nil {
+		stopHTTP()
+		return err
+	}
+	defer waitPprof()
 	defer stopHTTP()
 	// The worker logs its start and stop itself.
 	if err := w.Run(ctx); err != nil {
 		return fmt.Errorf("worker %s: %w", f.id, err)
 	}
 	return nil
+}
+
+// servePprof serves the runtime's profiles on addr until ctx ends; with no
+// address it does nothing. They stay off the --http mux: a heap or
+// goroutine dump shows job data and is for an operator to ask for on an
+// address of their choosing.
+func servePprof(ctx context.Context, addr string, log *slog.Logger) (wait func(), err error) {
+	if addr == "" {
+		return func() {}, nil
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("--pprof %s: %w (pick a free address, or leave it unset)", addr, err)
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Error("pprof server stopped", "err", err)
+		}
+	}()
+	stop := context.AfterFunc(ctx, func() { _ = srv.Close() })
+	log.Info("serving runtime profiles under /debug/pprof/", "addr", ln.Addr().String())
+	return func() { <-done; stop() }, nil
 }
 
 // writePidFile writes this process's ID to path, and returns what removes
