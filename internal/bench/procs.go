@@ -353,7 +353,13 @@ func (g *procGroup) close(ctx context.Context) {
 }
 
 // rssMiB reads a process's resident set size from /proc, in MiB.
-func rssMiB(pid int) (float64, error) {
+func rssMiB(pid int) (float64, error) { return statusMiB(pid, "VmRSS") }
+
+// statusMiB reads a field of /proc/<pid>/status that is given in kB, in
+// MiB: VmRSS (all resident pages), or RssAnon (the process's own, without
+// the binary's code and other file pages, which every worker on a host
+// shares).
+func statusMiB(pid int, field string) (float64, error) {
 	f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
 		return 0, err
@@ -361,7 +367,7 @@ func rssMiB(pid int) (float64, error) {
 	defer f.Close()
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
-		if rest, ok := strings.CutPrefix(sc.Text(), "VmRSS:"); ok {
+		if rest, ok := strings.CutPrefix(sc.Text(), field+":"); ok {
 			kb, err := strconv.Atoi(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(rest), "kB")))
 			if err != nil {
 				return 0, err
@@ -369,7 +375,7 @@ func rssMiB(pid int) (float64, error) {
 			return float64(kb) / 1024, nil
 		}
 	}
-	return 0, fmt.Errorf("no VmRSS in /proc/%d/status", pid)
+	return 0, fmt.Errorf("no %s in /proc/%d/status", field, pid)
 }
 
 type runMode int

@@ -13,6 +13,7 @@ type scaleResult struct {
 	owned, balanced float64 // seconds from the first start
 	opsPerSec       float64 // lease bucket writes per second, idle
 	memMiB          float64 // per worker: RSS of processes, or heap growth in this process
+	anonMiB         float64 // per worker process: RssAnon, its own memory without file pages
 }
 
 // scale starts many group members at once on thousands of partitions and
@@ -91,13 +92,14 @@ func (e *env) scale(ctx context.Context) ([]Row, error) {
 		return append(rows, Row{Name: "scale_workers_balanced", Unit: "s",
 			Note: fmt.Sprintf("%s: did not balance within %v on this machine (%v); see the lease-layer rows and the report", wwhat, bound, err)}), nil
 	}
-	e.progress("scale with %d worker processes: all registered after %.3f s, all held after %.3f s, balanced after %.3f s; %.0f lease writes/s idle; RSS %.1f MiB per worker", procWorkers, r.joined, r.owned, r.balanced, r.opsPerSec, r.memMiB)
+	e.progress("scale with %d worker processes: all registered after %.3f s, all held after %.3f s, balanced after %.3f s; %.0f lease writes/s idle; RSS %.1f MiB per worker, %.1f MiB of it its own (RssAnon)", procWorkers, r.joined, r.owned, r.balanced, r.opsPerSec, r.memMiB, r.anonMiB)
 	return append(rows,
 		single("scale_workers_joined", "s", []float64{r.joined}, wwhat+": until every worker process has started and registered"),
 		single("scale_workers_owned", "s", []float64{r.owned}, wwhat+": until every partition is held"),
 		single("scale_workers_balanced", "s", []float64{r.balanced}, wwhat+": until every worker holds its share"),
 		single("scale_workers_renew_load", "KV ops/s", []float64{r.opsPerSec}, wwhat+": lease bucket writes per second once balanced and idle"),
-		single("scale_rss_per_worker", "MiB", []float64{r.memMiB}, wwhat+": median resident set size of the worker processes once balanced"),
+		single("scale_rss_per_worker", "MiB", []float64{r.memMiB}, wwhat+": median resident set size of the worker processes once balanced (target <= 40)"),
+		single("scale_rss_anon_per_worker", "MiB", []float64{r.anonMiB}, wwhat+": median RssAnon of the worker processes once balanced: the RSS without the binary's code and other file pages, which the workers on a host share"),
 	), nil
 }
 
@@ -154,15 +156,19 @@ func (e *env) scaleRun(ctx context.Context, prefix string, partitions, workers i
 		res.memMiB = max(heapInUse()-heap0, 0) / float64(workers)
 		return res, nil
 	}
-	var sizes []float64
+	var sizes, anon []float64
 	for _, id := range ids {
 		mib, err := rssMiB(g.proc(id).Pid())
 		if err != nil {
 			return res, fmt.Errorf("memory of %s: %w", id, err)
 		}
-		sizes = append(sizes, mib)
+		a, err := statusMiB(g.proc(id).Pid(), "RssAnon")
+		if err != nil {
+			return res, fmt.Errorf("memory of %s: %w", id, err)
+		}
+		sizes, anon = append(sizes, mib), append(anon, a)
 	}
-	res.memMiB = median(sizes)
+	res.memMiB, res.anonMiB = median(sizes), median(anon)
 	return res, nil
 }
 
