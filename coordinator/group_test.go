@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"maps"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -312,5 +313,61 @@ func TestGroupFailsOverWhenAWorkerIsCutOff(t *testing.T) {
 				t.Errorf("partition %d taken over at epoch %d, not above %d", l.Partition(), l.Epoch(), old.Epoch())
 			}
 		}
+	}
+}
+
+// A worker that starts alone wants every partition: the acquisitions
+// waiting for their turn are a queue, not a goroutine each, so that at
+// tens of thousands of partitions a cold start does not hold that many
+// goroutines (and their stacks) while it works through them. Counted
+// when the first lease is handed out, by which time the first
+// reconciliation has queued every partition.
+func TestColdStartQueuesAcquisitions(t *testing.T) {
+	const n = 2048
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	before := runtime.NumGoroutine()
+	first := make(chan int, 1)
+	var held atomic.Int64
+	all := make(chan struct{})
+	c, err := coordinator.New(b, coordinator.Config{
+		Worker: "solo", Partitions: n, TTL: 10 * time.Second,
+		OnAcquire: func(*coordinator.Lease) {
+			select {
+			case first <- runtime.NumGoroutine():
+			default:
+			}
+			if held.Add(1) == n {
+				close(all)
+			}
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	}()
+	select {
+	case got := <-first:
+		// The lease's own goroutines and the acquisitions running (8 at
+		// most) stay well under a hundred; a goroutine per queued
+		// partition would be n.
+		if got-before > 200 {
+			t.Fatalf("%d goroutines more than before Run when the first lease was handed out; a queue of %d partitions should need a handful", got-before, n)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("no partition acquired within a minute")
+	}
+	select {
+	case <-all:
+	case <-time.After(2 * time.Minute):
+		t.Fatalf("%d of %d partitions acquired after 2 minutes", held.Load(), n)
 	}
 }
