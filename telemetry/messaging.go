@@ -28,10 +28,9 @@ func SendAttrs(subject, template string) []attribute.KeyValue {
 	}
 }
 
-// processAttrsRoom is the capacity of the slice ProcessAttrs returns: a
-// sink appends its name, the message's partition and ID, and the stamp's
-// attributes (StampAttrs) to it for every message, which then land in
-// place instead of copying the slice twice.
+// processAttrsRoom is the capacity of the slice ProcessAttrs returns, so
+// that a caller's own attributes (a sink's name, StampAttrs) land in
+// place instead of copying the slice.
 const processAttrsRoom = 16
 
 // ProcessAttrs are the messaging attributes of a "process" span, in a
