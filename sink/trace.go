@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/propagation"
 	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
@@ -78,6 +79,12 @@ func (r *Reporter) StartApply(ctx context.Context, effects []Effect) (context.Co
 // message's stamp as far as it could be read; opts adjust the span (a
 // start time, for one). End the span once the decision is reported.
 func (r *Reporter) StartProcess(ctx context.Context, carrier propagation.TextMapCarrier, subject string, stamp leasehold.Stamp, opts ...trace.SpanStartOption) (context.Context, trace.Span) {
+	return r.StartProcessWith(ctx, carrier, subject, stamp, nil, opts...)
+}
+
+// StartProcessWith is StartProcess with extra attributes for the span,
+// given with the others in one call (the SDK copies each call's).
+func (r *Reporter) StartProcessWith(ctx context.Context, carrier propagation.TextMapCarrier, subject string, stamp leasehold.Stamp, extra []attribute.KeyValue, opts ...trace.SpanStartOption) (context.Context, trace.Span) {
 	ctx = r.tel.Propagator.Extract(ctx, carrier)
 	sender := trace.SpanContextFromContext(ctx)
 	template := telemetry.SubjectTemplate(subject, stamp.Partition)
@@ -92,15 +99,43 @@ func (r *Reporter) StartProcess(ctx context.Context, carrier propagation.TextMap
 	name := telemetry.SpanName("process", template)
 	ctx, span := r.tel.Tracer.Start(ctx, name, opts...)
 	if span.IsRecording() {
-		attrs := append(telemetry.ProcessAttrs(subject, template, ""), telemetry.AttrSink.String(r.name))
-		if stamp.Key != "" {
-			attrs = append(attrs, semconv.MessagingDestinationPartitionID(stamp.Partition.String()), semconv.MessagingMessageID(stamp.Key))
-			attrs = append(attrs, telemetry.StampAttrs(stamp)...)
-		}
-		span.SetAttributes(attrs...)
+		span.SetAttributes(processAttrs(template, r.name, stamp, extra)...)
 	}
 	return context.WithValue(ctx, reporterSpan{}, &spanMark{r: r, name: name, opts: r.processOpts, sender: sender}), span
 }
+
+// processAttrs are the attributes of a sink's process span: the
+// messaging ones a messaging span carries (less the destination's name,
+// which is the template with leasehold.partition filled in), the sink, and
+// what identifies the write: partition, epoch, writer and key. The
+// stamp's scope is in the template's prefix, and a refusal adds it with
+// the fence's state (telemetry.RecordStale); the message ID and partition
+// ID of the messaging conventions would repeat leasehold.key and
+// leasehold.partition. Every attribute costs the SDK and the exporter on
+// every message, and a decision adds leasehold.outcome.
+func processAttrs(template, sinkName string, stamp leasehold.Stamp, extra []attribute.KeyValue) []attribute.KeyValue {
+	attrs := make([]attribute.KeyValue, 0, 10+len(extra))
+	attrs = append(attrs,
+		telemetry.MessagingSystem,
+		semconv.MessagingOperationTypeProcess,
+		processOperation,
+		semconv.MessagingDestinationTemplate(template),
+		telemetry.AttrSink.String(sinkName),
+	)
+	if stamp.Key != "" {
+		attrs = append(attrs,
+			telemetry.AttrPartition.Int64(int64(stamp.Partition)),
+			telemetry.AttrEpoch.Int64(int64(stamp.Epoch)),
+			telemetry.AttrKey.String(stamp.Key),
+		)
+		if stamp.Worker != "" {
+			attrs = append(attrs, telemetry.AttrWorker.String(stamp.Worker))
+		}
+	}
+	return append(attrs, extra...)
+}
+
+var processOperation = semconv.MessagingOperationName("process")
 
 // Telemetry is the tracer, propagator and instruments the Reporter
 // records with, for a sink's spans of its own.

@@ -13,7 +13,8 @@
 //     which reads names without regard to case (the stock
 //     propagation.HeaderCarrier misses a lowercase traceparent).
 //   - Spans follow the messaging conventions: "send <subject template>"
-//     (producer) for an enqueue, an effect, a barrier and a dead letter;
+//     (producer) for an enqueue, an effect (a worker's only when its
+//     attempt's trace is sampled), a barrier and a dead letter;
 //     "process <subject template>" (consumer) for a worker's attempt at a
 //     job, the child of the enqueue, and for a log sink's decision on an
 //     effect, the child of the effect's send; an internal "apply" span for

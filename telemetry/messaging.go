@@ -28,15 +28,21 @@ func SendAttrs(subject, template string) []attribute.KeyValue {
 	}
 }
 
-// ProcessAttrs are the messaging attributes of a "process" span.
+// processAttrsRoom is the capacity of the slice ProcessAttrs returns, so
+// that a caller's own attributes (a sink's name, StampAttrs) land in
+// place instead of copying the slice.
+const processAttrsRoom = 16
+
+// ProcessAttrs are the messaging attributes of a "process" span, in a
+// slice with room for a sink's own.
 func ProcessAttrs(subject, template, consumerGroup string) []attribute.KeyValue {
-	attrs := []attribute.KeyValue{
+	attrs := append(make([]attribute.KeyValue, 0, processAttrsRoom),
 		MessagingSystem,
 		semconv.MessagingOperationTypeProcess,
 		semconv.MessagingOperationName("process"),
 		semconv.MessagingDestinationName(subject),
 		semconv.MessagingDestinationTemplate(template),
-	}
+	)
 	if consumerGroup != "" {
 		attrs = append(attrs, semconv.MessagingConsumerGroupName(consumerGroup))
 	}

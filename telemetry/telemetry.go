@@ -98,12 +98,12 @@ func (t *Telemetry) Config() Config { return t.cfg }
 
 // StampAttrs are the attributes that identify a stamped write.
 func StampAttrs(s leasehold.Stamp) []attribute.KeyValue {
-	attrs := []attribute.KeyValue{
+	attrs := append(make([]attribute.KeyValue, 0, 5), // with the worker's
 		AttrScope.String(s.Scope),
 		AttrPartition.Int64(int64(s.Partition)),
 		AttrEpoch.Int64(int64(s.Epoch)),
 		AttrKey.String(s.Key),
-	}
+	)
 	if s.Worker != "" {
 		attrs = append(attrs, AttrWorker.String(s.Worker))
 	}

@@ -261,3 +261,33 @@ func tree(ss []sdktrace.ReadOnlySpan, id trace.TraceID) string {
 	draw(trace.SpanID{}, "")
 	return b.String()
 }
+
+// When the zombie's trace was not sampled, nothing of it is recorded but
+// the three refusals, each the root of a trace of its own with the
+// attributes and event of any refusal, linked to the zombie's trace (the
+// stream runner's to the span that sent the effect, or, since an attempt
+// that is not sampled starts no effect spans, to the attempt's).
+func TestRejectedWriteSpansUnsampled(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec),
+		sdktrace.WithSampler(telemetry.KeepRefusals(sdktrace.ParentBased(sdktrace.NeverSample()))))
+	defer tp.Shutdown(context.Background())
+	run := runZombie(t, telemetry.Config{TracerProvider: tp, Propagator: propagation.TraceContext{}})
+
+	sinks := map[string]bool{}
+	for _, s := range rec.Ended() {
+		who := str(s, telemetry.AttrSink)
+		if str(s, semconv.ErrorTypeKey) != telemetry.ErrorTypeStaleEpoch || who == "" {
+			t.Errorf("span %q (sink %q, error.type %q) recorded from a trace that was not sampled", s.Name(), who, str(s, semconv.ErrorTypeKey))
+			continue
+		}
+		sinks[who] = true
+		checkRejected(t, s, run)
+		if s.Parent().IsValid() || len(s.Links()) != 1 || s.Links()[0].SpanContext.TraceID() != run.traceID {
+			t.Errorf("%s refusal: parent %v, links %v; want a root linked to trace %v", who, s.Parent().SpanID(), s.Links(), run.traceID)
+		}
+	}
+	if !sinks["memory"] || !sinks["kv"] || !sinks["stream"] {
+		t.Fatalf("refusals recorded from %v, want memory, kv and stream", sinks)
+	}
+}

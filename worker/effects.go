@@ -76,7 +76,7 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 			msg.Header[k] = vs
 		}
 	}
-	sctx, span := j.r.startSend(ctx, subject, stamp)
+	sctx, span := j.r.startEffect(ctx, subject, stamp)
 	j.r.stampHeader(sctx, msg.Header, stamp, j.nonce)
 	// Sized as the final it may become: the final's headers are the
 	// largest.

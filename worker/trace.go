@@ -4,10 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 
 	"go.opentelemetry.io/otel/attribute"
 	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
 	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
@@ -23,7 +25,10 @@ import (
 //   - "send <subject template>" (producer): an effect Job.Publish or
 //     Job.Emit sends, the child of the attempt's span; its context travels
 //     in the effect's headers, so a sink's span for the effect is its
-//     child. Dead letters get one too.
+//     child. Dead letters get one too. Only an attempt whose trace is
+//     sampled (its span records) gets effect spans: under a trace that was
+//     not, a send span would record nothing, and the effect carries the
+//     attempt's context, which says the trace was not sampled, as well.
 //   - "partition fence" (internal, a root): the fences and barriers
 //     written when the worker acquires a partition, with a "fence advance"
 //     child per fence and a "send" child per barrier.
@@ -85,14 +90,29 @@ func (r *runner) sendSpan(subject string) (string, []attribute.KeyValue) {
 	)
 }
 
+// attrScratch holds the slices setAttributes joins a span's attributes
+// in: the SDK copies what SetAttributes is given, so the joined slice is
+// garbage once the call returns, one per span.
+var attrScratch = sync.Pool{New: func() any {
+	s := make([]attribute.KeyValue, 0, 12)
+	return &s
+}}
+
 // setAttributes gives a recording span its attributes in one call.
 func setAttributes(span trace.Span, shared []attribute.KeyValue, own ...attribute.KeyValue) {
 	if !span.IsRecording() {
 		return
 	}
-	attrs := make([]attribute.KeyValue, 0, len(shared)+len(own))
-	span.SetAttributes(append(append(attrs, shared...), own...)...)
+	p := attrScratch.Get().(*[]attribute.KeyValue)
+	attrs := append(append((*p)[:0], shared...), own...)
+	span.SetAttributes(attrs...)
+	clear(attrs) // the pool keeps no strings alive
+	*p = attrs[:0]
+	attrScratch.Put(p)
 }
+
+// nopSpan stands for a span not started: ending it ends nothing.
+var nopSpan trace.Span = noop.Span{}
 
 // startProcess starts the span of one attempt at job, the child of the
 // span in ctx (the enqueue's, extracted from the job's headers).
@@ -117,6 +137,17 @@ func endSpan(span trace.Span, err error) {
 		telemetry.RecordError(span, typ, err)
 	}
 	span.End()
+}
+
+// startEffect starts the span of an effect sent to subject under stamp s,
+// when ctx's span records (the attempt's, or a handler's own span under
+// it); otherwise it returns ctx, whose trace context the effect carries,
+// and a span that records nothing.
+func (r *runner) startEffect(ctx context.Context, subject string, s leasehold.Stamp) (context.Context, trace.Span) {
+	if !trace.SpanFromContext(ctx).IsRecording() {
+		return ctx, nopSpan
+	}
+	return r.startSend(ctx, subject, s)
 }
 
 // startSend starts the span of a message sent to subject under stamp s

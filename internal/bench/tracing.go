@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"runtime/pprof"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -109,14 +110,22 @@ func (e *env) tracingCost(ctx context.Context) ([]Row, error) {
 	for i := range e.cfg.Runs {
 		for j := range settings {
 			t := settings[(i+j)%len(settings)] // rotate the order
-			tel, stop, err := e.setupTracing(ctx, t, o)
-			if err != nil {
-				return nil, err
-			}
-			cpu0 := cpuTime()
-			r, err := e.throughputWith(ctx, false, fmt.Sprintf("tr-%v%d", t, i), n, tel.Config())
-			cpu := (cpuTime() - cpu0).Seconds() * 1e6 / float64(n)
-			stop()
+			var r, cpu float64
+			// The label tells the settings apart in a CPU profile (go
+			// tool pprof -tagfocus tracing=always) for the goroutines
+			// the run starts: the pipeline's and the exporter's, not
+			// the server's.
+			pprof.Do(ctx, pprof.Labels("tracing", t.String()), func(ctx context.Context) {
+				var tel *telemetry.Telemetry
+				var stop func()
+				if tel, stop, err = e.setupTracing(ctx, t, o); err != nil {
+					return
+				}
+				cpu0 := cpuTime()
+				r, err = e.throughputWith(ctx, false, fmt.Sprintf("tr-%v%d", t, i), n, tel.Config())
+				cpu = (cpuTime() - cpu0).Seconds() * 1e6 / float64(n)
+				stop()
+			})
 			if err != nil {
 				return nil, err
 			}

@@ -10,6 +10,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 
@@ -146,13 +147,18 @@ func (r *Runner) startSpans(ctx context.Context, outs []outcome, began time.Time
 		if !o.report {
 			continue
 		}
-		o.ctx, o.span = r.rep.StartProcess(ctx, telemetry.HeaderCarrier(o.m.header), o.m.subject, o.d.Stamp, trace.WithTimestamp(began))
-		if o.span.IsRecording() {
-			o.span.SetAttributes(telemetry.AttrPosition.Int64(int64(o.m.seq)))
-			if o.d.Outcome == sink.Advanced {
-				o.span.SetAttributes(telemetry.AttrBarrier.Bool(true))
-			}
+		// The message's position in the log goes only on the spans of
+		// messages that were not simply applied: an accepted write is
+		// found by its key.
+		var extra []attribute.KeyValue
+		switch o.d.Outcome {
+		case sink.Accepted, sink.Duplicate:
+		case sink.Advanced:
+			extra = []attribute.KeyValue{telemetry.AttrPosition.Int64(int64(o.m.seq)), telemetry.AttrBarrier.Bool(true)}
+		default:
+			extra = []attribute.KeyValue{telemetry.AttrPosition.Int64(int64(o.m.seq))}
 		}
+		o.ctx, o.span = r.rep.StartProcessWith(ctx, telemetry.HeaderCarrier(o.m.header), o.m.subject, o.d.Stamp, extra, trace.WithTimestamp(began))
 	}
 }
 
