@@ -98,7 +98,7 @@ func Setup(ctx context.Context, cfg SetupConfig) (t *Telemetry, metrics http.Han
 		_ = mp.Shutdown(ctx)
 		return nil, nil, nil, err
 	} else if exp != nil {
-		sdk := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp), sdktrace.WithResource(res), sdktrace.WithSampler(KeepRefusals(sampler)))
+		sdk := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(newRefusalsApart(exp)), sdktrace.WithResource(res), sdktrace.WithSampler(KeepRefusals(sampler)))
 		tp, stopTracing = sdk, sdk.Shutdown
 	}
 	prop := propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})
