@@ -166,7 +166,9 @@ func (f *fetcher) pull(ctx context.Context, name string, next uint64) (uint64, e
 			case <-ctx.Done():
 				return next, ctx.Err()
 			}
-			if status := m.Header.Get("Status"); status != "" && len(m.Data) == 0 {
+			// A status comes without a reply subject; a job always has one
+			// (its metadata is in it), whatever its headers say.
+			if status := m.Header.Get("Status"); status != "" && len(m.Data) == 0 && m.Reply == "" {
 				switch status {
 				case "100": // idle heartbeat
 					timer.Reset(quiet)
