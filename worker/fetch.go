@@ -159,6 +159,7 @@ func (f *fetcher) pull(ctx context.Context, name string, batch int, next uint64)
 		}
 		timer.Reset(quiet)
 		n, pending := 0, uint64(0)
+		expired := false // the server said the request ended
 	request:
 		for n < batch {
 			var m *nats.Msg
@@ -180,6 +181,7 @@ func (f *fetcher) pull(ctx context.Context, name string, batch int, next uint64)
 					timer.Reset(quiet)
 					continue
 				case "404", "408": // the request expired
+					expired = true
 					break request
 				}
 				return next, fmt.Errorf("pull request ended: status %s %s", status, m.Header.Get("Description"))
@@ -206,8 +208,11 @@ func (f *fetcher) pull(ctx context.Context, name string, batch int, next uint64)
 			// meanwhile wait in msgs.
 			timer.Reset(quiet)
 		}
-		if n == 0 {
-			f.r.touch() // nothing waits: the partition is caught up
+		if n == 0 && expired {
+			// Nothing waits: the partition is caught up. A request whose
+			// end was lost says nothing of the kind (the connection may have
+			// gone silent), so that a stall shows for as long as it lasts.
+			f.r.touch()
 		}
 		if n > 0 && n < batch && pending > 0 {
 			// The request ended while jobs were waiting: it expired instead
