@@ -83,11 +83,17 @@ func (f *fetcher) run(ctx context.Context, from uint64) {
 			}
 			continue
 		}
-		// Keep the name only: the consumer's cached info, a few KiB a
-		// held partition, need not live while its jobs are read.
-		name := cons.CachedInfo().Name
+		// Keep the name and the batch only: the consumer's cached info, a
+		// few KiB a held partition, need not live while its jobs are read.
+		// A server whose JetStream limits cap a request's batch gives the
+		// consumer that cap, and refuses every request for more.
+		info := cons.CachedInfo()
+		name, batch := info.Name, cfg.FetchBatch
+		if limit := info.Config.MaxRequestBatch; limit > 0 && limit < batch {
+			batch = limit
+		}
 		start := next
-		next, err = f.pull(ctx, name, next)
+		next, err = f.pull(ctx, name, batch, next)
 		f.r.deleteConsumer(name)
 		if ctx.Err() != nil {
 			return
@@ -116,22 +122,22 @@ var errMissedHeartbeat = errors.New("no heartbeat from the pull request")
 // batch waits to be handed over.
 const pullSlack = 16
 
-// pull sends pull requests for the consumer named name until something
-// goes wrong, handing each job to out; it returns the next sequence to
-// read.
-func (f *fetcher) pull(ctx context.Context, name string, next uint64) (uint64, error) {
+// pull sends pull requests for batch jobs to the consumer named name
+// until something goes wrong, handing each job to out; it returns the next
+// sequence to read.
+func (f *fetcher) pull(ctx context.Context, name string, batch int, next uint64) (uint64, error) {
 	cfg := &f.r.w.cfg
 	nc := cfg.JetStream.Conn()
 	// One request is outstanding at a time and asks for at most a batch:
 	// the subscription holds what it sends without ever dropping (a drop
 	// would show as a gap).
-	msgs := make(chan *nats.Msg, cfg.FetchBatch+pullSlack)
+	msgs := make(chan *nats.Msg, batch+pullSlack)
 	sub, err := nc.ChanSubscribe(nc.NewInbox(), msgs)
 	if err != nil {
 		return next, fmt.Errorf("subscribe for jobs: %w", err)
 	}
 	defer func() { _ = sub.Unsubscribe() }()
-	req := pullRequest{Batch: cfg.FetchBatch, Expires: cfg.FetchWait}
+	req := pullRequest{Batch: batch, Expires: cfg.FetchWait}
 	// Without word from the server for this long the request is gone: two
 	// heartbeats, or with none (a short FetchWait) its expiry and a second.
 	quiet := cfg.FetchWait + time.Second
@@ -153,8 +159,9 @@ func (f *fetcher) pull(ctx context.Context, name string, next uint64) (uint64, e
 		}
 		timer.Reset(quiet)
 		n, pending := 0, uint64(0)
+		expired := false // the server said the request ended
 	request:
-		for n < cfg.FetchBatch {
+		for n < batch {
 			var m *nats.Msg
 			select {
 			case m = <-msgs:
@@ -166,12 +173,15 @@ func (f *fetcher) pull(ctx context.Context, name string, next uint64) (uint64, e
 			case <-ctx.Done():
 				return next, ctx.Err()
 			}
-			if status := m.Header.Get("Status"); status != "" && len(m.Data) == 0 {
+			// A status comes without a reply subject; a job always has one
+			// (its metadata is in it), whatever its headers say.
+			if status := m.Header.Get("Status"); status != "" && len(m.Data) == 0 && m.Reply == "" {
 				switch status {
 				case "100": // idle heartbeat
 					timer.Reset(quiet)
 					continue
 				case "404", "408": // the request expired
+					expired = true
 					break request
 				}
 				return next, fmt.Errorf("pull request ended: status %s %s", status, m.Header.Get("Description"))
@@ -198,10 +208,13 @@ func (f *fetcher) pull(ctx context.Context, name string, next uint64) (uint64, e
 			// meanwhile wait in msgs.
 			timer.Reset(quiet)
 		}
-		if n == 0 {
-			f.r.touch() // nothing waits: the partition is caught up
+		if n == 0 && expired {
+			// Nothing waits: the partition is caught up. A request whose
+			// end was lost says nothing of the kind (the connection may have
+			// gone silent), so that a stall shows for as long as it lasts.
+			f.r.touch()
 		}
-		if n > 0 && n < cfg.FetchBatch && pending > 0 {
+		if n > 0 && n < batch && pending > 0 {
 			// The request ended while jobs were waiting: it expired instead
 			// of being filled. Count it, so that a stall cannot hide.
 			f.r.w.stalls.Add(1)
