@@ -389,7 +389,7 @@ func (g *group) reconcile(ctx context.Context) {
 	settled := time.Since(g.membersSince) >= g.c.cfg.RebalanceDelay || g.member == nil
 	g.revokePending = false
 	for p, l := range g.held {
-		if target[p] != mine && !g.draining[p] {
+		if (mine < 0 || target[p] != mine) && !g.draining[p] {
 			if !settled {
 				g.revokePending = true
 				continue

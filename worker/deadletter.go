@@ -115,10 +115,11 @@ func (r *runner) removeSchedule(fut jetstream.PubAckFuture, subject, target stri
 	case <-t.C:
 		r.log.Error("a schedule stored on a partition subject keeps firing: its dead letter was not acknowledged in time, so it stays", "seq", seq, "subject", subject, "remove_with", manual)
 		return
-	case <-r.ctx.Done():
-		return
 	}
-	ctx, cancel := context.WithTimeout(r.ctx, 5*time.Second)
+	// Not under the lease's context: once the dead letter is stored the
+	// partition's progress moves past the schedule, and a lease lost
+	// meanwhile must not leave it firing.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.ctx), 5*time.Second)
 	defer cancel()
 	s, err := r.w.cfg.JetStream.Stream(ctx, stream)
 	if err == nil {

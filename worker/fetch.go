@@ -102,7 +102,11 @@ func (f *fetcher) run(ctx context.Context, from uint64) {
 			failures = 0
 		}
 		failures++
-		f.r.log.Debug("job consumer ended; starting a new one", "from", next, "err", err)
+		log := f.r.log.Debug // one end is a blip: a restart, a leader change
+		if failures%20 == 5 {
+			log = f.r.log.Warn // ending again and again with no job read: say why
+		}
+		log("job consumer ended; starting a new one", "from", next, "attempt", failures, "err", err)
 	}
 }
 
