@@ -14,19 +14,25 @@ import (
 // listener is open, so a taken port fails the command at start, and a
 // function that waits for the server to stop.
 func serveHTTP(ctx context.Context, addr string, handler http.Handler, log *slog.Logger) (wait func(), err error) {
+	return serve(ctx, "--http", addr, "--http '' to serve nothing", handler, "/metrics, /livez and /readyz", log)
+}
+
+// serve is serveHTTP for the listener that flag names: unset says how to
+// leave it unset, what what it serves.
+func serve(ctx context.Context, flag, addr, unset string, handler http.Handler, what string, log *slog.Logger) (wait func(), err error) {
 	if addr == "" {
 		return func() {}, nil
 	}
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
-		return nil, fmt.Errorf("--http %s: %w (pick a free address, or --http '' to serve nothing)", addr, err)
+		return nil, fmt.Errorf("%s %s: %w (pick a free address, or %s)", flag, addr, err, unset)
 	}
 	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 5 * time.Second}
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
 		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			log.Error("http server stopped", "err", err)
+			log.Error("http server stopped", "flag", flag, "err", err)
 		}
 	}()
 	go func() {
@@ -35,6 +41,6 @@ func serveHTTP(ctx context.Context, addr string, handler http.Handler, log *slog
 		defer cancel()
 		_ = srv.Shutdown(sctx)
 	}()
-	log.Info("serving /metrics, /livez and /readyz", "addr", ln.Addr().String())
+	log.Info("serving "+what, "addr", ln.Addr().String())
 	return func() { <-done }, nil
 }

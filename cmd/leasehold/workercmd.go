@@ -2,10 +2,8 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"net/http"
 	"net/http/pprof"
 	"os"
@@ -188,30 +186,13 @@ func runWorker(ctx context.Context, f workerFlags) error {
 // goroutine dump shows job data and is for an operator to ask for on an
 // address of their choosing.
 func servePprof(ctx context.Context, addr string, log *slog.Logger) (wait func(), err error) {
-	if addr == "" {
-		return func() {}, nil
-	}
-	ln, err := net.Listen("tcp", addr)
-	if err != nil {
-		return nil, fmt.Errorf("--pprof %s: %w (pick a free address, or leave it unset)", addr, err)
-	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("/debug/pprof/", pprof.Index)
 	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
 	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
 	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			log.Error("pprof server stopped", "err", err)
-		}
-	}()
-	stop := context.AfterFunc(ctx, func() { _ = srv.Close() })
-	log.Info("serving runtime profiles under /debug/pprof/", "addr", ln.Addr().String())
-	return func() { <-done; stop() }, nil
+	return serve(ctx, "--pprof", addr, "leave it unset", mux, "runtime profiles under /debug/pprof/", log)
 }
 
 // writePidFile writes this process's ID to path, and returns what removes
