@@ -368,6 +368,14 @@ func (g *group) reconcile(ctx context.Context) {
 	for p := range g.view.slots {
 		s := &g.view.slots[p]
 		owners[p] = s.holder
+		if s.holder != me && s.session != 0 && !g.sessionLive(*s) {
+			// Held by a session its holder no longer has (it lost it and
+			// registered again): free, for every worker alike. Counting it
+			// as the holder's would keep it assigned to a worker that,
+			// seeing a record of its own it does not hold, counts it as
+			// free and may give it to another: nobody would take it.
+			owners[p] = ""
+		}
 		if s.holder == me {
 			owners[p] = "" // ours on the server, but not (or no longer) held here
 			if s.session != 0 && g.member != nil && s.session == uint64(g.member.info.Epoch) &&

@@ -371,3 +371,38 @@ func TestColdStartQueuesAcquisitions(t *testing.T) {
 		t.Fatalf("%d of %d partitions acquired after 2 minutes", held.Load(), n)
 	}
 }
+
+// A partition record held under a session its holder no longer has (the
+// holder lost its registration, registered again, and the record of its
+// old session stayed) is free to every worker alike. The holder counts
+// a record of its own that it does not hold as free; the others used to
+// count it as the holder's, so that each could assign it to the other
+// and neither took it.
+func TestRecordOfAnEndedSessionIsTakenWhoeverItNames(t *testing.T) {
+	const n = 16
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	ctx := ctxFor(t, time.Minute)
+	kv, err := js.KeyValue(ctx, b.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for p := range n {
+		rec := fmt.Sprintf(`{"holder":"a","token":"old%d","ttl_ms":%d,"acquired":"2026-01-01T00:00:00Z","session":12345}`, p, int64(1)<<41)
+		if _, err := kv.Put(ctx, fmt.Sprintf("partition.%d", p), []byte(rec)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ma, mb := startMemberTTL(t, b, "a", n, 5*time.Second), startMemberTTL(t, b, "b", n, 5*time.Second)
+	for {
+		held := len(ma.c.Held()) + len(mb.c.Held())
+		if held == n {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("%d of %d partitions held (a %d, b %d) a minute after both members joined", held, n, len(ma.c.Held()), len(mb.c.Held()))
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
