@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
+	"runtime/pprof"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -508,9 +509,20 @@ func (e *env) endToEnd(ctx context.Context) ([]Row, error) {
 			if isRaw {
 				name = fmt.Sprintf("e2e-raw%d", i)
 			}
-			cpu0 := cpuTime()
-			r, err := e.throughput(ctx, isRaw, name, n)
-			cpu := (cpuTime() - cpu0).Seconds() * 1e6 / float64(n)
+			label := "leasehold"
+			if isRaw {
+				label = "raw"
+			}
+			var r, cpu float64
+			var err error
+			// The label tells the pipelines apart in a CPU profile (go
+			// tool pprof -tagfocus pipeline=raw) for the goroutines the
+			// run starts, its connections' included: not the server's.
+			pprof.Do(ctx, pprof.Labels("pipeline", label), func(ctx context.Context) {
+				cpu0 := cpuTime()
+				r, err = e.throughput(ctx, isRaw, name, n)
+				cpu = (cpuTime() - cpu0).Seconds() * 1e6 / float64(n)
+			})
 			if err != nil {
 				return nil, err
 			}
