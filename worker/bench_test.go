@@ -3,6 +3,7 @@ package worker_test
 import (
 	"context"
 	"fmt"
+	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -45,7 +46,7 @@ func BenchmarkBacklog(b *testing.B) { benchPipelines(b, true) }
 func benchPipelines(b *testing.B, backlog bool) {
 	srv := natstest.Start(b, natstest.Listen())
 	payload := make([]byte, benchPayload)
-	var raw, lh, ratios, rawCPU, lhCPU, cpuRatios []float64
+	var raw, lh, ratios, rawCPU, lhCPU, cpuRatios, rawAllocs, lhAllocs []float64
 	b.StopTimer()
 	for i := range b.N {
 		// Each iteration measures both, back to back and in alternating
@@ -62,6 +63,7 @@ func benchPipelines(b *testing.B, backlog bool) {
 		raw, lh, ratios = append(raw, r.rate), append(lh, l.rate), append(ratios, l.rate/r.rate)
 		rawCPU, lhCPU = append(rawCPU, float64(r.cpuPerJob.Microseconds())), append(lhCPU, float64(l.cpuPerJob.Microseconds()))
 		cpuRatios = append(cpuRatios, float64(l.cpuPerJob)/float64(r.cpuPerJob))
+		rawAllocs, lhAllocs = append(rawAllocs, r.allocsPerJob), append(lhAllocs, l.allocsPerJob)
 	}
 	b.ReportMetric(median(raw), "raw_jobs/s")
 	b.ReportMetric(median(lh), "leasehold_jobs/s")
@@ -69,15 +71,19 @@ func benchPipelines(b *testing.B, backlog bool) {
 	b.ReportMetric(median(rawCPU), "raw_cpu_us/job")
 	b.ReportMetric(median(lhCPU), "leasehold_cpu_us/job")
 	b.ReportMetric(median(cpuRatios), "cpu_ratio")
+	b.ReportMetric(median(rawAllocs), "raw_allocs/job")
+	b.ReportMetric(median(lhAllocs), "leasehold_allocs/job")
 	b.ReportMetric(0, "ns/op")
 }
 
 // pace is how fast a pipeline went: jobs per second, and the CPU time the
 // whole process (the embedded server included) spent per job, which the
-// machine's other load disturbs less than the rate.
+// machine's other load disturbs less than the rate, and the heap
+// allocations it made per job, which the load does not disturb at all.
 type pace struct {
-	rate      float64
-	cpuPerJob time.Duration
+	rate         float64
+	cpuPerJob    time.Duration
+	allocsPerJob float64
 }
 
 // timed enqueues benchJobs jobs and waits for their effects, timing either
@@ -94,7 +100,7 @@ func timed(b *testing.B, prod *worker.Producer, payload []byte, r *reader, gate 
 		enqueue()
 	}
 	b.StartTimer()
-	cpu0 := cpuTime()
+	cpu0, allocs0 := cpuTime(), mallocs()
 	t0 := time.Now()
 	close(gate)
 	if !backlog {
@@ -102,9 +108,16 @@ func timed(b *testing.B, prod *worker.Producer, payload []byte, r *reader, gate 
 	}
 	r.wait(b)
 	took := time.Since(t0)
-	cpu := cpuTime() - cpu0
+	cpu, allocs := cpuTime()-cpu0, mallocs()-allocs0
 	b.StopTimer()
-	return pace{rate: float64(benchJobs) / took.Seconds(), cpuPerJob: cpu / benchJobs}
+	return pace{rate: float64(benchJobs) / took.Seconds(), cpuPerJob: cpu / benchJobs, allocsPerJob: float64(allocs) / benchJobs}
+}
+
+// mallocs is the number of heap objects the process has allocated.
+func mallocs() uint64 {
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	return ms.Mallocs
 }
 
 // cpuTime is the user and system time the process has used.
