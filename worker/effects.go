@@ -78,16 +78,15 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 	}
 	sctx, span := j.r.startEffect(ctx, subject, stamp)
 	j.r.stampHeader(sctx, msg.Header, stamp, j.nonce)
+	leasehold.JobMark{Job: j.Seq, Attempt: j.wire}.SetHeader(msg.Header)
 	// Sized as the final it may become: the final's headers are the
 	// largest.
-	leasehold.JobMark{Job: j.Seq, Attempt: j.wire, Effects: leasehold.MaxJobEffects, After: j.Seq - 1}.SetHeader(msg.Header)
-	if err := j.r.checkSize(msg); err != nil {
+	if err := j.r.checkSize(msg, finalRoom(j.Seq)); err != nil {
 		err = &EffectError{Subject: subject, Key: stamp.Key, Err: err}
 		endSpan(span, err)
 		j.fail(err)
 		return err
 	}
-	leasehold.JobMark{Job: j.Seq, Attempt: j.wire}.SetHeader(msg.Header)
 	// The subject's effect held so far is not its last: it goes now, and
 	// this one is held until the handler returns (see output.go).
 	prev, err := j.hold(msg)
@@ -120,7 +119,7 @@ func (j *Job) send(ctx context.Context, msg *nats.Msg) error {
 	}
 	j.mu.Lock()
 	j.futs = append(j.futs, fut)
-	j.out[msg.Subject].sent = true
+	j.output(msg.Subject).sent = true
 	j.mu.Unlock()
 	return nil
 }

@@ -38,10 +38,13 @@ type Job struct {
 	nonce string // unique to this attempt: its effects' message IDs carry it
 	wire  uint64 // the attempt's number on the wire: rises with every attempt of the lease
 
-	// out and subjects are the effects published per subject, in the
-	// order the subjects were first used (see output.go).
-	out      map[string]*subjectOutput
-	subjects []string
+	// outs are the effects published per subject, in the order the
+	// subjects were first used (see output.go). Most attempts publish on
+	// one subject: its output lives in first, and only an attempt of many
+	// subjects indexes them in a map.
+	outs  []subjectOutput
+	first [1]subjectOutput
+	index map[string]int
 
 	mu     sync.Mutex
 	next   int // index of the next effect

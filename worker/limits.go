@@ -17,13 +17,14 @@ import (
 var ErrEffectTooLarge = errors.New("worker: effect too large for a sink to store")
 
 // checkSize refuses msg when a sink could not store it after adding its
-// own headers: the server's max payload counts headers and data alike.
-func (r *runner) checkSize(msg *nats.Msg) error {
+// own headers, with room bytes more headers of the worker's: the server's
+// max payload counts headers and data alike.
+func (r *runner) checkSize(msg *nats.Msg, room int) error {
 	limit := r.w.cfg.JetStream.Conn().MaxPayload()
 	if limit <= 0 {
 		return nil // not connected yet: the server refuses what is too large
 	}
-	size := int64(len(msg.Data) + headerSize(msg.Header))
+	size := int64(len(msg.Data) + headerSize(msg.Header) + room)
 	if size+leasehold.SinkHeaderRoom > limit {
 		return Permanent(fmt.Errorf("%w: %d bytes of data and headers, and sinks need %d bytes of room for their own headers under the server's max payload of %d: store large values elsewhere and emit a reference",
 			ErrEffectTooLarge, size, leasehold.SinkHeaderRoom, limit))
@@ -44,4 +45,24 @@ func headerSize(h nats.Header) int {
 		}
 	}
 	return n
+}
+
+// finalRoom is what marking an effect of the job at seq as its attempt's
+// final adds to the headers the plain mark wrote, at the most: the count
+// of effects (up to leasehold.MaxJobEffects) and the job before it (below
+// seq). An effect is sized as the final it may become without writing
+// the final's headers only to take them off again.
+func finalRoom(seq uint64) int {
+	const line = len(": \r\n")
+	return len(leasehold.HeaderEffects) + line + decimalLen(leasehold.MaxJobEffects) +
+		len(leasehold.HeaderAfter) + line + decimalLen(seq-1)
+}
+
+// decimalLen is the number of decimal digits of n.
+func decimalLen(n uint64) int {
+	d := 1
+	for ; n >= 10; n /= 10 {
+		d++
+	}
+	return d
 }

@@ -32,9 +32,49 @@ import (
 
 // subjectOutput is what one attempt emitted on one subject.
 type subjectOutput struct {
-	held  *nats.Msg // the latest effect, not sent yet
-	count int       // effects emitted, the held one included
-	sent  bool      // at least one left
+	subject string
+	held    *nats.Msg // the latest effect, not sent yet
+	count   int       // effects emitted, the held one included
+	sent    bool      // at least one left
+}
+
+// indexOutputs is how many subjects an attempt uses before they are found
+// through a map rather than by a look at each.
+const indexOutputs = 8
+
+// output returns the attempt's output on subject, or nil; j.mu is held.
+// The pointer is good until the next subject is added.
+func (j *Job) output(subject string) *subjectOutput {
+	if j.index != nil {
+		if i, ok := j.index[subject]; ok {
+			return &j.outs[i]
+		}
+		return nil
+	}
+	for i := range j.outs {
+		if j.outs[i].subject == subject {
+			return &j.outs[i]
+		}
+	}
+	return nil
+}
+
+// addOutput starts the attempt's output on subject; j.mu is held.
+func (j *Job) addOutput(subject string) *subjectOutput {
+	if j.outs == nil {
+		j.outs = j.first[:0]
+	}
+	j.outs = append(j.outs, subjectOutput{subject: subject})
+	switch n := len(j.outs); {
+	case j.index != nil:
+		j.index[subject] = n - 1
+	case n > indexOutputs:
+		j.index = make(map[string]int, 2*n)
+		for i := range j.outs {
+			j.index[j.outs[i].subject] = i
+		}
+	}
+	return &j.outs[len(j.outs)-1]
 }
 
 // hold makes msg the subject's held effect and returns the one it
@@ -45,14 +85,9 @@ func (j *Job) hold(msg *nats.Msg) (*nats.Msg, error) {
 	if err := j.usable(); err != nil {
 		return nil, err
 	}
-	if j.out == nil {
-		j.out = make(map[string]*subjectOutput, 1)
-	}
-	o := j.out[msg.Subject]
+	o := j.output(msg.Subject)
 	if o == nil {
-		o = &subjectOutput{}
-		j.out[msg.Subject] = o
-		j.subjects = append(j.subjects, msg.Subject)
+		o = j.addOutput(msg.Subject)
 	}
 	if o.count >= leasehold.MaxJobEffects {
 		return nil, Permanent(&EffectError{Subject: msg.Subject, Key: msg.Header.Get(leasehold.HeaderKey),
@@ -70,9 +105,10 @@ func (j *Job) hold(msg *nats.Msg) (*nats.Msg, error) {
 // replaced, for a rewind to restore.
 func (j *Job) finish(ctx context.Context, after map[string]uint64) ([]jetstream.PubAckFuture, []afterUndo, error) {
 	var undo []afterUndo
-	for _, subject := range j.subjects {
-		o := j.out[subject]
-		msg := o.held
+	// The attempt is closed: no subject is added while this runs.
+	for i := range j.outs {
+		o := &j.outs[i]
+		subject, msg := o.subject, o.held
 		o.held = nil
 		leasehold.JobMark{Job: j.Seq, Attempt: j.wire, Effects: o.count, After: after[subject]}.SetHeader(msg.Header)
 		if err := j.send(ctx, msg); err != nil {
@@ -98,9 +134,9 @@ func (j *Job) sentSubjects() []string {
 	j.mu.Lock()
 	defer j.mu.Unlock()
 	var out []string
-	for _, s := range j.subjects {
-		if j.out[s].sent {
-			out = append(out, s)
+	for _, o := range j.outs {
+		if o.sent {
+			out = append(out, o.subject)
 		}
 	}
 	return out
