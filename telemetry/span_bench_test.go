@@ -70,3 +70,46 @@ type dropSpans struct{}
 
 func (dropSpans) ExportSpans(context.Context, []sdktrace.ReadOnlySpan) error { return nil }
 func (dropSpans) Shutdown(context.Context) error                             { return nil }
+
+// BenchmarkUnsampledJob measures what tracing costs a job whose trace was
+// not sampled (nine in ten under DefaultSampler), outside any pipeline:
+// the enqueue's span and its context written into the job's headers, the
+// worker's read of it, its process span and the context written into the
+// effect's headers, and the sink's read and process span. "sdk" is the
+// SDK's provider as it is; "setup" is the same provider as Setup hands it
+// out, which starts no SDK span under a parent that was not sampled.
+//
+//	go test ./telemetry -run '^$' -bench UnsampledJob -benchmem
+func BenchmarkUnsampledJob(b *testing.B) {
+	sdk := sdktrace.NewTracerProvider(sdktrace.WithSampler(telemetry.KeepRefusals(sdktrace.ParentBased(sdktrace.NeverSample()))), sdktrace.WithBatcher(dropSpans{}))
+	defer sdk.Shutdown(context.Background())
+	prop := propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})
+	producer, consumer := trace.WithSpanKind(trace.SpanKindProducer), trace.WithSpanKind(trace.SpanKindConsumer)
+	for _, c := range []struct {
+		name string
+		tp   trace.TracerProvider
+	}{{"sdk", sdk}, {"setup", telemetry.ParentDecides(sdk)}} {
+		tr := c.tp.Tracer("bench")
+		b.Run(c.name, func(b *testing.B) {
+			for b.Loop() {
+				ctx, send := tr.Start(context.Background(), "send orders.jobs.{partition}", producer)
+				job := nats.Header{"Nats-Msg-Id": {"job-1"}}
+				prop.Inject(ctx, telemetry.HeaderCarrier(job))
+				send.End()
+
+				ctx, process := tr.Start(prop.Extract(context.Background(), telemetry.HeaderCarrier(job)), "process orders.jobs.{partition}", consumer)
+				effect := nats.Header{}
+				prop.Inject(ctx, telemetry.HeaderCarrier(effect))
+				effect["Leasehold-Scope"] = []string{"orders"}
+				effect["Leasehold-Partition"] = []string{"3"}
+				effect["Leasehold-Epoch"] = []string{"1796053021705963"}
+				effect["Leasehold-Key"] = []string{"orders/3/12345/0"}
+				effect["Nats-Msg-Id"] = []string{"orders/3/12345/0@1796053021705963~0123456789abcdef"}
+				process.End()
+
+				_, apply := tr.Start(prop.Extract(context.Background(), telemetry.HeaderCarrier(effect)), "process orders.out.{partition}", consumer)
+				apply.End()
+			}
+		})
+	}
+}
