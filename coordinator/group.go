@@ -113,6 +113,7 @@ type group struct {
 	queue         []leasehold.Partition // partitions it gives this worker, to acquire in turn
 	ready         bool                  // the first snapshot is complete
 	membersSince  time.Time             // when membership last changed
+	listsSince    time.Time             // when a member's list of holdings last changed
 	revokePending bool                  // revocations wait for membership to settle
 	gen           int                   // watcher generation
 	snapshots     int                   // initial snapshots of the current watchers still coming
@@ -233,7 +234,7 @@ func (g *group) run(ctx context.Context) error {
 			g.reconcile(ctx)
 			if g.revokePending {
 				dirty = true
-				settle.Reset(g.c.cfg.RebalanceDelay - time.Since(g.membersSince))
+				settle.Reset(g.c.cfg.RebalanceDelay - time.Since(g.settleFrom()))
 			}
 		}
 	}
@@ -385,6 +386,9 @@ func (g *group) onWatch(ctx context.Context, ev watchEvent) bool {
 	}
 	if isMember && changed {
 		id := key[len(memberKeyPrefix):]
+		if !membership {
+			g.listsSince = time.Now()
+		}
 		g.listChanged(id)
 		g.checkMode(ctx)
 		if !membership && !g.view.partitions && before != nil {
@@ -474,10 +478,14 @@ func (g *group) reconcile(ctx context.Context) {
 		g.assigner = newAssigner(g.n)
 	}
 	g.assigner.setMembers(members)
-	target := g.assigner.assign(owners)
+	var count map[string]int
+	if !g.view.partitions && !g.evenShares() {
+		count = g.listedCounts(members)
+	}
+	target := g.assigner.assignCounting(owners, count)
 	mine := g.assigner.indexOf(me) // -1 without a registration: nothing is ours
 
-	settled := time.Since(g.membersSince) >= g.c.cfg.RebalanceDelay || g.member == nil
+	settled := time.Since(g.settleFrom()) >= g.c.cfg.RebalanceDelay || g.member == nil
 	g.revokePending = false
 	for p, l := range g.held {
 		if (mine < 0 || target[p] != mine) && !g.draining[p] {
@@ -511,10 +519,25 @@ func (g *group) reconcile(ctx context.Context) {
 	// memory.
 	g.target, g.mine = target, mine
 	g.queue = g.queue[:0]
+	room := g.n // how many this worker may hold once the queue is taken
+	if !g.view.partitions && !g.evenShares() && mine >= 0 && !settled {
+		// Who gets the extra partitions of an uneven split depends on
+		// the lists, which are still coming in: take no more than the
+		// even share until they settle (then ties go by name, the same
+		// on every worker), or two members that each counted themselves
+		// ahead both take an extra one and one hands it off again.
+		room = g.n / len(g.assigner.members)
+		g.revokePending = true // reconciled again once settled
+	}
+	room -= len(g.held) + len(g.acquiring)
 	for i, m := range target {
 		p := leasehold.Partition(i)
+		if room <= 0 {
+			break
+		}
 		if m == mine && mine >= 0 && g.held[p] == nil && !g.acquiring[p] && !g.strays[p] && !now.Before(g.retryAt[p]) {
 			g.queue = append(g.queue, p)
+			room--
 		}
 	}
 	g.startQueued(ctx, now)
