@@ -109,6 +109,13 @@ type acquireOpts struct {
 	// record's whose session the worker knows has ended. The write is a
 	// compare-and-set, so a wrong hint costs a read, not safety.
 	hint uint64
+	// advertise makes a member registration list the partitions its member
+	// holds (empty at first): see encodeHolds.
+	advertise bool
+	// orphan is the revision of a partition record a live session wrote
+	// whose holder has not listed it for longer than a lease could go
+	// unlisted (see advert.go): the acquisition may overwrite exactly it.
+	orphan uint64
 }
 
 // ManualRenew leaves renewal to the caller: the lease does not renew
@@ -210,6 +217,9 @@ func (c *Coordinator) acquireKey(ctx context.Context, t target, o acquireOpts) (
 	if sess != nil {
 		rec.Session, rec.TTLMilli, ttl = uint64(sess.info.Epoch), sessionTTLMilli, 0
 	}
+	if o.advertise && t.kind == kindMember {
+		rec.Holds = new("")
+	}
 	value, err := json.Marshal(rec)
 	if err != nil {
 		return nil, err
@@ -300,9 +310,10 @@ func (c *Coordinator) acquireKey(ctx context.Context, t target, o acquireOpts) (
 					transient = true
 					continue
 				}
-				if !live {
-					// Its session has ended for good: the partition is
-					// free, at exactly this revision.
+				if !live || (o.orphan != 0 && e.rev == o.orphan) {
+					// Its session has ended for good, or its holder does
+					// not hold it: the partition is free, at exactly this
+					// revision.
 					expect = e.rev
 					continue
 				}

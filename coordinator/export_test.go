@@ -44,3 +44,12 @@ func (l *Lease) Freeze() {
 	defer l.dmu.Unlock()
 	l.timer.Stop()
 }
+
+// DecodeHolds decodes a member record's list of holdings, for its tests.
+var DecodeHolds = decodeHolds
+
+// RegisterListingSession is RegisterSession for a registration that lists
+// its member's holdings, as Run's do: it lists none.
+func (c *Coordinator) RegisterListingSession(ctx context.Context) (*Lease, error) {
+	return c.acquireKey(ctx, memberTarget(c.cfg.Worker), acquireOpts{advertise: true})
+}

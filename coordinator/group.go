@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -30,11 +31,16 @@ func (c *Coordinator) Run(ctx context.Context) error {
 		draining:  map[leasehold.Partition]bool{},
 		acquiring: map[leasehold.Partition]bool{},
 		retryAt:   map[leasehold.Partition]time.Time{},
+		heldBy:    map[leasehold.Partition]heldSeen{},
+		strays:    map[leasehold.Partition]bool{},
+		foreign:   map[leasehold.Partition]foreignSeen{},
 		warned:    map[string]uint64{},
+		advCh:     make(chan advert, 1),
+		strayCh:   make(chan strayResult, 16),
 		watchCh:   make(chan watchEvent, 256),
 		lostCh:    make(chan *Lease, 16),
 		acqCh:     make(chan acquireResult, 16),
-		drainCh:   make(chan *Lease, 16),
+		drainCh:   make(chan drained, 16),
 		done:      make(chan struct{}),
 		sem:       make(chan struct{}, 8),
 		mine:      -1,
@@ -74,6 +80,13 @@ type watchEvent struct {
 	err   error                   // the watcher ended
 }
 
+// drained is a revocation's end: the lease, and whether its release may
+// have left its record behind.
+type drained struct {
+	l     *Lease
+	stray bool
+}
+
 type acquireResult struct {
 	p        leasehold.Partition
 	lease    *Lease
@@ -100,6 +113,7 @@ type group struct {
 	queue         []leasehold.Partition // partitions it gives this worker, to acquire in turn
 	ready         bool                  // the first snapshot is complete
 	membersSince  time.Time             // when membership last changed
+	listsSince    time.Time             // when a member's list of holdings last changed
 	revokePending bool                  // revocations wait for membership to settle
 	gen           int                   // watcher generation
 	snapshots     int                   // initial snapshots of the current watchers still coming
@@ -109,10 +123,23 @@ type group struct {
 	watchCh chan watchEvent
 	lostCh  chan *Lease
 	acqCh   chan acquireResult
-	drainCh chan *Lease
+	drainCh chan drained
 	done    chan struct{}
 	sem     chan struct{} // bounds concurrent acquisitions
 	tasks   sync.WaitGroup
+
+	// Without the partition records (see advert.go):
+	watchParts bool                             // the current watchers read the partition records too
+	heldBy     map[leasehold.Partition]heldSeen // partitions an acquisition found held: retried when the holder's list changes
+	strays     map[leasehold.Partition]bool     // records this session may have left behind; true while one is being looked at
+	strayCh    chan strayResult
+	foreign    map[leasehold.Partition]foreignSeen // records leasehold did not write, as acquisitions found them
+	advCh      chan advert
+	advDue     bool        // the holdings changed and advTimer runs
+	advTimer   *time.Timer // writes the list when it fires
+	advMember  *Lease      // the registration advHolds was handed over for
+	advHolds   string      // the last list handed to the advertiser
+	owners     []string    // reconcile's, kept for the next one
 }
 
 func (g *group) run(ctx context.Context) error {
@@ -121,7 +148,8 @@ func (g *group) run(ctx context.Context) error {
 	if err := g.register(ctx); err != nil {
 		return err
 	}
-	g.view = newView(g.n)
+	g.watchParts = !g.c.sessions()
+	g.view = newView(g.n, g.watchParts)
 	if err := g.watch(ctx); err != nil {
 		g.releaseMember()
 		return err
@@ -139,6 +167,18 @@ func (g *group) run(ctx context.Context) error {
 	// computes the whole assignment, and when thousands of partitions
 	// start at once every worker sees a change every few microseconds.
 	pause := settlePause(g.n)
+	g.advTimer = time.NewTimer(time.Hour)
+	g.advTimer.Stop()
+	defer g.advTimer.Stop()
+	// The advertiser outlives ctx until the drain at shutdown is done, so
+	// that partitions handed off on the way out are listed as free.
+	actx, stopAdvertiser := context.WithCancel(context.WithoutCancel(ctx))
+	g.tasks.Add(1)
+	go func() {
+		defer g.tasks.Done()
+		g.advertiser(actx)
+	}()
+	defer stopAdvertiser()
 	dirty := false
 	markDirty := func() {
 		if !dirty {
@@ -161,16 +201,28 @@ func (g *group) run(ctx context.Context) error {
 				}
 			} else if g.held[l.info.Partition] == l && !g.draining[l.info.Partition] {
 				g.drop(l)
+				g.heldChanged()
 			}
 			markDirty()
 		case r := <-g.acqCh:
 			g.onAcquired(r)
 			g.startQueued(ctx, time.Now())
+			if g.view.partitions || !g.evenShares() {
+				// Without the partition records, an acquisition changes
+				// nothing the assignment depends on (see listMoved): one
+				// that went as assigned keeps it, and one that failed is
+				// tried again when the holder's list changes or at the
+				// next tick.
+				markDirty()
+			}
+		case d := <-g.drainCh:
+			g.onDrained(d)
 			markDirty()
-		case l := <-g.drainCh:
-			g.drop(l)
-			delete(g.draining, l.info.Partition)
+		case r := <-g.strayCh:
+			g.onStray(r)
 			markDirty()
+		case <-g.advTimer.C:
+			g.flushAdvert()
 		case <-rescan.C:
 			if err := g.watch(ctx); err != nil {
 				log.Warn("rescan of the lease bucket failed; retrying at the next one", "err", err)
@@ -182,11 +234,11 @@ func (g *group) run(ctx context.Context) error {
 			g.reconcile(ctx)
 			if g.revokePending {
 				dirty = true
-				settle.Reset(g.c.cfg.RebalanceDelay - time.Since(g.membersSince))
+				settle.Reset(g.c.cfg.RebalanceDelay - time.Since(g.settleFrom()))
 			}
 		}
 	}
-	g.shutdown()
+	g.shutdown(stopAdvertiser)
 	log.Info("left worker group")
 	return nil
 }
@@ -214,7 +266,11 @@ func settlePause(partitions int) time.Duration {
 func (g *group) watch(ctx context.Context) error {
 	wctx, cancel := context.WithCancel(ctx)
 	var ws []jetstream.KeyWatcher
-	for _, filter := range []string{partitionKeyPrefix + ">", memberKeyPrefix + ">"} {
+	filters := []string{memberKeyPrefix + ">"}
+	if g.watchParts {
+		filters = append(filters, partitionKeyPrefix+">")
+	}
+	for _, filter := range filters {
 		w, err := g.c.b.kv.Watch(wctx, filter)
 		if err != nil {
 			for _, w := range ws {
@@ -230,7 +286,7 @@ func (g *group) watch(ctx context.Context) error {
 	}
 	g.gen++
 	g.stopWatch = cancel
-	g.next = newView(g.n)
+	g.next = newView(g.n, g.watchParts)
 	g.snapshots = len(ws)
 	gen := g.gen
 	for _, w := range ws {
@@ -311,15 +367,35 @@ func (g *group) onWatch(ctx context.Context, ev watchEvent) bool {
 		}
 		g.next.inherit(g.view)
 		g.view, g.next, g.ready = g.next, nil, true
+		g.checkMode(ctx)
 		return true
 	}
 	if ev.entry == nil {
 		return false
 	}
 	g.noticeRewrite(ev.entry)
+	key := ev.entry.Key()
+	var before *member
+	isMember := strings.HasPrefix(key, memberKeyPrefix)
+	if isMember {
+		before = g.view.members[key[len(memberKeyPrefix):]]
+	}
 	changed, membership := g.view.applyKind(ev.entry)
 	if membership {
 		g.membersSince = time.Now()
+	}
+	if isMember && changed {
+		id := key[len(memberKeyPrefix):]
+		if !membership {
+			g.listsSince = time.Now()
+		}
+		g.listChanged(id)
+		g.checkMode(ctx)
+		if !membership && !g.view.partitions && before != nil {
+			if after := g.view.members[id]; after != nil && before.adverts && after.adverts {
+				return g.listMoved(ctx, id, before.holds, after.holds)
+			}
+		}
 	}
 	return changed
 }
@@ -328,20 +404,21 @@ func (g *group) onWatch(ctx context.Context, ev watchEvent) bool {
 // it acquires free partitions assigned to it and revokes held partitions
 // assigned elsewhere.
 func (g *group) reconcile(ctx context.Context) {
-	if !g.ready {
-		return
+	if !g.ready || (!g.view.partitions && g.watchParts) {
+		return // the partition records are needed, and their snapshot is not in yet
 	}
 	me := g.c.cfg.Worker
 	if g.member == nil {
 		// Lost the registration (a pause, a partition from the server):
 		// register again before taking anything.
 		rctx, cancel := context.WithTimeout(ctx, 2*g.c.cfg.RequestTimeout)
-		l, err := g.c.acquireKey(rctx, memberTarget(me), acquireOpts{})
+		l, err := g.c.acquireKey(rctx, memberTarget(me), acquireOpts{advertise: g.c.sessions()})
 		cancel()
 		if err == nil {
 			l.startKeepalive()
 			g.member = l
 			g.watchLoss(l)
+			clear(g.strays) // an ended session's records are free to all
 		}
 	}
 	now := time.Now()
@@ -363,9 +440,19 @@ func (g *group) reconcile(ctx context.Context) {
 	if g.member != nil {
 		members = append(members, me)
 	}
-	owners := make([]string, g.n)
+	if len(g.owners) != g.n {
+		g.owners = make([]string, g.n)
+	}
+	owners := g.owners
+	clear(owners)
 	var orphans []int
+	if !g.view.partitions {
+		g.listed(owners, members)
+	}
 	for p := range g.view.slots {
+		if !g.view.partitions {
+			break
+		}
 		s := &g.view.slots[p]
 		owners[p] = s.holder
 		if s.holder != me && s.session != 0 && !g.sessionLive(*s) {
@@ -391,10 +478,14 @@ func (g *group) reconcile(ctx context.Context) {
 		g.assigner = newAssigner(g.n)
 	}
 	g.assigner.setMembers(members)
-	target := g.assigner.assign(owners)
+	var count map[string]int
+	if !g.view.partitions && !g.evenShares() {
+		count = g.listedCounts(members)
+	}
+	target := g.assigner.assignCounting(owners, count)
 	mine := g.assigner.indexOf(me) // -1 without a registration: nothing is ours
 
-	settled := time.Since(g.membersSince) >= g.c.cfg.RebalanceDelay || g.member == nil
+	settled := time.Since(g.settleFrom()) >= g.c.cfg.RebalanceDelay || g.member == nil
 	g.revokePending = false
 	for p, l := range g.held {
 		if (mine < 0 || target[p] != mine) && !g.draining[p] {
@@ -411,6 +502,14 @@ func (g *group) reconcile(ctx context.Context) {
 			g.purgeOrphan(ctx, leasehold.Partition(p), g.view.slots[p].rev)
 		}
 	}
+	for p, looking := range g.strays {
+		switch {
+		case g.held[p] != nil:
+			delete(g.strays, p)
+		case !looking && !g.acquiring[p] && target[p] != mine:
+			g.checkStray(ctx, p)
+		}
+	}
 	// The partitions to take, lowest first, wait in a queue that this
 	// reconciliation replaces: when workers start together, the first to
 	// look sees itself alone and wants every partition, and taking them all
@@ -420,10 +519,25 @@ func (g *group) reconcile(ctx context.Context) {
 	// memory.
 	g.target, g.mine = target, mine
 	g.queue = g.queue[:0]
+	room := g.n // how many this worker may hold once the queue is taken
+	if !g.view.partitions && !g.evenShares() && mine >= 0 && !settled {
+		// Who gets the extra partitions of an uneven split depends on
+		// the lists, which are still coming in: take no more than the
+		// even share until they settle (then ties go by name, the same
+		// on every worker), or two members that each counted themselves
+		// ahead both take an extra one and one hands it off again.
+		room = g.n / len(g.assigner.members)
+		g.revokePending = true // reconciled again once settled
+	}
+	room -= len(g.held) + len(g.acquiring)
 	for i, m := range target {
 		p := leasehold.Partition(i)
-		if m == mine && mine >= 0 && g.held[p] == nil && !g.acquiring[p] && !now.Before(g.retryAt[p]) {
+		if room <= 0 {
+			break
+		}
+		if m == mine && mine >= 0 && g.held[p] == nil && !g.acquiring[p] && !g.strays[p] && !now.Before(g.retryAt[p]) {
 			g.queue = append(g.queue, p)
+			room--
 		}
 	}
 	g.startQueued(ctx, now)
@@ -443,11 +557,26 @@ func (g *group) startQueued(ctx context.Context, now time.Time) {
 	for len(g.queue) > 0 && len(g.acquiring) < cap(g.sem) {
 		p := g.queue[0]
 		g.queue = g.queue[1:]
-		if int(p) >= len(g.target) || g.target[p] != g.mine || g.held[p] != nil || g.acquiring[p] || now.Before(g.retryAt[p]) {
+		if int(p) >= len(g.target) || g.target[p] != g.mine || g.held[p] != nil || g.acquiring[p] || g.strays[p] || now.Before(g.retryAt[p]) {
 			continue
 		}
-		var takeover, hint uint64
-		switch s := g.view.slots[p]; {
+		var takeover, hint, orphan uint64
+		if !g.view.partitions {
+			// Nothing is known of the record but what acquisitions found:
+			// the acquisition reads it when its write is refused.
+			orphan = g.unlisted(p, now)
+			if f, ok := g.foreign[p]; ok && now.Sub(f.since) > staleAfter(0, g.c.cfg.TTL) {
+				takeover = f.rev
+				g.warnOnce(partitionKey(p), f.rev, "partition record leasehold did not write has stayed unchanged for longer than a lease can: taking the partition over",
+					"partition", p, "revision", f.rev, "unchanged_for", now.Sub(f.since).Round(time.Millisecond))
+			}
+		}
+		var s slot
+		if g.view.partitions {
+			s = g.view.slots[p]
+		}
+		switch {
+		case !g.view.partitions:
 		case s.holder == "":
 			hint = s.rev
 		case s.session != 0:
@@ -485,7 +614,7 @@ func (g *group) startQueued(ctx context.Context, now time.Time) {
 			// group's context: its outcome is settled, not abandoned.
 			actx, cancel := context.WithTimeout(ctx, g.c.cfg.TTL)
 			defer cancel()
-			l, err := g.c.acquire(actx, partitionTarget(p), acquireOpts{takeover: takeover, session: sess, hint: hint})
+			l, err := g.c.acquire(actx, partitionTarget(p), acquireOpts{takeover: takeover, session: sess, hint: hint, orphan: orphan})
 			g.acqCh <- acquireResult{p: p, lease: l, err: err, takeover: takeover}
 		}()
 	}
@@ -501,6 +630,16 @@ func (g *group) onAcquired(r acquireResult) {
 		switch {
 		case errors.Is(r.err, context.Canceled):
 			// The group is leaving.
+		case errors.As(r.err, &held) && r.takeover == 0 && !g.view.partitions:
+			// Taken before its holder's list said so, or listed by no one
+			// (a release of its holder's that failed, which it removes
+			// itself): tried again when that member's list changes, or
+			// after a renewal interval.
+			rev := uint64(held.Lease.Epoch) // a session-held record is written once, at its epoch
+			if h, ok := g.heldBy[r.p]; !ok || h.holder != held.Lease.Holder || h.rev != rev {
+				g.heldBy[r.p] = heldSeen{holder: held.Lease.Holder, rev: rev, since: time.Now()}
+			}
+			g.retryAt[r.p] = time.Now().Add(g.c.cfg.RenewEvery)
 		case errors.As(r.err, &held) && r.takeover == 0:
 			s := &g.view.slots[r.p]
 			if s.holder != held.Lease.Holder || s.epoch != held.Lease.Epoch {
@@ -512,6 +651,9 @@ func (g *group) onAcquired(r acquireResult) {
 				g.retryAt[r.p] = time.Now().Add(g.c.cfg.RenewEvery)
 			}
 		case errors.As(r.err, &foreign):
+			if f, ok := g.foreign[r.p]; !ok || f.rev != foreign.Revision {
+				g.foreign[r.p] = foreignSeen{rev: foreign.Revision, since: time.Now()}
+			}
 			// The watch shows the record, and it is taken over once it is
 			// stuck; until the watch has caught up, do not spin on it.
 			g.retryAt[r.p] = time.Now().Add(g.c.cfg.RenewEvery)
@@ -522,10 +664,18 @@ func (g *group) onAcquired(r acquireResult) {
 			// that keeps an acquisition failing must not make it spin.
 			g.retryAt[r.p] = time.Now().Add(g.c.cfg.RenewEvery)
 			g.c.cfg.Logger.Warn("acquire failed; retrying", "partition", r.p, "err", r.err)
+			if g.c.sessions() {
+				// Its outcome is not known: a record may be stored under
+				// this worker's session.
+				g.strays[r.p] = false
+			}
 		}
 		return
 	}
 	delete(g.retryAt, r.p)
+	delete(g.heldBy, r.p)
+	delete(g.foreign, r.p)
+	delete(g.strays, r.p)
 	l := r.lease
 	if r.takeover != 0 {
 		g.c.cfg.Logger.Warn("took the partition over from a record the server did not expire", "partition", r.p, "revision", r.takeover, "epoch", l.info.Epoch)
@@ -537,11 +687,25 @@ func (g *group) onAcquired(r acquireResult) {
 	if l.session != nil {
 		s.session, s.ttl = uint64(l.session.info.Epoch), 0
 	}
-	g.view.slots[r.p] = s
+	if g.view.partitions {
+		g.view.slots[r.p] = s
+	}
 	g.watchLoss(l)
+	g.heldChanged()
 	if g.c.cfg.OnAcquire != nil {
 		g.c.cfg.OnAcquire(l)
 	}
+}
+
+// onDrained ends a revocation: the partition is no longer held here, and
+// its record may be left behind if its release failed.
+func (g *group) onDrained(d drained) {
+	g.drop(d.l)
+	delete(g.draining, d.l.info.Partition)
+	if d.stray {
+		g.strays[d.l.info.Partition] = false
+	}
+	g.heldChanged()
 }
 
 // watchLoss forwards l's end to the loop: a loss, or a release. The loop
@@ -576,12 +740,14 @@ func (g *group) revoke(l *Lease) {
 		}
 		cancel()
 		rctx, rcancel := context.WithTimeout(context.Background(), g.c.cfg.RequestTimeout*2)
-		if err := l.Release(rctx); err != nil && !errors.Is(err, leasehold.ErrLeaseLost) {
+		err := l.Release(rctx)
+		stray := err != nil && !errors.Is(err, leasehold.ErrLeaseLost) && l.session != nil
+		if err != nil && !errors.Is(err, leasehold.ErrLeaseLost) {
 			g.c.cfg.Logger.Warn("release failed", "partition", l.info.Partition, "err", err)
 		}
 		rcancel()
 		select {
-		case g.drainCh <- l:
+		case g.drainCh <- drained{l: l, stray: stray}:
 		case <-g.done:
 		}
 	}()
@@ -589,7 +755,7 @@ func (g *group) revoke(l *Lease) {
 
 // shutdown deregisters first, so the others start rebalancing at once,
 // then drains and releases every held partition.
-func (g *group) shutdown() {
+func (g *group) shutdown(stopAdvertiser context.CancelFunc) {
 	if g.stopWatch != nil {
 		g.stopWatch()
 	}
@@ -619,14 +785,19 @@ func (g *group) shutdown() {
 	}
 	for len(g.draining) > 0 {
 		select {
-		case l := <-g.drainCh:
-			g.drop(l)
-			delete(g.draining, l.info.Partition)
+		case d := <-g.drainCh:
+			g.drop(d.l)
+			delete(g.draining, d.l.info.Partition)
+			if len(g.drainCh) == 0 {
+				g.flushAdvert() // free for others as soon as it is released
+			}
 		case <-g.lostCh:
 		case <-g.watchCh:
+		case <-g.strayCh:
 		}
 	}
 	// Session-held partitions live by the registration: it goes last.
+	stopAdvertiser()
 	g.releaseMember()
 	g.tasks.Wait()
 	g.watchers.Wait()

@@ -68,6 +68,7 @@ type Lease struct {
 	info   leasehold.Lease
 	member bool
 	value  []byte // the renewal value: the record with the epoch filled in
+	rec    record // the record value encodes
 	token  string
 	// session is the member registration that keeps a session-held
 	// partition lease alive; nil for a lease that renews itself.
@@ -167,6 +168,7 @@ func (c *Coordinator) newLease(t target, rec record, rev uint64, sent time.Time,
 		info:   c.b.leaseOf(t, rec, rev),
 		member: t.kind == kindMember,
 		value:  value,
+		rec:    rec,
 		token:  rec.Token,
 		rev:    rev,
 		stop:   make(chan struct{}),
@@ -312,6 +314,24 @@ func (l *Lease) Renew(ctx context.Context) error {
 	}
 	l.c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventRenewFailed, Lease: l.info, Member: l.member, Lock: l.name, Err: err, Time: time.Now()})
 	return err
+}
+
+// advertise makes holds (encodeHolds) the partitions l, a member
+// registration, lists, and writes it at once: the write is a renewal.
+// Later renewals repeat it.
+func (l *Lease) advertise(ctx context.Context, holds string) error {
+	l.mu.Lock()
+	rec := l.rec
+	rec.Holds = &holds
+	value, err := json.Marshal(rec)
+	if err == nil {
+		l.rec, l.value = rec, value
+	}
+	l.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	return l.Renew(ctx)
 }
 
 // extend moves the local deadline after a write sent at sent succeeded.

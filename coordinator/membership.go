@@ -17,7 +17,7 @@ func (g *group) register(ctx context.Context) error {
 		takeover     uint64
 	)
 	for attempt := 0; ; attempt++ {
-		l, err := g.c.acquireKey(ctx, memberTarget(g.c.cfg.Worker), acquireOpts{takeover: takeover})
+		l, err := g.c.acquireKey(ctx, memberTarget(g.c.cfg.Worker), acquireOpts{takeover: takeover, advertise: g.c.sessions()})
 		if err == nil {
 			l.startKeepalive()
 			g.member = l

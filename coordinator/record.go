@@ -36,6 +36,11 @@ type record struct {
 	// the lease lives as long as that registration does, carries no TTL of
 	// its own and is never renewed. 0 in a lease that renews itself.
 	Session uint64 `json:"session,omitempty"`
+	// Holds, in a member registration, lists the partitions the member
+	// holds (encodeHolds); nil in a registration that does not advertise
+	// them (RenewPartitions, or an earlier version), whose members watch
+	// the partition records instead.
+	Holds *string `json:"holds,omitempty"`
 }
 
 func newToken() string {

@@ -39,8 +39,12 @@ import (
 // took the partition again moved the revision. The holder stops using its
 // partitions at the session's local deadline, the send time of its last
 // successful renewal plus the TTL minus the margin (I6), before the server
-// can expire the registration; it stops using one partition at once when
-// the watch shows its record changed (a Fence, or a take-over).
+// can expire the registration. While it watches the partition records
+// (see advert.go) it stops using one partition at once when the watch shows
+// its record changed (a Fence, or a take-over); while it watches the member
+// records only, a Fence of a partition it holds is refused at its next
+// progress commit, which ends the lease (a take-over by another member
+// needs the session ended, or the record unlisted by its holder).
 
 // sessions reports whether Run keeps partition leases alive by the member
 // session.

@@ -2,6 +2,7 @@ package coordinator
 
 import (
 	"hash/maphash"
+	"slices"
 	"strings"
 	"time"
 
@@ -40,6 +41,12 @@ type member struct {
 	// looked stale, and ttlless what that found: a record the server does
 	// not expire.
 	checked, ttlless bool
+	// adverts says the record lists the partitions its member holds
+	// (record.Holds), holds what it lists, ascending; badHolds that the
+	// record has a list that does not decode, which counts as no list.
+	adverts  bool
+	holds    []int32
+	badHolds string
 }
 
 // recordSeed hashes lease records, so that a renewal, which repeats its
@@ -51,12 +58,20 @@ var recordSeed = maphash.MakeSeed()
 // advisory: decisions it leads to are compare-and-set writes the server
 // checks.
 type view struct {
-	slots   []slot
+	n       int    // the group's partitions
+	slots   []slot // by partition; nil without the partition records
 	members map[string]*member
+	// partitions says the view is built from the partition records too;
+	// without them, who holds what is what the members' records list.
+	partitions bool
 }
 
-func newView(n int) *view {
-	return &view{slots: make([]slot, n), members: map[string]*member{}}
+func newView(n int, partitions bool) *view {
+	v := &view{n: n, members: map[string]*member{}, partitions: partitions}
+	if partitions {
+		v.slots = make([]slot, n)
+	}
+	return v
 }
 
 // apply folds one watch entry into the view and reports whether ownership
@@ -90,9 +105,21 @@ func (v *view) applyKind(e jetstream.KeyValueEntry) (changed, membership bool) {
 		if r, err := decodeRecord(e.Value()); err == nil && r.Holder == id && r.TTLMilli > 0 {
 			next.ttl, next.foreign = time.Duration(r.TTLMilli)*time.Millisecond, false
 			next.session = uint64(epochOf(r, e.Revision()))
+			if r.Holds != nil {
+				holds, err := decodeHolds(*r.Holds, v.n)
+				if err != nil {
+					next.badHolds = err.Error()
+				} else {
+					next.adverts, next.holds = true, holds
+				}
+			}
 		}
 		v.members[id] = next
-		return cur == nil || cur.foreign != next.foreign || cur.session != next.session, true
+		joined := cur == nil || cur.foreign != next.foreign || cur.session != next.session
+		// A new list changes who holds what, not who is a member: it must
+		// not hold back the hand-offs that wait for membership to settle.
+		lists := cur == nil || cur.adverts != next.adverts || !slices.Equal(cur.holds, next.holds)
+		return joined || lists, joined
 	case strings.HasPrefix(key, partitionKeyPrefix):
 		p, err := leasehold.ParsePartition(key[len(partitionKeyPrefix):])
 		if err != nil || int(p) >= len(v.slots) {

@@ -201,8 +201,20 @@ func BenchmarkEndToEnd(b *testing.B) {
 // process (on their own connections), for profiling the lease path at
 // scale:
 //
-//	go test ./internal/bench -run '^$' -bench Scale -benchtime 1x -cpuprofile cpu.out
+//	go test ./internal/bench -run '^$' -bench 'Scale$' -benchtime 1x -cpuprofile cpu.out
 func BenchmarkScale(b *testing.B) {
+	benchScale(b, 4096, 32)
+}
+
+// BenchmarkScaleMax is BenchmarkScale at the most partitions the API
+// allows, over 64 members (the scale_max rows):
+//
+//	go test ./internal/bench -run '^$' -bench ScaleMax -benchtime 1x
+func BenchmarkScaleMax(b *testing.B) {
+	benchScale(b, 65536, 64)
+}
+
+func benchScale(b *testing.B, partitions, members int) {
 	cfg := Config{Runs: 1}
 	cfg.setDefaults()
 	e, err := startEnv(context.Background(), &cfg)
@@ -212,11 +224,12 @@ func BenchmarkScale(b *testing.B) {
 	defer e.close()
 	run := 0
 	for b.Loop() {
-		r, err := e.scaleRun(context.Background(), "bs"+string(rune('a'+run)), 4096, 32, 10*time.Second, 10*time.Second, asLeases, 2*time.Minute)
+		r, err := e.scaleRun(context.Background(), "bs"+string(rune('a'+run)), partitions, members, 10*time.Second, 10*time.Second, asLeases, 2*time.Minute)
 		if err != nil {
 			b.Fatal(err)
 		}
 		run++
+		b.ReportMetric(r.joined, "joined_s")
 		b.ReportMetric(r.owned, "owned_s")
 		b.ReportMetric(r.balanced, "balanced_s")
 		b.ReportMetric(r.opsPerSec, "kv_ops/s")
