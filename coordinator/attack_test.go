@@ -1,0 +1,136 @@
+package coordinator_test
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/binary"
+	"encoding/json"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/testing/natstest"
+)
+
+// forgeMember writes member.<id> as a registration that looks live (a
+// record naming id, with the per-message TTL it names) listing ps, and
+// rewrites it every ttl/4 until the test ends: a process that is not a
+// leasehold worker, or a broken one, keeping such a record alive.
+func forgeMember(t *testing.T, js jetstream.JetStream, b *coordinator.Bucket, id string, ttl time.Duration, holds *string) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	t.Cleanup(func() { cancel(); <-done })
+	rec := map[string]any{"holder": id, "token": "forged", "ttl_ms": ttl.Milliseconds(), "acquired": time.Now().UTC()}
+	if holds != nil {
+		rec["holds"] = *holds
+	}
+	value, err := json.Marshal(rec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	subject := "$KV." + b.Name() + ".member." + id
+	write := func() error {
+		_, err := js.Publish(ctx, subject, value, jetstream.WithMsgTTL(ttl))
+		return err
+	}
+	if err := write(); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(ttl / 4):
+				_ = write()
+			}
+		}
+	}()
+}
+
+// holdsOf encodes ps the way a member lists them.
+func holdsOf(ps ...int) *string {
+	var buf []byte
+	prev := 0
+	for i, p := range ps {
+		d := p
+		if i > 0 {
+			d = p - prev
+		}
+		buf = binary.AppendUvarint(buf, uint64(d))
+		prev = p
+	}
+	s := base64.RawURLEncoding.EncodeToString(buf)
+	return &s
+}
+
+// waitQuiet waits until no member acquires or revokes anything for quiet,
+// and fails if that does not happen within within.
+func waitQuiet(t *testing.T, ms map[string]*member, quiet, within time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	last := acquisitions(ms) + revocations(ms)
+	since := time.Now()
+	for time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+		if now := acquisitions(ms) + revocations(ms); now != last {
+			last, since = now, time.Now()
+			continue
+		}
+		if time.Since(since) >= quiet {
+			return
+		}
+	}
+	var state []string
+	for name, m := range ms {
+		state = append(state, fmt.Sprintf("%s holds %v (acquired %d, revoked %d)", name, heldPartitions(m), m.acquired.Load(), m.revoked.Load()))
+	}
+	t.Fatalf("the members never stopped moving partitions within %v: %v", within, state)
+}
+
+// A registration that lists partitions other members hold, under a name
+// that sorts before theirs, must not keep the real members handing
+// partitions to each other for ever: each of them counts the partitions it
+// holds as its own and every other listed one as the forger's, so no two
+// members compute the same assignment.
+func TestAttackForgedListOfOthersPartitionsLetsTheGroupSettle(t *testing.T) {
+	const n = 6
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	ms := map[string]*member{
+		"a": startMemberTTL(t, b, "a", n, 2*time.Second),
+		"b": startMemberTTL(t, b, "b", n, 2*time.Second),
+	}
+	waitBalanced(t, ms, n, 30*time.Second)
+	forgeMember(t, js, b, "0forger", 2*time.Second, holdsOf(0, 1, 2, 3, 4, 5))
+	waitQuiet(t, ms, 4*time.Second, 40*time.Second)
+}
+
+// A cold start of members whose partitions do not divide evenly takes every
+// partition once: the extra partition goes to the member that holds the
+// most, and a member that counts its own holdings as they are but the
+// others' as their lists last said, behind by a write and a delivery,
+// finds itself ahead of a member that finds itself ahead too, so both take
+// the extra one and one of them hands it off again.
+func TestAttackUnevenColdStartTakesEachPartitionOnce(t *testing.T) {
+	const n, rounds = 64, 12
+	for round := range rounds {
+		b := provision(t, natstest.Start(t).JetStream(t), 1)
+		ms := map[string]*member{}
+		for _, name := range []string{"w0", "w1", "w2"} {
+			ms[name] = startMemberTTL(t, b, name, n, 10*time.Second)
+		}
+		waitBalanced(t, ms, n, time.Minute)
+		if a := acquisitions(ms); a != n && lapses(ms) == 0 {
+			t.Fatalf("round %d: 3 members took %d acquisitions to own %d partitions", round, a, n)
+		}
+		for _, m := range ms {
+			m.stop(t)
+		}
+	}
+}
