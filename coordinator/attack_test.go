@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold/coordinator"
@@ -134,4 +135,26 @@ func TestAttackUnevenColdStartTakesEachPartitionOnce(t *testing.T) {
 			m.stop(t)
 		}
 	}
+}
+
+// A member whose list of holdings does not fit in a message the server
+// takes (a server with a small max_payload, and a member holding most of
+// many partitions) must not lose its registration for it: its renewals
+// repeat the registration with the list, and a renewal refused for its
+// size is a registration that lapses, with every partition it holds.
+func TestAttackListLargerThanMaxPayloadKeepsTheRegistration(t *testing.T) {
+	const n = 4096
+	js := natstest.Start(t, natstest.Tweak(func(o *server.Options) { o.MaxPayload = 4096 })).JetStream(t)
+	b := provision(t, js, 1)
+	ms := map[string]*member{"a": startMemberTTL(t, b, "a", n, 2*time.Second)}
+	waitBalanced(t, ms, n, time.Minute)
+	lapsed := lapses(ms)
+	ctx := ctxFor(t, time.Minute)
+	deadline := time.Now().Add(6 * time.Second) // three TTLs: a registration that cannot renew lapses within one
+	waitUntil(t, ctx, "the member keeps its registration and partitions for three TTLs", func() (bool, string) {
+		if l := lapses(ms) - lapsed; l > 0 {
+			t.Fatalf("%d leases lapsed; the member holds %d of %d partitions", l, len(ms["a"].c.Held()), n)
+		}
+		return time.Now().After(deadline), ""
+	})
 }
