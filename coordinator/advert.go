@@ -18,10 +18,12 @@ import (
 // not decode), and so every member, old or new, computes the assignment
 // from the same facts.
 
-// advert is a list of holdings to write to a registration.
+// advert is a list of holdings to write to a registration; with unlisted,
+// the registration is to list none (see listFits).
 type advert struct {
-	member *Lease
-	holds  string
+	member   *Lease
+	holds    string
+	unlisted bool
 }
 
 // strayResult is the outcome of a look at a partition record this
@@ -49,7 +51,7 @@ type foreignSeen struct {
 // wantPartitions reports whether the facts in v are complete only with the
 // partition records.
 func (g *group) wantPartitions(v *view) bool {
-	if !g.c.sessions() {
+	if !g.c.sessions() || g.selfUnlisted {
 		return true
 	}
 	for id, m := range v.members {
@@ -220,11 +222,31 @@ func (g *group) flushAdvert() {
 		return
 	}
 	g.advMember, g.advHolds = g.member, holds
+	unlisted := !g.c.listFits(holds)
+	if unlisted && !g.selfUnlisted {
+		g.c.cfg.Logger.Warn("this worker's list of holdings does not fit in a message the server takes: listing none, and every member watches the partition records",
+			"worker", g.c.cfg.Worker, "partitions", len(g.held), "list_bytes", len(holds))
+	}
+	g.selfUnlisted = unlisted
 	select {
 	case <-g.advCh: // replaced by the newer list
 	default:
 	}
-	g.advCh <- advert{member: g.member, holds: holds}
+	g.advCh <- advert{member: g.member, holds: holds, unlisted: unlisted}
+}
+
+// listFits reports whether a registration listing holds fits, with its
+// headers, in a message the server takes: a registration is renewed with
+// its list, and one refused for its size lapses with every partition its
+// member holds. At the default max payload (1 MiB) every list of up to
+// 65,536 partitions fits; a server configured with less may not take one.
+func (c *Coordinator) listFits(holds string) bool {
+	limit := int64(1 << 20)
+	if nc := c.b.js.Conn(); nc != nil {
+		limit = nc.MaxPayload()
+	}
+	const headroom = 1024 // the rest of the record, the subject and the headers
+	return int64(len(holds))+headroom <= limit
 }
 
 // advertiser writes the lists flushAdvert hands it, the newest first: a
@@ -240,7 +262,7 @@ func (g *group) advertiser(ctx context.Context) {
 			return
 		}
 		for attempt := 0; ; attempt++ {
-			err := a.member.advertise(ctx, a.holds)
+			err := a.member.advertise(ctx, a.holds, a.unlisted)
 			if err == nil || a.member.Err() != nil || ctx.Err() != nil ||
 				errors.Is(err, leasehold.ErrLeaseLost) || errors.Is(err, ErrReleased) {
 				break

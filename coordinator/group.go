@@ -138,7 +138,11 @@ type group struct {
 	advTimer   *time.Timer // writes the list when it fires
 	advMember  *Lease      // the registration advHolds was handed over for
 	advHolds   string      // the last list handed to the advertiser
-	owners     []string    // reconcile's, kept for the next one
+	// selfUnlisted says that list did not fit in a message (listFits):
+	// the registration lists none, and this worker watches the partition
+	// records like every other member.
+	selfUnlisted bool
+	owners       []string // reconcile's, kept for the next one
 }
 
 func (g *group) run(ctx context.Context) error {
@@ -222,6 +226,7 @@ func (g *group) run(ctx context.Context) error {
 			markDirty()
 		case <-g.advTimer.C:
 			g.flushAdvert()
+			g.checkMode(ctx)
 		case <-rescan.C:
 			if err := g.watch(ctx); err != nil {
 				log.Warn("rescan of the lease bucket failed; retrying at the next one", "err", err)
