@@ -6,6 +6,8 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"maps"
+	"sync"
 	"testing"
 	"time"
 
@@ -157,4 +159,116 @@ func TestAttackListLargerThanMaxPayloadKeepsTheRegistration(t *testing.T) {
 		}
 		return time.Now().After(deadline), ""
 	})
+}
+
+// watchDoubles samples the members' holdings until the test ends and
+// reports, through the returned function, a partition that two members
+// held at once for longer than within: a hand-off seen between two
+// samples is a moment, two holders for a lease's length is a defect.
+func watchDoubles(t *testing.T, ms func() map[string]*member, within time.Duration) func() string {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	var found atomicString
+	go func() {
+		defer close(done)
+		since := map[int]time.Time{}
+		for ctx.Err() == nil {
+			holders := map[int][]string{}
+			for name, m := range ms() {
+				for _, p := range heldPartitions(m) {
+					holders[int(p)] = append(holders[int(p)], name)
+				}
+			}
+			for p, hs := range holders {
+				if len(hs) < 2 {
+					delete(since, p)
+					continue
+				}
+				if _, ok := since[p]; !ok {
+					since[p] = time.Now()
+				} else if time.Since(since[p]) > within {
+					found.set(fmt.Sprintf("partition %d held by %v for more than %v", p, hs, within))
+				}
+			}
+			for p := range since {
+				if len(holders[p]) < 2 {
+					delete(since, p)
+				}
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+	return found.get
+}
+
+type atomicString struct {
+	mu sync.Mutex
+	s  string
+}
+
+func (a *atomicString) set(s string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.s == "" {
+		a.s = s
+	}
+}
+
+func (a *atomicString) get() string {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.s
+}
+
+// A member that does not list its holdings joining in the middle of a cold
+// start, and leaving again before it is over, switches every member to the
+// partition watch and back while acquisitions run: the group still ends
+// with every partition held once, and never two holders for a lease's
+// length.
+func TestAttackModeFlipDuringColdStart(t *testing.T) {
+	const n = 48
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	var mu sync.Mutex
+	ms := map[string]*member{}
+	snapshot := func() map[string]*member {
+		mu.Lock()
+		defer mu.Unlock()
+		return maps.Clone(ms)
+	}
+	doubles := watchDoubles(t, snapshot, 2*time.Second)
+	for _, id := range []string{"a", "b", "c"} {
+		m := startMemberTTL(t, b, id, n, 2*time.Second)
+		mu.Lock()
+		ms[id] = m
+		mu.Unlock()
+	}
+	old := &member{done: make(chan error, 1)}
+	c, err := coordinator.New(b, coordinator.Config{Worker: "old", Partitions: n, TTL: 2 * time.Second, RenewPartitions: true,
+		OnAcquire: func(*coordinator.Lease) { old.acquired.Add(1) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	old.c = c
+	octx, cancel := context.WithCancel(context.Background())
+	old.cancel = cancel
+	go func() { old.done <- c.Run(octx) }()
+	t.Cleanup(func() { old.stop(t) })
+	mu.Lock()
+	ms["old"] = old
+	mu.Unlock()
+	ctx := ctxFor(t, time.Minute)
+	waitUntil(t, ctx, "the member without a list takes a partition", func() (bool, string) {
+		return old.acquired.Load() > 0, ""
+	})
+	old.stop(t)
+	mu.Lock()
+	delete(ms, "old")
+	mu.Unlock()
+	waitBalanced(t, snapshot(), n, 30*time.Second)
+	if d := doubles(); d != "" {
+		t.Fatal(d)
+	}
 }
