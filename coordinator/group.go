@@ -516,13 +516,44 @@ func (g *group) reconcile(ctx context.Context) {
 	// memory.
 	g.target, g.mine = target, mine
 	g.queue = g.queue[:0]
+	room, bounded := g.roomBeforeExtra(members)
 	for i, m := range target {
 		p := leasehold.Partition(i)
+		if bounded && room <= 0 {
+			break
+		}
 		if m == mine && mine >= 0 && g.held[p] == nil && !g.acquiring[p] && !g.strays[p] && !now.Before(g.retryAt[p]) {
 			g.queue = append(g.queue, p)
+			room--
 		}
 	}
 	g.startQueued(ctx, now)
+}
+
+// roomBeforeExtra bounds, without the partition records, the partitions
+// this worker queues to the base share (partitions / members) while
+// another member lists fewer than that: the extra partitions (partitions
+// % members) go to the members that hold the most, and a worker counts
+// its own holdings as they are but the others' as their lists last said,
+// a settle pause, a write and a delivery behind. In a cold start two
+// workers would each find themselves ahead and both take the extra one,
+// and one of them hand it off again. Once every other member lists its
+// base share, the workers rank from the same counts, ties by name.
+func (g *group) roomBeforeExtra(members []string) (room int, bounded bool) {
+	k := len(members)
+	if g.view.partitions || k == 0 || g.n%k == 0 {
+		return 0, false
+	}
+	base := g.n / k
+	for _, id := range members {
+		if id == g.c.cfg.Worker {
+			continue
+		}
+		if m := g.view.members[id]; m != nil && len(m.holds) < base {
+			return base - (len(g.held) - len(g.draining) + len(g.acquiring)), true
+		}
+	}
+	return 0, false
 }
 
 // startQueued starts queued acquisitions while fewer than the group's
