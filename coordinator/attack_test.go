@@ -271,3 +271,23 @@ func TestAttackModeFlipDuringColdStart(t *testing.T) {
 		t.Fatal(d)
 	}
 }
+
+// A registration that lists nothing and never acquires (a forged one, or
+// a member stuck before its first acquisition) keeps its own share unheld
+// for as long as it lives, and nothing more: the members that work still
+// take every other partition, the extra ones included.
+func TestAttackIdleListerStallsOnlyItsShare(t *testing.T) {
+	const n = 7 // over 3 members: shares 3, 2, 2
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	forgeMember(t, js, b, "zz", 2*time.Second, holdsOf())
+	ms := map[string]*member{
+		"a": startMemberTTL(t, b, "a", n, 2*time.Second),
+		"b": startMemberTTL(t, b, "b", n, 2*time.Second),
+	}
+	ctx := ctxFor(t, 30*time.Second)
+	waitUntil(t, ctx, "a and b hold every partition but the idle member's share", func() (bool, string) {
+		a, b := len(ms["a"].c.Held()), len(ms["b"].c.Held())
+		return a+b == n-2, fmt.Sprintf("a holds %d, b %d", a, b)
+	})
+}
