@@ -538,7 +538,10 @@ func (g *group) reconcile(ctx context.Context) {
 // a settle pause, a write and a delivery behind. In a cold start two
 // workers would each find themselves ahead and both take the extra one,
 // and one of them hand it off again. Once every other member lists its
-// base share, the workers rank from the same counts, ties by name.
+// base share, the workers rank from the same counts, ties by name. A
+// member whose short list has not changed for a renewal interval is not
+// filling it (it waits on a partition someone holds, or does not work at
+// all), and holds back nobody's extra partitions.
 func (g *group) roomBeforeExtra(members []string) (room int, bounded bool) {
 	k := len(members)
 	if g.view.partitions || k == 0 || g.n%k == 0 {
@@ -549,7 +552,7 @@ func (g *group) roomBeforeExtra(members []string) (room int, bounded bool) {
 		if id == g.c.cfg.Worker {
 			continue
 		}
-		if m := g.view.members[id]; m != nil && len(m.holds) < base {
+		if m := g.view.members[id]; m != nil && len(m.holds) < base && time.Since(m.listSince) < g.c.cfg.RenewEvery {
 			return base - (len(g.held) - len(g.draining) + len(g.acquiring)), true
 		}
 	}
