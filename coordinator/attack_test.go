@@ -291,3 +291,35 @@ func TestAttackIdleListerStallsOnlyItsShare(t *testing.T) {
 		return a+b == n-2, fmt.Sprintf("a holds %d, b %d", a, b)
 	})
 }
+
+// A member cut off from the server loses its partitions to the others
+// within a TTL and a second of the cut, in a group whose partitions divide
+// evenly before and not after: its registration expires within a TTL of
+// its last renewal, and nothing else may stand in the way (the lists, the
+// extra share going to one of the survivors).
+func TestAttackCutOffMemberFailsOverWithinTTL(t *testing.T) {
+	const n, ttl = 9, 2 * time.Second
+	s := natstest.Start(t)
+	b := provision(t, s.JetStream(t), 1)
+	ncC := s.Connect(t)
+	jsC, _ := jetstream.New(ncC)
+	bC, err := coordinator.OpenBucket(ctxFor(t, 5*time.Second), jsC, b.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ms := map[string]*member{"a": startMemberTTL(t, b, "a", n, ttl), "b": startMemberTTL(t, b, "b", n, ttl), "c": startMemberTTL(t, bC, "c", n, ttl)}
+	waitBalanced(t, ms, n, 20*time.Second)
+	cut := time.Now()
+	ncC.Close()
+	delete(ms, "c")
+	ctx := ctxFor(t, 30*time.Second)
+	waitUntil(t, ctx, "a and b hold every partition", func() (bool, string) {
+		_, ok := ownership(ms, n)
+		return ok, fmt.Sprintf("a holds %v, b %v", heldPartitions(ms["a"]), heldPartitions(ms["b"]))
+	})
+	if d := time.Since(cut); d > ttl+time.Second {
+		t.Errorf("fail-over took %v after the cut, more than the TTL (%v) and a second", d.Round(time.Millisecond), ttl)
+	} else {
+		t.Logf("fail-over took %v after the cut", d.Round(time.Millisecond))
+	}
+}
