@@ -323,3 +323,39 @@ func TestAttackCutOffMemberFailsOverWithinTTL(t *testing.T) {
 		t.Logf("fail-over took %v after the cut", d.Round(time.Millisecond))
 	}
 }
+
+// A garbage write over the record of a partition a member holds (a stray
+// tool, a bad migration) must not slow the partition's hand-off when its
+// holder leaves: while the members watched the partition records, the
+// holder dropped the partition at once and the others took the record
+// over a lease after it appeared, so by the holder's exit it was long
+// free. Without the partition records nobody sees it until the holder is
+// gone, and the taker then starts waiting a lease and a half from there.
+func TestAttackGarbageOverAHeldRecordDoesNotSlowTheHandOff(t *testing.T) {
+	const n, ttl = 2, 2 * time.Second
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	ms := map[string]*member{"a": startMemberTTL(t, b, "a", n, ttl), "b": startMemberTTL(t, b, "b", n, ttl)}
+	waitBalanced(t, ms, n, 20*time.Second)
+	ctx := ctxFor(t, 30*time.Second)
+	kv, err := js.KeyValue(ctx, b.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := ms["b"].c.Held()[0].Partition()
+	if _, err := kv.Put(ctx, "partition."+p.String(), []byte("not a lease")); err != nil {
+		t.Fatal(err)
+	}
+	// Let the garbage stand for longer than any lease could leave a
+	// record unchanged: the time it takes to find it is the subject.
+	time.Sleep(2 * ttl)
+	left := time.Now()
+	ms["b"].stop(t)
+	delete(ms, "b")
+	waitUntil(t, ctx, "a holds every partition", func() (bool, string) {
+		return len(ms["a"].c.Held()) == n, fmt.Sprintf("a holds %v", heldPartitions(ms["a"]))
+	})
+	if d := time.Since(left); d > ttl+time.Second {
+		t.Errorf("partition %d moved %v after its holder left, more than the TTL (%v) and a second", p, d.Round(time.Millisecond), ttl)
+	}
+}
