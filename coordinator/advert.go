@@ -22,10 +22,12 @@ import (
 // be written at most once a second.
 const bulkQueue = 512
 
-// advert is a list of holdings to write to a registration.
+// advert is a list of holdings to write to a registration; with unlisted,
+// the registration is to list none (see listFits).
 type advert struct {
-	member *Lease
-	holds  string
+	member   *Lease
+	holds    string
+	unlisted bool
 }
 
 // strayResult is the outcome of a look at a partition record this
@@ -53,7 +55,7 @@ type foreignSeen struct {
 // wantPartitions reports whether the facts in v are complete only with the
 // partition records.
 func (g *group) wantPartitions(v *view) bool {
-	if !g.c.sessions() {
+	if !g.c.sessions() || g.selfUnlisted {
 		return true
 	}
 	for id, m := range v.members {
@@ -111,34 +113,6 @@ func (g *group) listed(owners []string, members []string) {
 	}
 }
 
-// listedCounts is how many partitions each of members lists, this worker
-// included, as its own record came back through the watch: the shares of
-// an uneven split go to the members holding the most, and counting this
-// worker's own holdings as they are while counting the others' as their
-// lists last said made every member of a cold start count itself first and
-// take one partition too many, to hand it off again once the lists were in.
-func (g *group) listedCounts(members []string) map[string]int {
-	count := make(map[string]int, len(members))
-	for _, id := range members {
-		if m := g.view.members[id]; m != nil && m.adverts {
-			count[id] = len(m.holds)
-		}
-	}
-	return count
-}
-
-// settleFrom is when what the hand-offs depend on last changed: the
-// membership, and without the partition records and with an uneven split,
-// the members' lists too, as the extra partitions go to the members that
-// hold the most. Handing off on lists still coming in gave partitions away
-// to hand them back.
-func (g *group) settleFrom() time.Time {
-	if g.view.partitions || g.evenShares() || g.listsSince.Before(g.membersSince) {
-		return g.membersSince
-	}
-	return g.listsSince
-}
-
 // listChanged lets the acquisitions that found a partition held by member
 // id try again: its list, or its membership, changed.
 func (g *group) listChanged(id string) {
@@ -149,15 +123,23 @@ func (g *group) listChanged(id string) {
 	}
 }
 
+// listLag bounds how long a partition a member holds can stay off its
+// list: its acquisition ends within a TTL (the fence step included), its
+// list is written at most a second after that, and the write takes up to a
+// request timeout; a lease-long margin on top, as for a stale record.
+func (g *group) listLag() time.Duration {
+	return staleAfter(0, g.c.cfg.TTL) + time.Second + g.c.cfg.RequestTimeout
+}
+
 // unlisted returns the revision of partition p's record when an
 // acquisition has found it held by a live session whose member has not
-// listed it since, for longer than a list can lag (a renewal interval):
+// listed it since, for longer than a list can lag (listLag):
 // the member does not hold it, and has not removed it (a release whose
 // failure it did not see). An acquisition may then overwrite exactly that
 // revision. It returns 0 otherwise.
 func (g *group) unlisted(p leasehold.Partition, now time.Time) uint64 {
 	h, ok := g.heldBy[p]
-	if !ok || now.Sub(h.since) <= staleAfter(0, g.c.cfg.TTL) {
+	if !ok || now.Sub(h.since) <= g.listLag() {
 		return 0
 	}
 	m := g.view.members[h.holder]
@@ -262,11 +244,31 @@ func (g *group) flushAdvert() {
 		return
 	}
 	g.advMember, g.advHolds = g.member, holds
+	unlisted := !g.c.listFits(holds)
+	if unlisted && !g.selfUnlisted {
+		g.c.cfg.Logger.Warn("this worker's list of holdings does not fit in a message the server takes: listing none, and every member watches the partition records",
+			"worker", g.c.cfg.Worker, "partitions", len(g.held), "list_bytes", len(holds))
+	}
+	g.selfUnlisted = unlisted
 	select {
 	case <-g.advCh: // replaced by the newer list
 	default:
 	}
-	g.advCh <- advert{member: g.member, holds: holds}
+	g.advCh <- advert{member: g.member, holds: holds, unlisted: unlisted}
+}
+
+// listFits reports whether a registration listing holds fits, with its
+// headers, in a message the server takes: a registration is renewed with
+// its list, and one refused for its size lapses with every partition its
+// member holds. At the default max payload (1 MiB) every list of up to
+// 65,536 partitions fits; a server configured with less may not take one.
+func (c *Coordinator) listFits(holds string) bool {
+	limit := int64(1 << 20)
+	if nc := c.b.js.Conn(); nc != nil {
+		limit = nc.MaxPayload()
+	}
+	const headroom = 1024 // the rest of the record, the subject and the headers
+	return int64(len(holds))+headroom <= limit
 }
 
 // advertiser writes the lists flushAdvert hands it, the newest first: a
@@ -282,7 +284,7 @@ func (g *group) advertiser(ctx context.Context) {
 			return
 		}
 		for attempt := 0; ; attempt++ {
-			err := a.member.advertise(ctx, a.holds)
+			err := a.member.advertise(ctx, a.holds, a.unlisted)
 			if err == nil || a.member.Err() != nil || ctx.Err() != nil ||
 				errors.Is(err, leasehold.ErrLeaseLost) || errors.Is(err, ErrReleased) {
 				break

@@ -133,13 +133,7 @@ func (a *assigner) rank(p int) {
 
 // assign is Assign over the current members, each partition's member
 // given by its index in a.members (-1 with no members).
-func (a *assigner) assign(owners []string) []int32 { return a.assignCounting(owners, nil) }
-
-// assignCounting is assign with the extra partitions of an uneven split
-// going to the members with the most of count (by member name; a member
-// count does not name counts what owners gives it) instead of the most
-// in owners.
-func (a *assigner) assignCounting(owners []string, count map[string]int) []int32 {
+func (a *assigner) assign(owners []string) []int32 {
 	n, members := a.n, a.members
 	target := make([]int32, n)
 	for p := range target {
@@ -164,14 +158,7 @@ func (a *assigner) assignCounting(owners []string, count map[string]int) []int32
 	for i := range order {
 		order[i] = i
 	}
-	holding := make([]int, len(members))
-	for i, ps := range held {
-		holding[i] = len(ps)
-		if c, ok := count[members[i]]; ok {
-			holding[i] = c
-		}
-	}
-	slices.SortStableFunc(order, func(x, y int) int { return cmp.Compare(holding[y], holding[x]) })
+	slices.SortStableFunc(order, func(x, y int) int { return cmp.Compare(len(held[y]), len(held[x])) })
 	share := make([]int, len(members))
 	base, extra := n/len(members), n%len(members)
 	for rank, i := range order {

@@ -113,7 +113,6 @@ type group struct {
 	queue         []leasehold.Partition // partitions it gives this worker, to acquire in turn
 	ready         bool                  // the first snapshot is complete
 	membersSince  time.Time             // when membership last changed
-	listsSince    time.Time             // when a member's list of holdings last changed
 	revokePending bool                  // revocations wait for membership to settle
 	gen           int                   // watcher generation
 	snapshots     int                   // initial snapshots of the current watchers still coming
@@ -139,7 +138,11 @@ type group struct {
 	advTimer   *time.Timer // writes the list when it fires
 	advMember  *Lease      // the registration advHolds was handed over for
 	advHolds   string      // the last list handed to the advertiser
-	owners     []string    // reconcile's, kept for the next one
+	// selfUnlisted says that list did not fit in a message (listFits):
+	// the registration lists none, and this worker watches the partition
+	// records like every other member.
+	selfUnlisted bool
+	owners       []string // reconcile's, kept for the next one
 }
 
 func (g *group) run(ctx context.Context) error {
@@ -223,6 +226,7 @@ func (g *group) run(ctx context.Context) error {
 			markDirty()
 		case <-g.advTimer.C:
 			g.flushAdvert()
+			g.checkMode(ctx)
 		case <-rescan.C:
 			if err := g.watch(ctx); err != nil {
 				log.Warn("rescan of the lease bucket failed; retrying at the next one", "err", err)
@@ -234,7 +238,7 @@ func (g *group) run(ctx context.Context) error {
 			g.reconcile(ctx)
 			if g.revokePending {
 				dirty = true
-				settle.Reset(g.c.cfg.RebalanceDelay - time.Since(g.settleFrom()))
+				settle.Reset(g.c.cfg.RebalanceDelay - time.Since(g.membersSince))
 			}
 		}
 	}
@@ -386,9 +390,6 @@ func (g *group) onWatch(ctx context.Context, ev watchEvent) bool {
 	}
 	if isMember && changed {
 		id := key[len(memberKeyPrefix):]
-		if !membership {
-			g.listsSince = time.Now()
-		}
 		g.listChanged(id)
 		g.checkMode(ctx)
 		if !membership && !g.view.partitions && before != nil {
@@ -478,14 +479,10 @@ func (g *group) reconcile(ctx context.Context) {
 		g.assigner = newAssigner(g.n)
 	}
 	g.assigner.setMembers(members)
-	var count map[string]int
-	if !g.view.partitions && !g.evenShares() {
-		count = g.listedCounts(members)
-	}
-	target := g.assigner.assignCounting(owners, count)
+	target := g.assigner.assign(owners)
 	mine := g.assigner.indexOf(me) // -1 without a registration: nothing is ours
 
-	settled := time.Since(g.settleFrom()) >= g.c.cfg.RebalanceDelay || g.member == nil
+	settled := time.Since(g.membersSince) >= g.c.cfg.RebalanceDelay || g.member == nil
 	g.revokePending = false
 	for p, l := range g.held {
 		if (mine < 0 || target[p] != mine) && !g.draining[p] {
@@ -519,20 +516,10 @@ func (g *group) reconcile(ctx context.Context) {
 	// memory.
 	g.target, g.mine = target, mine
 	g.queue = g.queue[:0]
-	room := g.n // how many this worker may hold once the queue is taken
-	if !g.view.partitions && !g.evenShares() && mine >= 0 && !settled {
-		// Who gets the extra partitions of an uneven split depends on
-		// the lists, which are still coming in: take no more than the
-		// even share until they settle (then ties go by name, the same
-		// on every worker), or two members that each counted themselves
-		// ahead both take an extra one and one hands it off again.
-		room = g.n / len(g.assigner.members)
-		g.revokePending = true // reconciled again once settled
-	}
-	room -= len(g.held) + len(g.acquiring)
+	room, bounded := g.roomBeforeExtra(members)
 	for i, m := range target {
 		p := leasehold.Partition(i)
-		if room <= 0 {
+		if bounded && room <= 0 {
 			break
 		}
 		if m == mine && mine >= 0 && g.held[p] == nil && !g.acquiring[p] && !g.strays[p] && !now.Before(g.retryAt[p]) {
@@ -541,6 +528,35 @@ func (g *group) reconcile(ctx context.Context) {
 		}
 	}
 	g.startQueued(ctx, now)
+}
+
+// roomBeforeExtra bounds, without the partition records, the partitions
+// this worker queues to the base share (partitions / members) while
+// another member lists fewer than that: the extra partitions (partitions
+// % members) go to the members that hold the most, and a worker counts
+// its own holdings as they are but the others' as their lists last said,
+// a settle pause, a write and a delivery behind. In a cold start two
+// workers would each find themselves ahead and both take the extra one,
+// and one of them hand it off again. Once every other member lists its
+// base share, the workers rank from the same counts, ties by name. A
+// member whose short list has not changed for a renewal interval is not
+// filling it (it waits on a partition someone holds, or does not work at
+// all), and holds back nobody's extra partitions.
+func (g *group) roomBeforeExtra(members []string) (room int, bounded bool) {
+	k := len(members)
+	if g.view.partitions || k == 0 || g.n%k == 0 {
+		return 0, false
+	}
+	base := g.n / k
+	for _, id := range members {
+		if id == g.c.cfg.Worker {
+			continue
+		}
+		if m := g.view.members[id]; m != nil && len(m.holds) < base && time.Since(m.listSince) < g.c.cfg.RenewEvery {
+			return base - (len(g.held) - len(g.draining) + len(g.acquiring)), true
+		}
+	}
+	return 0, false
 }
 
 // startQueued starts queued acquisitions while fewer than the group's

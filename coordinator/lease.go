@@ -317,12 +317,15 @@ func (l *Lease) Renew(ctx context.Context) error {
 }
 
 // advertise makes holds (encodeHolds) the partitions l, a member
-// registration, lists, and writes it at once: the write is a renewal.
-// Later renewals repeat it.
-func (l *Lease) advertise(ctx context.Context, holds string) error {
+// registration, lists (none with unlisted), and writes it at once: the
+// write is a renewal. Later renewals repeat it.
+func (l *Lease) advertise(ctx context.Context, holds string, unlisted bool) error {
 	l.mu.Lock()
 	rec := l.rec
 	rec.Holds = &holds
+	if unlisted {
+		rec.Holds = nil
+	}
 	value, err := json.Marshal(rec)
 	if err == nil {
 		l.rec, l.value = rec, value

@@ -47,6 +47,9 @@ type member struct {
 	adverts  bool
 	holds    []int32
 	badHolds string
+	// listSince is when this worker first saw the record list what it
+	// lists now.
+	listSince time.Time
 }
 
 // recordSeed hashes lease records, so that a renewal, which repeats its
@@ -119,6 +122,10 @@ func (v *view) applyKind(e jetstream.KeyValueEntry) (changed, membership bool) {
 		// A new list changes who holds what, not who is a member: it must
 		// not hold back the hand-offs that wait for membership to settle.
 		lists := cur == nil || cur.adverts != next.adverts || !slices.Equal(cur.holds, next.holds)
+		next.listSince = now
+		if !lists {
+			next.listSince = cur.listSince
+		}
 		return joined || lists, joined
 	case strings.HasPrefix(key, partitionKeyPrefix):
 		p, err := leasehold.ParsePartition(key[len(partitionKeyPrefix):])
@@ -163,6 +170,9 @@ func (v *view) inherit(old *view) {
 	for id, m := range v.members {
 		if o := old.members[id]; o != nil && o.rev == m.rev {
 			m.since, m.checked, m.ttlless = o.since, o.checked, o.ttlless
+		}
+		if o := old.members[id]; o != nil && o.adverts == m.adverts && slices.Equal(o.holds, m.holds) {
+			m.listSince = o.listSince
 		}
 	}
 }

@@ -1,0 +1,362 @@
+package coordinator_test
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/binary"
+	"encoding/json"
+	"fmt"
+	"maps"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/testing/natstest"
+)
+
+// forgeMember writes member.<id> as a registration that looks live (a
+// record naming id, with the per-message TTL it names) listing ps, and
+// rewrites it every ttl/4 until the test ends: a process that is not a
+// leasehold worker, or a broken one, keeping such a record alive.
+func forgeMember(t *testing.T, js jetstream.JetStream, b *coordinator.Bucket, id string, ttl time.Duration, holds *string) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	t.Cleanup(func() { cancel(); <-done })
+	rec := map[string]any{"holder": id, "token": "forged", "ttl_ms": ttl.Milliseconds(), "acquired": time.Now().UTC()}
+	if holds != nil {
+		rec["holds"] = *holds
+	}
+	value, err := json.Marshal(rec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	subject := "$KV." + b.Name() + ".member." + id
+	write := func() error {
+		_, err := js.Publish(ctx, subject, value, jetstream.WithMsgTTL(ttl))
+		return err
+	}
+	if err := write(); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(ttl / 4):
+				_ = write()
+			}
+		}
+	}()
+}
+
+// holdsOf encodes ps the way a member lists them.
+func holdsOf(ps ...int) *string {
+	var buf []byte
+	prev := 0
+	for i, p := range ps {
+		d := p
+		if i > 0 {
+			d = p - prev
+		}
+		buf = binary.AppendUvarint(buf, uint64(d))
+		prev = p
+	}
+	s := base64.RawURLEncoding.EncodeToString(buf)
+	return &s
+}
+
+// waitQuiet waits until no member acquires or revokes anything for quiet,
+// and fails if that does not happen within within.
+func waitQuiet(t *testing.T, ms map[string]*member, quiet, within time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	last := acquisitions(ms) + revocations(ms)
+	since := time.Now()
+	for time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+		if now := acquisitions(ms) + revocations(ms); now != last {
+			last, since = now, time.Now()
+			continue
+		}
+		if time.Since(since) >= quiet {
+			return
+		}
+	}
+	var state []string
+	for name, m := range ms {
+		state = append(state, fmt.Sprintf("%s holds %v (acquired %d, revoked %d)", name, heldPartitions(m), m.acquired.Load(), m.revoked.Load()))
+	}
+	t.Fatalf("the members never stopped moving partitions within %v: %v", within, state)
+}
+
+// A registration that lists partitions other members hold, under a name
+// that sorts before theirs, must not keep the real members handing
+// partitions to each other for ever: each of them counts the partitions it
+// holds as its own and every other listed one as the forger's, so no two
+// members compute the same assignment.
+func TestAttackForgedListOfOthersPartitionsLetsTheGroupSettle(t *testing.T) {
+	const n = 6
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	ms := map[string]*member{
+		"a": startMemberTTL(t, b, "a", n, 2*time.Second),
+		"b": startMemberTTL(t, b, "b", n, 2*time.Second),
+	}
+	waitBalanced(t, ms, n, 30*time.Second)
+	forgeMember(t, js, b, "0forger", 2*time.Second, holdsOf(0, 1, 2, 3, 4, 5))
+	waitQuiet(t, ms, 4*time.Second, 40*time.Second)
+}
+
+// A cold start of members whose partitions do not divide evenly takes every
+// partition once: the extra partition goes to the member that holds the
+// most, and a member that counts its own holdings as they are but the
+// others' as their lists last said, behind by a write and a delivery,
+// finds itself ahead of a member that finds itself ahead too, so both take
+// the extra one and one of them hands it off again.
+func TestAttackUnevenColdStartTakesEachPartitionOnce(t *testing.T) {
+	const n, rounds = 64, 12
+	for round := range rounds {
+		b := provision(t, natstest.Start(t).JetStream(t), 1)
+		ms := map[string]*member{}
+		for _, name := range []string{"w0", "w1", "w2"} {
+			ms[name] = startMemberTTL(t, b, name, n, 10*time.Second)
+		}
+		waitBalanced(t, ms, n, time.Minute)
+		if a := acquisitions(ms); a != n && lapses(ms) == 0 {
+			t.Fatalf("round %d: 3 members took %d acquisitions to own %d partitions", round, a, n)
+		}
+		for _, m := range ms {
+			m.stop(t)
+		}
+	}
+}
+
+// A member whose list of holdings does not fit in a message the server
+// takes (a server with a small max_payload, and a member holding most of
+// many partitions) must not lose its registration for it: its renewals
+// repeat the registration with the list, and a renewal refused for its
+// size is a registration that lapses, with every partition it holds.
+func TestAttackListLargerThanMaxPayloadKeepsTheRegistration(t *testing.T) {
+	const n = 4096
+	js := natstest.Start(t, natstest.Tweak(func(o *server.Options) { o.MaxPayload = 4096 })).JetStream(t)
+	b := provision(t, js, 1)
+	ms := map[string]*member{"a": startMemberTTL(t, b, "a", n, 2*time.Second)}
+	waitBalanced(t, ms, n, time.Minute)
+	lapsed := lapses(ms)
+	ctx := ctxFor(t, time.Minute)
+	deadline := time.Now().Add(6 * time.Second) // three TTLs: a registration that cannot renew lapses within one
+	waitUntil(t, ctx, "the member keeps its registration and partitions for three TTLs", func() (bool, string) {
+		if l := lapses(ms) - lapsed; l > 0 {
+			t.Fatalf("%d leases lapsed; the member holds %d of %d partitions", l, len(ms["a"].c.Held()), n)
+		}
+		return time.Now().After(deadline), ""
+	})
+}
+
+// watchDoubles samples the members' holdings until the test ends and
+// reports, through the returned function, a partition that two members
+// held at once for longer than within: a hand-off seen between two
+// samples is a moment, two holders for a lease's length is a defect.
+func watchDoubles(t *testing.T, ms func() map[string]*member, within time.Duration) func() string {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	var found atomicString
+	go func() {
+		defer close(done)
+		since := map[int]time.Time{}
+		for ctx.Err() == nil {
+			holders := map[int][]string{}
+			for name, m := range ms() {
+				for _, p := range heldPartitions(m) {
+					holders[int(p)] = append(holders[int(p)], name)
+				}
+			}
+			for p, hs := range holders {
+				if len(hs) < 2 {
+					delete(since, p)
+					continue
+				}
+				if _, ok := since[p]; !ok {
+					since[p] = time.Now()
+				} else if time.Since(since[p]) > within {
+					found.set(fmt.Sprintf("partition %d held by %v for more than %v", p, hs, within))
+				}
+			}
+			for p := range since {
+				if len(holders[p]) < 2 {
+					delete(since, p)
+				}
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+	return found.get
+}
+
+type atomicString struct {
+	mu sync.Mutex
+	s  string
+}
+
+func (a *atomicString) set(s string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.s == "" {
+		a.s = s
+	}
+}
+
+func (a *atomicString) get() string {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.s
+}
+
+// A member that does not list its holdings joining in the middle of a cold
+// start, and leaving again before it is over, switches every member to the
+// partition watch and back while acquisitions run: the group still ends
+// with every partition held once, and never two holders for a lease's
+// length.
+func TestAttackModeFlipDuringColdStart(t *testing.T) {
+	const n = 48
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	var mu sync.Mutex
+	ms := map[string]*member{}
+	snapshot := func() map[string]*member {
+		mu.Lock()
+		defer mu.Unlock()
+		return maps.Clone(ms)
+	}
+	doubles := watchDoubles(t, snapshot, 2*time.Second)
+	for _, id := range []string{"a", "b", "c"} {
+		m := startMemberTTL(t, b, id, n, 2*time.Second)
+		mu.Lock()
+		ms[id] = m
+		mu.Unlock()
+	}
+	old := &member{done: make(chan error, 1)}
+	c, err := coordinator.New(b, coordinator.Config{Worker: "old", Partitions: n, TTL: 2 * time.Second, RenewPartitions: true,
+		OnAcquire: func(*coordinator.Lease) { old.acquired.Add(1) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	old.c = c
+	octx, cancel := context.WithCancel(context.Background())
+	old.cancel = cancel
+	go func() { old.done <- c.Run(octx) }()
+	t.Cleanup(func() { old.stop(t) })
+	mu.Lock()
+	ms["old"] = old
+	mu.Unlock()
+	ctx := ctxFor(t, time.Minute)
+	waitUntil(t, ctx, "the member without a list takes a partition", func() (bool, string) {
+		return old.acquired.Load() > 0, ""
+	})
+	old.stop(t)
+	mu.Lock()
+	delete(ms, "old")
+	mu.Unlock()
+	waitBalanced(t, snapshot(), n, 30*time.Second)
+	if d := doubles(); d != "" {
+		t.Fatal(d)
+	}
+}
+
+// A registration that lists nothing and never acquires (a forged one, or
+// a member stuck before its first acquisition) keeps its own share unheld
+// for as long as it lives, and nothing more: the members that work still
+// take every other partition, the extra ones included.
+func TestAttackIdleListerStallsOnlyItsShare(t *testing.T) {
+	const n = 7 // over 3 members: shares 3, 2, 2
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	forgeMember(t, js, b, "zz", 2*time.Second, holdsOf())
+	ms := map[string]*member{
+		"a": startMemberTTL(t, b, "a", n, 2*time.Second),
+		"b": startMemberTTL(t, b, "b", n, 2*time.Second),
+	}
+	ctx := ctxFor(t, 30*time.Second)
+	waitUntil(t, ctx, "a and b hold every partition but the idle member's share", func() (bool, string) {
+		a, b := len(ms["a"].c.Held()), len(ms["b"].c.Held())
+		return a+b == n-2, fmt.Sprintf("a holds %d, b %d", a, b)
+	})
+}
+
+// A member cut off from the server loses its partitions to the others
+// within a TTL and a second of the cut, in a group whose partitions divide
+// evenly before and not after: its registration expires within a TTL of
+// its last renewal, and nothing else may stand in the way (the lists, the
+// extra share going to one of the survivors).
+func TestAttackCutOffMemberFailsOverWithinTTL(t *testing.T) {
+	const n, ttl = 9, 2 * time.Second
+	s := natstest.Start(t)
+	b := provision(t, s.JetStream(t), 1)
+	ncC := s.Connect(t)
+	jsC, _ := jetstream.New(ncC)
+	bC, err := coordinator.OpenBucket(ctxFor(t, 5*time.Second), jsC, b.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ms := map[string]*member{"a": startMemberTTL(t, b, "a", n, ttl), "b": startMemberTTL(t, b, "b", n, ttl), "c": startMemberTTL(t, bC, "c", n, ttl)}
+	waitBalanced(t, ms, n, 20*time.Second)
+	cut := time.Now()
+	ncC.Close()
+	delete(ms, "c")
+	ctx := ctxFor(t, 30*time.Second)
+	waitUntil(t, ctx, "a and b hold every partition", func() (bool, string) {
+		_, ok := ownership(ms, n)
+		return ok, fmt.Sprintf("a holds %v, b %v", heldPartitions(ms["a"]), heldPartitions(ms["b"]))
+	})
+	if d := time.Since(cut); d > ttl+time.Second {
+		t.Errorf("fail-over took %v after the cut, more than the TTL (%v) and a second", d.Round(time.Millisecond), ttl)
+	} else {
+		t.Logf("fail-over took %v after the cut", d.Round(time.Millisecond))
+	}
+}
+
+// A garbage write over the record of a partition a member holds (a stray
+// tool, a bad migration) must not slow the partition's hand-off when its
+// holder leaves: while the members watched the partition records, the
+// holder dropped the partition at once and the others took the record
+// over a lease after it appeared, so by the holder's exit it was long
+// free. Without the partition records nobody sees it until the holder is
+// gone, and the taker then starts waiting a lease and a half from there.
+func TestAttackGarbageOverAHeldRecordDoesNotSlowTheHandOff(t *testing.T) {
+	t.Skip("defect: without the partition records a record overwritten under a live holder is seen by nobody (its holder commits on, its fence untouched) until a taker's acquisition meets it, and the taker's foreign-record clock starts then: the hand-off or crash fail-over waits TTL + max(TTL/2, 1s) more (4.1s after a clean leave at TTL 2s; chaos seed 8055987102445682748 shows a 4.9s fail-over of the partition lease_garbage hit)")
+	const n, ttl = 2, 2 * time.Second
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	ms := map[string]*member{"a": startMemberTTL(t, b, "a", n, ttl), "b": startMemberTTL(t, b, "b", n, ttl)}
+	waitBalanced(t, ms, n, 20*time.Second)
+	ctx := ctxFor(t, 30*time.Second)
+	kv, err := js.KeyValue(ctx, b.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := ms["b"].c.Held()[0].Partition()
+	if _, err := kv.Put(ctx, "partition."+p.String(), []byte("not a lease")); err != nil {
+		t.Fatal(err)
+	}
+	// Let the garbage stand for longer than any lease could leave a
+	// record unchanged: the time it takes to find it is the subject.
+	time.Sleep(2 * ttl)
+	left := time.Now()
+	ms["b"].stop(t)
+	delete(ms, "b")
+	waitUntil(t, ctx, "a holds every partition", func() (bool, string) {
+		return len(ms["a"].c.Held()) == n, fmt.Sprintf("a holds %v", heldPartitions(ms["a"]))
+	})
+	if d := time.Since(left); d > ttl+time.Second {
+		t.Errorf("partition %d moved %v after its holder left, more than the TTL (%v) and a second", p, d.Round(time.Millisecond), ttl)
+	}
+}
