@@ -45,9 +45,7 @@
 // By default the partition leases Run holds live by the worker's member
 // registration, its session, instead of renewing one by one; the worker
 // renews only member.<worker>, so the bucket's idle write rate is about
-// W × 3 / TTL for W workers, whatever the partition count, and each
-// worker's watch receives only those writes plus acquisitions and
-// releases. The rules:
+// W × 3 / TTL for W workers, whatever the partition count. The rules:
 //
 //   - A session is one registration, named by the revision of the write
 //     that acquired member.<worker>; every renewal (a compare-and-set on
@@ -68,14 +66,47 @@
 //     increase strictly (I1).
 //   - Every partition lease of a session has the session's local deadline
 //     (last successful renewal of the registration sent + TTL − margin) and
-//     ends with it (I6); a lease also ends when the watch shows another
-//     write on its record (an operator's Fence, a take-over). Lease's
+//     ends with it (I6); while the worker watches the partition records
+//     (below), a lease also ends when the watch shows another write on its
+//     record (an operator's Fence, a take-over). Lease's
 //     Context, Done, Err and Deadline work as for a lease that renews
 //     itself; Renew renews the session.
 //   - A worker that leaves drains and releases its partitions first and
 //     deregisters last. A record this worker's session still holds but
 //     does not (a release that failed) is purged when the assignment gives
 //     the partition to another worker.
+//
+// # Holdings in the registration
+//
+// A session's registration also lists the partitions its worker holds
+// ("holds": the ascending partition numbers as delta-encoded uvarints in
+// unpadded URL base64), written after each change is stored, a release's
+// purge first; renewals repeat the last list. While every live member
+// lists its holdings, Run watches member.> only: each worker's watch
+// receives the members' writes, whatever the partition count, and the
+// shared assignment is computed from the lists. A live member without a
+// list (RenewPartitions, a release before lists, a list that does not
+// decode) makes every worker of this version watch the partition records
+// too, as before, until it leaves. Without the partition records:
+//
+//   - an acquisition that finds a partition held is retried when the
+//     holder's list changes, or after a renewal interval;
+//   - a record this worker's session may have left behind (a release that
+//     failed, an acquisition whose outcome it gave up on) is read through
+//     the leader and purged when the assignment gives the partition to
+//     another worker;
+//   - a record of a live session that its holder has not listed, in lists
+//     written after it, for longer than a list can lag (TTL + max(TTL/2,
+//     1 s) + 1 s + the request timeout), is overwritten by compare-and-set
+//     on exactly its revision: its holder does not hold it;
+//   - a record leasehold did not write is taken over once it has stayed
+//     unchanged for TTL + max(TTL/2, 1 s) from when an acquisition first
+//     found it (a worker watching the partition records counts from when
+//     it saw it written);
+//   - a registration whose list would not fit in a message the server
+//     takes lists none, and so brings the partition watch back;
+//   - an operator's Fence of a held partition is noticed by its holder at
+//     the partition's next progress commit, which the fence refuses.
 //
 // Config.RenewPartitions turns sessions off for a worker: its partition
 // leases renew themselves. Locks (Lock, TryLock, RunSingleton) and leases
@@ -92,6 +123,8 @@
 // ended either: until every worker is upgraded, partitions of a session
 // member that crashed wait for one of this version. Their `leasehold
 // status` reports such records as foreign, and their `leasehold fence`
-// would remove them: fence with this version's tool. The bucket's format
-// is otherwise unchanged; a rolling upgrade needs no migration.
+// would remove them: fence with this version's tool. Releases before
+// lists ignore the "holds" field; while one is a member, this version
+// watches the partition records as they do. The bucket's format is
+// otherwise unchanged; a rolling upgrade needs no migration.
 package coordinator
