@@ -216,3 +216,54 @@ func TestUnlistedRecordOfALiveSessionIsTakenOver(t *testing.T) {
 		}
 	}
 }
+
+// An operator's Fence of a partition a worker holds, in a group that
+// watches the member records only, ends that worker's lease at once (the
+// Fence leaves it a notice), and the group takes the partition again with
+// a higher epoch though no job ever makes the holder commit.
+func TestFenceOfAListedPartitionIsTakenBack(t *testing.T) {
+	const n = 8
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	ctx := ctxFor(t, time.Minute)
+	ms := map[string]*member{
+		"a": startMemberTTL(t, b, "a", n, 5*time.Second),
+		"b": startMemberTTL(t, b, "b", n, 5*time.Second),
+	}
+	owners := waitBalanced(t, ms, n, 30*time.Second)
+	if w := partitionWatchers(t, ctx, js, b); w != 0 {
+		t.Fatalf("%d partition watchers: the members should watch the member records only", w)
+	}
+	var before *coordinator.Lease
+	for _, l := range ms[owners[3]].c.Held() {
+		if l.Partition() == 3 {
+			before = l
+		}
+	}
+	op, err := coordinator.New(b, coordinator.Config{Worker: "operator", TTL: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := op.Fence(ctx, 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Previous.Epoch != before.Epoch() {
+		t.Fatalf("Fence removed epoch %d, the holder held %d", res.Previous.Epoch, before.Epoch())
+	}
+	select {
+	case <-before.Done():
+	case <-ctx.Done():
+		t.Fatalf("the holder's lease on partition 3 outlived the Fence")
+	}
+	waitUntil(t, ctx, "partition 3 held again above the fenced epoch", func() (bool, string) {
+		for _, m := range ms {
+			for _, l := range m.c.Held() {
+				if l.Partition() == 3 && l.Epoch() > res.Epoch {
+					return true, ""
+				}
+			}
+		}
+		return false, fmt.Sprintf("fenced at %d", res.Epoch)
+	})
+}

@@ -283,6 +283,9 @@ const (
 	partitionKeyPrefix = "partition."
 	memberKeyPrefix    = "member."
 	lockKeyPrefix      = "lock."
+	// noticeKeyPrefix names the notices Fence leaves a worker whose
+	// session-held partition it removed (see notice.go).
+	noticeKeyPrefix = "notice."
 	// progressKeyPrefix names the progress records an earlier leasehold
 	// kept in the lease bucket; Provision moves them out.
 	progressKeyPrefix = "progress."
@@ -291,6 +294,7 @@ const (
 func partitionKey(p leasehold.Partition) string { return partitionKeyPrefix + p.String() }
 func progressKey(p leasehold.Partition) string  { return progressKeyPrefix + p.String() }
 func memberKey(worker string) string            { return memberKeyPrefix + worker }
+func noticeKey(worker string) string            { return noticeKeyPrefix + worker }
 
 // validToken reports whether s can be one token of a NATS subject and a KV
 // key: letters, digits, '-', '_' (and '.' separated tokens when dots is set).

@@ -105,8 +105,12 @@
 //     it saw it written);
 //   - a registration whose list would not fit in a message the server
 //     takes lists none, and so brings the partition watch back;
-//   - an operator's Fence of a held partition is noticed by its holder at
-//     the partition's next progress commit, which the fence refuses.
+//   - an operator's Fence of a held partition leaves its holder a notice
+//     (notice.<holder>, naming the partition and the epoch removed, with a
+//     per-message TTL); the holder, which watches its own notice key, ends
+//     the lease once the stream leader shows the record gone or replaced.
+//     A Fence by a release before notices is noticed at the partition's
+//     next progress commit, which the fence refuses.
 //
 // Config.RenewPartitions turns sessions off for a worker: its partition
 // leases renew themselves. Locks (Lock, TryLock, RunSingleton) and leases

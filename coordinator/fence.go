@@ -92,11 +92,15 @@ func (c *Coordinator) fence(ctx context.Context, t target) (FenceResult, error) 
 			if e.kind != entryValue {
 				continue
 			}
-			if r, derr := decodeRecord(e.data); derr == nil {
+			r, derr := decodeRecord(e.data)
+			if derr == nil {
 				res.Previous = c.b.leaseOf(t, r, e.rev)
 			}
 			if err := c.b.purge(ctx, t.key, e.rev, c.b.markerTTL); err != nil && !isConflict(err) {
 				return res, fmt.Errorf("coordinator: fence %s: remove the lease of %s: %w", t, res.Previous.Holder, err)
+			}
+			if derr == nil && r.Session != 0 && t.kind == kindPartition {
+				c.notify(ctx, r.Holder, t.p, res.Previous.Epoch)
 			}
 		case errors.Is(err, ErrHeld):
 			// contended: try again

@@ -270,7 +270,7 @@ func settlePause(partitions int) time.Duration {
 func (g *group) watch(ctx context.Context) error {
 	wctx, cancel := context.WithCancel(ctx)
 	var ws []jetstream.KeyWatcher
-	filters := []string{memberKeyPrefix + ">"}
+	filters := []string{memberKeyPrefix + ">", noticeKey(g.c.cfg.Worker)}
 	if g.watchParts {
 		filters = append(filters, partitionKeyPrefix+">")
 	}
@@ -363,6 +363,9 @@ func (g *group) onWatch(ctx context.Context, ev watchEvent) bool {
 	if g.next != nil {
 		if ev.entry != nil {
 			g.noticeRewrite(ev.entry)
+			if ev.entry.Key() == noticeKey(g.c.cfg.Worker) && ev.entry.Operation() == jetstream.KeyValuePut {
+				g.onNotice(ctx, ev.entry.Value())
+			}
 			g.next.apply(ev.entry)
 			return false
 		}
@@ -379,6 +382,12 @@ func (g *group) onWatch(ctx context.Context, ev watchEvent) bool {
 	}
 	g.noticeRewrite(ev.entry)
 	key := ev.entry.Key()
+	if key == noticeKey(g.c.cfg.Worker) {
+		if ev.entry.Operation() == jetstream.KeyValuePut {
+			g.onNotice(ctx, ev.entry.Value())
+		}
+		return false
+	}
 	var before *member
 	isMember := strings.HasPrefix(key, memberKeyPrefix)
 	if isMember {

@@ -42,9 +42,9 @@ import (
 // can expire the registration. While it watches the partition records
 // (see advert.go) it stops using one partition at once when the watch shows
 // its record changed (a Fence, or a take-over); while it watches the member
-// records only, a Fence of a partition it holds is refused at its next
-// progress commit, which ends the lease (a take-over by another member
-// needs the session ended, or the record unlisted by its holder).
+// records only, a Fence tells it through a notice (notice.go), and a
+// take-over by another member needs the session ended, or the record
+// unlisted by its holder.
 
 // sessions reports whether Run keeps partition leases alive by the member
 // session.

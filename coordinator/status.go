@@ -206,6 +206,8 @@ func (sn *snapshotter) lease(m scanned) error {
 		}
 	case key == "jobstream":
 		// What an earlier leasehold recorded; the scope replaced it.
+	case strings.HasPrefix(key, noticeKeyPrefix):
+		// A Fence's word to a holder; it expires on its own.
 	default:
 		sn.find(at.unknownKey())
 	}
