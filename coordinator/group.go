@@ -34,6 +34,7 @@ func (c *Coordinator) Run(ctx context.Context) error {
 		heldBy:    map[leasehold.Partition]heldSeen{},
 		strays:    map[leasehold.Partition]bool{},
 		foreign:   map[leasehold.Partition]foreignSeen{},
+		revs:      newRevClock(staleAfter(0, c.cfg.TTL)),
 		warned:    map[string]uint64{},
 		advCh:     make(chan advert, 1),
 		strayCh:   make(chan strayResult, 16),
@@ -133,6 +134,7 @@ type group struct {
 	strays     map[leasehold.Partition]bool     // records this session may have left behind; true while one is being looked at
 	strayCh    chan strayResult
 	foreign    map[leasehold.Partition]foreignSeen // records leasehold did not write, as acquisitions found them
+	revs       *revClock                           // dates the revisions the watch delivered, for foreign
 	advCh      chan advert
 	advDue     bool        // the holdings changed and advTimer runs
 	advTimer   *time.Timer // writes the list when it fires
@@ -359,6 +361,9 @@ func (g *group) onWatch(ctx context.Context, ev watchEvent) bool {
 			}
 		}
 		return false
+	}
+	if ev.entry != nil {
+		g.revs.saw(ev.entry.Revision(), time.Now())
 	}
 	if g.next != nil {
 		if ev.entry != nil {
@@ -676,12 +681,23 @@ func (g *group) onAcquired(r acquireResult) {
 				g.retryAt[r.p] = time.Now().Add(g.c.cfg.RenewEvery)
 			}
 		case errors.As(r.err, &foreign):
-			if f, ok := g.foreign[r.p]; !ok || f.rev != foreign.Revision {
-				g.foreign[r.p] = foreignSeen{rev: foreign.Revision, since: time.Now()}
+			now := time.Now()
+			f, ok := g.foreign[r.p]
+			if !ok || f.rev != foreign.Revision {
+				// Dated by the watch: a record nobody watched may have
+				// stood long before this acquisition met it.
+				f = foreignSeen{rev: foreign.Revision, since: g.revs.since(foreign.Revision, now)}
+				g.foreign[r.p] = f
 			}
-			// The watch shows the record, and it is taken over once it is
-			// stuck; until the watch has caught up, do not spin on it.
-			g.retryAt[r.p] = time.Now().Add(g.c.cfg.RenewEvery)
+			if !g.view.partitions && r.takeover != f.rev && now.Sub(f.since) > staleAfter(0, g.c.cfg.TTL) {
+				// It has stood longer than a lease can already: take it
+				// over now rather than at the next tick.
+				g.queue = append([]leasehold.Partition{r.p}, g.queue...)
+				break
+			}
+			// It is taken over once it is stuck; until then, do not spin
+			// on it.
+			g.retryAt[r.p] = now.Add(g.c.cfg.RenewEvery)
 			g.warnOnce(foreign.Key, foreign.Revision, "partition record is not a lease leasehold wrote: taking the partition over if it stays unchanged for a TTL",
 				"partition", r.p, "revision", foreign.Revision, "reason", foreign.Reason)
 		default:

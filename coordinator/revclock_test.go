@@ -1,0 +1,48 @@
+package coordinator
+
+import (
+	"testing"
+	"time"
+)
+
+func TestRevClockDatesRevisionsByTheWatch(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	c := newRevClock(3 * time.Second)
+	at := func(d time.Duration) time.Time { return t0.Add(d) }
+	c.saw(10, at(0))
+	c.saw(20, at(time.Second))
+	c.saw(15, at(2*time.Second))                // an earlier revision, seen later: nothing new
+	c.saw(21, at(time.Second+time.Millisecond)) // within the spacing of the last sample
+	c.saw(30, at(2*time.Second))
+	for _, tc := range []struct {
+		rev  uint64
+		want time.Time
+	}{
+		{5, at(0)},            // stood since before the first sample
+		{10, at(time.Second)}, // the sample at 10 is this record's own write or later
+		{19, at(time.Second)}, // below 20
+		{25, at(2 * time.Second)},
+		{30, at(9 * time.Second)}, // nothing seen after it: now
+		{99, at(9 * time.Second)},
+	} {
+		if got := c.since(tc.rev, at(9*time.Second)); !got.Equal(tc.want) {
+			t.Errorf("since(%d) = %v, want %v", tc.rev, got.Sub(t0), tc.want.Sub(t0))
+		}
+	}
+	// Samples older than the horizon go, but for the newest of them, which
+	// still proves any earlier revision older than the horizon.
+	c.saw(40, at(10*time.Second))
+	if n := len(c.samples); n != 2 {
+		t.Fatalf("%d samples kept, want 2: %+v", n, c.samples)
+	}
+	if got := c.since(5, at(10*time.Second)); at(10*time.Second).Sub(got) <= 3*time.Second {
+		t.Errorf("since(5) = %v: no longer older than the horizon", got.Sub(t0))
+	}
+	// Bounded however many writes it sees.
+	for i := range 100000 {
+		c.saw(uint64(100+i), at(10*time.Second+time.Duration(i)*time.Millisecond))
+	}
+	if n := len(c.samples); n > 20 {
+		t.Errorf("%d samples kept, want at most 20", n)
+	}
+}
