@@ -315,23 +315,13 @@ func (g *group) checkStray(ctx context.Context, p leasehold.Partition) {
 	g.strays[p] = true
 	g.retryAt[p] = time.Now().Add(g.c.cfg.RenewEvery)
 	session := uint64(g.member.info.Epoch)
-	g.tasks.Add(1)
-	go func() {
-		defer g.tasks.Done()
-		select {
-		case g.sem <- struct{}{}:
-		case <-ctx.Done():
-			return
-		}
-		defer func() { <-g.sem }()
-		rctx, cancel := context.WithTimeout(ctx, 2*g.c.cfg.RequestTimeout)
-		defer cancel()
+	g.inBackground(ctx, 2*g.c.cfg.RequestTimeout, func(rctx context.Context) {
 		err := g.c.purgeStray(rctx, p, session)
 		select {
 		case g.strayCh <- strayResult{p: p, err: err}:
 		case <-ctx.Done():
 		}
-	}()
+	})
 }
 
 // purgeStray removes partition p's record if session of this worker wrote

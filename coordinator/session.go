@@ -196,6 +196,18 @@ func (g *group) purgeOrphan(ctx context.Context, p leasehold.Partition, rev uint
 		return
 	}
 	g.retryAt[p] = time.Now().Add(g.c.cfg.RenewEvery)
+	g.inBackground(ctx, g.c.cfg.RequestTimeout, func(rctx context.Context) {
+		if err := g.c.b.purge(rctx, partitionKey(p), rev, g.c.b.markerTTL); err != nil && !isConflict(err) {
+			g.c.cfg.Logger.Warn("could not give up a partition record this worker's session holds; retrying", "partition", p, "revision", rev, "err", err)
+		}
+	})
+}
+
+// inBackground runs step on a goroutine of the group's, within the bound
+// on its concurrent requests (the acquisitions' too) and under a deadline
+// of timeout. Its outcome is step's to report; when ctx ends before a
+// request slot frees, step does not run.
+func (g *group) inBackground(ctx context.Context, timeout time.Duration, step func(ctx context.Context)) {
 	g.tasks.Add(1)
 	go func() {
 		defer g.tasks.Done()
@@ -205,10 +217,8 @@ func (g *group) purgeOrphan(ctx context.Context, p leasehold.Partition, rev uint
 			return
 		}
 		defer func() { <-g.sem }()
-		rctx, cancel := context.WithTimeout(ctx, g.c.cfg.RequestTimeout)
+		rctx, cancel := context.WithTimeout(ctx, timeout)
 		defer cancel()
-		if err := g.c.b.purge(rctx, partitionKey(p), rev, g.c.b.markerTTL); err != nil && !isConflict(err) {
-			g.c.cfg.Logger.Warn("could not give up a partition record this worker's session holds; retrying", "partition", p, "revision", rev, "err", err)
-		}
+		step(rctx)
 	}()
 }
