@@ -100,9 +100,12 @@
 //     1 s) + 1 s + the request timeout), is overwritten by compare-and-set
 //     on exactly its revision: its holder does not hold it;
 //   - a record leasehold did not write is taken over once it has stayed
-//     unchanged for TTL + max(TTL/2, 1 s) from when an acquisition first
-//     found it (a worker watching the partition records counts from when
-//     it saw it written);
+//     unchanged for TTL + max(TTL/2, 1 s). Nobody saw it written, so it
+//     is dated by the watch: an entry of a later revision, seen at t,
+//     proves the record has stood since t (a worker watching the
+//     partition records counts from when it saw it written). Garbage
+//     written over a held partition's record long ago therefore delays
+//     neither its hand-off nor its fail-over;
 //   - a registration whose list would not fit in a message the server
 //     takes lists none, and so brings the partition watch back;
 //   - an operator's Fence of a held partition leaves its holder a notice
