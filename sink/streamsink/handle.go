@@ -111,8 +111,16 @@ func (r *Runner) handle(ctx context.Context, msgs []*logMsg) error {
 	return stopErr
 }
 
-// settle delivers a decided batch, saves the progress and reports the
-// decisions.
+// settle delivers a decided batch, reports the decisions and saves the
+// progress.
+//
+// The decisions are reported before the save: once the position is saved,
+// a runner that takes over after a crash acks the batch's messages without
+// deciding them, and a refusal reported only after the save would be lost
+// with the process. Reported first, a crash before the save reports them
+// again when the batch is decided again (at least once, never none). A save
+// that fails is not a crash: the runner keeps what it reported (unsaved)
+// and does not report the same decision twice itself.
 func (r *Runner) settle(ctx context.Context, outs []outcome, w *work) error {
 	if err := r.deliver(ctx, outs); err != nil {
 		return err
@@ -120,21 +128,52 @@ func (r *Runner) settle(ctx context.Context, outs []outcome, w *work) error {
 	if err := r.at("delivered"); err != nil {
 		return err
 	}
-	written, err := r.save(ctx, w)
-	if err != nil {
-		return err
-	}
-	if err := r.at("saved"); err != nil {
-		return err
-	}
 	for _, o := range outs {
-		if o.report {
+		if o.report && !r.reportedBefore(o) {
 			r.rep.Report(o.ctx, o.d)
 		}
+	}
+	written, err := r.save(ctx, w)
+	if err != nil {
+		r.keepReported(outs)
+		return err
+	}
+	clear(r.unsaved)
+	if err := r.at("saved"); err != nil {
+		return err
 	}
 	// Waiters on the position see the decisions reported.
 	r.adopt(w, written)
 	return nil
+}
+
+// reportedBefore reports whether this runner reported o's decision for
+// its message already, in a batch whose save failed.
+func (r *Runner) reportedBefore(o outcome) bool {
+	if len(r.unsaved) == 0 {
+		return false
+	}
+	d, ok := r.unsaved[o.m.seq]
+	return ok && d == o.d.Outcome
+}
+
+// keepReported records the decisions of a batch whose save failed, which
+// were reported: the batch is decided again, from the saved position. The
+// record holds no more than the messages above that position.
+func (r *Runner) keepReported(outs []outcome) {
+	if r.unsaved == nil {
+		r.unsaved = map[uint64]sink.Outcome{}
+	}
+	for _, o := range outs {
+		if o.report {
+			r.unsaved[o.m.seq] = o.d.Outcome
+		}
+	}
+	for seq := range r.unsaved {
+		if seq <= r.saved {
+			delete(r.unsaved, seq)
+		}
+	}
 }
 
 // startSpans starts the span of each message whose decision is reported:

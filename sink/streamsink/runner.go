@@ -44,7 +44,9 @@
 // stood there (entries a dead runner saved above it are ignored), reaching
 // the same decisions, and its republishes are dropped as duplicates.
 // Messages at or below the saved position are acked without a second
-// decision, and messages that arrive out of order (redeliveries after a
+// decision, so a batch's decisions are reported before its position is
+// saved: a crash between the two reports them again, never loses them
+// (a refusal is counted at least once). Messages that arrive out of order (redeliveries after a
 // crash) are put back in order by reading the log. Nothing is applied
 // twice or lost. The saved state is bounded: see Config.MaxFences.
 //
@@ -111,9 +113,10 @@ type Runner struct {
 
 	// Job groups (groups.go), owned by Run's goroutine.
 	groups     *groups
-	saved      uint64         // the saved position: seq, or short of the first effect of an open job
-	appliedRev map[int]uint64 // revisions of the applied shards
-	needReload bool           // a batch that placed effects in groups was not saved
+	saved      uint64                  // the saved position: seq, or short of the first effect of an open job
+	appliedRev map[int]uint64          // revisions of the applied shards
+	needReload bool                    // a batch that placed effects in groups was not saved
+	unsaved    map[uint64]sink.Outcome // decisions reported in batches whose save failed, by log position
 
 	mu        sync.Mutex
 	heldCount int           // effects held in open groups, for the gauge

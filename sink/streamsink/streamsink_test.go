@@ -45,6 +45,12 @@ func (p *positions) Decided(_ context.Context, d sink.Decision) {
 	p.ds[d.Position] = d
 }
 
+func (p *positions) reset() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.ds = nil
+}
+
 func (p *positions) at(seq uint64) (sink.Decision, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
