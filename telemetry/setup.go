@@ -100,6 +100,9 @@ func Setup(ctx context.Context, cfg SetupConfig) (t *Telemetry, metrics http.Han
 	} else if exp != nil {
 		sdk := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(newRefusalsApart(exp)), sdktrace.WithResource(res), sdktrace.WithSampler(KeepRefusals(sampler)))
 		tp, stopTracing = sdk, sdk.Shutdown
+		if followsParent(sampler) {
+			tp = &parentDecides{tp: sdk}
+		}
 	}
 	prop := propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})
 	if !cfg.NoGlobals {
