@@ -375,3 +375,26 @@ func TestSetupStartsNoSpanUnderUnsampledParent(t *testing.T) {
 		}
 	}
 }
+
+// Setup's provider, wrapped or not, still flushes on demand.
+func TestSetupProviderForceFlush(t *testing.T) {
+	rcv := newReceiver(t)
+	t.Setenv("OTEL_TRACES_SAMPLER", "")
+	tel, _, shutdown, err := telemetry.Setup(context.Background(), telemetry.SetupConfig{OTLPEndpoint: rcv.srv.URL, NoGlobals: true, Sampler: sdktrace.ParentBased(sdktrace.AlwaysSample())})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer shutdown(context.Background())
+	f, ok := tel.Config().TracerProvider.(interface{ ForceFlush(context.Context) error })
+	if !ok {
+		t.Fatalf("Setup's provider %T has no ForceFlush", tel.Config().TracerProvider)
+	}
+	_, span := tel.Tracer.Start(context.Background(), "flushed")
+	span.End()
+	if err := f.ForceFlush(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := rcv.spans(); len(got) != 1 || got[0].span.GetName() != "flushed" {
+		t.Fatalf("after ForceFlush the receiver has %d spans, want the one ended", len(got))
+	}
+}

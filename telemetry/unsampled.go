@@ -46,6 +46,16 @@ type parentDecides struct {
 	tp trace.TracerProvider
 }
 
+// ForceFlush exports the spans ended so far, as the SDK's provider's
+// ForceFlush does: code that asserted Setup's provider to a flusher still
+// finds one.
+func (p *parentDecides) ForceFlush(ctx context.Context) error {
+	if f, ok := p.tp.(interface{ ForceFlush(context.Context) error }); ok {
+		return f.ForceFlush(ctx)
+	}
+	return nil
+}
+
 func (p *parentDecides) Tracer(name string, opts ...trace.TracerOption) trace.Tracer {
 	return parentDecidesTracer{tr: p.tp.Tracer(name, opts...), tp: p}
 }
