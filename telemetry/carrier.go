@@ -21,7 +21,7 @@ func (c HeaderCarrier) Get(key string) string {
 		return vs[0]
 	}
 	for k, vs := range c {
-		if len(vs) > 0 && strings.EqualFold(k, key) {
+		if len(k) == len(key) && len(vs) > 0 && strings.EqualFold(k, key) {
 			return vs[0]
 		}
 	}
@@ -31,7 +31,7 @@ func (c HeaderCarrier) Get(key string) string {
 // Set replaces key's values, dropping any spelling of it in another case.
 func (c HeaderCarrier) Set(key, value string) {
 	for k := range c {
-		if k != key && strings.EqualFold(k, key) {
+		if len(k) == len(key) && k != key && strings.EqualFold(k, key) {
 			delete(c, k)
 		}
 	}

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
 	"go.opentelemetry.io/otel/trace"
 	coltracepb "go.opentelemetry.io/proto/otlp/collector/trace/v1"
 	commonpb "go.opentelemetry.io/proto/otlp/common/v1"
@@ -325,5 +326,75 @@ func TestDefaultSamplerDescription(t *testing.T) {
 	var _ sdktrace.Sampler = telemetry.DefaultSampler()
 	if d := telemetry.DefaultSampler().Description(); !strings.Contains(d, "TraceIDRatioBased{0.1}") {
 		t.Fatalf("DefaultSampler = %s", d)
+	}
+}
+
+// Under a parent that was not sampled, Setup's tracer (with the default
+// sampler) hands back a span that records nothing, carries the parent's
+// context and names Setup's provider; with attributes at the start, the
+// sampler decides, and a refusal is recorded.
+func TestSetupStartsNoSpanUnderUnsampledParent(t *testing.T) {
+	rcv := newReceiver(t)
+	t.Setenv("OTEL_TRACES_SAMPLER", "")
+	tel, _, shutdown, err := telemetry.Setup(context.Background(), telemetry.SetupConfig{OTLPEndpoint: rcv.srv.URL, NoGlobals: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer shutdown(context.Background())
+	parent := trace.NewSpanContext(trace.SpanContextConfig{TraceID: trace.TraceID{7}, SpanID: trace.SpanID{7}, Remote: true})
+	ctx, span := tel.Tracer.Start(trace.ContextWithRemoteSpanContext(context.Background(), parent), "process orders.jobs.{partition}",
+		trace.WithSpanKind(trace.SpanKindConsumer))
+	if span.IsRecording() || !span.SpanContext().Equal(parent) || !trace.SpanContextFromContext(ctx).Equal(parent) {
+		t.Fatalf("child of an unsampled parent: recording %v, context %v; want the parent's %v", span.IsRecording(), span.SpanContext(), parent)
+	}
+	if span.TracerProvider() != tel.Config().TracerProvider {
+		t.Errorf("the child's provider is %T, not Setup's", span.TracerProvider())
+	}
+	span.SetAttributes(telemetry.AttrEpoch.Int64(1))
+	span.End()
+	_, refusal := tel.Tracer.Start(ctx, "apply", trace.WithAttributes(semconv.ErrorTypeKey.String(telemetry.ErrorTypeStaleEpoch)))
+	if !refusal.IsRecording() || refusal.SpanContext().TraceID() != parent.TraceID() {
+		t.Errorf("a refusal under an unsampled parent: recording %v, trace %v", refusal.IsRecording(), refusal.SpanContext().TraceID())
+	}
+	refusal.End()
+
+	for _, c := range []struct {
+		s    sdktrace.Sampler
+		want bool
+	}{
+		{telemetry.DefaultSampler(), true},
+		{sdktrace.ParentBased(sdktrace.AlwaysSample()), true},
+		{telemetry.KeepRefusals(telemetry.DefaultSampler()), true},
+		{sdktrace.AlwaysSample(), false},
+		{sdktrace.TraceIDRatioBased(0.1), false},
+		{sdktrace.ParentBased(sdktrace.NeverSample(), sdktrace.WithRemoteParentNotSampled(sdktrace.AlwaysSample())), false},
+		{sdktrace.ParentBased(sdktrace.NeverSample(), sdktrace.WithLocalParentNotSampled(sdktrace.AlwaysSample())), false},
+	} {
+		if got := telemetry.FollowsParent(c.s); got != c.want {
+			t.Errorf("FollowsParent(%s) = %v, want %v", c.s.Description(), got, c.want)
+		}
+	}
+}
+
+// Setup's provider, wrapped or not, still flushes on demand.
+func TestSetupProviderForceFlush(t *testing.T) {
+	rcv := newReceiver(t)
+	t.Setenv("OTEL_TRACES_SAMPLER", "")
+	tel, _, shutdown, err := telemetry.Setup(context.Background(), telemetry.SetupConfig{OTLPEndpoint: rcv.srv.URL, NoGlobals: true, Sampler: sdktrace.ParentBased(sdktrace.AlwaysSample())})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer shutdown(context.Background())
+	f, ok := tel.Config().TracerProvider.(interface{ ForceFlush(context.Context) error })
+	if !ok {
+		t.Fatalf("Setup's provider %T has no ForceFlush", tel.Config().TracerProvider)
+	}
+	_, span := tel.Tracer.Start(context.Background(), "flushed")
+	span.End()
+	if err := f.ForceFlush(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := rcv.spans(); len(got) != 1 || got[0].span.GetName() != "flushed" {
+		t.Fatalf("after ForceFlush the receiver has %d spans, want the one ended", len(got))
 	}
 }

@@ -24,9 +24,35 @@ import (
 // span, and all of them sit in the trace of the job's enqueue, with B's
 // handling of the same job.
 func TestRejectedWriteSpans(t *testing.T) {
-	rec := tracetest.NewSpanRecorder()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-	defer tp.Shutdown(context.Background())
+	forEachProvider(t, sdktrace.ParentBased(sdktrace.AlwaysSample()), testRejectedWriteSpans)
+}
+
+// forEachProvider runs test with an SDK tracer provider sampling with s
+// into a recorder, and with the same provider as Setup hands it out when
+// its sampler follows the parent (as s does).
+func forEachProvider(t *testing.T, s sdktrace.Sampler, test func(*testing.T, *tracetest.SpanRecorder, trace.TracerProvider)) {
+	if !telemetry.FollowsParent(s) {
+		t.Fatalf("%s does not follow the parent", s.Description())
+	}
+	for _, wrap := range []bool{false, true} {
+		name := "sdk"
+		if wrap {
+			name = "setup"
+		}
+		t.Run(name, func(t *testing.T) {
+			rec := tracetest.NewSpanRecorder()
+			sdk := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec), sdktrace.WithSampler(s))
+			defer sdk.Shutdown(context.Background())
+			var tp trace.TracerProvider = sdk
+			if wrap {
+				tp = telemetry.ParentDecides(sdk)
+			}
+			test(t, rec, tp)
+		})
+	}
+}
+
+func testRejectedWriteSpans(t *testing.T, rec *tracetest.SpanRecorder, tp trace.TracerProvider) {
 	mp, metrics, err := telemetry.NewPrometheus()
 	if err != nil {
 		t.Fatal(err)
@@ -268,10 +294,10 @@ func tree(ss []sdktrace.ReadOnlySpan, id trace.TraceID) string {
 // stream runner's to the span that sent the effect, or, since an attempt
 // that is not sampled starts no effect spans, to the attempt's).
 func TestRejectedWriteSpansUnsampled(t *testing.T) {
-	rec := tracetest.NewSpanRecorder()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec),
-		sdktrace.WithSampler(telemetry.KeepRefusals(sdktrace.ParentBased(sdktrace.NeverSample()))))
-	defer tp.Shutdown(context.Background())
+	forEachProvider(t, telemetry.KeepRefusals(sdktrace.ParentBased(sdktrace.NeverSample())), testRejectedWriteSpansUnsampled)
+}
+
+func testRejectedWriteSpansUnsampled(t *testing.T, rec *tracetest.SpanRecorder, tp trace.TracerProvider) {
 	run := runZombie(t, telemetry.Config{TracerProvider: tp, Propagator: propagation.TraceContext{}})
 
 	sinks := map[string]bool{}
