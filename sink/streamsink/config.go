@@ -147,9 +147,13 @@ type Config struct {
 	// Default 2 minutes.
 	StallAfter time.Duration
 
-	// Batch is how many messages one fetch asks for. Default 100.
+	// Batch is how many messages one fetch asks for, and the most one
+	// batch handles. While a batch is handled, the next one is fetched:
+	// a runner holds up to two batches unacked, of the consumer's
+	// MaxAckPending of four. Default 100.
 	Batch int
-	// FetchWait is how long a fetch waits for messages. Default 500ms.
+	// FetchWait is how long a fetch stays open, and how long Run waits
+	// for a message before it counts an empty step. Default 500ms.
 	FetchWait time.Duration
 	// AckWait is how long the server waits for an ack before it redelivers
 	// a message. Default 30s.

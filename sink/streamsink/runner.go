@@ -48,7 +48,11 @@
 // saved: a crash between the two reports them again, never loses them
 // (a refusal is counted at least once). Messages that arrive out of order (redeliveries after a
 // crash) are put back in order by reading the log. Nothing is applied
-// twice or lost. The saved state is bounded: see Config.MaxFences.
+// twice or lost. The runner fetches the next batches while it handles
+// one (see prefetch.go); fetching changes no state, and a runner that
+// stops hands what it holds back to the server, while one that dies
+// leaves it to be redelivered or read from the log. The saved state is
+// bounded: see Config.MaxFences.
 //
 // The log must keep every message until the runner has handled it: a
 // message removed before, by the log's limits (MaxAge, MaxMsgs, MaxBytes,
@@ -74,7 +78,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
@@ -319,6 +322,9 @@ func (r *Runner) Run(ctx context.Context) error {
 		r.running = false
 		r.mu.Unlock()
 	}()
+	pf := r.startPrefetch(ctx)
+	stopped := false // by a crash in a test: what it holds waits for AckWait
+	defer func() { pf.halt(!stopped) }()
 	failures := 0
 	checked := false // the log's first position, against the saved one
 	for ctx.Err() == nil {
@@ -336,7 +342,7 @@ func (r *Runner) Run(ctx context.Context) error {
 			checked = err == nil
 		}
 		if err == nil {
-			err = r.step(ctx)
+			err = r.step(ctx, pf)
 		}
 		r.stepMu.Unlock()
 		r.stepped(err)
@@ -348,6 +354,7 @@ func (r *Runner) Run(ctx context.Context) error {
 			return nil
 		}
 		if errors.Is(err, ErrStateConflict) || errors.Is(err, errStop) {
+			stopped = errors.Is(err, errStop)
 			return err
 		}
 		if gap := (*GapError)(nil); errors.As(err, &gap) {
@@ -408,63 +415,20 @@ func (r *Runner) Ready(context.Context) error {
 // errStop wraps a test hook's error.
 var errStop = errors.New("streamsink: stopped")
 
-// step fetches one batch and handles it. It asks for what is there
-// without waiting; when nothing is, it waits for one message and then takes
-// whatever else has arrived, so that a quiet log is handled at once and a
-// busy one in full batches. (A Fetch loop rather than Consume: Consume can
-// stall a consumer with a backlog until its heartbeat check fires.)
-func (r *Runner) step(ctx context.Context) error {
+// step takes the next batch from the prefetcher (see prefetch.go) and
+// handles it.
+func (r *Runner) step(ctx context.Context, p *prefetcher) error {
 	if r.needReload {
 		if err := r.reload(ctx); err != nil {
 			return err
 		}
 	}
-	msgs, err := r.fetch(ctx, r.cfg.Batch, false)
+	msgs, err := r.take(ctx, p)
 	if err != nil {
 		return err
-	}
-	if len(msgs) == 0 {
-		if msgs, err = r.fetch(ctx, 1, true); err != nil {
-			return err
-		}
-		if len(msgs) == 1 && r.cfg.Batch > 1 {
-			more, err := r.fetch(ctx, r.cfg.Batch-1, false)
-			if err != nil {
-				return err
-			}
-			msgs = append(msgs, more...)
-		}
 	}
 	if len(msgs) == 0 {
 		return nil
 	}
 	return r.handle(ctx, msgs)
-}
-
-func (r *Runner) fetch(ctx context.Context, n int, wait bool) ([]*logMsg, error) {
-	var batch jetstream.MessageBatch
-	var err error
-	if wait {
-		fctx, cancel := context.WithTimeout(ctx, r.cfg.FetchWait)
-		defer cancel()
-		batch, err = r.cons.Fetch(n, jetstream.FetchContext(fctx))
-	} else {
-		batch, err = r.cons.FetchNoWait(n)
-	}
-	if err != nil {
-		return nil, fmt.Errorf("fetch from %s: %w", r.cfg.Stream, err)
-	}
-	var msgs []*logMsg
-	for m := range batch.Messages() {
-		meta, err := m.Metadata()
-		if err != nil {
-			continue
-		}
-		msgs = append(msgs, &logMsg{seq: meta.Sequence.Stream, subject: m.Subject(), header: m.Headers(), data: m.Data(), msg: m})
-	}
-	if err := batch.Error(); err != nil && len(msgs) == 0 &&
-		!errors.Is(err, nats.ErrTimeout) && !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, jetstream.ErrNoMessages) {
-		return nil, fmt.Errorf("fetch from %s: %w", r.cfg.Stream, err)
-	}
-	return msgs, nil
 }
