@@ -347,3 +347,82 @@ func TestAttack4WorkingListsAreNotReported(t *testing.T) {
 		return time.Now().After(deadline), ""
 	})
 }
+
+// The lease bucket re-created under running members, by a machine whose
+// clock is behind, starts above the highest epoch its fence records hold,
+// which can be below revisions the old bucket issued after it (renewals,
+// lists, notices). The members' watch dated those; a record leasehold
+// cannot read that someone writes, and keeps renewing, in the new bucket
+// is not older for it: nobody overwrites it while it is renewed.
+func TestAttack4RecreatedBucketDoesNotAgeNewRecords(t *testing.T) {
+	const n, p = 4, 1
+	const ttl = 2 * time.Second
+	js := natstest.Start(t).JetStream(t)
+	ctx := ctxFor(t, 2*time.Minute)
+	cfg := coordinator.BucketConfig{Bucket: "orders-leases", MarkerTTL: time.Second}
+	b, err := coordinator.Provision(ctx, js, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	jobStream(t, js, "orders", n, 8)
+	// A fence record for every partition, then many more writes: the old
+	// bucket's revisions climb well above its highest epoch.
+	c := newCoord(t, b, "setup", ttl)
+	for q := range leasehold.Partition(n) {
+		l, err := c.Acquire(ctx, q)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := l.Commit(ctx, 1); err != nil {
+			t.Fatal(err)
+		}
+		if err := l.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for range 3000 {
+		if _, err := js.Publish(ctx, "$KV."+b.Name()+".notice.nobody", []byte("x"), jetstream.WithMsgTTL(time.Second)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ms := map[string]*member{
+		"a": startMemberTTL(t, b, "a", n, ttl),
+		"b": startMemberTTL(t, b, "b", n, ttl),
+	}
+	waitBalanced(t, ms, n, 30*time.Second)
+	// Let the revisions the members saw grow older than a lease can be.
+	seen := time.Now()
+	waitUntil(t, ctx, "the members' revisions older than a lease", func() (bool, string) {
+		return time.Since(seen) > 2*ttl, ""
+	})
+
+	if err := js.DeleteStream(ctx, "KV_"+b.Name()); err != nil {
+		t.Fatal(err)
+	}
+	behind := time.Now().Add(-time.Hour)
+	restore := coordinator.SetWallClock(func() time.Time { return behind })
+	nb, err := coordinator.Provision(ctx, js, cfg)
+	restore()
+	if err != nil {
+		t.Fatal(err)
+	}
+	renewals, overwritten := forgeForeignLease(t, js, nb, p, ttl)
+	waitUntil(t, ctx, "20 renewals of the foreign record in the new bucket", func() (bool, string) {
+		if s := overwritten(); s != "" {
+			t.Fatalf("a live foreign record in the re-created bucket was overwritten: %s", s)
+		}
+		return renewals() >= 20, fmt.Sprint(renewals())
+	})
+	waitUntil(t, ctx, "every other partition held again", func() (bool, string) {
+		held := map[leasehold.Partition]int{}
+		for _, m := range ms {
+			for _, l := range m.c.Held() {
+				held[l.Partition()]++
+			}
+		}
+		return len(held) == n-1 && held[p] == 0, fmt.Sprint(held)
+	})
+	if s := overwritten(); s != "" {
+		t.Fatalf("a live foreign record in the re-created bucket was overwritten: %s", s)
+	}
+}
