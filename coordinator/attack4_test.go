@@ -211,7 +211,7 @@ func TestAttack4RenewedForeignRecordIsNeverTakenOver(t *testing.T) {
 }
 
 // A cold start on an R3 bucket whose stream leader steps down while the
-// members register and acquire ends with every partition held once, and
+// members register and acquire, and again as the last one joins, ends with every partition held once, and
 // never two holders for a lease's length.
 func TestAttack4LeaderChangeDuringColdStart(t *testing.T) {
 	const n = 32
@@ -231,9 +231,10 @@ func TestAttack4LeaderChangeDuringColdStart(t *testing.T) {
 		mu.Lock()
 		ms[name] = m
 		mu.Unlock()
-		if i == 1 {
+		if i != 1 {
 			// Once acquisitions run: step the bucket's leader down.
-			waitUntil(t, ctx, "acquisitions under way", func() (bool, string) { return acquisitions(snapshot()) > 0, "" })
+			floor := acquisitions(snapshot())
+			waitUntil(t, ctx, "acquisitions under way", func() (bool, string) { return acquisitions(snapshot()) > floor, "" })
 			before := cl.StreamLeader(t, stream, 30*time.Second)
 			if _, err := nc.RequestWithContext(ctx, "$JS.API.STREAM.LEADER.STEPDOWN."+stream, nil); err != nil {
 				t.Fatal(err)
