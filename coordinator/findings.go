@@ -44,6 +44,13 @@ const (
 	FindingOutOfRange FindingKind = "out-of-range"
 	// FindingUnknownKey: a key leasehold does not use.
 	FindingUnknownKey FindingKind = "unknown-key"
+	// FindingListDisagrees: a live registration lists partitions it does
+	// not hold (free, or held by another), and was written again more
+	// than a lease's length after their records were. A worker lists
+	// what it holds within a second of a change, so this one is stuck or
+	// not a leasehold worker; either way the worker group counts those
+	// partitions as its, and they stay free for as long as it lives.
+	FindingListDisagrees FindingKind = "list-disagrees"
 )
 
 // Finding is one record that is not what leasehold writes.
@@ -108,6 +115,13 @@ func (f Finding) outOfRange(p leasehold.Partition, n int) Finding {
 	return f
 }
 
+func (f Finding) listDisagrees(id string, ps []string) Finding {
+	f.Kind = FindingListDisagrees
+	f.Problem = fmt.Sprintf("registration %s lists %s, and was renewed more than a lease's length after their records were written; the worker group gives its share to a member that does not take it", id, strings.Join(ps, ", "))
+	f.Fix = "stop worker " + id + " if it is stuck; if it is not a leasehold worker, stop what writes its record and remove it (`nats kv del " + f.Bucket + " " + f.Key + "`)"
+	return f
+}
+
 func (f Finding) unknownKey() Finding {
 	f.Kind, f.Problem, f.Fix = FindingUnknownKey, "not a key leasehold uses", "remove it if it is not yours"
 	return f
@@ -138,7 +152,7 @@ func (c *Coordinator) Repair(ctx context.Context, f Finding) (FenceResult, error
 			return FenceResult{}, err
 		}
 		return FenceResult{Repaired: []string{"moved " + f.Key + " to the fence-record bucket " + c.b.fenceName}}, nil
-	case FindingUnknownKey, FindingOutOfRange:
+	case FindingUnknownKey, FindingOutOfRange, FindingListDisagrees:
 		return FenceResult{}, fmt.Errorf("coordinator: repair %s: leasehold does not use this key and leaves it alone: %s", f.Key, f.Fix)
 	}
 	if f.Bucket == c.b.name && f.Kind == FindingForeign && (strings.HasPrefix(f.Key, memberKeyPrefix) || f.Fence == nil) {

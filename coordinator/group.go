@@ -92,7 +92,8 @@ type acquireResult struct {
 	p        leasehold.Partition
 	lease    *Lease
 	err      error
-	takeover uint64 // the revision of the foreign record it was to replace
+	takeover uint64    // the revision of the foreign record it was to replace
+	started  time.Time // before its first write was sent
 }
 
 type group struct {
@@ -427,12 +428,14 @@ func (g *group) reconcile(ctx context.Context) {
 		// Lost the registration (a pause, a partition from the server):
 		// register again before taking anything.
 		rctx, cancel := context.WithTimeout(ctx, 2*g.c.cfg.RequestTimeout)
+		started := time.Now()
 		l, err := g.c.acquireKey(rctx, memberTarget(me), acquireOpts{advertise: g.c.sessions()})
 		cancel()
 		if err == nil {
 			l.startKeepalive()
 			g.member = l
 			g.watchLoss(l)
+			g.wrote(uint64(l.info.Epoch), started)
 			clear(g.strays) // an ended session's records are free to all
 		}
 	}
@@ -644,8 +647,9 @@ func (g *group) startQueued(ctx context.Context, now time.Time) {
 			// group's context: its outcome is settled, not abandoned.
 			actx, cancel := context.WithTimeout(ctx, g.c.cfg.TTL)
 			defer cancel()
+			started := time.Now()
 			l, err := g.c.acquire(actx, partitionTarget(p), acquireOpts{takeover: takeover, session: sess, hint: hint, orphan: orphan})
-			g.acqCh <- acquireResult{p: p, lease: l, err: err, takeover: takeover}
+			g.acqCh <- acquireResult{p: p, lease: l, err: err, takeover: takeover, started: started}
 		}()
 	}
 }
@@ -718,6 +722,7 @@ func (g *group) onAcquired(r acquireResult) {
 	delete(g.foreign, r.p)
 	delete(g.strays, r.p)
 	l := r.lease
+	g.wrote(uint64(l.info.Epoch), r.started)
 	if r.takeover != 0 {
 		g.c.cfg.Logger.Warn("took the partition over from a record the server did not expire", "partition", r.p, "revision", r.takeover, "epoch", l.info.Epoch)
 	}
@@ -735,6 +740,17 @@ func (g *group) onAcquired(r acquireResult) {
 	g.heldChanged()
 	if g.c.cfg.OnAcquire != nil {
 		g.c.cfg.OnAcquire(l)
+	}
+}
+
+// wrote tells the revision clock of a write of this worker's, sent after
+// started and stored at rev. When that shows its samples to be of a lease
+// bucket since re-created, the foreign records they dated are dated again
+// when next met.
+func (g *group) wrote(rev uint64, started time.Time) {
+	if g.revs.wrote(rev, started) {
+		clear(g.foreign)
+		g.c.cfg.Logger.Warn("the lease bucket issued a revision below ones it issued before: it was re-created; dating its records afresh", "revision", rev)
 	}
 }
 

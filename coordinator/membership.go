@@ -17,11 +17,13 @@ func (g *group) register(ctx context.Context) error {
 		takeover     uint64
 	)
 	for attempt := 0; ; attempt++ {
+		started := time.Now()
 		l, err := g.c.acquireKey(ctx, memberTarget(g.c.cfg.Worker), acquireOpts{takeover: takeover, advertise: g.c.sessions()})
 		if err == nil {
 			l.startKeepalive()
 			g.member = l
 			g.watchLoss(l)
+			g.wrote(uint64(l.info.Epoch), started)
 			return nil
 		}
 		var (

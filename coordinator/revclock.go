@@ -54,6 +54,29 @@ func (c *revClock) saw(rev uint64, at time.Time) {
 	}
 }
 
+// wrote records that a write of this process, sent after started, was
+// stored at rev, and reports whether that showed the samples to be
+// another bucket's. The server numbers one stream's writes in order, and a
+// sample seen before the write was sent is of an earlier write, so below
+// rev; one at or above it is of a stream that is gone: the lease bucket
+// was deleted and created again, starting above the epochs its fence
+// records hold but not always above every revision it had issued (the
+// renewals and lists after the last acquisition). Kept, such samples would
+// date the new bucket's records from before it existed. They all go.
+// (Samples seen after the send tell nothing: other writes may follow it.)
+func (c *revClock) wrote(rev uint64, started time.Time) bool {
+	for i := len(c.samples) - 1; i >= 0; i-- {
+		if s := c.samples[i]; s.at.Before(started) {
+			if s.rev < rev {
+				return false
+			}
+			c.samples = c.samples[:0]
+			return true
+		}
+	}
+	return false
+}
+
 // since is the earliest time from which a record still at revision rev is
 // known to have stood unchanged, or now when nothing seen is later than it.
 func (c *revClock) since(rev uint64, now time.Time) time.Time {

@@ -46,3 +46,29 @@ func TestRevClockDatesRevisionsByTheWatch(t *testing.T) {
 		t.Errorf("%d samples kept, want at most 20", n)
 	}
 }
+
+// A write of this process's at a revision the samples already passed says
+// the bucket was re-created below them: they are all dropped, and a record
+// of the new bucket is dated from now.
+func TestRevClockForgetsARecreatedBucket(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	c := newRevClock(3 * time.Second)
+	c.saw(100, t0)
+	c.saw(200, t0.Add(time.Second))
+	if c.wrote(201, t0.Add(2*time.Second)) {
+		t.Fatal("a write above every sample dropped them")
+	}
+	if c.wrote(150, t0.Add(time.Second/2)) {
+		t.Fatal("a write sent before the sample above it dropped the samples")
+	}
+	if got := c.since(150, t0.Add(10*time.Second)); !got.Equal(t0.Add(time.Second)) {
+		t.Fatalf("since(150) = %v, want the sample of revision 200", got)
+	}
+	if !c.wrote(160, t0.Add(2*time.Second)) {
+		t.Fatal("a write below a sample kept the samples")
+	}
+	now := t0.Add(10 * time.Second)
+	if got := c.since(150, now); !got.Equal(now) {
+		t.Fatalf("since(150) = %v after the re-creation, want now", got)
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"time"
@@ -58,7 +59,7 @@ type Status struct {
 // each (see Findings). It reads both buckets through consumers their
 // stream leaders serve; records written meanwhile may or may not show.
 func (b *Bucket) Snapshot(ctx context.Context) (Status, error) {
-	sn := snapshotter{b: b, parts: map[leasehold.Partition]*PartitionStatus{}, locks: map[string]*LockStatus{}}
+	sn := snapshotter{b: b, parts: map[leasehold.Partition]*PartitionStatus{}, locks: map[string]*LockStatus{}, written: map[string]time.Time{}}
 	if err := sn.context(ctx); err != nil {
 		return Status{}, err
 	}
@@ -68,6 +69,7 @@ func (b *Bucket) Snapshot(ctx context.Context) (Status, error) {
 	if err := scanLast(ctx, b.js, b.fenceStream, b.fencePrefix+">", sn.fence); err != nil {
 		return Status{}, err
 	}
+	sn.checkLists()
 	st := sn.st
 	for _, ps := range sn.parts {
 		st.Partitions = append(st.Partitions, *ps)
@@ -95,6 +97,18 @@ type snapshotter struct {
 	partitions int    // the job stream's partition count; 0 when not known
 	jobsLast   uint64 // the job stream's last sequence
 	haveJobs   bool
+
+	lists   []listed             // the member registrations that list their holdings
+	written map[string]time.Time // the server's time of each key's last write, markers included
+	latest  time.Time            // the latest of them
+}
+
+// listed is one registration's list, as Snapshot found it.
+type listed struct {
+	at    Finding
+	id    string
+	holds string
+	ttl   time.Duration
 }
 
 // context reads what the records are checked against: the lease bucket's
@@ -136,10 +150,14 @@ func (sn *snapshotter) find(f Finding) { sn.st.Findings = append(sn.st.Findings,
 
 // lease folds one record of the lease bucket.
 func (sn *snapshotter) lease(m scanned) error {
+	key := strings.TrimPrefix(m.subject, sn.b.prefix)
+	sn.written[key] = m.time
+	if m.time.After(sn.latest) {
+		sn.latest = m.time
+	}
 	if m.marker {
 		return nil
 	}
-	key := strings.TrimPrefix(m.subject, sn.b.prefix)
 	at := Finding{Bucket: sn.b.name, Key: key, Revision: m.seq, Written: m.time}
 	switch {
 	case strings.HasPrefix(key, memberKeyPrefix):
@@ -153,6 +171,9 @@ func (sn *snapshotter) lease(m scanned) error {
 			return nil
 		}
 		sn.st.Members = append(sn.st.Members, id)
+		if r.Holds != nil {
+			sn.lists = append(sn.lists, listed{at: at, id: id, holds: *r.Holds, ttl: time.Duration(r.TTLMilli) * time.Millisecond})
+		}
 	case strings.HasPrefix(key, partitionKeyPrefix):
 		p, err := leasehold.ParsePartition(key[len(partitionKeyPrefix):])
 		if err != nil {
@@ -212,6 +233,59 @@ func (sn *snapshotter) lease(m scanned) error {
 		sn.find(at.unknownKey())
 	}
 	return nil
+}
+
+// checkLists finds the registrations whose lists have disagreed with the
+// partition records for longer than a worker takes to list a change: a
+// list is written within a second of it, and every renewal repeats it, so
+// a registration written well after a partition's record that still
+// claims it is not what a working member does. A partition without any
+// record had its release marker expire, which dates the release a
+// marker's TTL back at least; with markers shorter than a lease that says
+// too little, and nothing is reported. Only
+// claims are checked: a partition a member holds and does not list yet
+// slows the group down, it does not stall a share.
+func (sn *snapshotter) checkLists() {
+	n := sn.partitions
+	if n <= 0 {
+		n = math.MaxInt32
+	}
+	for _, l := range sn.lists {
+		ps, err := decodeHolds(l.holds, n)
+		if err != nil {
+			continue // the group does not read it either
+		}
+		var wrong []string
+		for _, p := range ps {
+			key := partitionKey(leasehold.Partition(p))
+			holder := ""
+			if s := sn.parts[leasehold.Partition(p)]; s != nil {
+				holder = s.Holder
+			}
+			if holder == l.id || holder == "?" {
+				continue // its own, or a foreign record already found
+			}
+			written, ok := sn.written[key]
+			if !ok {
+				// No record, not even a marker: if there was one, it
+				// expired, so it was written a marker's TTL before the
+				// scan, the latest write it met being the nearest to
+				// the scan's time it knows.
+				written = sn.latest.Add(-sn.b.markerTTL)
+			}
+			if l.at.Written.Sub(written) <= staleAfter(l.ttl, time.Second) {
+				continue // written too recently to tell a stuck list from a slow one
+			}
+			if holder == "" {
+				wrong = append(wrong, fmt.Sprintf("partition %d, which nobody holds", p))
+			} else {
+				wrong = append(wrong, fmt.Sprintf("partition %d, which %s holds", p, holder))
+			}
+		}
+		if len(wrong) > 0 {
+			sn.find(l.at.listDisagrees(l.id, wrong))
+		}
+	}
 }
 
 // fence folds one record of the fence-record bucket.

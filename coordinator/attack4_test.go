@@ -1,0 +1,429 @@
+package coordinator_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"maps"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/testing/natstest"
+)
+
+// forgeNotice publishes value as notice.<worker>, as anyone who can write
+// to the lease bucket can.
+func forgeNotice(t *testing.T, ctx context.Context, js jetstream.JetStream, b *coordinator.Bucket, worker string, value []byte) {
+	t.Helper()
+	if _, err := js.Publish(ctx, "$KV."+b.Name()+".notice."+worker, value, jetstream.WithMsgTTL(5*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Notices nobody's Fence wrote, to a worker holding partitions under its
+// session: garbage, partitions it does not hold or the group does not
+// have, the epochs it holds at with their records intact, and a flood of
+// those, end none of its leases, and a real Fence after them still ends
+// the one it removed: the worker reads every notice and is not stuck.
+func TestAttack4ForgedNoticesEndNoLease(t *testing.T) {
+	const n = 8
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	ctx := ctxFor(t, 2*time.Minute)
+	ms := map[string]*member{
+		"a": startMemberTTL(t, b, "a", n, 5*time.Second),
+		"b": startMemberTTL(t, b, "b", n, 5*time.Second),
+	}
+	waitBalanced(t, ms, n, 30*time.Second)
+	a := ms["a"]
+	held := a.c.Held()
+	if len(held) < 2 {
+		t.Fatalf("a holds %d partitions", len(held))
+	}
+	notHeld := map[leasehold.Partition]bool{}
+	for p := range n {
+		notHeld[leasehold.Partition(p)] = true
+	}
+	for _, l := range held {
+		delete(notHeld, l.Partition())
+	}
+	var forged [][]byte
+	for _, raw := range []string{
+		``, `garbage`, `{}`, `null`, `[]`, `{"partition":-1,"epoch":1}`,
+		`{"partition":4294967295,"epoch":1}`, `{"partition":99999999999999999999,"epoch":1}`,
+		`{"partition":1e300,"epoch":1}`, `{"partition":8,"epoch":1}`,
+		`{"partition":0,"epoch":18446744073709551615}`,
+	} {
+		forged = append(forged, []byte(raw))
+	}
+	for p := range notHeld {
+		v, _ := json.Marshal(map[string]any{"partition": p, "epoch": 1})
+		forged = append(forged, v)
+	}
+	for _, l := range held {
+		// The epoch it holds at, off by one, and exactly: the record is intact.
+		for _, e := range []leasehold.Epoch{l.Epoch() - 1, l.Epoch() + 1, l.Epoch()} {
+			v, _ := json.Marshal(map[string]any{"partition": l.Partition(), "epoch": e})
+			forged = append(forged, v)
+		}
+	}
+	// A flood of the notices that make the holder ask the leader.
+	for range 2000 {
+		for _, l := range held {
+			v, _ := json.Marshal(map[string]any{"partition": l.Partition(), "epoch": l.Epoch()})
+			forged = append(forged, v)
+		}
+	}
+	for _, v := range forged {
+		forgeNotice(t, ctx, js, b, "a", v)
+	}
+
+	// A real Fence of one of them: the notice it leaves comes after every
+	// forged one, so its effect shows the worker has read them all.
+	victim, rest := held[0], held[1:]
+	op, err := coordinator.New(b, coordinator.Config{Worker: "operator", TTL: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := op.Fence(ctx, victim.Partition())
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-victim.Done():
+	case <-ctx.Done():
+		t.Fatalf("the lease on partition %d outlived a Fence that followed %d forged notices", victim.Partition(), len(forged))
+	}
+	// The holder ends a lease on a notice only after its own leader read,
+	// which runs in the background: wait for the ones the flood started
+	// by waiting for the group to hold the fenced partition again.
+	waitUntil(t, ctx, "the fenced partition held again", func() (bool, string) {
+		for _, m := range ms {
+			for _, l := range m.c.Held() {
+				if l.Partition() == victim.Partition() && l.Epoch() > res.Epoch {
+					return true, ""
+				}
+			}
+		}
+		return false, ""
+	})
+	for _, l := range rest {
+		select {
+		case <-l.Done():
+			t.Errorf("forged notices ended a's lease on partition %d at epoch %d: %v", l.Partition(), l.Epoch(), l.Err())
+		default:
+		}
+	}
+	if lapses(ms) != 0 {
+		t.Errorf("%d leases lapsed under the flood of notices", lapses(ms))
+	}
+}
+
+// forgeForeignLease writes partition.<p> as a record leasehold cannot read
+// (a newer format, say) carrying a per-message TTL, and renews it, each
+// write on the revision of the one before, every ttl/4 until the test
+// ends, as a live holder would. It reports the first renewal refused: the
+// record was overwritten under a live holder.
+func forgeForeignLease(t *testing.T, js jetstream.JetStream, b *coordinator.Bucket, p int, ttl time.Duration) (renewals func() int, overwritten func() string) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	t.Cleanup(func() { cancel(); <-done })
+	subject := fmt.Sprintf("$KV.%s.partition.%d", b.Name(), p)
+	value := []byte(`{"format":99,"holder":"next-version"}`)
+	ack, err := js.Publish(ctx, subject, value, jetstream.WithMsgTTL(ttl))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		mu    sync.Mutex
+		count int
+		lost  string
+	)
+	go func() {
+		defer close(done)
+		rev := ack.Sequence
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(ttl / 4):
+			}
+			a, err := js.Publish(ctx, subject, value, jetstream.WithMsgTTL(ttl), jetstream.WithExpectLastSequencePerSubject(rev))
+			mu.Lock()
+			if err != nil {
+				if ctx.Err() == nil && lost == "" {
+					lost = fmt.Sprintf("renewal on revision %d refused: %v", rev, err)
+				}
+				mu.Unlock()
+				return
+			}
+			rev = a.Sequence
+			count++
+			mu.Unlock()
+		}
+	}()
+	return func() int { mu.Lock(); defer mu.Unlock(); return count },
+		func() string { mu.Lock(); defer mu.Unlock(); return lost }
+}
+
+// A record leasehold cannot read that its writer keeps renewing is a live
+// lease of some other writer: the group dates it by the watch's revisions,
+// and a record that changes every quarter TTL is never older than a lease
+// can be. Nobody overwrites it while it is renewed, the rest of the group
+// settles, and once it stops being renewed the server expires it and the
+// partition is taken.
+func TestAttack4RenewedForeignRecordIsNeverTakenOver(t *testing.T) {
+	const n, p = 4, 2
+	const ttl = 2 * time.Second
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	ctx := ctxFor(t, 2*time.Minute)
+	renewals, overwritten := forgeForeignLease(t, js, b, p, ttl)
+	ms := map[string]*member{
+		"a": startMemberTTL(t, b, "a", n, ttl),
+		"b": startMemberTTL(t, b, "b", n, ttl),
+	}
+	// Many times longer than a foreign record may stand unchanged
+	// (TTL + max(TTL/2, 1s) = 3s): 40 renewals, 20 s.
+	waitUntil(t, ctx, "40 renewals of the foreign record", func() (bool, string) {
+		if s := overwritten(); s != "" {
+			t.Fatalf("a live foreign record was overwritten: %s", s)
+		}
+		return renewals() >= 40, fmt.Sprint(renewals())
+	})
+	for name, m := range ms {
+		for _, l := range m.c.Held() {
+			if l.Partition() == p {
+				t.Fatalf("%s holds partition %d at epoch %d while its foreign record is renewed", name, p, l.Epoch())
+			}
+		}
+	}
+	if s := overwritten(); s != "" {
+		t.Fatalf("a live foreign record was overwritten: %s", s)
+	}
+}
+
+// A cold start on an R3 bucket whose stream leader steps down while the
+// members register and acquire, and again as the last one joins, ends with every partition held once, and
+// never two holders for a lease's length.
+func TestAttack4LeaderChangeDuringColdStart(t *testing.T) {
+	const n = 32
+	const ttl = 5 * time.Second
+	cl := natstest.StartCluster(t)
+	js := cl.JetStream(t)
+	b := provision(t, js, 3)
+	ctx := ctxFor(t, 3*time.Minute)
+	stream := "KV_" + b.Name()
+	var mu sync.Mutex
+	ms := map[string]*member{}
+	snapshot := func() map[string]*member { mu.Lock(); defer mu.Unlock(); return maps.Clone(ms) }
+	doubles := watchDoubles(t, snapshot, ttl)
+	nc := cl.Connect(t)
+	for i, name := range []string{"w0", "w1", "w2"} {
+		m := startMemberTTL(t, b, name, n, ttl)
+		mu.Lock()
+		ms[name] = m
+		mu.Unlock()
+		if i != 1 {
+			// Once acquisitions run: step the bucket's leader down.
+			floor := acquisitions(snapshot())
+			waitUntil(t, ctx, "acquisitions under way", func() (bool, string) { return acquisitions(snapshot()) > floor, "" })
+			before := cl.StreamLeader(t, stream, 30*time.Second)
+			if _, err := nc.RequestWithContext(ctx, "$JS.API.STREAM.LEADER.STEPDOWN."+stream, nil); err != nil {
+				t.Fatal(err)
+			}
+			waitUntil(t, ctx, "a new stream leader", func() (bool, string) {
+				return cl.StreamLeader(t, stream, 30*time.Second) != before, ""
+			})
+		}
+	}
+	waitBalanced(t, snapshot(), n, 90*time.Second)
+	if s := doubles(); s != "" {
+		t.Fatal(s)
+	}
+}
+
+// A registration that looks live and lists a partition another member
+// holds gets its share of the assignment, which nobody else takes: the
+// listed partition is given up by its holder, and the share stays free for
+// as long as the registration stays. The status says so, naming the
+// registration, and says nothing of the working members.
+func TestAttack4ListOfPartitionsNotHeldShowsInStatus(t *testing.T) {
+	const n = 6
+	js := natstest.Start(t).JetStream(t)
+	ctx := ctxFor(t, time.Minute)
+	// Markers that outlast a lease, as the default minute does: the
+	// release of the listed partition is dated by its marker.
+	b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{MarkerTTL: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ms := map[string]*member{
+		"a": startMemberTTL(t, b, "a", n, 2*time.Second),
+		"b": startMemberTTL(t, b, "b", n, 2*time.Second),
+	}
+	owners := waitBalanced(t, ms, n, 30*time.Second)
+	other := slices.Index(owners, "a")
+	forgeMember(t, js, b, "0forger", 2*time.Second, holdsOf(other))
+	waitUntil(t, ctx, "a finding on the forged registration's list", func() (bool, string) {
+		st, err := b.Snapshot(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		found := false
+		for _, f := range st.Findings {
+			switch {
+			case f.Kind != coordinator.FindingListDisagrees:
+			case f.Key == "member.0forger":
+				found = true
+			default:
+				t.Fatalf("a working member's list is reported: %v", f)
+			}
+		}
+		return found, fmt.Sprint(st.Findings)
+	})
+}
+
+// A registration that lists every partition, each held by a real member,
+// costs the group its own share and no more: the members keep the rest,
+// whatever the forger claims.
+func TestAttack4ListOfEveryPartitionCostsOnlyItsShare(t *testing.T) {
+	const n = 6 // over 3 members: 2 each
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	ms := map[string]*member{
+		"a": startMemberTTL(t, b, "a", n, 2*time.Second),
+		"b": startMemberTTL(t, b, "b", n, 2*time.Second),
+	}
+	waitBalanced(t, ms, n, 30*time.Second)
+	forgeMember(t, js, b, "0forger", 2*time.Second, holdsOf(0, 1, 2, 3, 4, 5))
+	waitQuiet(t, ms, 4*time.Second, 40*time.Second)
+	if a, b := len(ms["a"].c.Held()), len(ms["b"].c.Held()); a+b != n-2 {
+		t.Fatalf("a holds %d and b %d: a forged list of every partition should cost only its own share of 2", a, b)
+	}
+}
+
+// Working members' lists are never reported, through a join and a leave
+// that move partitions, with markers that outlast a lease.
+func TestAttack4WorkingListsAreNotReported(t *testing.T) {
+	const n = 12
+	js := natstest.Start(t).JetStream(t)
+	ctx := ctxFor(t, 2*time.Minute)
+	b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{MarkerTTL: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	check := func(phase string) {
+		st, err := b.Snapshot(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, f := range st.Findings {
+			t.Errorf("%s: %v", phase, f)
+		}
+	}
+	ms := map[string]*member{
+		"a": startMemberTTL(t, b, "a", n, 2*time.Second),
+		"b": startMemberTTL(t, b, "b", n, 2*time.Second),
+	}
+	waitBalanced(t, ms, n, 30*time.Second)
+	check("two members")
+	ms["c"] = startMemberTTL(t, b, "c", n, 2*time.Second)
+	waitBalanced(t, ms, n, 30*time.Second)
+	check("c joined")
+	ms["a"].stop(t)
+	delete(ms, "a")
+	waitBalanced(t, ms, n, 30*time.Second)
+	// Past the point a stuck list of a's would be reported.
+	deadline := time.Now().Add(4 * time.Second)
+	waitUntil(t, ctx, "a lease's length after the hand-off", func() (bool, string) {
+		check("a left")
+		return time.Now().After(deadline), ""
+	})
+}
+
+// The lease bucket re-created under running members, by a machine whose
+// clock is behind, starts above the highest epoch its fence records hold,
+// which can be below revisions the old bucket issued after it (renewals,
+// lists, notices). The members' watch dated those; a record leasehold
+// cannot read that someone writes, and keeps renewing, in the new bucket
+// is not older for it: nobody overwrites it while it is renewed.
+func TestAttack4RecreatedBucketDoesNotAgeNewRecords(t *testing.T) {
+	const n, p = 4, 1
+	const ttl = 2 * time.Second
+	js := natstest.Start(t).JetStream(t)
+	ctx := ctxFor(t, 2*time.Minute)
+	cfg := coordinator.BucketConfig{Bucket: "orders-leases", MarkerTTL: time.Second}
+	b, err := coordinator.Provision(ctx, js, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	jobStream(t, js, "orders", n, 8)
+	// A fence record for every partition, then many more writes: the old
+	// bucket's revisions climb well above its highest epoch.
+	c := newCoord(t, b, "setup", ttl)
+	for q := range leasehold.Partition(n) {
+		l, err := c.Acquire(ctx, q)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := l.Commit(ctx, 1); err != nil {
+			t.Fatal(err)
+		}
+		if err := l.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for range 3000 {
+		if _, err := js.Publish(ctx, "$KV."+b.Name()+".notice.nobody", []byte("x"), jetstream.WithMsgTTL(time.Second)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ms := map[string]*member{
+		"a": startMemberTTL(t, b, "a", n, ttl),
+		"b": startMemberTTL(t, b, "b", n, ttl),
+	}
+	waitBalanced(t, ms, n, 30*time.Second)
+	// Let the revisions the members saw grow older than a lease can be.
+	seen := time.Now()
+	waitUntil(t, ctx, "the members' revisions older than a lease", func() (bool, string) {
+		return time.Since(seen) > 2*ttl, ""
+	})
+
+	if err := js.DeleteStream(ctx, "KV_"+b.Name()); err != nil {
+		t.Fatal(err)
+	}
+	behind := time.Now().Add(-time.Hour)
+	restore := coordinator.SetWallClock(func() time.Time { return behind })
+	nb, err := coordinator.Provision(ctx, js, cfg)
+	restore()
+	if err != nil {
+		t.Fatal(err)
+	}
+	renewals, overwritten := forgeForeignLease(t, js, nb, p, ttl)
+	waitUntil(t, ctx, "20 renewals of the foreign record in the new bucket", func() (bool, string) {
+		if s := overwritten(); s != "" {
+			t.Fatalf("a live foreign record in the re-created bucket was overwritten: %s", s)
+		}
+		return renewals() >= 20, fmt.Sprint(renewals())
+	})
+	waitUntil(t, ctx, "every other partition held again", func() (bool, string) {
+		held := map[leasehold.Partition]int{}
+		for _, m := range ms {
+			for _, l := range m.c.Held() {
+				held[l.Partition()]++
+			}
+		}
+		return len(held) == n-1 && held[p] == 0, fmt.Sprint(held)
+	})
+	if s := overwritten(); s != "" {
+		t.Fatalf("a live foreign record in the re-created bucket was overwritten: %s", s)
+	}
+}
