@@ -143,6 +143,9 @@ func (c *Config) setDefaults() {
 	if c.TxIdleTimeout == 0 {
 		c.TxIdleTimeout = DefaultTxIdleTimeout
 	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
 }
 
 var identRE = regexp.MustCompile(`^[a-z_][a-z0-9_]*$`)
@@ -190,6 +193,7 @@ type Sink struct {
 	db          DB
 	t           Tables
 	rep         *sink.Reporter
+	log         *slog.Logger
 	check       *sink.EpochCheck
 	pkey        string // the effects table's primary key constraint
 	lockTimeout time.Duration
@@ -211,6 +215,7 @@ func New(cfg Config) (*Sink, error) {
 		db:          cfg.DB,
 		t:           t,
 		rep:         sink.NewReporter(sink.ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger, Telemetry: cfg.Telemetry}),
+		log:         cfg.Logger,
 		check:       sink.NewEpochCheck(cfg.Verifier),
 		pkey:        pkeyName(cfg.Prefix, "effects"),
 		lockTimeout: cfg.LockTimeout,
@@ -246,10 +251,35 @@ func (s *Sink) Apply(ctx context.Context, effects ...sink.Effect) error {
 			return err
 		}
 	}
-	if len(effects) == 1 {
-		return s.applyOne(ctx, &effects[0])
+	for attempt := 1; ; attempt++ {
+		var err error
+		if len(effects) == 1 {
+			err = s.applyOne(ctx, &effects[0])
+		} else {
+			err = s.applyBatch(ctx, effects)
+		}
+		if attempt == maxRollbackRetries || !rolledBack(err) || ctx.Err() != nil {
+			return err
+		}
+		s.log.Warn("pgsink: PostgreSQL rolled the write back to break a deadlock or a serialization conflict with another writer; nothing of it was written: trying again",
+			"scope", effects[0].Stamp.Scope, "partition", effects[0].Stamp.Partition, "effects", len(effects), "attempt", attempt, "err", err)
 	}
-	return s.applyBatch(ctx, effects)
+}
+
+// maxRollbackRetries bounds how often Apply writes again after PostgreSQL
+// rolled its transaction back to break a deadlock or a serialization
+// conflict. Two batches whose effects share idempotency keys across
+// partitions can lock a fence row and a key in opposite orders; PostgreSQL
+// fails one after deadlock_timeout, which wrote nothing, and the next try
+// finds the other committed.
+const maxRollbackRetries = 3
+
+// rolledBack reports whether err is PostgreSQL's rollback of a deadlock
+// victim (40P01) or a serialization failure (40001): the statement or
+// transaction wrote nothing, and trying again is safe.
+func rolledBack(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == "40P01" || pgErr.Code == "40001")
 }
 
 // applyOne is the common case: one statement that share-locks the fence
