@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/leasehold/leasehold"
@@ -68,6 +69,12 @@ type Coordinator struct {
 	group *group // set while Run runs
 
 	ended endedSessions
+
+	// noticeHook, set by tests only, is called with "notice" and the
+	// notice for each notice that names a lease this worker holds at its
+	// epoch, with "read" before each leader read for them, and with
+	// "idle" when a lease's reads end with no notice left to read for.
+	noticeHook atomic.Pointer[func(event string, data []byte)]
 }
 
 // New returns a Coordinator for the worker cfg describes.

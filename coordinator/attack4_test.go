@@ -427,3 +427,95 @@ func TestAttack4RecreatedBucketDoesNotAgeNewRecords(t *testing.T) {
 		t.Fatalf("a live foreign record in the re-created bucket was overwritten: %s", s)
 	}
 }
+
+// A flood of notices naming a lease at the epoch it holds (anyone who can
+// write to the bucket can send them) costs its holder one leader read at a
+// time: the notices that come during a read get one more read between
+// them, and a notice after that its own.
+func TestAttack4NoticeFloodReadsOneAtATime(t *testing.T) {
+	const n, flood = 4, 500
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	ctx := ctxFor(t, time.Minute)
+	a := startMemberTTL(t, b, "a", n, 5*time.Second)
+	waitBalanced(t, map[string]*member{"a": a}, n, 30*time.Second)
+	l := a.c.Held()[0]
+
+	// Each notice is the same to the holder; the tag tells the test
+	// which one it saw. The watch may skip notices a later one replaced,
+	// never the last.
+	forge := func(tag string) {
+		v, _ := json.Marshal(map[string]any{"partition": l.Partition(), "epoch": l.Epoch(), "tag": tag})
+		forgeNotice(t, ctx, js, b, "a", v)
+	}
+	var mu sync.Mutex
+	seen := map[string]bool{}
+	notices, reads, idle := 0, 0, 0
+	first := make(chan struct{})
+	release := sync.OnceFunc(func() { close(first) })
+	t.Cleanup(release)
+	a.c.SetNoticeHook(func(event string, data []byte) {
+		mu.Lock()
+		switch event {
+		case "notice":
+			var n struct{ Tag string }
+			_ = json.Unmarshal(data, &n)
+			seen[n.Tag] = true
+			notices++
+		case "idle":
+			idle++
+		case "read":
+			reads++
+			if reads == 1 {
+				mu.Unlock()
+				<-first // the first read takes as long as the test needs
+				return
+			}
+		}
+		mu.Unlock()
+	})
+	state := func() (string, int, int) {
+		mu.Lock()
+		defer mu.Unlock()
+		return fmt.Sprintf("%d notices seen, %d reads, %d idle", notices, reads, idle), reads, idle
+	}
+	waitFor := func(what string, done func(reads, idle int) bool) {
+		t.Helper()
+		waitUntil(t, ctx, what, func() (bool, string) {
+			s, r, i := state()
+			return done(r, i), s
+		})
+	}
+	sawTag := func(tag string) func(int, int) bool {
+		return func(int, int) bool {
+			mu.Lock()
+			defer mu.Unlock()
+			return seen[tag]
+		}
+	}
+
+	for i := range flood {
+		forge(fmt.Sprint(i))
+	}
+	forge("flood-end")
+	waitFor("the flood's last notice, during the first read", sawTag("flood-end"))
+	if s, r, _ := state(); r != 1 {
+		t.Fatalf("%s: leader reads began while the first was in flight", s)
+	}
+	release()
+	waitFor("one more read for the notices during the first, and then none", func(r, i int) bool { return i == 1 })
+	if s, r, _ := state(); r != 2 {
+		t.Fatalf("%s: want 2 reads for the flood", s)
+	}
+	forge("after")
+	waitFor("a read for the notice after the flood", func(r, i int) bool { return i == 2 })
+	select {
+	case <-l.Done():
+		t.Errorf("the notices ended the lease on partition %d: %v", l.Partition(), l.Err())
+	default:
+	}
+	a.stop(t) // waits for the reads in flight
+	if s, r, _ := state(); r != 3 {
+		t.Errorf("%s: want 3 reads", s)
+	}
+}

@@ -53,3 +53,8 @@ var DecodeHolds = decodeHolds
 func (c *Coordinator) RegisterListingSession(ctx context.Context) (*Lease, error) {
 	return c.acquireKey(ctx, memberTarget(c.cfg.Worker), acquireOpts{advertise: true})
 }
+
+// SetNoticeHook has f called with "notice" and the notice for each notice
+// naming a lease c holds at its epoch, with "read" before each leader read
+// for them, and with "idle" when a lease's reads end with none pending.
+func (c *Coordinator) SetNoticeHook(f func(event string, data []byte)) { c.noticeHook.Store(&f) }

@@ -74,7 +74,8 @@ type Lease struct {
 	// partition lease alive; nil for a lease that renews itself.
 	session     *Lease
 	stopSession func() bool
-	releasing   atomic.Bool // Release has begun: a change the watch shows is its own
+	releasing   atomic.Bool  // Release has begun: a change the watch shows is its own
+	notices     atomic.Int32 // notices naming this lease since its check began; 0 with no check in flight
 
 	ctx    context.Context
 	cancel context.CancelCauseFunc

@@ -49,6 +49,13 @@ func (c *Coordinator) notify(ctx context.Context, holder string, p leasehold.Par
 // onNotice looks into a notice to this worker: if it names a partition
 // this worker holds under the session, at the epoch it holds, and the
 // leader shows the record gone or another's, the lease ends.
+//
+// Anyone who can write to the bucket can write notices, so they cost a
+// bounded amount: one leader read in flight per lease, however many
+// notices name it. A notice that comes during a read gets one more read
+// after it, as that read may have begun before the Fence the notice
+// reports; a flood of notices during one read gets one more read, not
+// one each.
 func (g *group) onNotice(ctx context.Context, data []byte) {
 	var n notice
 	if err := json.Unmarshal(data, &n); err != nil || int(n.Partition) >= g.n {
@@ -58,24 +65,63 @@ func (g *group) onNotice(ctx context.Context, data []byte) {
 	if l == nil || l.session == nil || l.releasing.Load() || l.info.Epoch != n.Epoch {
 		return
 	}
+	g.c.hookNotice("notice", data)
+	if l.notices.Add(1) > 1 {
+		return // the read in flight reads once more
+	}
 	g.tasks.Add(1)
 	go func() {
 		defer g.tasks.Done()
-		rctx, cancel := context.WithTimeout(ctx, g.c.cfg.RequestTimeout)
-		defer cancel()
-		e, err := g.c.b.last(rctx, l.key)
-		if err != nil {
-			return // its next commit settles it
+		for g.checkNotice(ctx, l) {
+			// Notices came during the read: once more, for all of them.
 		}
-		if e.kind == entryValue && e.rev == uint64(l.info.Epoch) {
-			return // still this lease's record: the notice is old, or not Fence's
-		}
-		holder := ""
-		if e.kind == entryValue {
-			if r, err := decodeRecord(e.data); err == nil {
-				holder = r.Holder
-			}
-		}
-		l.lose(LostRefused, holder, fmt.Errorf("the partition record of epoch %d was removed (a Fence); the stream leader's last write on it is revision %d", l.info.Epoch, e.rev))
 	}()
+}
+
+func (c *Coordinator) hookNotice(event string, data []byte) {
+	if h := c.noticeHook.Load(); h != nil {
+		(*h)(event, data)
+	}
+}
+
+// checkNotice asks the stream leader whether l's record is still its own
+// and ends l if not. It reports whether to read again: notices came
+// during this read.
+func (g *group) checkNotice(ctx context.Context, l *Lease) (again bool) {
+	if g.readNotice(ctx, l) {
+		return false // lost: nothing more to read
+	}
+	for {
+		switch c := l.notices.Load(); {
+		case c <= 1:
+			if l.notices.CompareAndSwap(c, 0) {
+				g.c.hookNotice("idle", nil)
+				return false
+			}
+		case l.notices.CompareAndSwap(c, 1):
+			return true
+		}
+	}
+}
+
+// readNotice is one leader read for a notice; it reports whether l ended.
+func (g *group) readNotice(ctx context.Context, l *Lease) (ended bool) {
+	g.c.hookNotice("read", nil)
+	rctx, cancel := context.WithTimeout(ctx, g.c.cfg.RequestTimeout)
+	defer cancel()
+	e, err := g.c.b.last(rctx, l.key)
+	if err != nil {
+		return false // its next commit settles it
+	}
+	if e.kind == entryValue && e.rev == uint64(l.info.Epoch) {
+		return false // still this lease's record: the notice is old, or not Fence's
+	}
+	holder := ""
+	if e.kind == entryValue {
+		if r, err := decodeRecord(e.data); err == nil {
+			holder = r.Holder
+		}
+	}
+	l.lose(LostRefused, holder, fmt.Errorf("the partition record of epoch %d was removed (a Fence); the stream leader's last write on it is revision %d", l.info.Epoch, e.rev))
+	return true
 }
