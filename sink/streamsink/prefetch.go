@@ -66,7 +66,8 @@ func (r *Runner) prefetch(ctx context.Context, p *prefetcher) {
 	for ctx.Err() == nil {
 		if len(p.out) > 0 {
 			// One batch ahead: wait until the last pull's messages
-			// are taken.
+			// (or its error) are taken.
+			r.fetchHook("wait")
 			select {
 			case <-p.taken:
 				continue
@@ -100,6 +101,10 @@ func (r *Runner) prefetch(ctx context.Context, p *prefetcher) {
 // fetchInto runs one pull request of up to Config.Batch messages, open for
 // up to Config.FetchWait, and hands each message on as it arrives.
 func (r *Runner) fetchInto(ctx context.Context, p *prefetcher) error {
+	r.lastPull.Store(time.Now().UnixNano())
+	if err := r.fetchHook("fetch"); err != nil {
+		return fmt.Errorf("fetch from %s: %w", r.cfg.Stream, err)
+	}
 	fctx, cancel := context.WithTimeout(ctx, r.cfg.FetchWait)
 	defer cancel()
 	batch, err := r.cons.Fetch(r.cfg.Batch, jetstream.FetchContext(fctx))
@@ -158,11 +163,16 @@ func (p *prefetcher) halt(nak bool) {
 // message and then takes whatever else has arrived, up to Config.Batch,
 // so that a quiet log is handled at once and a busy one in full batches.
 // A fetch error is returned once the messages before it are taken.
+//
+// Whatever take removes, a batch or an error, it signals the fetcher
+// when it leaves nothing behind: the fetcher waits for that signal, and a
+// take that missed it would leave the runner with nothing to fetch.
 func (r *Runner) take(ctx context.Context, p *prefetcher) ([]*logMsg, error) {
 	if err := p.err; err != nil {
 		p.err = nil
 		return nil, err
 	}
+	defer p.signalTaken()
 	var first fetched
 	select {
 	case first = <-p.out:
@@ -175,7 +185,6 @@ func (r *Runner) take(ctx context.Context, p *prefetcher) ([]*logMsg, error) {
 		return nil, first.err
 	}
 	msgs := []*logMsg{first.m}
-	defer p.signalTaken()
 	for len(msgs) < r.cfg.Batch {
 		select {
 		case f := <-p.out:
@@ -191,6 +200,16 @@ func (r *Runner) take(ctx context.Context, p *prefetcher) ([]*logMsg, error) {
 		break
 	}
 	return msgs, nil
+}
+
+// fetchHook runs the test hook at a point of the fetcher's: "fetch"
+// before each pull (an error fails the pull), "wait" when it waits for
+// what it fetched to be taken.
+func (r *Runner) fetchHook(point string) error {
+	if r.hook == nil {
+		return nil
+	}
+	return r.hook(point)
 }
 
 // signalTaken tells the fetcher that take has emptied what it held.

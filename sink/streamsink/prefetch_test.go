@@ -3,6 +3,8 @@ package streamsink_test
 import (
 	"errors"
 	"fmt"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -128,5 +130,108 @@ func TestQuietLogHandledAtOnce(t *testing.T) {
 		if err := r.WaitPosition(ctx, ack.Sequence); err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// A pull fails while the runner is busy with a batch: the fetcher hands
+// the error on and waits for it to be taken. Once Run has taken it (and
+// counted and retried it), the fetcher pulls again: the next message is
+// handled, not left behind a fetcher waiting for a batch nobody holds.
+func TestFetchFailureWhileABatchIsHandled(t *testing.T) {
+	srv := natstest.Start(t)
+	ctx := ctxFor(t, time.Minute)
+	js := srv.JetStream(t)
+	cfg := streamsink.Config{Prefix: "fetchfail", Provision: true, Batch: 4, FetchWait: 20 * time.Millisecond, MaxBackoff: 10 * time.Millisecond, Logger: quiet()}
+	r, err := streamsink.New(ctx, js, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Run is held in the delivery of the message the test marks; a pull
+	// that starts while it is held fails, and Run goes on once the
+	// fetcher waits with that pull's error for Run to take it.
+	var hold, holding, failed atomic.Bool
+	waiting := make(chan struct{})
+	r.SetHook(func(point string) error {
+		switch point {
+		case "delivered":
+			if hold.CompareAndSwap(true, false) {
+				holding.Store(true)
+				select {
+				case <-waiting:
+				case <-ctx.Done():
+				}
+			}
+		case "fetch":
+			if holding.Load() && failed.CompareAndSwap(false, true) {
+				return errors.New("the pull failed")
+			}
+		case "wait":
+			if failed.Load() && holding.CompareAndSwap(true, false) {
+				close(waiting)
+			}
+		}
+		return nil
+	})
+	run(t, r)
+	publish := func(key string) uint64 {
+		return publishStamped(t, ctx, js, "fetchfail.out.x", "fetchfail", 3, key, false)
+	}
+	if err := r.WaitPosition(ctx, publish("before")); err != nil {
+		t.Fatal(err)
+	}
+	hold.Store(true)
+	if err := r.WaitPosition(ctx, publish("held")); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-waiting:
+	default:
+		t.Fatal("the runner was not held while a pull failed")
+	}
+	after := publish("after")
+	if err := r.WaitPosition(ctx, after); err != nil {
+		t.Fatalf("the message after a failed pull: %v (at %d of %d)", err, r.Position(), after)
+	}
+}
+
+// A fetcher held up (here by the test, at the start of a pull) leaves
+// Run nothing to take, which Run cannot tell from a quiet log:
+// Ready reports it, and reports the runner ready again once it pulls.
+func TestReadyReportsAFetcherHeldUp(t *testing.T) {
+	srv := natstest.Start(t)
+	ctx := ctxFor(t, time.Minute)
+	js := srv.JetStream(t)
+	cfg := streamsink.Config{Prefix: "heldup", Provision: true, FetchWait: 20 * time.Millisecond, StallAfter: 200 * time.Millisecond, Logger: quiet()}
+	r, err := streamsink.New(ctx, js, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stuck atomic.Bool
+	release := make(chan struct{})
+	done := sync.OnceFunc(func() { close(release) })
+	r.SetHook(func(point string) error {
+		if point == "fetch" && stuck.Load() {
+			<-release
+		}
+		return nil
+	})
+	run(t, r)
+	t.Cleanup(done) // before run's: a runner stops once its fetcher does
+	if err := awaitReady(t, ctx, r, "ready", func(err error) bool { return err == nil }); err != nil {
+		t.Fatal(err)
+	}
+	stuck.Store(true)
+	err = awaitReady(t, ctx, r, "a fetcher held up reported", func(err error) bool { return err != nil })
+	if err == nil || !strings.Contains(err.Error(), "fetcher is held up") {
+		t.Fatalf("Ready = %v, want the fetcher held up", err)
+	}
+	stuck.Store(false)
+	done()
+	first := publishStamped(t, ctx, js, "heldup.out.x", "heldup", 3, "k", false)
+	if err := r.WaitPosition(ctx, first); err != nil {
+		t.Fatal(err)
+	}
+	if err := awaitReady(t, ctx, r, "ready again", func(err error) bool { return err == nil }); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -76,6 +76,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -120,6 +121,11 @@ type Runner struct {
 	appliedRev map[int]uint64          // revisions of the applied shards
 	needReload bool                    // a batch that placed effects in groups was not saved
 	unsaved    map[uint64]sink.Outcome // decisions reported in batches whose save failed, by log position
+
+	// lastPull is when the fetcher last began a pull (unix nanoseconds),
+	// for Ready: a fetcher held up leaves Run nothing to take, which
+	// looks to Run like a quiet log.
+	lastPull atomic.Int64
 
 	mu        sync.Mutex
 	heldCount int           // effects held in open groups, for the gauge
@@ -316,6 +322,7 @@ func (r *Runner) Run(ctx context.Context) error {
 		return errors.New("streamsink: Run is already running")
 	}
 	r.running, r.lastOK, r.lastErr = true, time.Now(), nil
+	r.lastPull.Store(time.Now().UnixNano())
 	r.mu.Unlock()
 	defer func() {
 		r.mu.Lock()
@@ -389,7 +396,8 @@ func (r *Runner) stepped(err error) {
 // stalled when its last step without an error (a batch handled and saved,
 // or a fetch that found nothing) ended more than Config.StallAfter ago:
 // reading the lease bucket, saving the progress, a handler or NATS itself
-// has been failing or hanging since. For a readiness probe.
+// has been failing or hanging since; or when its fetcher has begun no pull
+// for that long after its last (Config.FetchWait). For a readiness probe.
 func (r *Runner) Ready(context.Context) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -408,6 +416,9 @@ func (r *Runner) Ready(context.Context) error {
 			why = "the last error: " + r.lastErr.Error()
 		}
 		return fmt.Errorf("streamsink: sink %s has made no progress for %v (Config.StallAfter %v) at log position %d; %s", r.cfg.Name, d.Round(time.Second), r.cfg.StallAfter, r.seq, why)
+	}
+	if d := time.Since(time.Unix(0, r.lastPull.Load())); d > r.cfg.StallAfter+r.cfg.FetchWait {
+		return fmt.Errorf("streamsink: sink %s has begun no fetch from %s for %v (Config.StallAfter %v after a FetchWait of %v) at log position %d: its fetcher is held up, and the runner sees a log with nothing to handle", r.cfg.Name, r.cfg.Stream, d.Round(time.Second), r.cfg.StallAfter, r.cfg.FetchWait, r.seq)
 	}
 	return nil
 }
