@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"log/slog"
 	"maps"
 	"slices"
 	"sync"
@@ -186,9 +187,10 @@ func TestAttack4RenewedForeignRecordIsNeverTakenOver(t *testing.T) {
 	b := provision(t, js, 1)
 	ctx := ctxFor(t, 2*time.Minute)
 	renewals, overwritten := forgeForeignLease(t, js, b, p, ttl)
-	ms := map[string]*member{
-		"a": startMemberTTL(t, b, "a", n, ttl),
-		"b": startMemberTTL(t, b, "b", n, ttl),
+	logs := map[string]*logRecorder{"a": {}, "b": {}}
+	ms := map[string]*member{}
+	for name, rec := range logs {
+		ms[name] = startMemberWith(t, b, name, n, ttl, func(c *coordinator.Config) { c.Logger = slog.New(rec) })
 	}
 	// Many times longer than a foreign record may stand unchanged
 	// (TTL + max(TTL/2, 1s) = 3s): 40 renewals, 20 s.
@@ -207,6 +209,14 @@ func TestAttack4RenewedForeignRecordIsNeverTakenOver(t *testing.T) {
 	}
 	if s := overwritten(); s != "" {
 		t.Fatalf("a live foreign record was overwritten: %s", s)
+	}
+	// Each renewal is a new revision of a record leasehold did not
+	// write; a member logs about it once a minute, not once a revision.
+	key := fmt.Sprintf("partition.%d", p)
+	for name, rec := range logs {
+		if got := rec.about(key, ""); got > 1 {
+			t.Errorf("%s logged %d warnings about %s in %d renewals: want one a minute", name, got, key, renewals())
+		}
 	}
 }
 

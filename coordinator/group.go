@@ -35,7 +35,7 @@ func (c *Coordinator) Run(ctx context.Context) error {
 		strays:    map[leasehold.Partition]bool{},
 		foreign:   map[leasehold.Partition]foreignSeen{},
 		revs:      newRevClock(staleAfter(0, c.cfg.TTL)),
-		warned:    map[string]uint64{},
+		warned:    map[string]warning{},
 		advCh:     make(chan advert, 1),
 		strayCh:   make(chan strayResult, 16),
 		watchCh:   make(chan watchEvent, 256),
@@ -108,7 +108,7 @@ type group struct {
 
 	view, next    *view                             // next: the snapshot being read after a rescan
 	retryAt       map[leasehold.Partition]time.Time // a failed acquisition is not retried before
-	warned        map[string]uint64                 // the revision of each record already warned about
+	warned        map[string]warning                // what was last logged about each record (warnOnce)
 	assigner      *assigner
 	target        []int32               // the last reconciliation's assignment, by index in assigner
 	mine          int32                 // this worker's index there; -1 when not a member

@@ -37,15 +37,26 @@ func startMember(t *testing.T, b *coordinator.Bucket, name string, n int) *membe
 // would not have moved.
 func startMemberTTL(t *testing.T, b *coordinator.Bucket, name string, n int, ttl time.Duration) *member {
 	t.Helper()
+	return startMemberWith(t, b, name, n, ttl, nil)
+}
+
+// startMemberWith starts a member as startMemberTTL does, with its
+// configuration changed by edit (when not nil).
+func startMemberWith(t *testing.T, b *coordinator.Bucket, name string, n int, ttl time.Duration, edit func(*coordinator.Config)) *member {
+	t.Helper()
 	m := &member{done: make(chan error, 1)}
-	c, err := coordinator.New(b, coordinator.Config{
+	cfg := coordinator.Config{
 		Worker:     name,
 		Partitions: n,
 		TTL:        ttl,
 		OnAcquire:  func(*coordinator.Lease) { m.acquired.Add(1) },
 		OnRevoke:   func(context.Context, *coordinator.Lease) { m.revoked.Add(1) },
 		Observer:   m,
-	})
+	}
+	if edit != nil {
+		edit(&cfg)
+	}
+	c, err := coordinator.New(b, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -79,13 +79,37 @@ func (g *group) checkMember(ctx context.Context, id string, m *member) {
 }
 
 // warnOnce logs msg at WARN the first time it is told about revision rev
-// of key.
+// of key, and about a later revision of the same key at most once per
+// warnEvery: a record rewritten again and again (by a writer that is not
+// leasehold, or one that keeps a forged record renewed) costs a line a
+// minute, which says how many revisions went unlogged since the last.
 func (g *group) warnOnce(key string, rev uint64, msg string, args ...any) {
-	if g.warned[key] == rev {
+	w, ok := g.warned[key]
+	if ok && w.rev == rev {
 		return
 	}
-	g.warned[key] = rev
-	g.c.cfg.Logger.Warn(msg, append(args, "key", key, "bucket", g.c.b.name)...)
+	now := time.Now()
+	if ok && now.Sub(w.at) < warnEvery {
+		w.rev, w.skipped = rev, w.skipped+1
+		g.warned[key] = w
+		return
+	}
+	args = append(args, "key", key, "bucket", g.c.b.name)
+	if w.skipped > 0 {
+		args = append(args, "revisions_not_logged", w.skipped)
+	}
+	g.warned[key] = warning{rev: rev, at: now}
+	g.c.cfg.Logger.Warn(msg, args...)
+}
+
+// warnEvery is how often warnOnce logs about one key.
+const warnEvery = time.Minute
+
+// warning is what warnOnce last did about a key.
+type warning struct {
+	rev     uint64    // the revision last told about
+	at      time.Time // when a line was last logged
+	skipped int       // revisions told about since, not logged
 }
 
 func (g *group) releaseMember() {
