@@ -357,11 +357,15 @@ func (r *Runner) Run(ctx context.Context) error {
 			failures = 0
 			continue
 		}
+		if errors.Is(err, errStop) {
+			// A test's crash, even as its context ends.
+			stopped = true
+			return err
+		}
 		if ctx.Err() != nil {
 			return nil
 		}
-		if errors.Is(err, ErrStateConflict) || errors.Is(err, errStop) {
-			stopped = errors.Is(err, errStop)
+		if errors.Is(err, ErrStateConflict) {
 			return err
 		}
 		if gap := (*GapError)(nil); errors.As(err, &gap) {
