@@ -100,13 +100,46 @@ func (r *Runner) prefetch(ctx context.Context, p *prefetcher) {
 
 // fetchInto runs one pull request of up to Config.Batch messages, open for
 // up to Config.FetchWait, and hands each message on as it arrives.
+//
+// The pull outlives ctx while messages still come, up to stopGrace:
+// ending it at once would drop the messages the server had sent it and the
+// client had not read, and those would wait for AckWait, not be handed
+// back, when the runner stops. (Once the pull's subscription is gone the
+// server sends it nothing more.)
 func (r *Runner) fetchInto(ctx context.Context, p *prefetcher) error {
 	r.lastPull.Store(time.Now().UnixNano())
 	if err := r.fetchHook("fetch"); err != nil {
 		return fmt.Errorf("fetch from %s: %w", r.cfg.Stream, err)
 	}
-	fctx, cancel := context.WithTimeout(ctx, r.cfg.FetchWait)
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.FetchWait)
 	defer cancel()
+	var got atomic.Int64 // messages the pull brought
+	defer context.AfterFunc(ctx, func() {
+		// Stopped: read on while messages still come (ones the server
+		// sent before the stop), ending the pull once none has come for
+		// stopQuiet, and at stopGrace at most.
+		grace := time.NewTimer(stopGrace)
+		defer grace.Stop()
+		quiet := time.NewTicker(stopQuiet)
+		defer quiet.Stop()
+		last := got.Load()
+		for {
+			select {
+			case <-fctx.Done():
+				return
+			case <-grace.C:
+				cancel()
+				return
+			case <-quiet.C:
+				if n := got.Load(); n != last {
+					last = n
+					continue
+				}
+				cancel()
+				return
+			}
+		}
+	})()
 	batch, err := r.cons.Fetch(r.cfg.Batch, jetstream.FetchContext(fctx))
 	if err != nil {
 		return fmt.Errorf("fetch from %s: %w", r.cfg.Stream, err)
@@ -118,12 +151,13 @@ func (r *Runner) fetchInto(ctx context.Context, p *prefetcher) error {
 			continue
 		}
 		n++
+		got.Add(1)
 		select {
 		case p.out <- fetched{m: &logMsg{seq: meta.Sequence.Stream, subject: m.Subject(), header: m.Headers(), data: m.Data(), msg: m}}:
 		case <-ctx.Done():
 			// Stopped: this message and the rest of the pull (which
-			// ends with ctx) go back to the server, or wait for
-			// AckWait.
+			// ends at its expiry, or stopGrace after ctx) go back to
+			// the server, or wait for AckWait.
 			if p.nak.Load() {
 				_ = m.Nak()
 				for m := range batch.Messages() {
@@ -140,7 +174,15 @@ func (r *Runner) fetchInto(ctx context.Context, p *prefetcher) error {
 	return nil
 }
 
-// halt stops the prefetcher and waits for it. With nak, the messages it
+// A stopping runner reads the rest of an open pull until no message has
+// come for stopQuiet, for stopGrace at most.
+const (
+	stopQuiet = 50 * time.Millisecond
+	stopGrace = 2 * time.Second
+)
+
+// halt stops the prefetcher and waits for it, up to the end of an open
+// pull (see fetchInto). With nak, the messages it
 // holds are handed back to the server for redelivery at once (a runner
 // that stops); without, they wait for AckWait, as a crashed runner's do.
 func (p *prefetcher) halt(nak bool) {
