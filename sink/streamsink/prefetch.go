@@ -156,7 +156,7 @@ func (r *Runner) fetchInto(ctx context.Context, p *prefetcher) error {
 		case p.out <- fetched{m: &logMsg{seq: meta.Sequence.Stream, subject: m.Subject(), header: m.Headers(), data: m.Data(), msg: m}}:
 		case <-ctx.Done():
 			// Stopped: this message and the rest of the pull (which
-			// ends at its expiry, or stopGrace after ctx) go back to
+			// ends once no message has come for stopQuiet) go back to
 			// the server, or wait for AckWait.
 			if p.nak.Load() {
 				_ = m.Nak()
@@ -182,9 +182,9 @@ const (
 )
 
 // halt stops the prefetcher and waits for it, up to the end of an open
-// pull (see fetchInto). With nak, the messages it
-// holds are handed back to the server for redelivery at once (a runner
-// that stops); without, they wait for AckWait, as a crashed runner's do.
+// pull (see fetchInto). With nak, the messages it holds are handed back to
+// the server for redelivery at once (a runner that stops); without, they
+// wait for AckWait, as a crashed runner's do.
 func (p *prefetcher) halt(nak bool) {
 	p.nak.Store(nak)
 	p.stop()
