@@ -179,7 +179,13 @@ func TestMalformedJobIsDeadLetteredAtOnce(t *testing.T) {
 	if n := rec.count(kind(worker.EventJobFailed)); n != 1 {
 		t.Fatalf("%d failed attempts, want 1", n)
 	}
-	dlq := readStream(t, e.js, worker.DLQStream(e.prefix))
+	// The event comes as the dead letter is sent; it is stored once the
+	// server acknowledges it.
+	var dlq []jetstream.Msg
+	rec.waitFor(t, 30*time.Second, "the dead letter stored", func() bool {
+		dlq = readStream(t, e.js, worker.DLQStream(e.prefix))
+		return len(dlq) >= 1
+	})
 	if len(dlq) != 1 {
 		t.Fatalf("%d dead letters", len(dlq))
 	}
