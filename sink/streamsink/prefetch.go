@@ -177,7 +177,7 @@ func (r *Runner) fetchInto(ctx context.Context, p *prefetcher) error {
 // A stopping runner reads the rest of an open pull until no message has
 // come for stopQuiet, for stopGrace at most.
 const (
-	stopQuiet = 50 * time.Millisecond
+	stopQuiet = 250 * time.Millisecond
 	stopGrace = 2 * time.Second
 )
 
