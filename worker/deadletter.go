@@ -35,9 +35,14 @@ func DeadLetterKey(scope string, p leasehold.Partition, seq uint64) string {
 	return scope + "." + p.String() + "." + strconv.FormatUint(seq, 10) + ".dlq"
 }
 
-// deadLetter publishes the job to the partition's dead-letter subject; its
-// acknowledgement is awaited like an effect's, so progress moves past the
-// job only once the dead letter is stored.
+// deadLetter publishes the job to the partition's dead-letter subject and
+// waits for the server to store it (at most EffectTimeout) before the
+// partition goes on: dead letters are rare, and EventJobDeadLettered, the
+// metric and the log line say that it is stored, before the next job's
+// events. Its outcome is handed on like an effect's, so progress moves past
+// the job only once the dead letter is stored; one the server refuses, or
+// does not acknowledge in time, sends the partition back to the job, which
+// is dead-lettered again.
 func (r *runner) deadLetter(m jetstream.Msg, md *jetstream.MsgMetadata, st retryState) ([]jetstream.PubAckFuture, outcome) {
 	msg := &nats.Msg{Subject: DLQSubject(r.w.cfg.Prefix, r.p), Data: m.Data(), Header: nats.Header{}}
 	jobID := jobIDOf(m.Headers())
@@ -73,14 +78,23 @@ func (r *runner) deadLetter(m jetstream.Msg, md *jetstream.MsgMetadata, st retry
 	for attempt := 1; ; attempt++ {
 		fut, err := r.publishAsync(r.ctx, msg)
 		if err == nil {
+			done, out := r.awaitStored(fut)
+			if out != 0 {
+				endSpan(span, context.Cause(r.ctx))
+				return nil, out
+			}
+			if done.err != nil {
+				endSpan(span, done.err)
+				return []jetstream.PubAckFuture{done}, 0
+			}
 			span.End()
 			r.w.tel.Metrics.JobsDeadLettered.Add(ctx, 1)
 			r.event(ctx, Event{Kind: EventJobDeadLettered, Seq: md.Sequence.Stream, Attempt: st.runs, Stamp: stamp, Subject: msg.Subject, Err: st.err})
 			r.log.Error("job dead-lettered", "seq", md.Sequence.Stream, "attempts", st.runs, "dlq", msg.Subject, "err", st.err)
 			if len(headerValues(m.Headers(), hdrSchedule)) > 0 {
-				r.removeSchedule(fut, m.Subject(), strings.Join(headerValues(m.Headers(), hdrScheduleTarget), ","), md.Sequence.Stream)
+				r.removeSchedule(m.Subject(), strings.Join(headerValues(m.Headers(), hdrScheduleTarget), ","), md.Sequence.Stream)
 			}
-			return []jetstream.PubAckFuture{fut}, 0
+			return []jetstream.PubAckFuture{done}, 0
 		}
 		if r.ctx.Err() != nil {
 			endSpan(span, err)
@@ -95,27 +109,61 @@ func (r *runner) deadLetter(m jetstream.Msg, md *jetstream.MsgMetadata, st retry
 	}
 }
 
+// awaitStored waits for fut's outcome, at most EffectTimeout, and returns
+// it as a settled future (a future's outcome can be received once, and the
+// partition's window receives it again). A non-zero outcome means the
+// lease ended first.
+func (r *runner) awaitStored(fut jetstream.PubAckFuture) (*settled, outcome) {
+	t := time.NewTimer(r.w.cfg.EffectTimeout)
+	defer t.Stop()
+	done := &settled{msg: fut.Msg()}
+	select {
+	case done.ack = <-fut.Ok():
+	case done.err = <-fut.Err():
+	case <-t.C:
+		done.err = fmt.Errorf("no acknowledgement within %v: %w", r.w.cfg.EffectTimeout, jetstream.ErrAsyncPublishTimeout)
+	case <-r.ctx.Done():
+		return nil, outLost
+	}
+	return done, 0
+}
+
+// settled is a publish whose outcome is known: a jetstream.PubAckFuture
+// that gives it on every call.
+type settled struct {
+	msg *nats.Msg
+	ack *jetstream.PubAck
+	err error
+}
+
+func (f *settled) Ok() <-chan *jetstream.PubAck {
+	ch := make(chan *jetstream.PubAck, 1)
+	if f.ack != nil {
+		ch <- f.ack
+	}
+	return ch
+}
+
+func (f *settled) Err() <-chan error {
+	ch := make(chan error, 1)
+	if f.err != nil {
+		ch <- f.err
+	}
+	return ch
+}
+
+func (f *settled) Msg() *nats.Msg { return f.msg }
+
 // removeSchedule removes the schedule stored at seq of the job stream,
-// once its dead letter (fut) is stored. A schedule on a partition subject
+// once its dead letter is stored. A schedule on a partition subject
 // is not leasehold's (its schedules live on subjects of their own): a
 // forger's or a mistaken publisher's, which the server would go on firing
 // at its target for ever. Its copy in the dead-letter stream is what is
-// kept. It waits at most a few seconds for each step, and says what to run
-// by hand when it cannot remove it.
-func (r *runner) removeSchedule(fut jetstream.PubAckFuture, subject, target string, seq uint64) {
+// kept. It waits at most a few seconds, and says what to run by hand when
+// it cannot remove it.
+func (r *runner) removeSchedule(subject, target string, seq uint64) {
 	stream := JobsStream(r.w.cfg.Prefix)
 	manual := fmt.Sprintf("nats stream rmm %s %d", stream, seq)
-	t := time.NewTimer(5 * time.Second)
-	defer t.Stop()
-	select {
-	case <-fut.Ok():
-	case err := <-fut.Err():
-		r.log.Error("a schedule stored on a partition subject keeps firing: its dead letter was not stored, so it stays; remove it once it is", "seq", seq, "subject", subject, "err", err, "remove_with", manual)
-		return
-	case <-t.C:
-		r.log.Error("a schedule stored on a partition subject keeps firing: its dead letter was not acknowledged in time, so it stays", "seq", seq, "subject", subject, "remove_with", manual)
-		return
-	}
 	// Not under the lease's context: once the dead letter is stored the
 	// partition's progress moves past the schedule, and a lease lost
 	// meanwhile must not leave it firing.

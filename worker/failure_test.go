@@ -179,13 +179,8 @@ func TestMalformedJobIsDeadLetteredAtOnce(t *testing.T) {
 	if n := rec.count(kind(worker.EventJobFailed)); n != 1 {
 		t.Fatalf("%d failed attempts, want 1", n)
 	}
-	// The event comes as the dead letter is sent; it is stored once the
-	// server acknowledges it.
-	var dlq []jetstream.Msg
-	rec.waitFor(t, 30*time.Second, "the dead letter stored", func() bool {
-		dlq = readStream(t, e.js, worker.DLQStream(e.prefix))
-		return len(dlq) >= 1
-	})
+	// The event comes once the dead letter is stored.
+	dlq := readStream(t, e.js, worker.DLQStream(e.prefix))
 	if len(dlq) != 1 {
 		t.Fatalf("%d dead letters", len(dlq))
 	}
@@ -196,6 +191,59 @@ func TestMalformedJobIsDeadLetteredAtOnce(t *testing.T) {
 	if strings.Join(got, ",") != "a,c" {
 		t.Fatalf("decoded %v", got)
 	}
+}
+
+// EventJobDeadLettered means the dead letter is stored. While the
+// dead-letter stream is missing, every try to store it is refused: the
+// partition goes back to the job, no event comes and progress stays
+// before it. Once the stream is back, the next try is stored, and the
+// event comes with it.
+func TestDeadLetterEventWaitsUntilItIsStored(t *testing.T) {
+	e := newEnv(t, 1)
+	ctx := ctxFor(t, 60*time.Second)
+	rec := newRecorder()
+	cfg := e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
+		return worker.Permanent(errors.New("this job can never succeed"))
+	}))
+	cfg.Observer = rec
+	start(t, cfg)
+	rec.waitFor(t, 30*time.Second, "the partition ready", func() bool { return rec.count(kind(worker.EventPartitionReady)) > 0 })
+	if err := e.js.DeleteStream(ctx, worker.DLQStream(e.prefix)); err != nil {
+		t.Fatal(err)
+	}
+	q, err := e.producer(t).EnqueueTo(ctx, 0, []byte("doomed"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The handler's failure, then one for each refused dead letter.
+	rec.waitFor(t, 30*time.Second, "a dead letter refused", func() bool {
+		return rec.count(func(ev worker.Event) bool {
+			return ev.Kind == worker.EventJobFailed && ev.Seq == q.Seq && errors.Is(ev.Err, jetstream.ErrNoStreamResponse)
+		}) >= 2
+	})
+	// Two tries refused (the partition ran the job again each time), so
+	// nothing may say the job is dead-lettered.
+	if n := rec.count(kind(worker.EventJobDeadLettered)); n != 0 {
+		t.Fatalf("%d dead-letter events while the dead-letter stream is missing", n)
+	}
+	if n := rec.count(func(ev worker.Event) bool { return ev.Kind == worker.EventProgressCommitted && ev.Seq >= q.Seq }); n != 0 {
+		t.Fatalf("progress committed past a job whose dead letter is not stored")
+	}
+	if err := worker.ProvisionJobs(ctx, e.js, worker.JobsConfig{Prefix: e.prefix, Partitions: e.n, Schedules: true}); err != nil {
+		t.Fatal(err)
+	}
+	rec.waitFor(t, 30*time.Second, "the dead-letter event", func() bool {
+		return rec.count(kind(worker.EventJobDeadLettered)) > 0
+	})
+	if n := rec.count(kind(worker.EventJobDeadLettered)); n != 1 {
+		t.Fatalf("%d dead-letter events, want 1", n)
+	}
+	if dlq := readStream(t, e.js, worker.DLQStream(e.prefix)); len(dlq) != 1 || dlq[0].Headers().Get(worker.HeaderSeq) != strconv.FormatUint(q.Seq, 10) {
+		t.Fatalf("%d dead letters after the event, want the job's", len(dlq))
+	}
+	rec.waitFor(t, 30*time.Second, "progress past the job", func() bool {
+		return rec.count(func(ev worker.Event) bool { return ev.Kind == worker.EventProgressCommitted && ev.Seq >= q.Seq }) > 0
+	})
 }
 
 // A handler error matching ErrStaleEpoch stops the partition: the job is

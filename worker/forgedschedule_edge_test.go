@@ -63,4 +63,20 @@ func TestScheduleForgedOnAPartitionSubject(t *testing.T) {
 		case <-time.After(20 * time.Millisecond):
 		}
 	}
+	// Progress moves past it without the partition going back to it: the
+	// dead letter's acknowledgement was seen once, not waited for again
+	// until it timed out.
+	rec.waitFor(t, 30*time.Second, "progress past the forged schedule", func() bool {
+		return rec.count(func(ev worker.Event) bool {
+			return ev.Kind == worker.EventProgressCommitted && ev.Lease.Partition == 0 && ev.Seq >= ack.Sequence
+		}) > 0
+	})
+	if n := rec.count(kind(worker.EventJobFailed)); n != 1 {
+		for _, ev := range rec.all() {
+			if ev.Kind == worker.EventJobFailed {
+				t.Logf("job %d failed: %v", ev.Seq, ev.Err)
+			}
+		}
+		t.Fatalf("%d failures, want the forged schedule's one", n)
+	}
 }

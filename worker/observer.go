@@ -24,7 +24,7 @@ const (
 	EventJobStarted                             // an attempt starts (Job, Attempt)
 	EventJobFinished                            // an attempt succeeded (Duration)
 	EventJobFailed                              // an attempt failed and will be retried (Err, Duration, Backoff)
-	EventJobDeadLettered                        // the job went to the dead-letter subject (Err)
+	EventJobDeadLettered                        // the job's dead letter is stored (Err); progress may move past it
 	EventEffectEmitted                          // an effect was published or applied (Stamp, Subject)
 	EventProgressCommitted                      // progress through Seq was committed
 	EventCommitFailed                           // a commit failed (Err; matches leasehold.ErrLeaseLost when refused)
