@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/jspub"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/telemetry"
 )
@@ -211,10 +212,11 @@ func effectTransient(err error) bool {
 }
 
 // publishSync publishes msg and waits for its acknowledgement, at most
-// timeout.
+// timeout, and no longer than the connection lasts: a server restart must
+// not hold the partition for the whole timeout (see jspub).
 func (r *runner) publishSync(ctx context.Context, msg *nats.Msg, timeout time.Duration) error {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	_, err := r.w.cfg.JetStream.PublishMsg(ctx, msg)
+	_, err := jspub.Publish(ctx, r.w.cfg.JetStream, msg)
 	return err
 }

@@ -19,6 +19,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/internal/jspub"
 	"github.com/leasehold/leasehold/telemetry"
 )
 
@@ -195,7 +196,7 @@ func (p *Producer) EnqueueTo(ctx context.Context, part leasehold.Partition, data
 			}
 		}
 		actx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
-		ack, err := p.js.PublishMsg(actx, msg)
+		ack, err := jspub.Publish(actx, p.js, msg)
 		cancel()
 		if err == nil {
 			return p.original(ctx, enqueued(part, msg, ack)), nil

@@ -2,12 +2,14 @@ package worker_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
@@ -103,4 +105,56 @@ func tryEffectKeys(js jetstream.JetStream, prefix string) (map[[2]uint64]bool, e
 		out[[2]uint64{uint64(s.Partition), seq}] = true
 	}
 	return out, nil
+}
+
+// An abort marker is published and waited for. When the server restarts
+// after it received the marker and before it answered, the answer is
+// lost: the wait must end with the connection, not at EffectTimeout, or
+// the partition stands still for that long. Here the subject has a
+// subscriber that never answers, so the answer is lost for sure, and
+// EffectTimeout is longer than the test.
+func TestAbortMarkerLostInARestartDoesNotHoldThePartition(t *testing.T) {
+	e := newEnv(t, 1, natstestListen()...)
+	hole := make(chan *nats.Msg, 16)
+	nc := e.srv.Connect(t)
+	if _, err := nc.ChanSubscribe("hole", hole); err != nil {
+		t.Fatal(err)
+	}
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	rec := newRecorder()
+	cfg := e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
+		if j.Attempt > 1 {
+			return j.Emit(ctx, j.Data)
+		}
+		// The first effect leaves when the second is published; the
+		// failed attempt then closes it with an abort marker.
+		for _, d := range []string{"1", "2"} {
+			if err := j.Publish(ctx, "hole", []byte(d)); err != nil {
+				return err
+			}
+		}
+		return errors.New("this attempt fails after publishing")
+	}))
+	cfg.JetStream = e.srv.JetStream(t) // over TCP, reconnecting
+	cfg.EffectTimeout = 10 * time.Minute
+	cfg.Observer = rec
+	start(t, cfg)
+	enq := e.enqueue(t, 0, 1)
+	ctx := ctxFor(t, time.Minute)
+	for abort := false; !abort; {
+		select {
+		case m := <-hole:
+			abort = m.Header.Get(leasehold.HeaderAbort) == "1"
+		case <-ctx.Done():
+			t.Fatal("no abort marker reached the subject")
+		}
+	}
+	e.srv.Restart(t)
+	rec.waitFor(t, time.Minute, "the job's second attempt to finish", func() bool {
+		return rec.count(func(ev worker.Event) bool {
+			return ev.Kind == worker.EventJobFinished && ev.Seq == enq[0].Seq && ev.Attempt == 2
+		}) > 0
+	})
 }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/leasehold/leasehold/internal/jspub"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/telemetry"
 )
@@ -86,7 +87,7 @@ func (r *Runner) deadLetter(ctx context.Context, o *outcome, tries int, cause er
 	msg := r.deadLetterMsg(o, tries, cause)
 	for attempt := 0; ; attempt++ {
 		pctx, cancel := context.WithTimeout(ctx, r.cfg.RequestTimeout)
-		_, err := r.js.PublishMsg(pctx, msg)
+		_, err := jspub.Publish(pctx, r.js, msg)
 		cancel()
 		if errors.Is(err, nats.ErrMaxPayload) && msg.Data != nil {
 			// The effect fitted in the log; with the headers added it
