@@ -264,7 +264,9 @@ func (c *Coordinator) acquireKey(ctx context.Context, t target, o acquireOpts) (
 		if isRefusal(err) && !isConflict(err) {
 			return nil, fmt.Errorf("coordinator: acquire %s: %w", t, err)
 		}
-		transient = !isRefusal(err)
+		// No answer, or a write to the key still in flight (which the key
+		// read back does not show yet): back off before the next attempt.
+		transient = !isRefusal(err) || isInFlight(err)
 		// The key holds something, or the outcome is unknown: read it.
 		rctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), c.cfg.RequestTimeout)
 		e, rerr := c.b.last(rctx, t.key)

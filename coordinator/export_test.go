@@ -2,7 +2,11 @@ package coordinator
 
 import (
 	"context"
+	"strconv"
 	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
 )
@@ -58,3 +62,19 @@ func (c *Coordinator) RegisterListingSession(ctx context.Context) (*Lease, error
 // naming a lease c holds at its epoch, with "read" before each leader read
 // for them, and with "idle" when a lease's reads end with none pending.
 func (c *Coordinator) SetNoticeHook(f func(event string, data []byte)) { c.noticeHook.Store(&f) }
+
+// RewriteUnseen publishes l's record again over its current revision, on
+// l's own connection and without waiting for the answer: a renewal whose
+// answer was never read (its request was cancelled, or timed out) and
+// that the server may still be storing when l's next write arrives.
+func (l *Lease) RewriteUnseen() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	msg := nats.NewMsg(l.c.b.prefix + l.key)
+	msg.Data = l.value
+	msg.Header.Set(jetstream.ExpectedLastSubjSeqHeader, strconv.FormatUint(l.rev, 10))
+	if l.session == nil {
+		msg.Header.Set(jetstream.MsgTTLHeader, l.c.cfg.TTL.String())
+	}
+	return l.c.b.js.Conn().PublishMsg(msg)
+}

@@ -367,55 +367,100 @@ func (l *Lease) Release(ctx context.Context) error {
 		}
 		return err
 	}
-	ctx, cancel := context.WithTimeout(ctx, l.c.cfg.RequestTimeout)
-	defer cancel()
 	var err error
-	for range 3 {
-		err = l.c.b.purge(ctx, l.key, l.rev, l.c.b.markerTTL)
-		if err == nil {
+	for attempt := 0; ; attempt++ {
+		var step releaseStep
+		step, err = l.releaseOnce(ctx)
+		if step == releaseLost {
+			return err
+		}
+		if step == releaseDone || attempt == releaseTries-1 {
 			break
 		}
-		if !isConflict(err) && isRefusal(err) {
-			break
-		}
-		// Refused by revision, or no answer: read the key to see whether the
-		// lease is still this one (a renewal landed unseen) or gone.
-		e, rerr := l.c.b.last(ctx, l.key)
-		if rerr != nil {
-			break
-		}
-		if e.kind == entryValue {
-			r, derr := decodeRecord(e.data)
-			if derr != nil || r.Token != l.token {
-				holder := ""
-				if derr == nil {
-					holder = r.Holder
-				}
-				return l.lose(LostRefused, holder, fmt.Errorf("release %s: %w", l, err))
+		if step == releaseWait {
+			select {
+			case <-ctx.Done():
+			case <-timeAfter(backoff(attempt)):
 			}
-			l.rev = e.rev
-			continue
 		}
-		// A marker or nothing: the purge landed, or the lease expired.
-		err = nil
-		break
+		if ctx.Err() != nil {
+			break
+		}
 	}
 	switch {
 	case err != nil && l.session != nil:
 		// The record lives as long as the session: the worker group
 		// removes it at a later reconciliation, or the session's end frees it.
 		err = fmt.Errorf("release %s: %w (the worker group retries; the partition is free at the latest when this worker's registration ends)", l, err)
-		l.c.cfg.Logger.Warn("lease release failed", "partition", l.info.Partition, "epoch", l.info.Epoch, "err", err)
+		l.logReleaseFailed(err)
 	case err != nil:
 		// The lease will expire on its own within the TTL.
 		err = fmt.Errorf("release %s: %w (it expires on its own within %v)", l, err, l.c.cfg.TTL)
-		l.c.cfg.Logger.Warn("lease release failed", "partition", l.info.Partition, "epoch", l.info.Epoch, "err", err)
+		l.logReleaseFailed(err)
 	}
 	if l.end(ErrReleased) == nil {
 		l.c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventReleased, Lease: l.info, Member: l.member, Lock: l.name, Err: err, Time: time.Now()})
 		l.finish(ErrReleased)
 	}
 	return err
+}
+
+// releaseTries bounds Release's purges. A purge refused because a write
+// to the key is still being stored is tried again after a backoff; the
+// caller's context bounds the whole.
+const releaseTries = 8
+
+// releaseStep is what one purge of Release leaves to do.
+type releaseStep int
+
+const (
+	releaseDone  releaseStep = iota // released, or refused for good: err says which
+	releaseLost                     // another acquisition holds the key: err is the lease's loss
+	releaseAgain                    // try again at once, at the revision read back
+	releaseWait                     // try again after a backoff
+)
+
+// releaseOnce sends one revision-checked purge of l's key, within
+// RequestTimeout, and reads the key back when it is refused or not
+// answered. It backs off (releaseWait) when the server refused the purge
+// because an earlier write to the key is still being stored (10164 on a
+// replicated bucket, where the key read back still shows the revision
+// before that write), or when the key shows the very revision that was
+// refused. l.mu is held.
+func (l *Lease) releaseOnce(ctx context.Context) (releaseStep, error) {
+	ctx, cancel := context.WithTimeout(ctx, l.c.cfg.RequestTimeout)
+	defer cancel()
+	err := l.c.b.purge(ctx, l.key, l.rev, l.c.b.markerTTL)
+	if err == nil {
+		return releaseDone, nil
+	}
+	if !isConflict(err) && isRefusal(err) {
+		return releaseDone, err
+	}
+	// Refused by revision, or no answer: read the key to see whether the
+	// lease is still this one (a renewal landed unseen) or gone.
+	e, rerr := l.c.b.last(ctx, l.key)
+	if rerr != nil {
+		return releaseWait, fmt.Errorf("%w (reading the key back: %v)", err, rerr)
+	}
+	if e.kind != entryValue {
+		// A marker or nothing: the purge landed, or the lease expired.
+		return releaseDone, nil
+	}
+	r, derr := decodeRecord(e.data)
+	if derr != nil || r.Token != l.token {
+		holder := ""
+		if derr == nil {
+			holder = r.Holder
+		}
+		return releaseLost, l.lose(LostRefused, holder, fmt.Errorf("release %s: %w", l, err))
+	}
+	step := releaseAgain
+	if e.rev == l.rev || isInFlight(err) {
+		step = releaseWait
+	}
+	l.rev = e.rev
+	return step, err
 }
 
 func (l *Lease) signalStop() { l.stopOnce.Do(func() { close(l.stop) }) }

@@ -73,3 +73,21 @@ func (l *Lease) what() string {
 	}
 	return "partition"
 }
+
+// logReleaseFailed logs a release that did not land, naming what the
+// lease was on the way logLost does.
+func (l *Lease) logReleaseFailed(err error) {
+	attrs := make([]slog.Attr, 0, 4)
+	msg := "lease release failed"
+	switch l.kind {
+	case kindMember:
+		msg = "membership registration release failed"
+	case kindLock:
+		msg = "lock release failed"
+		attrs = append(attrs, slog.String("lock", l.name))
+	default:
+		attrs = append(attrs, slog.Uint64("partition", uint64(l.info.Partition)))
+	}
+	attrs = append(attrs, slog.Uint64("epoch", uint64(l.info.Epoch)), slog.String("worker", l.info.Holder), slog.Any("err", err))
+	l.c.cfg.Logger.LogAttrs(context.Background(), slog.LevelWarn, msg, attrs...)
+}

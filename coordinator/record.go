@@ -132,6 +132,16 @@ func isConflict(err error) bool {
 		apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequenceConstant
 }
 
+// isInFlight reports whether err is the refusal a replicated stream
+// gives a compare-and-set on a subject whose earlier write is still being
+// stored (10164, "wrong last sequence" without a number): reading the key
+// at once still shows the revision before that write, so an immediate
+// retry is refused the same way. Wait, then read again.
+func isInFlight(err error) bool {
+	var apiErr *jetstream.APIError
+	return errors.As(err, &apiErr) && apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequenceConstant
+}
+
 // isRefusal reports whether the server answered err definitively, so the
 // write surely did not happen. Anything else (a timeout, a lost connection,
 // no responders) leaves the outcome open.

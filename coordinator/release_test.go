@@ -2,6 +2,8 @@ package coordinator_test
 
 import (
 	"context"
+	"fmt"
+	"slices"
 	"testing"
 	"time"
 
@@ -53,5 +55,50 @@ func TestRunTakesAGivenUpPartitionAgain(t *testing.T) {
 	}
 	if held := c.Held(); len(held) != 1 || held[0] != second {
 		t.Fatalf("Run holds %v", held)
+	}
+}
+
+// A release that arrives while a renewal of the same lease is still being
+// stored (a renewal whose request was cancelled, as a stopping worker's
+// last write to its registration is) purges the record once that renewal
+// lands. On a replicated bucket the server refuses a compare-and-set on a
+// key with a write still in flight at once, with "wrong last sequence"
+// (10164), and reading the key then shows the revision before it: a
+// release that tried again at once gave up after its three tries within
+// a millisecond or two and left the registration, and every partition it
+// holds, to its TTL.
+func TestReleaseWhileARenewalIsStillBeingStored(t *testing.T) {
+	cl := natstest.StartCluster(t, natstest.SyncAlways())
+	b := provision(t, cl.JetStream(t), 3)
+	const rounds = 20
+	failed := 0
+	for i := range rounds {
+		c, err := coordinator.New(b, coordinator.Config{Worker: fmt.Sprintf("w%d", i), Partitions: 1, TTL: 30 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx := ctxFor(t, time.Minute)
+		l, err := c.RegisterSession(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := l.RewriteUnseen(); err != nil {
+			t.Fatal(err)
+		}
+		if err := l.Release(ctx); err != nil {
+			failed++
+			t.Errorf("round %d: release: %v", i, err)
+			continue
+		}
+		snap, err := b.Snapshot(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if slices.Contains(snap.Members, c.Worker()) {
+			t.Errorf("round %d: the registration is still stored after its release: members %v", i, snap.Members)
+		}
+	}
+	if failed > 0 {
+		t.Logf("%d of %d releases failed", failed, rounds)
 	}
 }
