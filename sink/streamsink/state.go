@@ -7,9 +7,11 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/jspub"
 	"github.com/leasehold/leasehold/internal/leader"
 )
 
@@ -185,14 +187,35 @@ func (r *Runner) savePosition(ctx context.Context, seq, rev uint64) (uint64, err
 	return r.mine(ctx, r.positionKey(), body, err)
 }
 
-// put writes key over revision rev (0: the key must hold nothing).
+// put writes key over revision rev (0: the key must hold nothing, or a
+// delete or purge marker). It publishes to the key's subject and waits
+// for the acknowledgement with jspub, so a save whose answer a server
+// restart lost is retried as soon as the connection drops, not after
+// RequestTimeout (kv.Update's request waited it out, and the runner
+// with it).
 func (r *Runner) put(ctx context.Context, key string, body []byte, rev uint64) (uint64, error) {
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.RequestTimeout)
 	defer cancel()
-	if rev == 0 {
-		return r.stateKV.Create(ctx, key, body)
+	seq, err := r.publishState(ctx, key, body, rev)
+	if rev != 0 || !isStateConflict(err) {
+		return seq, err
 	}
-	return r.stateKV.Update(ctx, key, body, rev)
+	// Create over a marker, as kv.Create does: the key was deleted or
+	// purged, and the marker's revision is the one to write over.
+	m, lerr := r.state.Last(ctx, r.kvSubject(key))
+	if lerr != nil || m == nil || !leader.IsMarker(m.Header) {
+		return 0, err
+	}
+	return r.publishState(ctx, key, body, m.Seq)
+}
+
+func (r *Runner) publishState(ctx context.Context, key string, body []byte, rev uint64) (uint64, error) {
+	msg := &nats.Msg{Subject: r.kvSubject(key), Data: body}
+	ack, err := jspub.Publish(ctx, r.js, msg, jetstream.WithExpectLastSequencePerSubject(rev))
+	if err != nil {
+		return 0, err
+	}
+	return ack.Sequence, nil
 }
 
 // mine resolves a conflicting write of body to key: when the key holds
@@ -208,10 +231,25 @@ func (r *Runner) mine(ctx context.Context, key string, body []byte, conflict err
 	if m != nil && !leader.IsMarker(m.Header) && bytes.Equal(m.Data, body) {
 		return m.Seq, nil
 	}
+	if isInFlight(conflict) {
+		// A write to the key is still being stored (an earlier attempt
+		// whose answer was lost, most likely), and the key does not show
+		// it yet: the save is tried again after a backoff, when it does.
+		return 0, fmt.Errorf("streamsink: key %s of %s has a write still being stored: %w", key, r.cfg.StateBucket, conflict)
+	}
 	return 0, fmt.Errorf("%w: consumer %s: key %s of %s was written by someone else (%v)", ErrStateConflict, r.cfg.Consumer, key, r.cfg.StateBucket, conflict)
 }
 
 func (r *Runner) kvSubject(key string) string { return "$KV." + r.cfg.StateBucket + "." + key }
+
+// isInFlight reports whether err is a replicated stream's refusal of a
+// compare-and-set on a key with an earlier write still being stored
+// (10164, "wrong last sequence" with no number); until it is stored the
+// key reads as before it.
+func isInFlight(err error) bool {
+	var apiErr *jetstream.APIError
+	return errors.As(err, &apiErr) && apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequenceConstant
+}
 
 // isStateConflict reports whether a save failed because the saved
 // revision moved.

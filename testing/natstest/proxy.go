@@ -21,6 +21,8 @@ type Proxy struct {
 	frozen  bool
 	closed  bool
 	holding int // reads held by a freeze
+	sent    int // of those, reads from a client (bytes it sent the server)
+	gen     int // bumped by Cut: pipes of an earlier generation drop what they hold
 	conns   []net.Conn
 	wg      sync.WaitGroup
 }
@@ -59,6 +61,32 @@ func (p *Proxy) Holding() int {
 	return p.holding
 }
 
+// HoldingSent reports how many reads from clients a freeze holds back: a
+// test that froze the proxy waits for it to be above zero to know that a
+// request its client sent has not reached the server.
+func (p *Proxy) HoldingSent() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.sent
+}
+
+// Cut closes every connection open through the proxy and drops what a
+// freeze holds of them, as a network that loses the connection with bytes
+// in flight: their clients see the connection drop, and what they sent
+// last never reaches the server. New connections are taken as before
+// (and are held while the proxy stays frozen).
+func (p *Proxy) Cut() {
+	p.mu.Lock()
+	p.gen++
+	conns := p.conns
+	p.conns = nil
+	p.cond.Broadcast()
+	p.mu.Unlock()
+	for _, c := range conns {
+		c.Close()
+	}
+}
+
 func (p *Proxy) set(frozen bool) {
 	p.mu.Lock()
 	p.frozen = frozen
@@ -86,15 +114,17 @@ func (p *Proxy) accept() {
 			return
 		}
 		p.conns = append(p.conns, c, s)
+		gen := p.gen
 		p.mu.Unlock()
 		p.wg.Add(2)
-		go p.pipe(c, s)
-		go p.pipe(s, c)
+		go p.pipe(c, s, false, gen)
+		go p.pipe(s, c, true, gen)
 	}
 }
 
-// pipe copies src to dst, holding what it read while frozen.
-func (p *Proxy) pipe(dst, src net.Conn) {
+// pipe copies src to dst, holding what it read while frozen; fromClient
+// says src is the client's side. A Cut after gen drops what it holds.
+func (p *Proxy) pipe(dst, src net.Conn, fromClient bool, gen int) {
 	defer p.wg.Done()
 	defer dst.Close()
 	buf := make([]byte, 32<<10)
@@ -102,14 +132,24 @@ func (p *Proxy) pipe(dst, src net.Conn) {
 		n, err := src.Read(buf)
 		if n > 0 {
 			p.mu.Lock()
-			if p.frozen && !p.closed {
+			if p.frozen && !p.closed && p.gen == gen {
 				p.holding++
-				for p.frozen && !p.closed {
+				if fromClient {
+					p.sent++
+				}
+				for p.frozen && !p.closed && p.gen == gen {
 					p.cond.Wait()
 				}
 				p.holding--
+				if fromClient {
+					p.sent--
+				}
 			}
+			cut := p.gen != gen
 			p.mu.Unlock()
+			if cut {
+				return
+			}
 			if _, werr := dst.Write(buf[:n]); werr != nil {
 				return
 			}
