@@ -229,3 +229,53 @@ func TestAheadEntryWrittenOver(t *testing.T) {
 		t.Fatalf("the other fence reads %+v, want epoch 4", f)
 	}
 }
+
+// A save retried while its earlier attempt is still being stored (its
+// answer lost, the write not yet replicated) is refused at once on a
+// replicated bucket with 10164, and the key still reads as before it.
+// That is no other runner's save: the error is one the runner retries,
+// and once the earlier attempt is stored, the retry finds it its own. The
+// code before took it for another runner (ErrStateConflict), which ends
+// Run.
+func TestSaveRetriedWhileItsEarlierAttemptIsStored(t *testing.T) {
+	cl := natstest.StartCluster(t, natstest.SyncAlways())
+	ctx := testCtx(t, 2*time.Minute)
+	js := cl.JetStream(t)
+	r, err := New(ctx, js, Config{Prefix: "inflight", Provision: true, Replicas: 3, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rev, err := r.savePosition(ctx, 1, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	refused := 0
+	for seq := uint64(2); seq < 22; seq++ {
+		// The earlier attempt: the same record, sent without waiting.
+		msg := nats.NewMsg(r.kvSubject(r.positionKey()))
+		msg.Data = r.encodePosition(seq)
+		msg.Header.Set("Nats-Expected-Last-Subject-Sequence", fmt.Sprint(rev))
+		if err := js.Conn().PublishMsg(msg); err != nil {
+			t.Fatal(err)
+		}
+		for attempt := 0; ; attempt++ {
+			nrev, err := r.savePosition(ctx, seq, rev)
+			if err == nil {
+				rev = nrev
+				break
+			}
+			if errors.Is(err, ErrStateConflict) {
+				t.Fatalf("position %d: the runner's own save in flight taken for another runner's: %v", seq, err)
+			}
+			if !isInFlight(err) || attempt > 1000 {
+				t.Fatalf("position %d: %v", seq, err)
+			}
+			refused++
+			time.Sleep(5 * time.Millisecond) // as the save loop's backoff does
+		}
+	}
+	t.Logf("%d saves refused while their earlier attempt was in flight", refused)
+	if refused == 0 {
+		t.Log("no save met its earlier attempt in flight: the test did not exercise the case this time")
+	}
+}
