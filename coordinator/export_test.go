@@ -2,6 +2,7 @@ package coordinator
 
 import (
 	"context"
+	"encoding/json"
 	"strconv"
 	"time"
 
@@ -76,5 +77,24 @@ func (l *Lease) RewriteUnseen() error {
 	if l.session == nil {
 		msg.Header.Set(jetstream.MsgTTLHeader, l.c.cfg.TTL.String())
 	}
+	return l.c.b.js.Conn().PublishMsg(msg)
+}
+
+// CommitUnseen publishes l's fence record with progress seq over its
+// current revision, on l's own connection and without waiting for the
+// answer: a commit whose answer was never read, still being stored when
+// l's next commit arrives.
+func (l *Lease) CommitUnseen(seq uint64) error {
+	l.pmu.Lock()
+	defer l.pmu.Unlock()
+	next := l.fenced
+	next.Seq = seq
+	value, err := json.Marshal(next)
+	if err != nil {
+		return err
+	}
+	msg := nats.NewMsg(l.c.b.fencePrefix + l.key)
+	msg.Data = value
+	msg.Header.Set(jetstream.ExpectedLastSubjSeqHeader, strconv.FormatUint(l.fenceRev, 10))
 	return l.c.b.js.Conn().PublishMsg(msg)
 }

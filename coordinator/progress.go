@@ -190,7 +190,15 @@ func (l *Lease) setProgress(ctx context.Context, seq uint64) error {
 	next := l.fenced
 	next.Seq = seq
 	var err error
-	for range 3 {
+	for attempt := range 3 {
+		if attempt > 0 && isInFlight(err) {
+			// The record read back does not show the write in flight yet.
+			select {
+			case <-ctx.Done():
+				return fmt.Errorf("coordinator: commit progress %d of %s: %w (last error: %v)", seq, l, ctx.Err(), err)
+			case <-timeAfter(backoff(attempt)):
+			}
+		}
 		rctx, cancel := context.WithTimeout(ctx, l.c.cfg.RequestTimeout)
 		var rev uint64
 		rev, err = l.c.b.putFence(rctx, l.key, next, l.fenceRev)

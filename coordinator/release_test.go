@@ -102,3 +102,29 @@ func TestReleaseWhileARenewalIsStillBeingStored(t *testing.T) {
 		t.Logf("%d of %d releases failed", failed, rounds)
 	}
 }
+
+// A commit that arrives while the previous commit of the same partition is
+// still being stored (its answer lost) lands once that one has: on a
+// replicated bucket the server refuses it at once with 10164 while the
+// record still reads as before, and three tries back to back all failed.
+func TestCommitWhileTheLastCommitIsStillBeingStored(t *testing.T) {
+	cl := natstest.StartCluster(t, natstest.SyncAlways())
+	b := provision(t, cl.JetStream(t), 3)
+	c := newCoord(t, b, "a", 30*time.Second)
+	ctx := ctxFor(t, time.Minute)
+	l := acquireEventually(t, c, 0, 30*time.Second)
+	t.Cleanup(func() { _ = l.Release(context.Background()) })
+	failed := 0
+	for seq := uint64(2); seq <= 40; seq += 2 {
+		if err := l.CommitUnseen(seq - 1); err != nil {
+			t.Fatal(err)
+		}
+		if err := l.Commit(ctx, seq); err != nil {
+			failed++
+			t.Errorf("commit %d: %v", seq, err)
+		}
+	}
+	if failed > 0 {
+		t.Logf("%d of 20 commits failed", failed)
+	}
+}
