@@ -43,7 +43,7 @@ func (c *Coordinator) Run(ctx context.Context) error {
 		acqCh:     make(chan acquireResult, 16),
 		drainCh:   make(chan drained, 16),
 		done:      make(chan struct{}),
-		sem:       make(chan struct{}, 8),
+		sem:       make(chan struct{}, maxAcquiring),
 		mine:      -1,
 	}
 	c.setGroup(g)
@@ -95,6 +95,22 @@ type acquireResult struct {
 	takeover uint64    // the revision of the foreign record it was to replace
 	started  time.Time // before its first write was sent
 }
+
+// maxAcquiring bounds the acquisitions one member runs at once. Each is a
+// few round trips (the lease key's create, the fence record's read and
+// compare-and-set), so a member taking its share of a cold start waits on
+// the server's write latency more than on its work: with sync_interval
+// always each write waits for its fsync, and on a cluster for a quorum.
+// 65,536 partitions over 64 members in one process (`go test
+// ./internal/bench -run '^$' -bench ScaleMax -benchtime 1x -args -sync`,
+// with -cluster and without; 2 runs each) were held after 37.5 and
+// 38.1 s at 8 (R1, sync always; 23.3 and 25.3 s on R3 with sync, 12.8 and
+// 13.0 s on R3, 6.0 and 6.2 s on R1) and after 26.3 and 26.6 s at 64 (9.8
+// and 11.1, 7.4 and 8.7, 5.1 and 5.1); 128 changed nothing more. On one
+// server with sync always, 26 s is the server's own floor: the same
+// 131,072 creates, pipelined from 64 connections without leasehold, took
+// 24.8 and 26.3 s (the bench's scale_max_write_floor row).
+const maxAcquiring = 64
 
 type group struct {
 	c *Coordinator

@@ -367,8 +367,8 @@ func TestColdStartQueuesAcquisitions(t *testing.T) {
 	}()
 	select {
 	case got := <-first:
-		// The lease's own goroutines and the acquisitions running (8 at
-		// most) stay well under a hundred; a goroutine per queued
+		// The lease's own goroutines and the acquisitions running (64
+		// at most) stay well under two hundred; a goroutine per queued
 		// partition would be n.
 		if got-before > 200 {
 			t.Fatalf("%d goroutines more than before Run when the first lease was handed out; a queue of %d partitions should need a handful", got-before, n)

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -15,6 +16,14 @@ import (
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// The benchmarks' server configuration, as bench's --cluster and --sync
+// set it: go test ./internal/bench -run '^$' -bench ScaleMax -benchtime 1x
+// -args -cluster -sync.
+var (
+	benchCluster = flag.Bool("cluster", false, "benchmarks: a 3-node cluster, every stream and bucket at 3 replicas")
+	benchSync    = flag.Bool("sync", false, "benchmarks: servers with sync_interval: always")
+)
 
 func TestMedianAndPercentile(t *testing.T) {
 	if got := median([]float64{3, 1, 2}); got != 2 {
@@ -207,15 +216,16 @@ func BenchmarkScale(b *testing.B) {
 }
 
 // BenchmarkScaleMax is BenchmarkScale at the most partitions the API
-// allows, over 64 members (the scale_max rows):
+// allows, over 64 members (the scale_max rows), here on a 3-node cluster
+// with sync always:
 //
-//	go test ./internal/bench -run '^$' -bench ScaleMax -benchtime 1x
+//	go test ./internal/bench -run '^$' -bench ScaleMax -benchtime 1x -args -cluster -sync
 func BenchmarkScaleMax(b *testing.B) {
 	benchScale(b, 65536, 64)
 }
 
 func benchScale(b *testing.B, partitions, members int) {
-	cfg := Config{Runs: 1}
+	cfg := Config{Runs: 1, Cluster: *benchCluster, Sync: *benchSync}
 	cfg.setDefaults()
 	e, err := startEnv(context.Background(), &cfg)
 	if err != nil {
