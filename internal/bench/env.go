@@ -236,3 +236,36 @@ func wait(ctx context.Context, timeout time.Duration, what string, cond func() b
 	}
 	return nil
 }
+
+// waitReplicas waits until each stream has a leader and every replica is
+// current, so that a measurement that starts once a stream is created
+// counts the work it measures, not the replicas' first election.
+func (e *env) waitReplicas(ctx context.Context, js jetstream.JetStream, streams ...string) error {
+	for _, name := range streams {
+		err := wait(ctx, time.Minute, "stream "+name+" led, its replicas current", func() bool {
+			actx, cancel := context.WithTimeout(ctx, 2*time.Second)
+			defer cancel()
+			s, err := js.Stream(actx, name)
+			if err != nil {
+				return false
+			}
+			ci := s.CachedInfo().Cluster
+			if e.replicas() == 1 {
+				return true
+			}
+			if ci == nil || ci.Leader == "" || len(ci.Replicas) != e.replicas()-1 {
+				return false
+			}
+			for _, r := range ci.Replicas {
+				if !r.Current {
+					return false
+				}
+			}
+			return true
+		})
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}

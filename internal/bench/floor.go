@@ -51,6 +51,9 @@ func (e *env) acquireFloor(ctx context.Context, prefix string, partitions, membe
 			_ = js.DeleteKeyValue(dctx, b)
 		}
 	}()
+	if err := e.waitReplicas(ctx, js, "KV_"+buckets[0], "KV_"+buckets[1]); err != nil {
+		return 0, err
+	}
 	ctx, cancel := context.WithTimeout(ctx, bound)
 	defer cancel()
 	if batch > 0 {

@@ -78,6 +78,12 @@ func (e *env) newProcGroup(ctx context.Context, prefix string, partitions int, t
 		g.close(ctx)
 		return nil, err
 	}
+	// A deployment's workers start on streams and buckets that exist: the
+	// clock of a cold start starts once these are led and replicated.
+	if err := e.waitReplicas(ctx, js, worker.JobsStream(prefix), "KV_"+g.bucket, "KV_"+b.FenceBucket()); err != nil {
+		g.close(ctx)
+		return nil, err
+	}
 	// One watcher per filter: the server serves a multi-filter consumer by
 	// matching every subject in the bucket for every message.
 	for _, filter := range []string{"partition.>", "member.>"} {
