@@ -97,25 +97,19 @@ func (e *env) acquireFloor(ctx context.Context, prefix string, partitions, membe
 }
 
 // floorPipelined creates every partition's lease key, then, as each is
-// acknowledged, its fence record.
+// acknowledged, its fence record. The connection's publish window holds
+// all of them, so no publish waits for room.
 func floorPipelined(ctx context.Context, js jetstream.JetStream, buckets []string, parts []int) error {
-	acks := make(chan jetstream.PubAckFuture, len(parts))
-	errc := make(chan error, 1)
-	go func() {
-		for _, p := range parts {
-			f, err := js.PublishAsync("$KV."+buckets[0]+".partition."+strconv.Itoa(p), []byte("lease"), jetstream.WithExpectLastSequencePerSubject(0))
-			if err != nil {
-				errc <- err
-				close(acks)
-				return
-			}
-			acks <- f
+	leases := make([]jetstream.PubAckFuture, len(parts))
+	for i, p := range parts {
+		f, err := js.PublishAsync("$KV."+buckets[0]+".partition."+strconv.Itoa(p), []byte("lease"), jetstream.WithExpectLastSequencePerSubject(0))
+		if err != nil {
+			return err
 		}
-		close(acks)
-	}()
-	var fences []jetstream.PubAckFuture
-	i := 0
-	for f := range acks {
+		leases[i] = f
+	}
+	fences := make([]jetstream.PubAckFuture, len(parts))
+	for i, f := range leases {
 		if err := awaitAck(ctx, f); err != nil {
 			return err
 		}
@@ -123,13 +117,7 @@ func floorPipelined(ctx context.Context, js jetstream.JetStream, buckets []strin
 		if err != nil {
 			return err
 		}
-		fences = append(fences, g)
-		i++
-	}
-	select {
-	case err := <-errc:
-		return err
-	default:
+		fences[i] = g
 	}
 	for _, f := range fences {
 		if err := awaitAck(ctx, f); err != nil {
