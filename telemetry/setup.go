@@ -77,7 +77,9 @@ type SetupConfig struct {
 // parentDecides); it has the SDK provider's ForceFlush. The batch span
 // processor keeps the SDK's defaults and OTEL_BSP_* settings: a full queue
 // drops spans rather than slowing jobs, except refusals, which have a
-// queue of their own.
+// queue of their own. Every sampled span that is never exported (a full
+// queue, an export the exporter gave up on) is counted in
+// leasehold_trace_spans_dropped_total.
 func Setup(ctx context.Context, cfg SetupConfig) (t *Telemetry, metrics http.Handler, shutdown func(context.Context) error, err error) {
 	if cfg.OTLPEndpoint != "" {
 		if _, err := tracesURL(cfg.OTLPEndpoint); err != nil {
@@ -107,7 +109,7 @@ func Setup(ctx context.Context, cfg SetupConfig) (t *Telemetry, metrics http.Han
 		_ = mp.Shutdown(ctx)
 		return nil, nil, nil, err
 	} else if exp != nil {
-		sdk := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(newRefusalsApart(exp)), sdktrace.WithResource(res), sdktrace.WithSampler(KeepRefusals(sampler)))
+		sdk := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(newRefusalsApart(exp, mp.Meter(ScopeName))), sdktrace.WithResource(res), sdktrace.WithSampler(KeepRefusals(sampler)))
 		tp, stopTracing = sdk, sdk.Shutdown
 		if followsParent(sampler) {
 			tp = &parentDecides{tp: sdk}
