@@ -7,6 +7,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
+	"go.opentelemetry.io/otel/propagation"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
 	"go.opentelemetry.io/otel/trace"
@@ -15,21 +17,24 @@ import (
 )
 
 // spanFloor is the CPU time per job, in µs, that the OpenTelemetry SDK and
-// its OTLP/HTTP exporter alone take for the spans a job makes with every
-// trace sampled, through telemetry.Setup's span processors to the same
-// receiver as the tracing rows: no NATS, no worker, no sink. A job makes
-// four: the enqueue's send, the attempt's process, the effect's send and
-// the sink's process, each with as many attributes as leasehold gives it,
-// and its W3C context written into and read from NATS headers twice, as
-// the job and its effect carry it. Whatever leasehold does around its
-// spans, tracing every job costs at least this.
+// its OTLP/HTTP exporter alone take to record and export every span a job
+// makes with every trace sampled, to the same receiver as the tracing
+// rows: no NATS, no worker, no sink. A job makes four: the enqueue's send,
+// the attempt's process, the effect's send and the sink's process, each
+// with as many attributes as leasehold gives it, and its W3C context
+// written into and read from NATS headers twice, as the job and its effect
+// carry it. The batcher blocks rather than drop a span (Setup's drops
+// them), so every span is paid for: whatever leasehold does around its
+// spans, tracing and exporting every job costs at least this.
 func (e *env) spanFloor(ctx context.Context, o *otlpSink, n int) (float64, error) {
-	tel, _, shutdown, err := telemetry.Setup(ctx, telemetry.SetupConfig{
-		ServiceName: "leasehold-bench", NoGlobals: true, OTLPEndpoint: o.endpoint(), Sampler: sdktrace.AlwaysSample(),
-	})
+	exp, err := otlptracehttp.New(ctx, otlptracehttp.WithEndpointURL(o.endpoint()+"/v1/traces"))
 	if err != nil {
-		return 0, err
+		return 0, fmt.Errorf("span floor: %w", err)
 	}
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.AlwaysSample()),
+		sdktrace.WithSpanProcessor(sdktrace.NewBatchSpanProcessor(exp, sdktrace.WithBlocking())))
+	shutdown := tp.Shutdown
+	tel := telemetry.New(telemetry.Config{TracerProvider: tp, Propagator: propagation.TraceContext{}})
 	tr, prop := tel.Tracer, tel.Propagator
 	var (
 		producer = trace.WithSpanKind(trace.SpanKindProducer)
