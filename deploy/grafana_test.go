@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net/http"
 	"net/http/httptest"
 	"reflect"
 	"regexp"
@@ -15,6 +16,7 @@ import (
 	"time"
 
 	"go.opentelemetry.io/otel/metric"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
@@ -98,6 +100,7 @@ func exportedSeries(t *testing.T) map[string]map[string]bool {
 	rec := httptest.NewRecorder()
 	handler.ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
 	body, _ := io.ReadAll(rec.Body)
+	body = append(append(body, '\n'), setupSeries(t)...)
 	series := map[string]map[string]bool{}
 	sample := regexp.MustCompile(`^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? `)
 	label := regexp.MustCompile(`([a-zA-Z_][a-zA-Z0-9_]*)="`)
@@ -118,6 +121,36 @@ func exportedSeries(t *testing.T) map[string]map[string]bool {
 		t.Fatalf("no leasehold_* series on /metrics:\n%s", body)
 	}
 	return series
+}
+
+// setupSeries is the /metrics body of a process built with
+// telemetry.Setup whose collector refuses every export: the span drop
+// counter is Setup's own.
+func setupSeries(t *testing.T) []byte {
+	t.Helper()
+	collector := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		http.Error(w, "refused", http.StatusBadRequest)
+	}))
+	defer collector.Close()
+	ctx := context.Background()
+	tel, handler, shutdown, err := telemetry.Setup(ctx, telemetry.SetupConfig{OTLPEndpoint: collector.URL, NoGlobals: true, Sampler: sdktrace.AlwaysSample()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = shutdown(ctx) }()
+	_, span := tel.Tracer.Start(ctx, "dropped")
+	span.End()
+	if f, ok := tel.Config().TracerProvider.(interface{ ForceFlush(context.Context) error }); ok {
+		_ = f.ForceFlush(ctx) // refused: counted as dropped
+	}
+	rec := httptest.NewRecorder()
+	handler.ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	body, _ := io.ReadAll(rec.Body)
+	if !bytes.Contains(body, []byte("leasehold_trace_spans_dropped_total{")) {
+		t.Fatalf("no leasehold_trace_spans_dropped_total after a refused export:\n%s", body)
+	}
+	return body
 }
 
 // grafanaDashboard is the part of a Grafana dashboard the test reads.
