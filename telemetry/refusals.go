@@ -94,6 +94,9 @@ func (q *countedQueue) OnEnd(s sdktrace.ReadOnlySpan) {
 	q.next.OnEnd(s)
 }
 
+func (q *countedQueue) Shutdown(ctx context.Context) error   { return q.next.Shutdown(ctx) }
+func (q *countedQueue) ForceFlush(ctx context.Context) error { return q.next.ForceFlush(ctx) }
+
 // countingExporter tells its queue which spans reached the exporter, and
 // counts those the exporter failed to deliver.
 type countingExporter struct {
@@ -151,6 +154,3 @@ func isRefusal(s sdktrace.ReadOnlySpan) bool {
 type borrowedExporter struct{ sdktrace.SpanExporter }
 
 func (borrowedExporter) Shutdown(context.Context) error { return nil }
-
-func (q *countedQueue) Shutdown(ctx context.Context) error   { return q.next.Shutdown(ctx) }
-func (q *countedQueue) ForceFlush(ctx context.Context) error { return q.next.ForceFlush(ctx) }
