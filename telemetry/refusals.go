@@ -46,8 +46,9 @@ func newRefusalsApart(exp sdktrace.SpanExporter, meter metric.Meter) refusalsApa
 	}
 }
 
-// envQueueSize is the batcher's queue size as the SDK reads it: a
-// positive OTEL_BSP_MAX_QUEUE_SIZE, else the SDK's default.
+// envQueueSize is the batcher's queue size: OTEL_BSP_MAX_QUEUE_SIZE when
+// it is a positive number, else the SDK's default. (Given 0, the SDK would
+// make a queue that holds nothing, and a negative size would panic.)
 func envQueueSize() int {
 	if n, err := strconv.Atoi(strings.TrimSpace(os.Getenv("OTEL_BSP_MAX_QUEUE_SIZE"))); err == nil && n > 0 {
 		return n
