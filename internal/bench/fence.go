@@ -2,19 +2,17 @@ package bench
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"strconv"
 	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-	"github.com/nats-io/nuid"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/jspub"
 	"github.com/leasehold/leasehold/internal/retry"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/kvsink"
@@ -271,34 +269,10 @@ func allowAtomic(ctx context.Context, js jetstream.JetStream, stream string) err
 // atomicPublish publishes msgs as one JetStream atomic batch and waits for
 // the commit's answer.
 func atomicPublish(ctx context.Context, nc *nats.Conn, msgs []*nats.Msg) error {
-	id := nuid.Next()
-	for i, m := range msgs {
-		m.Header.Set("Nats-Batch-Id", id)
-		m.Header.Set("Nats-Batch-Sequence", strconv.Itoa(i+1))
-		if i < len(msgs)-1 {
-			if err := nc.PublishMsg(m); err != nil {
-				return err
-			}
-		}
-	}
-	last := msgs[len(msgs)-1]
-	last.Header.Set("Nats-Batch-Commit", "1")
 	rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	resp, err := nc.RequestMsgWithContext(rctx, last)
-	if err != nil {
-		return fmt.Errorf("atomic batch: %w", err)
-	}
-	var ack struct {
-		Error *jetstream.APIError `json:"error"`
-	}
-	if err := json.Unmarshal(resp.Data, &ack); err != nil {
-		return fmt.Errorf("atomic batch: %w", err)
-	}
-	if ack.Error != nil {
-		return fmt.Errorf("atomic batch: %w", ack.Error)
-	}
-	return nil
+	_, err := jspub.Batch(rctx, nc, msgs)
+	return err
 }
 
 // fencePostgres measures pgsink beside a plain upsert into a table of the
