@@ -134,6 +134,9 @@ type Bucket struct {
 	fenceLeader *leader.Reader
 
 	markerTTL time.Duration // how long release markers stay
+	// atomic says both buckets take atomic batches, which acquisitions
+	// use when they can (batch.go).
+	atomic bool
 
 	jobs jobStreamCache
 }
@@ -181,7 +184,8 @@ func open(ctx context.Context, js jetstream.JetStream, bucket string, replicas i
 	if err != nil {
 		return nil, fmt.Errorf("coordinator: look up fence-record bucket %s: %w", fenceName, err)
 	}
-	if err := checkFenceStream(fenceName, bucket, scope, fs.CachedInfo().Config, sc.Replicas); err != nil {
+	fsc := fs.CachedInfo().Config
+	if err := checkFenceStream(fenceName, bucket, scope, fsc, sc.Replicas); err != nil {
 		return nil, err
 	}
 	kv, err := retry.Value(ctx, func(ctx context.Context) (jetstream.KeyValue, error) { return js.KeyValue(ctx, bucket) })
@@ -208,6 +212,7 @@ func open(ctx context.Context, js jetstream.JetStream, bucket string, replicas i
 		fenceLeader: leader.NewReader(js, "KV_"+fenceName),
 
 		markerTTL: sc.SubjectDeleteMarkerTTL,
+		atomic:    sc.AllowAtomicPublish && fsc.AllowAtomicPublish,
 	}, nil
 }
 

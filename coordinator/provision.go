@@ -79,6 +79,9 @@ func create(ctx context.Context, js jetstream.JetStream, cfg BucketConfig) error
 		if _, err := ensureFenceBucket(ctx, js, fences, cfg.Bucket, cfg.Scope, cfg.Replicas); err != nil {
 			return err
 		}
+		if err := updateStream(ctx, js, "KV_"+fences, nil, cfg); err != nil {
+			return err
+		}
 		start := time.Now()
 		highest, n, err := fenceFloor(ctx, js, fences)
 		if err != nil {
@@ -116,6 +119,7 @@ func create(ctx context.Context, js jetstream.JetStream, cfg BucketConfig) error
 		Duplicates:             2 * time.Minute,
 		AllowMsgTTL:            true,
 		SubjectDeleteMarkerTTL: cfg.MarkerTTL,
+		AllowAtomicPublish:     true,
 		FirstSeq:               first,
 		Metadata:               map[string]string{metaKind: "lease-bucket", metaScope: cfg.Scope, metaFences: fences},
 	})
@@ -173,27 +177,44 @@ func upgrade(ctx context.Context, js jetstream.JetStream, s jetstream.Stream, cf
 		cfg.Logger.Info("moved progress records to the fence-record bucket", "bucket", cfg.Bucket, "fence_bucket", fences, "records", moved)
 		meta[metaFences] = fences
 	}
-	if len(meta) == 0 {
-		return nil
+	if err := updateStream(ctx, js, "KV_"+fences, nil, cfg); err != nil {
+		return err
 	}
-	return setMetadata(ctx, js, "KV_"+cfg.Bucket, meta)
+	return updateStream(ctx, js, "KV_"+cfg.Bucket, meta, cfg)
 }
 
-// setMetadata adds meta to stream's metadata.
-func setMetadata(ctx context.Context, js jetstream.JetStream, stream string, meta map[string]string) error {
+// updateStream adds meta to stream's metadata and lets it take atomic
+// batches, which acquisitions use when both buckets do (batch.go), if it
+// does not have them yet. Every update a Provision makes to a stream is
+// this one, all changes at once: of two Provisions running together, each
+// writes the whole of what they both want, so neither undoes the other's.
+// A server that does not know atomic batches (before nats-server 2.12)
+// leaves them off, and acquisitions go one by one.
+func updateStream(ctx context.Context, js jetstream.JetStream, stream string, meta map[string]string, cfg BucketConfig) error {
 	s, err := js.Stream(ctx, stream)
 	if err != nil {
-		return fmt.Errorf("coordinator: update the metadata of %s: %w", stream, err)
+		return fmt.Errorf("coordinator: update %s: %w", stream, err)
 	}
 	sc := s.CachedInfo().Config
+	changed := !sc.AllowAtomicPublish
 	if sc.Metadata == nil {
 		sc.Metadata = map[string]string{}
 	}
 	for k, v := range meta {
+		changed = changed || sc.Metadata[k] != v
 		sc.Metadata[k] = v
 	}
-	if _, err := js.UpdateStream(ctx, sc); err != nil {
-		return fmt.Errorf("coordinator: update the metadata of %s: %w", stream, err)
+	if !changed {
+		return nil
+	}
+	atomic := sc.AllowAtomicPublish
+	sc.AllowAtomicPublish = true
+	s, err = js.UpdateStream(ctx, sc)
+	if err != nil {
+		return fmt.Errorf("coordinator: update %s: %w", stream, err)
+	}
+	if !atomic && s.CachedInfo().Config.AllowAtomicPublish {
+		cfg.Logger.Info("allowed atomic batches, which acquisitions of many partitions use", "stream", stream)
 	}
 	return nil
 }
