@@ -70,6 +70,10 @@ type Coordinator struct {
 
 	ended endedSessions
 
+	// batches counts the atomic batches of partition records and of fence
+	// records that landed (batch.go), for tests.
+	batches, fenceBatches atomic.Int64
+
 	// noticeHook, set by tests only, is called with "notice" and the
 	// notice for each notice that names a lease this worker holds at its
 	// epoch, with "read" before each leader read for them, and with
@@ -123,6 +127,10 @@ type acquireOpts struct {
 	// whose holder has not listed it for longer than a lease could go
 	// unlisted (see advert.go): the acquisition may overwrite exactly it.
 	orphan uint64
+	// prepared is the record to write: one an atomic batch tried to write
+	// with an outcome not known (see batch.go), so that finding it stored
+	// settles the acquisition.
+	prepared *record
 }
 
 // ManualRenew leaves renewal to the caller: the lease does not renew
@@ -185,13 +193,20 @@ func (c *Coordinator) acquire(ctx context.Context, t target, o acquireOpts) (*Le
 	if err != nil {
 		return nil, err
 	}
-	if err := l.fence(ctx, o.repair); err != nil {
+	return c.handOut(ctx, l, t, o, l.fence(ctx, o.repair))
+}
+
+// handOut ends an acquisition whose lease key l holds once its fence step
+// has returned ferr: it releases the lease if the fence failed, and
+// otherwise reports the acquisition and starts the lease's renewals.
+func (c *Coordinator) handOut(ctx context.Context, l *Lease, t target, o acquireOpts, ferr error) (*Lease, error) {
+	if ferr != nil {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.RequestTimeout)
 		defer cancel()
-		if !errors.Is(err, leasehold.ErrLeaseLost) {
+		if !errors.Is(ferr, leasehold.ErrLeaseLost) {
 			_ = l.Release(rctx)
 		}
-		return nil, fmt.Errorf("coordinator: acquire %s: fence: %w", t, err)
+		return nil, fmt.Errorf("coordinator: acquire %s: fence: %w", t, ferr)
 	}
 	c.cfg.Observer.LeaseEvent(l.ctx, Event{Kind: EventAcquired, Lease: l.info, Lock: l.name, Time: time.Now()})
 	l.logAcquired()
@@ -214,15 +229,13 @@ func (l *Lease) startKeepalive() {
 // whose session has ended counts as free.
 func (c *Coordinator) acquireKey(ctx context.Context, t target, o acquireOpts) (*Lease, error) {
 	takeover, sess := o.takeover, o.session
-	rec := record{
-		Holder:   c.cfg.Worker,
-		Token:    newToken(),
-		TTLMilli: c.cfg.TTL.Milliseconds(),
-		Acquired: time.Now().UTC(),
-	}
+	rec := c.newRecord(sess)
 	ttl := c.cfg.TTL
 	if sess != nil {
-		rec.Session, rec.TTLMilli, ttl = uint64(sess.info.Epoch), sessionTTLMilli, 0
+		ttl = 0
+	}
+	if o.prepared != nil {
+		rec = *o.prepared
 	}
 	if o.advertise && t.kind == kindMember {
 		rec.Holds = new("")
@@ -336,6 +349,21 @@ func (c *Coordinator) acquireKey(ctx context.Context, t target, o acquireOpts) (
 	// The key changed hands between every read and write: others are
 	// acquiring and releasing it as fast as this worker can look.
 	return nil, fmt.Errorf("%w: %s changed hands %d times while this worker tried to take it (last refusal: %v)", ErrHeld, t, 8, lastErr)
+}
+
+// newRecord is the record of a new acquisition of this worker's, held by
+// sess when it is set.
+func (c *Coordinator) newRecord(sess *Lease) record {
+	rec := record{
+		Holder:   c.cfg.Worker,
+		Token:    newToken(),
+		TTLMilli: c.cfg.TTL.Milliseconds(),
+		Acquired: time.Now().UTC(),
+	}
+	if sess != nil {
+		rec.Session, rec.TTLMilli = uint64(sess.info.Epoch), sessionTTLMilli
+	}
+	return rec
 }
 
 // leaseOf describes the lease whose record r is the value of t's key at

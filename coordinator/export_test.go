@@ -98,3 +98,25 @@ func (l *Lease) CommitUnseen(seq uint64) error {
 	msg.Header.Set(jetstream.ExpectedLastSubjSeqHeader, strconv.FormatUint(l.fenceRev, 10))
 	return l.c.b.js.Conn().PublishMsg(msg)
 }
+
+// AcquireBatch acquires ps under session in one atomic batch, as Run does
+// once membership has settled, with each record expected empty. It returns
+// each partition's lease or error, in order.
+func (c *Coordinator) AcquireBatch(ctx context.Context, ps []leasehold.Partition, session *Lease) ([]*Lease, []error) {
+	items := make([]batchItem, len(ps))
+	for i, p := range ps {
+		items[i] = batchItem{p: p}
+	}
+	rs := c.acquireBatch(ctx, items, session, &acqBatch{size: len(ps), left: len(ps)})
+	leases, errs := make([]*Lease, len(rs)), make([]error, len(rs))
+	for i, r := range rs {
+		leases[i], errs[i] = r.lease, r.err
+	}
+	return leases, errs
+}
+
+// Batches is how many atomic batches of partition records and of fence
+// records c wrote.
+func (c *Coordinator) Batches() (records, fences int64) {
+	return c.batches.Load(), c.fenceBatches.Load()
+}

@@ -44,6 +44,8 @@ func (c *Coordinator) Run(ctx context.Context) error {
 		drainCh:   make(chan drained, 16),
 		done:      make(chan struct{}),
 		sem:       make(chan struct{}, maxAcquiring),
+		batchSize: maxBatch,
+		batchMax:  maxBatch,
 		mine:      -1,
 	}
 	c.setGroup(g)
@@ -94,6 +96,7 @@ type acquireResult struct {
 	err      error
 	takeover uint64    // the revision of the foreign record it was to replace
 	started  time.Time // before its first write was sent
+	batch    *acqBatch // the atomic batch it was part of, if any
 }
 
 // maxAcquiring bounds the acquisitions one member runs at once. Each is a
@@ -164,6 +167,13 @@ type group struct {
 	done    chan struct{}
 	sem     chan struct{} // bounds concurrent acquisitions
 	tasks   sync.WaitGroup
+
+	// Acquisitions in atomic batches (batch.go).
+	batches   int       // batches running: at most one
+	batched   int       // the partitions in them
+	batchSize int       // partitions the next batch may hold
+	batchMax  int       // and at most: the server's limit, when below maxBatch
+	batchOff  time.Time // batches refused often: none before
 
 	// Without the partition records (see advert.go):
 	watchParts bool                             // the current watchers read the partition records too
@@ -623,7 +633,16 @@ func (g *group) startQueued(ctx context.Context, now time.Time) {
 		sess = nil
 	}
 	me := g.c.cfg.Worker
-	for bound := g.acquireBound(); len(g.queue) > 0 && len(g.acquiring) < bound; {
+	bound := g.acquireBound()
+	// Once membership has held still, a member takes what it is given in
+	// atomic batches, one batch at a time (see batch.go); what cannot go
+	// in one goes one by one beside it.
+	batching := sess != nil && g.c.b.atomic && bound == maxAcquiring && !now.Before(g.batchOff)
+	var batch []batchItem
+	for len(g.queue) > 0 && len(g.acquiring)-g.batched-len(batch) < bound {
+		if batching && g.batches > 0 {
+			break // taken by the next batch
+		}
 		p := g.queue[0]
 		g.queue = g.queue[1:]
 		if int(p) >= len(g.target) || g.target[p] != g.mine || g.held[p] != nil || g.acquiring[p] || g.strays[p] || now.Before(g.retryAt[p]) {
@@ -669,29 +688,95 @@ func (g *group) startQueued(ctx context.Context, now time.Time) {
 				"partition", p, "revision", s.rev, "holder", s.holder, "unchanged_for", now.Sub(s.since).Round(time.Millisecond))
 		}
 		g.acquiring[p] = true
-		g.tasks.Add(1)
-		go func() {
-			defer g.tasks.Done()
-			select {
-			case g.sem <- struct{}{}:
-			case <-ctx.Done():
-				g.acqCh <- acquireResult{p: p, err: fmt.Errorf("coordinator: acquire partition %d: %w", p, ctx.Err())}
-				return
+		if batching && takeover == 0 && orphan == 0 && (!g.view.partitions || s.holder == "") {
+			// Its record is expected at hint, or empty: nothing to read
+			// through the leader first.
+			batch = append(batch, batchItem{p: p, hint: hint})
+			if len(batch) == g.batchSize {
+				g.startBatch(ctx, batch, sess)
+				batch = nil
 			}
-			defer func() { <-g.sem }()
-			// Once started, an acquisition runs to its end under the
-			// group's context: its outcome is settled, not abandoned.
-			actx, cancel := context.WithTimeout(ctx, g.c.cfg.TTL)
-			defer cancel()
-			started := time.Now()
-			l, err := g.c.acquire(actx, partitionTarget(p), acquireOpts{takeover: takeover, session: sess, hint: hint, orphan: orphan})
-			g.acqCh <- acquireResult{p: p, lease: l, err: err, takeover: takeover, started: started}
-		}()
+			continue
+		}
+		g.startOne(ctx, p, acquireOpts{takeover: takeover, session: sess, hint: hint, orphan: orphan})
+	}
+	switch {
+	case len(batch) == 1:
+		g.startOne(ctx, batch[0].p, acquireOpts{session: sess, hint: batch[0].hint})
+	case len(batch) > 1:
+		g.startBatch(ctx, batch, sess)
+	}
+}
+
+// startOne starts the acquisition of p, marked as acquiring.
+func (g *group) startOne(ctx context.Context, p leasehold.Partition, o acquireOpts) {
+	g.tasks.Add(1)
+	go func() {
+		defer g.tasks.Done()
+		select {
+		case g.sem <- struct{}{}:
+		case <-ctx.Done():
+			g.acqCh <- acquireResult{p: p, err: fmt.Errorf("coordinator: acquire partition %d: %w", p, ctx.Err())}
+			return
+		}
+		defer func() { <-g.sem }()
+		// Once started, an acquisition runs to its end under the
+		// group's context: its outcome is settled, not abandoned.
+		actx, cancel := context.WithTimeout(ctx, g.c.cfg.TTL)
+		defer cancel()
+		started := time.Now()
+		l, err := g.c.acquire(actx, partitionTarget(p), o)
+		g.acqCh <- acquireResult{p: p, lease: l, err: err, takeover: o.takeover, started: started}
+	}()
+}
+
+// startBatch starts the acquisition of items, marked as acquiring, in
+// atomic batches.
+func (g *group) startBatch(ctx context.Context, items []batchItem, sess *Lease) {
+	b := &acqBatch{size: len(items), left: len(items)}
+	g.batches++
+	g.batched += len(items)
+	g.tasks.Add(1)
+	go func() {
+		defer g.tasks.Done()
+		// Like one acquisition, a batch runs to its end: its outcome is
+		// settled, not abandoned.
+		actx, cancel := context.WithTimeout(ctx, g.c.cfg.TTL)
+		defer cancel()
+		for _, r := range g.c.acquireBatch(actx, items, sess, b) {
+			r.batch = b
+			g.acqCh <- r
+		}
+	}()
+}
+
+// batchDone counts one result of batch b, and sizes the next batch once
+// all of b's are in.
+func (g *group) batchDone(b *acqBatch) {
+	g.batched--
+	if b.left--; b.left > 0 {
+		return
+	}
+	g.batches--
+	if b.landed {
+		g.batchSize = min(2*g.batchSize, g.batchMax)
+		return
+	}
+	if batchTooLarge(b.err) {
+		g.batchMax = max(b.size/2, minBatch)
+	}
+	if g.batchSize = min(b.size/2, g.batchMax); g.batchSize < minBatch {
+		// Batches keep failing here: go one by one for a while.
+		g.batchSize, g.batchOff = minBatch, time.Now().Add(g.c.cfg.RenewEvery)
+		g.c.cfg.Logger.Warn("atomic batches of acquisitions keep failing; acquiring one by one for a while", "worker", g.c.cfg.Worker, "retry_in", g.c.cfg.RenewEvery, "err", b.err)
 	}
 }
 
 func (g *group) onAcquired(r acquireResult) {
 	delete(g.acquiring, r.p)
+	if r.batch != nil {
+		g.batchDone(r.batch)
+	}
 	if r.err != nil {
 		var (
 			held    *HeldError
