@@ -110,9 +110,12 @@ type acquireResult struct {
 // 38.1 s at 8 (R1, sync always; 23.3 and 25.3 s on R3 with sync, 12.8 and
 // 13.0 s on R3, 6.0 and 6.2 s on R1) and after 26.3 and 26.6 s at 64 (9.8
 // and 11.1, 7.4 and 8.7, 5.1 and 5.1); 128 changed nothing more. On one
-// server with sync always, 26 s is the server's own floor: the same
-// 131,072 creates, pipelined from 64 connections without leasehold, took
-// 24.8 and 26.3 s (the bench's scale_max_write_floor row).
+// server with sync always, 26 s is the server's own floor for writes one
+// by one: the same 131,072 creates, pipelined from 64 connections without
+// leasehold, took 24.8 and 26.3 s (the bench's scale_max_write_floor
+// row). That is why a member whose membership has settled writes its
+// acquisitions in atomic batches (batch.go), one batch at a time; what
+// cannot go in a batch goes one by one, up to maxAcquiring at once.
 //
 // While membership is still changing (within RebalanceDelay of the last
 // change a member saw), its view may lack members whose registrations
@@ -793,6 +796,14 @@ func (g *group) onAcquired(r acquireResult) {
 			rev := uint64(held.Lease.Epoch) // a session-held record is written once, at its epoch
 			if h, ok := g.heldBy[r.p]; !ok || h.holder != held.Lease.Holder || h.rev != rev {
 				g.heldBy[r.p] = heldSeen{holder: held.Lease.Holder, rev: rev, since: time.Now()}
+			}
+			if m := g.view.members[held.Lease.Holder]; m != nil && m.listSince.After(r.started) {
+				// The holder's list changed while this acquisition ran (a
+				// batch's results come when the whole batch is done): the
+				// change that lets it try again is in already. Once per
+				// change: the next attempt starts after it.
+				g.queue = append(g.queue, r.p)
+				break
 			}
 			g.retryAt[r.p] = time.Now().Add(g.c.cfg.RenewEvery)
 		case errors.As(r.err, &held) && r.takeover == 0:
