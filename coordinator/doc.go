@@ -115,6 +115,23 @@
 //     A Fence by a release before notices is noticed at the partition's
 //     next progress commit, which the fence refuses.
 //
+// # Acquisitions in atomic batches
+//
+// Once its membership has settled, a session member takes the partitions
+// it is given in JetStream atomic batches of up to 256: their records in
+// one batch, then their fence records in another (both buckets allow
+// atomic publish; Provision turns it on in buckets made before). Every
+// message is a compare-and-set on its own key and the server stores a
+// batch whole or not at all, at consecutive revisions in order, so each
+// epoch is still the revision of the write that acquired its partition;
+// the first and last records are read back through the stream leader to
+// check that before a lease is handed out. A batch refused because a
+// record was not at the expected revision is read through the leader and
+// sent again with the free records only; what no batch takes is acquired
+// one by one with the record the batch tried, which settles a batch whose
+// answer was lost. With sync_interval always one batch costs one fsync
+// where each write would cost its own.
+//
 // Config.RenewPartitions turns sessions off for a worker: its partition
 // leases renew themselves. Locks (Lock, TryLock, RunSingleton) and leases
 // taken with Acquire always renew themselves.
