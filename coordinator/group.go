@@ -33,6 +33,7 @@ func (c *Coordinator) Run(ctx context.Context) error {
 		retryAt:   map[leasehold.Partition]time.Time{},
 		heldBy:    map[leasehold.Partition]heldSeen{},
 		strays:    map[leasehold.Partition]bool{},
+		early:     map[leasehold.Partition][]byte{},
 		foreign:   map[leasehold.Partition]foreignSeen{},
 		revs:      newRevClock(staleAfter(0, c.cfg.TTL)),
 		warned:    map[string]warning{},
@@ -182,6 +183,7 @@ type group struct {
 	watchParts bool                             // the current watchers read the partition records too
 	heldBy     map[leasehold.Partition]heldSeen // partitions an acquisition found held: retried when the holder's list changes
 	strays     map[leasehold.Partition]bool     // records this session may have left behind; true while one is being looked at
+	early      map[leasehold.Partition][]byte   // the last notice naming a partition while it was being acquired
 	strayCh    chan strayResult
 	foreign    map[leasehold.Partition]foreignSeen // records leasehold did not write, as acquisitions found them
 	revs       *revClock                           // dates the revisions the watch delivered, for foreign
@@ -260,7 +262,7 @@ func (g *group) run(ctx context.Context) error {
 			}
 			markDirty()
 		case r := <-g.acqCh:
-			g.onAcquired(r)
+			g.onAcquired(ctx, r)
 			g.startQueued(ctx, time.Now())
 			if g.view.partitions || !g.evenShares() {
 				// Without the partition records, an acquisition changes
@@ -775,8 +777,10 @@ func (g *group) batchDone(b *acqBatch) {
 	}
 }
 
-func (g *group) onAcquired(r acquireResult) {
+func (g *group) onAcquired(ctx context.Context, r acquireResult) {
 	delete(g.acquiring, r.p)
+	early, noticed := g.early[r.p]
+	delete(g.early, r.p)
 	if r.batch != nil {
 		g.batchDone(r.batch)
 	}
@@ -872,6 +876,11 @@ func (g *group) onAcquired(r acquireResult) {
 	g.heldChanged()
 	if g.c.cfg.OnAcquire != nil {
 		g.c.cfg.OnAcquire(l)
+	}
+	if noticed {
+		// A Fence told this worker of the lease before the group had it:
+		// look into it now.
+		g.onNotice(ctx, early)
 	}
 }
 

@@ -62,6 +62,13 @@ func (g *group) onNotice(ctx context.Context, data []byte) {
 		return
 	}
 	l := g.held[n.Partition]
+	if l == nil && g.acquiring[n.Partition] {
+		// It may name the lease being handed out (a Fence that came
+		// between the fence step and the group, which for a batch is the
+		// whole batch): looked into once the acquisition is in.
+		g.early[n.Partition] = data
+		return
+	}
 	if l == nil || l.session == nil || l.releasing.Load() || l.info.Epoch != n.Epoch {
 		return
 	}
