@@ -919,19 +919,7 @@ func TestAttackFenceBeforeTheGroupTakesTheLeaseIn(t *testing.T) {
 			js := natstest.Start(t).JetStream(t)
 			b := provision(t, js, 1)
 			if !batches {
-				ctx := ctxFor(t, 20*time.Second)
-				for _, name := range []string{b.Name(), b.FenceBucket()} {
-					s, err := js.Stream(ctx, "KV_"+name)
-					if err != nil {
-						t.Fatal(err)
-					}
-					cfg := s.CachedInfo().Config
-					cfg.AllowAtomicPublish = false
-					if _, err := js.UpdateStream(ctx, cfg); err != nil {
-						t.Fatal(err)
-					}
-				}
-				b = mustOpen(t, js, b.Name())
+				b = withoutAtomicBatches(t, js, b)
 			}
 			v := newLeaderView(js, b)
 			kv, err := js.KeyValue(ctxFor(t, 10*time.Second), b.Name())

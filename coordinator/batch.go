@@ -232,23 +232,10 @@ func (c *Coordinator) fenceBatch(ctx context.Context, leases []*Lease) []error {
 	// Direct gets, which a follower may answer: a stale revision fails the
 	// batch, not safety.
 	c.eachBounded(len(leases), func(i int) {
-		l := leases[i]
 		rctx, cancel := context.WithTimeout(ctx, c.cfg.RequestTimeout)
 		defer cancel()
-		var cur fenceRecord
-		var rev uint64
-		switch e, err := c.b.fences.Get(rctx, l.key); {
-		case errors.Is(err, jetstream.ErrKeyNotFound):
-		case err != nil:
-			return
-		default:
-			r, err := decodeFence(e.Value())
-			if err != nil || r.Epoch >= uint64(l.info.Epoch) {
-				return
-			}
-			cur, rev = r, e.Revision()
-		}
-		items[i] = fenceItem{cur: cur, next: cur.withEpoch(uint64(l.info.Epoch), l.info.Acquisition, l.info.Holder), rev: rev, ok: true}
+		it := &items[i]
+		it.cur, it.next, it.rev, it.ok = leases[i].hintedFence(rctx)
 	})
 	var idx []int
 	var msgs []*nats.Msg

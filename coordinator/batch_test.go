@@ -29,6 +29,25 @@ func renewedSession(t *testing.T, c *coordinator.Coordinator) *coordinator.Lease
 	return sess
 }
 
+// withoutAtomicBatches turns atomic publish off in b's streams, as in
+// buckets an earlier leasehold made, and opens b again.
+func withoutAtomicBatches(t *testing.T, js jetstream.JetStream, b *coordinator.Bucket) *coordinator.Bucket {
+	t.Helper()
+	ctx := ctxFor(t, 20*time.Second)
+	for _, name := range []string{b.Name(), b.FenceBucket()} {
+		s, err := js.Stream(ctx, "KV_"+name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg := s.CachedInfo().Config
+		cfg.AllowAtomicPublish = false
+		if _, err := js.UpdateStream(ctx, cfg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return mustOpen(t, js, b.Name())
+}
+
 // partitionsUpTo is 0 .. n-1.
 func partitionsUpTo(n int) []leasehold.Partition {
 	ps := make([]leasehold.Partition, n)
@@ -234,18 +253,7 @@ func TestBucketWithoutAtomicBatchesAcquiresOneByOne(t *testing.T) {
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	ctx := ctxFor(t, time.Minute)
-	for _, name := range []string{b.Name(), b.FenceBucket()} {
-		s, err := js.Stream(ctx, "KV_"+name)
-		if err != nil {
-			t.Fatal(err)
-		}
-		cfg := s.CachedInfo().Config
-		cfg.AllowAtomicPublish = false
-		if _, err := js.UpdateStream(ctx, cfg); err != nil {
-			t.Fatal(err)
-		}
-	}
-	old := mustOpen(t, js, b.Name())
+	old := withoutAtomicBatches(t, js, b)
 	c := newSessionCoord(t, old, "w", 10*time.Second)
 	sess := renewedSession(t, c)
 	leases, errs := c.AcquireBatch(ctx, partitionsUpTo(20), sess)

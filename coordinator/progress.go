@@ -135,24 +135,9 @@ func (l *Lease) neverIssued(ctx context.Context, epoch uint64) bool {
 func (l *Lease) fenceFromHint(ctx context.Context) bool {
 	rctx, cancel := context.WithTimeout(ctx, l.c.cfg.RequestTimeout)
 	defer cancel()
-	var (
-		cur fenceRecord
-		rev uint64 // 0: no record, which the write checks too
-	)
-	switch e, err := l.c.b.fences.Get(rctx, l.key); {
-	case errors.Is(err, jetstream.ErrKeyNotFound):
-	case err != nil:
+	cur, next, rev, ok := l.hintedFence(rctx)
+	if !ok {
 		return false
-	default:
-		r, err := decodeFence(e.Value())
-		if err != nil || r.Epoch >= uint64(l.info.Epoch) {
-			return false
-		}
-		cur, rev = r, e.Revision()
-	}
-	next := cur.withEpoch(uint64(l.info.Epoch), l.info.Acquisition, l.info.Holder)
-	if l.kind != kindPartition {
-		next.Seq = 0
 	}
 	nrev, err := l.c.b.putFence(rctx, l.key, next, rev)
 	if err != nil {
@@ -160,6 +145,30 @@ func (l *Lease) fenceFromHint(ctx context.Context) bool {
 	}
 	l.fenceRev, l.fenced, l.progRead, l.previous = nrev, next, true, cur
 	return true
+}
+
+// hintedFence reads l's fence record with a direct get, which a follower
+// may answer, and returns it, the record that fences it at l's epoch, and
+// the revision a write of that must expect (0: no record). ok is false
+// when the read fails, or the record does not decode or holds l's epoch
+// or a later one: the fence step's reads through the leader decide then.
+func (l *Lease) hintedFence(ctx context.Context) (cur, next fenceRecord, rev uint64, ok bool) {
+	switch e, err := l.c.b.fences.Get(ctx, l.key); {
+	case errors.Is(err, jetstream.ErrKeyNotFound):
+	case err != nil:
+		return cur, next, 0, false
+	default:
+		r, err := decodeFence(e.Value())
+		if err != nil || r.Epoch >= uint64(l.info.Epoch) {
+			return cur, next, 0, false
+		}
+		cur, rev = r, e.Revision()
+	}
+	next = cur.withEpoch(uint64(l.info.Epoch), l.info.Acquisition, l.info.Holder)
+	if l.kind != kindPartition {
+		next.Seq = 0
+	}
+	return cur, next, rev, true
 }
 
 // Commit records that every input up to and including seq has been handled
