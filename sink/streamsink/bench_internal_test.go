@@ -41,3 +41,49 @@ func BenchmarkDecideRepublish(b *testing.B) {
 		_ = r.republished(ctx, m, o.d.Stamp)
 	}
 }
+
+// BenchmarkDecideJob measures the runner's decision for the effects a
+// worker publishes: each job's one effect, its final, placed in its group
+// and applied at once, jobs in order on 16 partitions.
+func BenchmarkDecideJob(b *testing.B) {
+	cfg := Config{Prefix: "bench", Logger: slog.New(slog.DiscardHandler)}
+	cfg.setDefaults()
+	const parts = 16
+	var r *Runner
+	reset := func() {
+		r = &Runner{cfg: cfg, rep: sink.NewReporter(sink.ReporterConfig{Name: "b", Logger: cfg.Logger}), fences: newFenceTable(numShards), groups: newGroups()}
+		for p := range leasehold.Partition(parts) {
+			r.fences.add(leasehold.FenceID{Scope: "bench", Partition: p}, rise{Epoch: 5, Acquisition: "a5"})
+		}
+	}
+	reset()
+	// The messages as the runner's client hands them over, built once.
+	msgs := make([]*logMsg, 1<<15)
+	data := make([]byte, 256)
+	for i := range msgs {
+		p := leasehold.Partition(i % parts)
+		job := uint64(i/parts + 1)
+		h := nats.Header{}
+		leasehold.Stamp{Scope: "bench", Partition: p, Epoch: 5, Acquisition: "a5", Key: fmt.Sprintf("bench.%d.%d.0", p, job)}.SetHeader(h)
+		leasehold.JobMark{Job: job, Attempt: 1, Effects: 1, After: job - 1}.SetHeader(h)
+		msgs[i] = &logMsg{seq: uint64(i + 1), subject: fmt.Sprintf("bench.out.%d", p), header: h, data: data}
+	}
+	ctx := context.Background()
+	w := &work{}
+	var outs []outcome
+	b.ReportAllocs()
+	for i := 0; b.Loop(); i++ {
+		if i%len(msgs) == 0 && i > 0 {
+			b.StopTimer()
+			reset()
+			b.StartTimer()
+		}
+		m := msgs[i%len(msgs)]
+		w.seq = m.seq - 1
+		outs = outs[:0]
+		o, err := r.decide(ctx, w, m, &outs)
+		if err != nil || o.deliver || len(outs) != 1 || !outs[0].deliver {
+			b.Fatalf("message %d: %v, %d outcomes", m.seq, err, len(outs))
+		}
+	}
+}

@@ -122,6 +122,9 @@ func (r *Runner) decideJob(o *outcome, mark leasehold.JobMark, outs *[]outcome) 
 		}
 		return nil
 	}
+	if r.applyAlone(o, k, mark, outs) {
+		return nil
+	}
 	g := gs.open[k]
 	if g == nil {
 		g = &group{}
@@ -168,6 +171,36 @@ func (r *Runner) decideJob(o *outcome, mark leasehold.JobMark, outs *[]outcome) 
 	r.keepGroup(k, g)
 	r.applyReady(k, outs)
 	return nil
+}
+
+// applyAlone applies at once a job's only effect that comes next on a
+// chain with no open group, and reports whether it did: what the group
+// would do, placed, completed and applied in one step, without building
+// it. That is the effect of nearly every job, so it is worth the shortcut.
+// Anything else (more effects, an open group on the chain, a job before it
+// not applied yet, a runner at its held-effects limit) takes the way of
+// groups.
+func (r *Runner) applyAlone(o *outcome, k groupKey, mark leasehold.JobMark, outs *[]outcome) bool {
+	gs := r.groups
+	if mark.Effects != 1 || mark.Abort || mark.Attempt == 0 || gs.chains[k.chainKey] != nil ||
+		gs.held >= r.cfg.MaxHeldEffects || gs.bytes+len(o.m.data) > r.cfg.MaxHeldBytes {
+		return false
+	}
+	a, ok := gs.applied[k.chainKey]
+	last := uint64(0)
+	if ok && a.Epoch == k.epoch && a.Acquisition == k.acquisition {
+		last = a.Job
+	}
+	if mark.After > last {
+		return false
+	}
+	held := *o
+	held.m = &logMsg{seq: o.m.seq, subject: o.m.subject, header: o.m.header, data: o.m.data}
+	held.deliver, held.report, held.term = true, true, false
+	*outs = append(*outs, held)
+	done := applied{Epoch: k.epoch, Acquisition: k.acquisition, Job: k.job}
+	gs.applied[k.chainKey], gs.delta[k.chainKey] = done, done
+	return true
 }
 
 // keepGroup records g under k, or forgets it when it holds nothing worth

@@ -134,6 +134,31 @@ func TestJobEffectsAllOrNone(t *testing.T) {
 	wl.outcome(replay, sink.Duplicate)
 }
 
+// A job's one effect waits for the job its final names, even with no
+// effect of any other job open on the subject: applied first, it would
+// have the earlier job taken for a duplicate and never applied.
+func TestJobEffectsWaitForTheJobBefore(t *testing.T) {
+	wl := newWireLog(t, "order")
+	r := start(t, wl.js, wl.cfg)
+	f1 := wl.final(1, 1, 0, 0)
+	wl.wait(r, f1)
+	f3 := wl.final(3, 3, 0, 2)
+	s1 := wl.pub(1, "s1", leasehold.JobMark{}, false)
+	wl.wait(r, s1)
+	wl.want(map[string]int{"order.0.1.0": 1, "s1": 1})
+	f2 := wl.final(2, 2, 0, 1)
+	wl.wait(r, f2)
+	wl.want(map[string]int{"order.0.1.0": 1, "s1": 1, "order.0.2.0": 1, "order.0.3.0": 1})
+	wl.outcome(f2, sink.Accepted)
+	wl.outcome(f3, sink.Accepted)
+	wl.applied.mu.Lock()
+	got := slices.Clone(wl.applied.keys)
+	wl.applied.mu.Unlock()
+	if want := []string{"order.0.1.0", "s1", "order.0.2.0", "order.0.3.0"}; !slices.Equal(got, want) {
+		t.Errorf("applied in the order %v, want %v", got, want)
+	}
+}
+
 // A runner that stops while a job is open saves a position short of the
 // job's first effect; the next one reads the log again from there, applies
 // the job once the rest of it comes, and takes the jobs it applied before
