@@ -366,15 +366,19 @@ func rawPartition(ctx context.Context, js jetstream.JetStream, cons jetstream.Co
 	defer wg.Wait()
 	defer close(acks)
 	for ctx.Err() == nil {
-		fctx, cancel := context.WithTimeout(ctx, time.Second)
-		batch, err := cons.Fetch(pipeBatch, jetstream.FetchContext(fctx))
+		// The wait is the server's: a fetch cut short by a context of
+		// the client's drops the messages the server sent meanwhile,
+		// which come back only after AckWait (30 s). That stalled whole
+		// runs on a 3-node cluster; a tuned hand-written worker lets the
+		// server end the request.
+		batch, err := cons.Fetch(pipeBatch, jetstream.FetchMaxWait(time.Second))
 		if err != nil {
-			cancel()
 			continue
 		}
 		for m := range batch.Messages() {
 			md, err := m.Metadata()
 			if err != nil {
+				_ = m.Nak()
 				continue
 			}
 			msg := &nats.Msg{Subject: out, Data: m.Data(), Header: nats.Header{}}
@@ -384,11 +388,11 @@ func rawPartition(ctx context.Context, js jetstream.JetStream, cons jetstream.Co
 			// room, as leasehold's worker does, rather than skip the job.
 			fut, err := js.PublishMsgAsync(msg, jetstream.WithStallWait(30*time.Second))
 			if err != nil {
+				_ = m.Nak()
 				continue
 			}
 			acks <- pending{m, fut}
 		}
-		cancel()
 	}
 }
 
