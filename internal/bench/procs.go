@@ -17,6 +17,7 @@ import (
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/fleet"
+	"github.com/leasehold/leasehold/internal/retry"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -71,12 +72,12 @@ func (e *env) newProcGroup(ctx context.Context, prefix string, partitions int, t
 	}
 	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: prefix, Partitions: partitions, Replicas: e.replicas()}); err != nil {
 		g.close(ctx)
-		return nil, err
+		return nil, fmt.Errorf("provision the job stream: %w", err)
 	}
 	b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: g.bucket, MarkerTTL: time.Second, Replicas: e.replicas()})
 	if err != nil {
 		g.close(ctx)
-		return nil, err
+		return nil, fmt.Errorf("provision the lease bucket: %w", err)
 	}
 	// A deployment's workers start on streams and buckets that exist: the
 	// clock of a cold start starts once these are led and replicated.
@@ -87,10 +88,13 @@ func (e *env) newProcGroup(ctx context.Context, prefix string, partitions int, t
 	// One watcher per filter: the server serves a multi-filter consumer by
 	// matching every subject in the bucket for every message.
 	for _, filter := range []string{"partition.>", "member.>"} {
-		w, err := b.KeyValue().Watch(ctx, filter)
+		// A request that times out once on a cluster still busy with
+		// the rows before (R3, every write synced) must not cost the
+		// whole row: set-up requests are retried, within a bound.
+		w, err := retry.Value(ctx, func(ctx context.Context) (jetstream.KeyWatcher, error) { return b.KeyValue().Watch(ctx, filter) })
 		if err != nil {
 			g.close(ctx)
-			return nil, err
+			return nil, fmt.Errorf("watch the lease bucket's %s: %w", filter, err)
 		}
 		g.stops = append(g.stops, e.goRun(ctx, func(ctx context.Context) {
 			defer func() {
