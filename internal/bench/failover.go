@@ -44,7 +44,7 @@ func (e *env) failover(ctx context.Context) ([]Row, error) {
 		}
 	}
 	if err := wait(ctx, 3*time.Minute, "worker processes balance", func() bool { return g.balanced(g.running(), true) }); err != nil {
-		return nil, err
+		return nil, fmt.Errorf("%w (%s)", err, g.unbalanced(g.running()))
 	}
 	var crash, graceful []float64
 	next := groupWorkers
@@ -90,7 +90,7 @@ func (e *env) failover(ctx context.Context) ([]Row, error) {
 		}
 		next++
 		if err := wait(ctx, 3*time.Minute, "worker processes balance", func() bool { return g.balanced(g.running(), true) }); err != nil {
-			return nil, err
+			return nil, fmt.Errorf("%w (%s)", err, g.unbalanced(g.running()))
 		}
 	}
 	k := groupPartitions / groupWorkers
@@ -160,7 +160,7 @@ func (e *env) scaleOut(ctx context.Context) ([]Row, error) {
 		return nil, err
 	}
 	if err := wait(ctx, 3*time.Minute, "worker processes balance", func() bool { return g.balanced(g.running(), true) }); err != nil {
-		return nil, err
+		return nil, fmt.Errorf("%w (%s)", err, g.unbalanced(g.running()))
 	}
 	var out, in []float64
 	for run := range e.cfg.Runs {

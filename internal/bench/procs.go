@@ -90,8 +90,16 @@ func (e *env) newProcGroup(ctx context.Context, prefix string, partitions int, t
 	for _, filter := range []string{"partition.>", "member.>"} {
 		// A request that times out once on a cluster still busy with
 		// the rows before (R3, every write synced) must not cost the
-		// whole row: set-up requests are retried, within a bound.
-		w, err := retry.Value(ctx, func(ctx context.Context) (jetstream.KeyWatcher, error) { return b.KeyValue().Watch(ctx, filter) })
+		// whole row: set-up requests are retried, within a bound. The
+		// watch lives as long as the context it is given, so it gets
+		// the group's, not the attempt's, which ends when the attempt
+		// returns; its creation is bounded by the client's own timeout.
+		var w jetstream.KeyWatcher
+		err := retry.Default.Do(ctx, func(context.Context) error {
+			var err error
+			w, err = b.KeyValue().Watch(ctx, filter)
+			return err
+		})
 		if err != nil {
 			g.close(ctx)
 			return nil, fmt.Errorf("watch the lease bucket's %s: %w", filter, err)
@@ -291,6 +299,28 @@ func (g *procGroup) balanced(workers []string, working bool) bool {
 		}
 	}
 	return true
+}
+
+// unbalanced says why workers are not balanced and working: who holds
+// how many partitions, and which held partitions have produced no effect
+// under their holder's epoch.
+func (g *procGroup) unbalanced(workers []string) string {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	count := make(map[string]int, len(workers))
+	for _, w := range workers {
+		count[w] = 0
+	}
+	var idle []string
+	for p, s := range g.slots {
+		count[s.holder]++
+		if s.holder != "" && g.seen[p].epoch < s.epoch {
+			idle = append(idle, fmt.Sprintf("%d (%s at epoch %d; last effect at %d)", p, s.holder, s.epoch, g.seen[p].epoch))
+		}
+	}
+	free := count[""]
+	delete(count, "")
+	return fmt.Sprintf("%d partitions free, held: %v, held but without an effect under their epoch: %v", free, count, idle)
 }
 
 // resumed returns, once every partition of parts has produced an effect
