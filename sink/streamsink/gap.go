@@ -120,16 +120,24 @@ func (r *Runner) logState(ctx context.Context, deleted bool) (jetstream.StreamSt
 	return info.State, nil
 }
 
-// stopAt records that the runner stopped at gap and says so.
+// stopAt records that the runner stopped at gap and says so. It is called
+// with stepMu held. The gauge is set before Ready can see the gap, so that
+// whoever sees the gap in Ready sees it in the gauge too; it is not set
+// under mu, since the gauge's first use registers a metrics callback,
+// which waits for a collection that may be waiting for mu.
 func (r *Runner) stopAt(ctx context.Context, gap *GapError) {
 	r.mu.Lock()
 	known := r.gap != nil
+	r.mu.Unlock()
+	if !known {
+		r.rep.Telemetry().Metrics.SetSinkGap(r.cfg.Name, true)
+	}
+	r.mu.Lock()
 	r.gap = gap
 	r.mu.Unlock()
 	if known {
 		return
 	}
-	r.rep.Telemetry().Metrics.SetSinkGap(r.cfg.Name, true)
 	r.log.LogAttrs(ctx, slog.LevelError, "streamsink: stopped at a gap in the effect log; nothing past it is applied until an operator resumes",
 		slog.String("sink", r.cfg.Name), slog.String("stream", r.cfg.Stream), slog.Uint64("from", gap.From), slog.Uint64("to", gap.To),
 		slog.Bool("filtered", gap.Filtered), slog.String("bound", r.retention.String()), slog.Any("error", gap))

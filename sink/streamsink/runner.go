@@ -351,6 +351,13 @@ func (r *Runner) Run(ctx context.Context) error {
 		if err == nil {
 			err = r.step(ctx, pf)
 		}
+		// A gap is recorded before stepMu is let go, so that a resume
+		// (which holds it) comes before the gap is met or after it is
+		// recorded, never in between, where it would be undone.
+		gap := (*GapError)(nil)
+		if errors.As(err, &gap) && ctx.Err() == nil {
+			r.stopAt(ctx, gap)
+		}
 		r.stepMu.Unlock()
 		r.stepped(err)
 		if err == nil {
@@ -368,8 +375,7 @@ func (r *Runner) Run(ctx context.Context) error {
 		if errors.Is(err, ErrStateConflict) {
 			return err
 		}
-		if gap := (*GapError)(nil); errors.As(err, &gap) {
-			r.stopAt(ctx, gap)
+		if gap != nil {
 			continue
 		}
 		failures++
