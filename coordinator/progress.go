@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 
@@ -199,8 +200,15 @@ func (l *Lease) setProgress(ctx context.Context, seq uint64) error {
 	next := l.fenced
 	next.Seq = seq
 	var err error
-	for attempt := range 3 {
-		if attempt > 0 && isInFlight(err) {
+	wait := false // the last refusal was of a write still being stored
+	start := time.Now()
+	for attempt := range commitTries {
+		if attempt > 0 && time.Since(start) > 3*l.c.cfg.RequestTimeout {
+			// A server that does not answer is not waited on longer than
+			// three unanswered tries.
+			break
+		}
+		if wait {
 			// The record read back does not show the write in flight yet.
 			select {
 			case <-ctx.Done():
@@ -225,17 +233,28 @@ func (l *Lease) setProgress(ctx context.Context, seq uint64) error {
 		cancel()
 		if rerr != nil {
 			err = fmt.Errorf("%w (reading the fence record back: %v)", err, rerr)
+			wait = true
 			continue
 		}
 		if cur.Epoch != next.Epoch || cur.Acquisition != next.Acquisition {
 			lerr := l.lose(LostRefused, cur.Holder, fmt.Errorf("commit progress %d: %s fenced at epoch %d", seq, l.key, cur.Epoch))
 			return &LostError{Lease: l.info, Reason: LostRefused, Holder: cur.Holder, Err: lerr.Err}
 		}
+		wait = isInFlight(err) || crev == l.fenceRev
 		l.fenceRev, l.fenced = crev, cur
 		if cur.Seq == seq {
 			return nil
 		}
 		next.Seq = seq
 	}
-	return fmt.Errorf("coordinator: commit progress %d of %s: %w", seq, l, err)
+	return fmt.Errorf("coordinator: commit progress %d of %s: gave up after %v: %w", seq, l, time.Since(start).Round(time.Millisecond), err)
 }
+
+// commitTries bounds setProgress's writes, as releaseTries bounds
+// Release's purges, and so does three times RequestTimeout in all: a
+// write refused because an earlier one to the record is still being
+// stored (an answer lost, a busy replicated bucket) is tried again after
+// a backoff, which over 8 tries waits 0.95 to 1.9 s in all. Three tries,
+// waiting 30 to 60 ms, ran out on a busy machine while an R3 bucket with
+// sync still stored the earlier write.
+const commitTries = 8
