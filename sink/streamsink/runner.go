@@ -329,7 +329,11 @@ func (r *Runner) Run(ctx context.Context) error {
 		r.running = false
 		r.mu.Unlock()
 	}()
-	pf := r.startPrefetch(ctx)
+	// The prefetcher ends at halt, not with ctx: halt says first whether
+	// what it holds goes back to the server. Ended with ctx, a fetcher in
+	// the middle of a pull would see the stop before it is told to hand
+	// back, and drop that pull's messages to wait for AckWait.
+	pf := r.startPrefetch(context.WithoutCancel(ctx))
 	stopped := false // by a crash in a test: what it holds waits for AckWait
 	defer func() { pf.halt(!stopped) }()
 	failures := 0
