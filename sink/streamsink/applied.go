@@ -241,6 +241,10 @@ func (r *Runner) saveApplied(ctx context.Context) error {
 		}
 		bodies[k] = body
 	}
+	// The writers touch only their own arguments and written; the runner's
+	// maps change after they are all done, so no writer reads a map that
+	// another one is writing.
+	written := map[int]uint64{}
 	for k, body := range bodies {
 		wg.Add(1)
 		sem <- struct{}{}
@@ -256,10 +260,13 @@ func (r *Runner) saveApplied(ctx context.Context) error {
 				errs = append(errs, fmt.Errorf("write applied shard %d: %w", k, err))
 				return
 			}
-			r.appliedRev[k] = nrev
-			delete(gs.dirty, k)
+			written[k] = nrev
 		}(k, body, r.appliedRev[k])
 	}
 	wg.Wait()
+	for k, rev := range written {
+		r.appliedRev[k] = rev
+		delete(gs.dirty, k)
+	}
 	return errors.Join(errs...)
 }

@@ -155,9 +155,12 @@ func (r *Runner) saveShards(ctx context.Context, t *fenceTable, todo map[int][]b
 		mu      sync.Mutex
 		wg      sync.WaitGroup
 		errs    []error
-		written []int
+		written = map[int]uint64{}
 		sem     = make(chan struct{}, shardWriters)
 	)
+	// The writers touch only their own arguments and written; t changes
+	// after they are all done, so no writer reads a map that another one
+	// is writing.
 	for k, body := range todo {
 		wg.Add(1)
 		sem <- struct{}{}
@@ -173,13 +176,13 @@ func (r *Runner) saveShards(ctx context.Context, t *fenceTable, todo map[int][]b
 				errs = append(errs, fmt.Errorf("write fence shard %d: %w", k, err))
 				return
 			}
-			t.rev[k] = nrev
-			t.stale[k] = true
-			written = append(written, k)
+			written[k] = nrev
 		}(k, body, t.rev[k])
 	}
 	wg.Wait()
-	for _, k := range written {
+	for k, rev := range written {
+		t.rev[k] = rev
+		t.stale[k] = true
 		delete(todo, k)
 	}
 	return errors.Join(errs...)
