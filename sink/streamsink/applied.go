@@ -168,7 +168,11 @@ func (r *Runner) loadApplied(ctx context.Context) (loadedApplied, error) {
 		name := strings.TrimPrefix(m.Subject, prefix)
 		k, err := strconv.Atoi(name)
 		if err != nil || k < 0 || k >= appliedShards || strconv.Itoa(k) != name {
-			return out, fmt.Errorf("streamsink: key %s of %s is not one of the runner's applied shards: delete it", r.appliedKey(k), r.cfg.StateBucket)
+			if leader.IsMarker(m.Header) {
+				// Deleted or purged, as the error below asks.
+				continue
+			}
+			return out, fmt.Errorf("streamsink: key %s.applied.%s of %s is not one of the runner's applied shards: delete it", r.cfg.Consumer, name, r.cfg.StateBucket)
 		}
 		out.rev[k] = m.Seq
 		delete(shards, k)

@@ -117,6 +117,10 @@ func (r *Runner) loadShards(ctx context.Context, t *fenceTable, seq uint64, skip
 		next = m.Seq + 1
 		k, err := strconv.Atoi(strings.TrimPrefix(m.Subject, prefix))
 		if err != nil || k < 0 || k >= t.n || strconv.Itoa(k) != strings.TrimPrefix(m.Subject, prefix) {
+			if leader.IsMarker(m.Header) {
+				// Deleted or purged, as the error below asks.
+				continue
+			}
 			return fmt.Errorf("streamsink: key %s of %s is not one of the runner's %d fence shards: delete it", strings.TrimPrefix(m.Subject, "$KV."+r.cfg.StateBucket+"."), r.cfg.StateBucket, t.n)
 		}
 		// A bucket with a history keeps older values too; the last wins.
@@ -180,9 +184,13 @@ func (r *Runner) saveShards(ctx context.Context, t *fenceTable, todo map[int][]b
 		}(k, body, t.rev[k])
 	}
 	wg.Wait()
+	r.mu.Lock()
 	for k, rev := range written {
 		t.rev[k] = rev
 		t.stale[k] = true
+	}
+	r.mu.Unlock()
+	for k := range written {
 		delete(todo, k)
 	}
 	return errors.Join(errs...)

@@ -136,7 +136,10 @@ func (r *Runner) loadState(ctx context.Context) (loaded, error) {
 	} else if m != nil {
 		out.rev = m.Seq
 	}
-	r.fences = out.fences
+	// out.fences becomes the runner's only once everything is loaded,
+	// under mu (New, reload): a load that fails half-way must leave the
+	// runner's fences as they were, not a table missing some of them for
+	// the next save to write out.
 	if err := r.loadShards(ctx, out.fences, out.seq, legacy != nil); err != nil {
 		return loaded{}, err
 	}

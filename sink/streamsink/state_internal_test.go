@@ -279,3 +279,149 @@ func TestSaveRetriedWhileItsEarlierAttemptIsStored(t *testing.T) {
 		t.Log("no save met its earlier attempt in flight: the test did not exercise the case this time")
 	}
 }
+
+// A reload that fails half-way (here: a shard key that is not leasehold's,
+// read after good ones) leaves the runner's fences as they were, and a
+// save after it (what ResumeAfterGap does while Run backs off) writes
+// every fence back, not a half-loaded table's empty shards.
+func TestFailedReloadKeepsTheFences(t *testing.T) {
+	srv := natstest.Start(t)
+	ctx := testCtx(t, time.Minute)
+	js := srv.JetStream(t)
+	cfg := Config{Prefix: "reload", Provision: true, Logger: slog.New(slog.DiscardHandler)}
+	r, err := New(ctx, js, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := &work{seq: 30}
+	for p := range leasehold.Partition(50) {
+		w.raise(r.fences, leasehold.FenceID{Scope: "s", Partition: p}, rise{At: 20, Epoch: 3})
+	}
+	written, err := r.save(ctx, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.adopt(w, written)
+	// As after a crash between the shard writes and the position write:
+	// the position is at 10, the shards hold rises at 20, ahead of it.
+	if r.rev, err = r.savePosition(ctx, 10, r.rev); err != nil {
+		t.Fatal(err)
+	}
+	bad := r.shardKey(9999)
+	if _, err := r.stateKV.Put(ctx, bad, []byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.reload(ctx); err == nil {
+		t.Fatal("reload read a shard that is not leasehold's")
+	}
+	if n := r.Fences(); n != 50 {
+		t.Fatalf("after a failed reload the runner keeps %d fences, want 50", n)
+	}
+	written, err = r.save(ctx, &work{seq: r.seq})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range written {
+		e, err := r.stateKV.Get(ctx, r.shardKey(k))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if fs, _, err := decodeShard(e.Value(), k, r.fences.n, math.MaxUint64); err != nil || len(fs) == 0 {
+			t.Errorf("shard %d saved after the failed reload holds %d fences (%v): its fences are lost", k, len(fs), err)
+		}
+	}
+	if err := r.stateKV.Purge(ctx, bad); err != nil {
+		t.Fatal(err)
+	}
+	again, err := New(ctx, js, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := again.Fences(); n != 50 {
+		t.Errorf("a runner started from the saved state keeps %d fences, want 50", n)
+	}
+	if got := again.Fence(leasehold.FenceID{Scope: "s", Partition: 7}); got.Epoch != 3 {
+		t.Errorf("a runner started from the saved state has fence s/7 at epoch %d, want 3", got.Epoch)
+	}
+}
+
+// Fence and Fences may be called from any goroutine, also while Run
+// reloads the saved state (after a job group's save failed); under the
+// race detector this checks that a reload replaces the table under mu.
+func TestReloadBesideFenceReaders(t *testing.T) {
+	srv := natstest.Start(t)
+	ctx := testCtx(t, time.Minute)
+	js := srv.JetStream(t)
+	r, err := New(ctx, js, Config{Prefix: "readers", Provision: true, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := &work{seq: 10}
+	for p := range leasehold.Partition(200) {
+		w.raise(r.fences, leasehold.FenceID{Scope: "s", Partition: p}, rise{At: 5, Epoch: 3})
+	}
+	written, err := r.save(ctx, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.adopt(w, written)
+	stop, done := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if n := r.Fences(); n != 200 {
+				t.Errorf("Fences during a reload: %d, want 200", n)
+				return
+			}
+			if got := r.Fence(leasehold.FenceID{Scope: "s", Partition: 7}); got.Epoch != 3 {
+				t.Errorf("Fence s/7 during a reload: epoch %d, want 3", got.Epoch)
+				return
+			}
+		}
+	}()
+	for range 5 {
+		if err := r.reload(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	close(stop)
+	<-done
+}
+
+// A key under the consumer's fence or applied prefix that is none of its
+// shards stops the runner with an error that says to delete it; once
+// deleted (or purged), the runner starts.
+func TestStrayStateKeyDeletedAsAsked(t *testing.T) {
+	srv := natstest.Start(t)
+	ctx := testCtx(t, time.Minute)
+	js := srv.JetStream(t)
+	cfg := Config{Prefix: "stray", Provision: true, Logger: slog.New(slog.DiscardHandler)}
+	r, err := New(ctx, js, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, key := range []string{r.cfg.Consumer + ".fences.x1", r.cfg.Consumer + ".applied.99999"} {
+		if _, err := r.stateKV.Put(ctx, key, []byte("x")); err != nil {
+			t.Fatal(err)
+		}
+		_, err := New(ctx, js, cfg)
+		if err == nil || !strings.Contains(err.Error(), "key "+key+" of") || !strings.Contains(err.Error(), "delete it") {
+			t.Fatalf("New beside the stray key %s: %v, want an error that names it and says to delete it", key, err)
+		}
+		del := r.stateKV.Delete
+		if i == 1 {
+			del = r.stateKV.Purge
+		}
+		if err := del(ctx, key); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := New(ctx, js, cfg); err != nil {
+			t.Fatalf("New once the stray key %s is gone: %v", key, err)
+		}
+	}
+}
