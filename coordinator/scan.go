@@ -1,9 +1,11 @@
 package coordinator
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -27,10 +29,122 @@ const scanBatch = 2048
 
 // scanLast calls fn with the last message of every subject of stream
 // matching filter, in stream order, headers included (kv.Watch hides
-// them). It reads through an ephemeral consumer, which the stream leader
-// serves. Writes made while it runs may or may not be seen. It stops at
-// the first error fn returns.
+// them). Every write acknowledged before it began is seen; writes made
+// while it runs may or may not be. It stops at the first error fn returns.
+//
+// It reads through an ephemeral consumer of one replica, which the server
+// places on any of the stream's peers, not only its leader: on a
+// replicated stream it can serve a follower's copy, a write or two behind
+// the leader's (a purge acknowledged a moment ago still shows the key).
+// So the scan notes the leader's last position first, and reads whatever
+// the consumer did not deliver up to it from the leader itself; a follower
+// further behind than scanBatch messages is read again, a few times.
 func scanLast(ctx context.Context, js jetstream.JetStream, stream, filter string, fn func(scanned) error) error {
+	var last uint64
+	err := askAgain(ctx, func() error {
+		s, err := js.Stream(ctx, stream)
+		if err == nil {
+			last = s.CachedInfo().State.LastSeq
+		}
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("coordinator: read %s of stream %s: %w", filter, stream, err)
+	}
+	found := map[string]scanned{}
+	for attempt := 1; ; attempt++ {
+		clear(found)
+		var seen uint64 // the highest position the consumer delivered
+		err := scanConsumer(ctx, js, stream, filter, func(s scanned) {
+			found[s.subject] = s
+			seen = max(seen, s.seq)
+		})
+		if err != nil {
+			return err
+		}
+		if seen >= last {
+			break
+		}
+		behind, err := catchUp(ctx, leader.NewReader(js, stream), filter, seen, last, found)
+		if err != nil {
+			return fmt.Errorf("coordinator: read %s of stream %s from its leader: %w", filter, stream, err)
+		}
+		if !behind {
+			break
+		}
+		if attempt == 3 {
+			return fmt.Errorf("coordinator: read %s of stream %s: the replica its scans were served from stayed more than %d messages behind the leader", filter, stream, scanBatch)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("coordinator: read %s of stream %s: %w", filter, stream, ctx.Err())
+		case <-timeAfter(backoff(attempt + 4)):
+		}
+	}
+	ordered := make([]scanned, 0, len(found))
+	for _, s := range found {
+		ordered = append(ordered, s)
+	}
+	slices.SortFunc(ordered, func(a, b scanned) int { return cmp.Compare(a.seq, b.seq) })
+	for _, s := range ordered {
+		if err := fn(s); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// catchUp reads the messages on filter after position seen, up to last,
+// from the stream's leader into found, each replacing an older message of
+// its subject. It reports behind, reading nothing more, past scanBatch
+// of them: the consumer's replica was far behind, and is better asked
+// again.
+func catchUp(ctx context.Context, r *leader.Reader, filter string, seen, last uint64, found map[string]scanned) (behind bool, err error) {
+	for next, n := seen+1, 0; next <= last; n++ {
+		if n == scanBatch {
+			return true, nil
+		}
+		var m *leader.Msg
+		err := askAgain(ctx, func() error {
+			var err error
+			m, err = r.Next(ctx, next, filter)
+			return err
+		})
+		if err != nil {
+			return false, err
+		}
+		if m == nil || m.Seq > last {
+			return false, nil
+		}
+		next = m.Seq + 1
+		if old, ok := found[m.Subject]; !ok || old.seq < m.Seq {
+			found[m.Subject] = scanned{subject: m.Subject, seq: m.Seq, header: m.Header, data: m.Data, time: m.Time, marker: leader.IsMarker(m.Header)}
+		}
+	}
+	return false, nil
+}
+
+// askAgain calls f until it returns other than nats.ErrNoResponders, at
+// most 10 times in about five seconds: on a cluster the JetStream API, or
+// a consumer just created, can have no responder for a moment while
+// streams and consumers are placed nearby, for a second or more on a busy
+// machine.
+func askAgain(ctx context.Context, f func() error) error {
+	err := f()
+	for attempt := 1; attempt <= 10 && errors.Is(err, nats.ErrNoResponders); attempt++ {
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%w (after: %v)", ctx.Err(), err)
+		case <-timeAfter(backoff(attempt + 2)):
+		}
+		err = f()
+	}
+	return err
+}
+
+// scanConsumer reads the last message of every subject on filter through
+// an ephemeral consumer, calling fn with each.
+func scanConsumer(ctx context.Context, js jetstream.JetStream, stream, filter string, fn func(scanned)) error {
 	cfg := jetstream.ConsumerConfig{
 		DeliverPolicy:     jetstream.DeliverLastPerSubjectPolicy,
 		FilterSubject:     filter,
@@ -39,18 +153,12 @@ func scanLast(ctx context.Context, js jetstream.JetStream, stream, filter string
 		Replicas:          1,
 		InactiveThreshold: time.Minute,
 	}
-	cons, err := js.CreateConsumer(ctx, stream, cfg)
-	// On a cluster, the JetStream API can have no responder for a moment
-	// while streams are created or deleted nearby, for a second or more on
-	// a busy machine: ask again, for about five seconds at most.
-	for attempt := 1; attempt <= 10 && errors.Is(err, nats.ErrNoResponders); attempt++ {
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("coordinator: read %s of stream %s: %w (after: %v)", filter, stream, ctx.Err(), err)
-		case <-timeAfter(backoff(attempt + 2)):
-		}
+	var cons jetstream.Consumer
+	err := askAgain(ctx, func() error {
+		var err error
 		cons, err = js.CreateConsumer(ctx, stream, cfg)
-	}
+		return err
+	})
 	if err != nil {
 		return fmt.Errorf("coordinator: read %s of stream %s: %w", filter, stream, err)
 	}
@@ -62,7 +170,7 @@ func scanLast(ctx context.Context, js jetstream.JetStream, stream, filter string
 	if cons.CachedInfo().NumPending == 0 {
 		return nil
 	}
-	empty := 0
+	empty, unanswered := 0, 0
 	for {
 		batch, err := cons.FetchNoWait(scanBatch)
 		if err != nil {
@@ -77,12 +185,24 @@ func scanLast(ctx context.Context, js jetstream.JetStream, stream, filter string
 			}
 			s := scanned{subject: m.Subject(), seq: md.Sequence.Stream, header: m.Headers(), data: m.Data(), time: md.Timestamp}
 			s.marker = leader.IsMarker(s.header)
-			if err := fn(s); err != nil {
-				return err
-			}
+			fn(s)
 			done = md.NumPending == 0
 		}
-		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) {
+		err = batch.Error()
+		if n == 0 && errors.Is(err, nats.ErrNoResponders) {
+			// A consumer just created may not be heard on this server
+			// yet: its pull requests meet no responder for a moment.
+			if unanswered++; unanswered > 10 {
+				return fmt.Errorf("coordinator: read %s of stream %s: its consumer %s answers no pull request: %w", filter, stream, cons.CachedInfo().Name, err)
+			}
+			select {
+			case <-ctx.Done():
+				return fmt.Errorf("coordinator: read %s of stream %s: %w (after: %v)", filter, stream, ctx.Err(), err)
+			case <-timeAfter(backoff(unanswered + 2)):
+			}
+			continue
+		}
+		if err != nil && !errors.Is(err, jetstream.ErrNoMessages) {
 			return fmt.Errorf("coordinator: read %s of stream %s: %w", filter, stream, err)
 		}
 		if done {

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
@@ -332,6 +333,7 @@ func scan(ctx context.Context, js jetstream.JetStream, stream, filter string, cc
 	if cons.CachedInfo().NumPending == 0 {
 		return nil
 	}
+	unanswered := 0
 	for n := 0; n < maxScan; {
 		batch, err := cons.Fetch(256, jetstream.FetchMaxWait(time.Second))
 		if err != nil {
@@ -349,7 +351,22 @@ func scan(ctx context.Context, js jetstream.JetStream, stream, filter string, cc
 				return nil
 			}
 		}
-		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) {
+		err = batch.Error()
+		if got == 0 && errors.Is(err, nats.ErrNoResponders) {
+			// On a cluster, a consumer just created may not be heard on
+			// this server yet: its pull requests meet no responder for a
+			// moment. Ask again, for a few seconds at most.
+			if unanswered++; unanswered > 10 {
+				return fmt.Errorf("its consumer answers no pull request: %w", err)
+			}
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(time.Duration(unanswered) * 100 * time.Millisecond):
+			}
+			continue
+		}
+		if err != nil && !errors.Is(err, jetstream.ErrNoMessages) {
 			return err
 		}
 		if got == 0 {
