@@ -64,7 +64,16 @@ func TestLeaseObserverSpansAndMetrics(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c, err := coordinator.New(b, coordinator.Config{Worker: "w1", TTL: time.Second, Observer: tel.LeaseObserver()})
+	// Lease 1 must live until it is released, while the test waits for
+	// lease 2 to expire: it gets a 10s TTL, which no stall of a busy
+	// machine outlasts. Only lease 2, the one meant to be lost, has the
+	// short TTL, so the wait is still a second. The TTL is a coordinator's,
+	// hence two coordinators on one observer.
+	c, err := coordinator.New(b, coordinator.Config{Worker: "w1", TTL: 10 * time.Second, Observer: tel.LeaseObserver()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	short, err := coordinator.New(b, coordinator.Config{Worker: "w2", TTL: time.Second, Observer: tel.LeaseObserver()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -72,8 +81,13 @@ func TestLeaseObserverSpansAndMetrics(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l2, err := c.Acquire(ctx, 2, coordinator.ManualRenew())
+	l2, err := short.Acquire(ctx, 2, coordinator.ManualRenew())
 	if err != nil {
+		t.Fatal(err)
+	}
+	// Lease 1 renews itself only every 3.3s, after the test is over:
+	// renew it once by hand for the renewal metric.
+	if err := l1.Renew(ctx); err != nil {
 		t.Fatal(err)
 	}
 	<-l2.Done() // lost at its local deadline

@@ -77,11 +77,17 @@ func (e *events) WorkerEvent(_ context.Context, ev worker.Event) {
 
 func (e *events) wait(t *testing.T, what string, k worker.EventKind) worker.Event {
 	t.Helper()
+	return e.waitFor(t, what, func(ev worker.Event) bool { return ev.Kind == k })
+}
+
+// waitFor waits for the first event that matches.
+func (e *events) waitFor(t *testing.T, what string, match func(worker.Event) bool) worker.Event {
+	t.Helper()
 	deadline := time.After(time.Minute)
 	for {
 		e.mu.Lock()
 		for _, ev := range e.seen {
-			if ev.Kind == k {
+			if match(ev) {
 				e.mu.Unlock()
 				return ev
 			}
@@ -161,8 +167,11 @@ func runZombie(t *testing.T, tc telemetry.Config) zombieRun {
 		blocked    = make(chan struct{})
 		resume     = make(chan struct{})
 		zombieDone = make(chan [2]error, 1)
+		jobEpoch   leasehold.Epoch // A's epoch for the job, set before blocked closes
 	)
 	evA := newEvents()
+	// A's lease is the one the story needs to expire: a short TTL, so that
+	// the wait for its loss is short.
 	a := startWorker(t, worker.Config{
 		JetStream: jsA, Bucket: bucketA, Prefix: zombiePrefix, Partitions: 1,
 		Coordinator: coordinator.Config{Worker: zombieA, TTL: time.Second, Margin: 100 * time.Millisecond},
@@ -183,6 +192,7 @@ func runZombie(t *testing.T, tc telemetry.Config) zombieRun {
 					return err
 				}
 			}
+			jobEpoch = j.Lease.Epoch
 			close(blocked)
 			<-resume
 			// The pause hides the loss from the handler: it writes as if
@@ -212,12 +222,21 @@ func runZombie(t *testing.T, tc telemetry.Config) zombieRun {
 	case <-time.After(time.Minute):
 		t.Fatal("A never started the job")
 	}
-	run.epochA = evA.wait(t, "loss of A's lease", worker.EventPartitionLost).Lease.Epoch
+	// The loss of the lease A runs the job under: with a 1s TTL, a stall
+	// on a busy machine can cost A an earlier lease before the job starts,
+	// and the first loss reported would then be of another epoch.
+	run.epochA = evA.waitFor(t, "loss of A's lease", func(ev worker.Event) bool {
+		return ev.Kind == worker.EventPartitionLost && ev.Lease.Epoch == jobEpoch
+	}).Lease.Epoch
 
 	evB := newEvents()
+	// B's lease must last until the end of the story: should B lose it to
+	// a stall and take the partition again, the sinks would refuse A under
+	// an epoch above the one B's job ran at. Nothing waits for B's lease
+	// to expire (B releases it when it stops), so a 10s TTL costs no time.
 	b := startWorker(t, worker.Config{
 		JetStream: js, Bucket: bucket, Prefix: zombiePrefix, Partitions: 1,
-		Coordinator: coordinator.Config{Worker: zombieB, TTL: time.Second},
+		Coordinator: coordinator.Config{Worker: zombieB, TTL: 10 * time.Second},
 		Fences:      []worker.Fence{run.mem, kvB},
 		Observer:    evB, Logger: quiet(), Telemetry: tc,
 		Handler: worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -163,18 +164,24 @@ func TestMalformedJobIsDeadLetteredAtOnce(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	var got []string
-	var runs atomic.Int64
+	var (
+		mu  sync.Mutex
+		got []string
+	)
 	rec := newRecorder()
 	cfg := e.config("w", worker.JSON(func(ctx context.Context, j *worker.Job, o order) error {
-		runs.Add(1)
+		mu.Lock()
 		got = append(got, o.ID)
+		mu.Unlock()
 		return nil
 	}))
 	cfg.Observer = rec
 	start(t, cfg)
+	// A job's finished event comes after its handler has returned, so two
+	// of them mean both good jobs are in got; a count kept by the handler
+	// itself could be read between its increment and the append.
 	rec.waitFor(t, 30*time.Second, "the dead letter and the good jobs", func() bool {
-		return rec.count(kind(worker.EventJobDeadLettered)) == 1 && runs.Load() == 2
+		return rec.count(kind(worker.EventJobDeadLettered)) == 1 && rec.count(kind(worker.EventJobFinished)) == 2
 	})
 	if n := rec.count(kind(worker.EventJobFailed)); n != 1 {
 		t.Fatalf("%d failed attempts, want 1", n)
@@ -188,6 +195,8 @@ func TestMalformedJobIsDeadLetteredAtOnce(t *testing.T) {
 	if h.Get(worker.HeaderAttempts) != "1" || !strings.Contains(h.Get(worker.HeaderError), "is not a JSON") {
 		t.Fatalf("dead letter headers %v", h)
 	}
+	mu.Lock()
+	defer mu.Unlock()
 	if strings.Join(got, ",") != "a,c" {
 		t.Fatalf("decoded %v", got)
 	}
@@ -264,7 +273,16 @@ func TestStaleEpochStopsThePartition(t *testing.T) {
 		return nil
 	}))
 	cfg.CommitEvery = time.Hour
-	cfg.Coordinator.TTL = time.Second
+	// The partition reads itself again only once its lease has outlived
+	// the refusal by two TTLs, and the test waits that out: the lease must
+	// stay alive for it. A 1s TTL (renewals every 333ms, each given 166ms)
+	// is lost to a stall of a few hundred milliseconds on a busy machine,
+	// and the test then sees a loss instead of the rewind. A 10s TTL would
+	// cost 20s of waiting; 3s renewed every 250ms, each renewal given a
+	// second, survives stalls of over 2s for 6s of waiting.
+	cfg.Coordinator.TTL = 3 * time.Second
+	cfg.Coordinator.RenewEvery = 250 * time.Millisecond
+	cfg.Coordinator.RequestTimeout = time.Second
 	cfg.Observer = rec
 	start(t, cfg)
 	rec.waitFor(t, 30*time.Second, "the partition to resume and finish", func() bool {
