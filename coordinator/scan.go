@@ -36,20 +36,28 @@ const scanBatch = 2048
 // places on any of the stream's peers, not only its leader: on a
 // replicated stream it can serve a follower's copy, a write or two behind
 // the leader's (a purge acknowledged a moment ago still shows the key).
-// So the scan notes the leader's last position first, and reads whatever
-// the consumer did not deliver up to it from the leader itself; a follower
-// further behind than scanBatch messages is read again, a few times.
+// So the scan first asks the leader for the last message on filter; a
+// consumer that does not deliver it (or a later one) read a copy behind
+// the leader, and the scan is made again, a few times, as the follower
+// catches up. A copy still behind then has what it lacks read from the
+// leader, one message at a time; a marker that expired on the leader
+// meanwhile leaves nothing there to read, so only on a copy behind by more
+// than a marker's TTL can a key removed still show.
 func scanLast(ctx context.Context, js jetstream.JetStream, stream, filter string, fn func(scanned) error) error {
+	lr := leader.NewReader(js, stream)
 	var last uint64
 	err := askAgain(ctx, func() error {
-		s, err := js.Stream(ctx, stream)
-		if err == nil {
-			last = s.CachedInfo().State.LastSeq
+		m, err := lr.Last(ctx, filter)
+		if err == nil && m != nil {
+			last = m.Seq
 		}
 		return err
 	})
 	if err != nil {
 		return fmt.Errorf("coordinator: read %s of stream %s: %w", filter, stream, err)
+	}
+	if last == 0 {
+		return nil // the leader holds nothing on filter
 	}
 	found := map[string]scanned{}
 	for attempt := 1; ; attempt++ {
@@ -65,21 +73,18 @@ func scanLast(ctx context.Context, js jetstream.JetStream, stream, filter string
 		if seen >= last {
 			break
 		}
-		behind, err := catchUp(ctx, leader.NewReader(js, stream), filter, seen, last, found)
-		if err != nil {
+		if attempt < scanAttempts {
+			select {
+			case <-ctx.Done():
+				return fmt.Errorf("coordinator: read %s of stream %s: %w", filter, stream, ctx.Err())
+			case <-timeAfter(backoff(attempt + 4)):
+			}
+			continue
+		}
+		if err := catchUp(ctx, lr, filter, seen, last, found); err != nil {
 			return fmt.Errorf("coordinator: read %s of stream %s from its leader: %w", filter, stream, err)
 		}
-		if !behind {
-			break
-		}
-		if attempt == 3 {
-			return fmt.Errorf("coordinator: read %s of stream %s: the replica its scans were served from stayed more than %d messages behind the leader", filter, stream, scanBatch)
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("coordinator: read %s of stream %s: %w", filter, stream, ctx.Err())
-		case <-timeAfter(backoff(attempt + 4)):
-		}
+		break
 	}
 	ordered := make([]scanned, 0, len(found))
 	for _, s := range found {
@@ -94,16 +99,15 @@ func scanLast(ctx context.Context, js jetstream.JetStream, stream, filter string
 	return nil
 }
 
+// scanAttempts is how many times scanLast reads through a consumer before
+// it reads what a lagging copy lacks from the leader: about a second.
+const scanAttempts = 4
+
 // catchUp reads the messages on filter after position seen, up to last,
 // from the stream's leader into found, each replacing an older message of
-// its subject. It reports behind, reading nothing more, past scanBatch
-// of them: the consumer's replica was far behind, and is better asked
-// again.
-func catchUp(ctx context.Context, r *leader.Reader, filter string, seen, last uint64, found map[string]scanned) (behind bool, err error) {
-	for next, n := seen+1, 0; next <= last; n++ {
-		if n == scanBatch {
-			return true, nil
-		}
+// its subject.
+func catchUp(ctx context.Context, r *leader.Reader, filter string, seen, last uint64, found map[string]scanned) error {
+	for next := seen + 1; next <= last; {
 		var m *leader.Msg
 		err := askAgain(ctx, func() error {
 			var err error
@@ -111,17 +115,17 @@ func catchUp(ctx context.Context, r *leader.Reader, filter string, seen, last ui
 			return err
 		})
 		if err != nil {
-			return false, err
+			return err
 		}
 		if m == nil || m.Seq > last {
-			return false, nil
+			return nil
 		}
 		next = m.Seq + 1
 		if old, ok := found[m.Subject]; !ok || old.seq < m.Seq {
 			found[m.Subject] = scanned{subject: m.Subject, seq: m.Seq, header: m.Header, data: m.Data, time: m.Time, marker: leader.IsMarker(m.Header)}
 		}
 	}
-	return false, nil
+	return nil
 }
 
 // askAgain calls f until it returns other than nats.ErrNoResponders, at
