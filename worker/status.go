@@ -13,6 +13,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/internal/leader"
 )
 
 // JobState is where a job is in its life.
@@ -313,8 +314,43 @@ func ptr[T any](v T) *T { return &v }
 
 // scan reads the headers of the messages on filter from where cc starts,
 // calling fn until it returns false or no message is left, at most
-// maxScan of them.
+// maxScan of them. Every message stored before it began is read.
+//
+// It reads through an ephemeral consumer of one replica, which the server
+// places on any of the stream's peers: on a replicated stream it can read
+// a follower's copy behind the leader, which lacks a dead letter stored a
+// moment ago, and a job dead-lettered would be reported done. So scan
+// first asks the leader for the last message on filter, and a consumer
+// that does not reach it reads a copy behind: the scan is made again as
+// the follower catches up (fn may see a message more than once), and
+// fails, saying so, if it stays behind for about two seconds.
 func scan(ctx context.Context, js jetstream.JetStream, stream, filter string, cc jetstream.ConsumerConfig, fn func(jetstream.Msg, *jetstream.MsgMetadata) bool) error {
+	last, err := leader.NewReader(js, stream).Last(ctx, filter)
+	if err != nil {
+		return err
+	}
+	if last == nil || (cc.OptStartTime != nil && last.Time.Before(*cc.OptStartTime)) {
+		return nil // nothing on filter where the scan starts
+	}
+	for attempt := 1; ; attempt++ {
+		seen, stopped, err := scanCopy(ctx, js, stream, filter, cc, fn)
+		if err != nil || stopped || seen >= last.Seq {
+			return err
+		}
+		if attempt == 5 {
+			return fmt.Errorf("the replica of stream %s read for %s stayed behind its leader: it held up to %d, the leader %d", stream, filter, seen, last.Seq)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(time.Duration(attempt) * 200 * time.Millisecond):
+		}
+	}
+}
+
+// scanCopy is one scan through one consumer. It returns the highest
+// position it read and whether fn stopped it.
+func scanCopy(ctx context.Context, js jetstream.JetStream, stream, filter string, cc jetstream.ConsumerConfig, fn func(jetstream.Msg, *jetstream.MsgMetadata) bool) (seen uint64, stopped bool, err error) {
 	cc.FilterSubject = filter
 	cc.AckPolicy = jetstream.AckNonePolicy
 	cc.MemoryStorage = true
@@ -323,7 +359,7 @@ func scan(ctx context.Context, js jetstream.JetStream, stream, filter string, cc
 	cc.InactiveThreshold = time.Minute
 	cons, err := js.CreateConsumer(ctx, stream, cc)
 	if err != nil {
-		return err
+		return 0, false, err
 	}
 	defer func() {
 		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
@@ -331,13 +367,13 @@ func scan(ctx context.Context, js jetstream.JetStream, stream, filter string, cc
 		_ = js.DeleteConsumer(dctx, stream, cons.CachedInfo().Name) // else it goes when inactive
 	}()
 	if cons.CachedInfo().NumPending == 0 {
-		return nil
+		return 0, false, nil
 	}
 	unanswered := 0
 	for n := 0; n < maxScan; {
 		batch, err := cons.Fetch(256, jetstream.FetchMaxWait(time.Second))
 		if err != nil {
-			return err
+			return seen, false, err
 		}
 		got := 0
 		for m := range batch.Messages() {
@@ -345,10 +381,14 @@ func scan(ctx context.Context, js jetstream.JetStream, stream, filter string, cc
 			n++
 			md, err := m.Metadata()
 			if err != nil {
-				return err
+				return seen, false, err
 			}
-			if !fn(m, md) || md.NumPending == 0 {
-				return nil
+			seen = max(seen, md.Sequence.Stream)
+			if !fn(m, md) {
+				return seen, true, nil
+			}
+			if md.NumPending == 0 {
+				return seen, false, nil
 			}
 		}
 		err = batch.Error()
@@ -357,33 +397,33 @@ func scan(ctx context.Context, js jetstream.JetStream, stream, filter string, cc
 			// this server yet: its pull requests meet no responder for a
 			// moment. Ask again, for a few seconds at most.
 			if unanswered++; unanswered > 10 {
-				return fmt.Errorf("its consumer answers no pull request: %w", err)
+				return seen, false, fmt.Errorf("its consumer answers no pull request: %w", err)
 			}
 			select {
 			case <-ctx.Done():
-				return ctx.Err()
+				return seen, false, ctx.Err()
 			case <-time.After(time.Duration(unanswered) * 100 * time.Millisecond):
 			}
 			continue
 		}
 		if err != nil && !errors.Is(err, jetstream.ErrNoMessages) {
-			return err
+			return seen, false, err
 		}
 		if got == 0 {
 			// What was pending went meanwhile (trimmed, aged out).
 			info, err := cons.Info(ctx)
 			if err != nil {
-				return err
+				return seen, false, err
 			}
 			if info.NumPending == 0 {
-				return nil
+				return seen, false, nil
 			}
 		}
 		if ctx.Err() != nil {
-			return ctx.Err()
+			return seen, false, ctx.Err()
 		}
 	}
-	return fmt.Errorf("gave up after reading %d messages of %s", maxScan, filter)
+	return seen, false, fmt.Errorf("gave up after reading %d messages of %s", maxScan, filter)
 }
 
 // Wait waits until every job of refs is done or dead-lettered, or ctx
