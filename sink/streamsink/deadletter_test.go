@@ -212,18 +212,31 @@ func TestDeadLetterRepublishTooLarge(t *testing.T) {
 		m.Data = make([]byte, n)
 		return m
 	}
-	// The largest effect the server takes, found with publishes nothing
-	// stores (the client refuses an oversized one before sending it).
-	fit := int(nc.MaxPayload()) - 512
-	for ; ; fit++ {
-		m := msg("big", fit+1)
+	// The largest effect the server takes, found by bisection with
+	// publishes nothing stores (the client refuses an oversized one
+	// before sending it). One by one, the 500 publishes of a megabyte took
+	// 13s under the race detector, and a minute on a busy machine.
+	fits := func(n int) bool {
+		m := msg("big", n)
 		m.Subject = "nowhere"
-		if err := nc.PublishMsg(m); errors.Is(err, nats.ErrMaxPayload) {
-			break
-		} else if err != nil {
+		err := nc.PublishMsg(m)
+		if err != nil && !errors.Is(err, nats.ErrMaxPayload) {
 			t.Fatal(err)
 		}
+		return err == nil
 	}
+	lo, hi := int(nc.MaxPayload())-512, int(nc.MaxPayload()) // lo fits, hi does not
+	if !fits(lo) || fits(hi) {
+		t.Fatalf("an effect of %d bytes should fit and one of %d not", lo, hi)
+	}
+	for hi-lo > 1 {
+		if mid := (lo + hi) / 2; fits(mid) {
+			lo = mid
+		} else {
+			hi = mid
+		}
+	}
+	fit := lo
 	ack, err := js.PublishMsg(ctx, msg("big", fit))
 	if err != nil {
 		t.Fatal(err)
