@@ -17,7 +17,7 @@ import (
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink"
-	"github.com/leasehold/leasehold/telemetry/statuspage"
+	"github.com/leasehold/leasehold/statuspage"
 	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )

@@ -12,7 +12,7 @@ import (
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/fleet"
-	"github.com/leasehold/leasehold/telemetry/statuspage"
+	"github.com/leasehold/leasehold/statuspage"
 	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )

@@ -22,7 +22,7 @@ import (
 	"github.com/leasehold/leasehold/sink/pgsink"
 	"github.com/leasehold/leasehold/sink/streamsink"
 	"github.com/leasehold/leasehold/telemetry"
-	"github.com/leasehold/leasehold/telemetry/statuspage"
+	"github.com/leasehold/leasehold/statuspage"
 	"github.com/leasehold/leasehold/testing/chaos"
 )
 

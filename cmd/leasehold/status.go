@@ -15,7 +15,7 @@ import (
 
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/telemetry"
-	"github.com/leasehold/leasehold/telemetry/statuspage"
+	"github.com/leasehold/leasehold/statuspage"
 )
 
 func newStatus() *cobra.Command {
