@@ -104,7 +104,7 @@ type acquireResult struct {
 // the server's write latency more than on its work: with sync_interval
 // always each write waits for its fsync, and on a cluster for a quorum.
 // 65,536 partitions over 64 members in one process (`go test
-// ./internal/bench -run '^$' -bench ScaleMax -benchtime 1x`, with `-args`
+// ./cmd/leasehold/internal/bench -run '^$' -bench ScaleMax -benchtime 1x`, with `-args`
 // -sync, -cluster, both or neither; 2 runs each) were held after 37.5 and
 // 38.1 s at 8 (R1, sync always; 23.3 and 25.3 s on R3 with sync, 12.8 and
 // 13.0 s on R3, 6.0 and 6.2 s on R1) and after 26.3 and 26.6 s at 64 (9.8

@@ -7,7 +7,7 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/leasehold/leasehold/internal/bench"
+	"github.com/leasehold/leasehold/cmd/leasehold/internal/bench"
 )
 
 func newBench() *cobra.Command {
