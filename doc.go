@@ -25,4 +25,20 @@
 // padded, zero or larger than MaxEpoch is an error, never a zero value: a
 // garbled header must not be able to pass as the oldest (or the newest)
 // epoch. A missing or malformed scope or acquisition is an error too.
+//
+// # Layers
+//
+// The module is built in floors, and a package imports only its own floor
+// and the ones below it (layers_test.go checks every import):
+//
+//  1. this package: the vocabulary;
+//  2. internal/: helpers the floors above share (retries, leader reads,
+//     batch publishes, embedded servers, processes);
+//  3. coordinator: leases, epochs, membership, fenced progress;
+//  4. telemetry: instrumentation every floor above may use;
+//  5. sink and sink/*: fences and the sinks;
+//  6. worker and worker/*: the SDK handlers are written with;
+//  7. tools that read the SDK: statuspage, testing/*, and the benchmark
+//     engine in cmd/leasehold/internal;
+//  8. programs: cmd/, examples/, deploy/.
 package leasehold

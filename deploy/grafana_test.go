@@ -21,8 +21,8 @@ import (
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink"
-	"github.com/leasehold/leasehold/telemetry"
 	"github.com/leasehold/leasehold/statuspage"
+	"github.com/leasehold/leasehold/telemetry"
 	"github.com/leasehold/leasehold/testing/natstest"
 )
 

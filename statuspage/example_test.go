@@ -7,8 +7,8 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold/coordinator"
-	"github.com/leasehold/leasehold/telemetry"
 	"github.com/leasehold/leasehold/statuspage"
+	"github.com/leasehold/leasehold/telemetry"
 	"github.com/leasehold/leasehold/worker"
 )
 

@@ -21,8 +21,8 @@ import (
 	"github.com/leasehold/leasehold/sink/kvsink"
 	"github.com/leasehold/leasehold/sink/pgsink"
 	"github.com/leasehold/leasehold/sink/streamsink"
-	"github.com/leasehold/leasehold/telemetry"
 	"github.com/leasehold/leasehold/statuspage"
+	"github.com/leasehold/leasehold/telemetry"
 	"github.com/leasehold/leasehold/testing/chaos"
 )
 

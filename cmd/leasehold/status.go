@@ -14,8 +14,8 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/leasehold/leasehold/coordinator"
-	"github.com/leasehold/leasehold/telemetry"
 	"github.com/leasehold/leasehold/statuspage"
+	"github.com/leasehold/leasehold/telemetry"
 )
 
 func newStatus() *cobra.Command {

@@ -16,8 +16,8 @@ import (
 
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/history"
-	"github.com/leasehold/leasehold/telemetry"
 	"github.com/leasehold/leasehold/statuspage"
+	"github.com/leasehold/leasehold/telemetry"
 	"github.com/leasehold/leasehold/worker"
 )
 
