@@ -1,6 +1,7 @@
 package coordinator
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -39,8 +40,23 @@ const (
 	metaKind        = "leasehold"
 )
 
+// FenceHistory is how many acquisitions a fence record remembers: the
+// newest and the ones before it, by epoch and acquisition token. A sink
+// that verifies epochs admits an (epoch, acquisition) only while the
+// record remembers it, so a sink that reads a log (the stream sink runner)
+// refuses, as forgotten, the effects of a holder it reaches only after the
+// fence changed hands FenceHistory times or more since. A record of 32
+// costs about 1.4 KB (8 remembered 0.4 KB); the release before kept 8
+// epochs and no tokens.
+const FenceHistory = 32
+
 // recentEpochs is how many epochs a fence record remembers.
-const recentEpochs = 8
+const recentEpochs = FenceHistory
+
+// legacyRecent is how many epochs the release before kept in a record,
+// with no acquisitions: a record of its that holds that many may have
+// forgotten older ones.
+const legacyRecent = 8
 
 // fenceRecord is the value of a fence record. JSON keeps it readable with
 // `nats kv get`.
@@ -53,8 +69,25 @@ type fenceRecord struct {
 	// Seq is the last input sequence committed (partitions only).
 	Seq    uint64 `json:"seq,omitempty"`
 	Holder string `json:"holder"`
-	// Recent are the latest epochs issued, ascending, Epoch last.
+	// Recent are the epochs of the latest acquisitions that fenced the
+	// record, ascending, Epoch last.
 	Recent []uint64 `json:"recent,omitempty"`
+	// Acquisitions are the acquisition tokens of Recent's epochs, in the
+	// same order; "" for an epoch recorded by the release before, which
+	// kept epochs only (such an epoch is verified by epoch alone). A
+	// record of that release has none.
+	Acquisitions []string `json:"acquisitions,omitempty"`
+	// Forgotten is the newest epoch the record no longer remembers: an
+	// (epoch, acquisition) at or below it may have fenced the record, and
+	// can no longer be verified.
+	Forgotten uint64 `json:"forgotten,omitempty"`
+}
+
+// fencedBy is one acquisition that fenced a record. An empty acquisition
+// is one the release before recorded by epoch alone.
+type fencedBy struct {
+	epoch       uint64
+	acquisition string
 }
 
 // highest is the highest epoch r claims.
@@ -66,20 +99,65 @@ func (r fenceRecord) highest() uint64 {
 	return h
 }
 
-// withEpoch is r fenced by a new acquisition: its epochs below e are kept,
-// the latest recentEpochs-1 of them, and e is added last.
+// history is the acquisitions r remembers, ascending by epoch, its current
+// one last. The current acquisition is the record's own Epoch and
+// Acquisition, whatever Recent says of that epoch.
+func (r fenceRecord) history() []fencedBy {
+	h := make([]fencedBy, 0, len(r.Recent)+1)
+	for i, e := range r.Recent {
+		if e == 0 || e >= r.Epoch && r.Epoch != 0 {
+			continue
+		}
+		var a string
+		if len(r.Acquisitions) == len(r.Recent) {
+			a = r.Acquisitions[i]
+		}
+		h = append(h, fencedBy{e, a})
+	}
+	slices.SortFunc(h, func(x, y fencedBy) int { return cmp.Compare(x.epoch, y.epoch) })
+	h = slices.CompactFunc(h, func(x, y fencedBy) bool { return x.epoch == y.epoch })
+	if r.Epoch != 0 {
+		h = append(h, fencedBy{r.Epoch, r.Acquisition})
+	}
+	return h
+}
+
+// forgotten is the newest epoch r no longer remembers: its Forgotten, or,
+// for a record of the release before that holds as many epochs as it
+// kept, the epoch below its oldest.
+func (r fenceRecord) forgotten() uint64 {
+	if r.Forgotten != 0 || len(r.Acquisitions) > 0 || len(r.Recent) < legacyRecent {
+		return r.Forgotten
+	}
+	h := r.history()
+	if len(h) == 0 {
+		return 0
+	}
+	return h[0].epoch - 1
+}
+
+// withEpoch is r fenced by a new acquisition: the acquisitions it
+// remembers below e are kept, the latest recentEpochs-1 of them, and
+// (e, acquisition) is added last.
 func (r fenceRecord) withEpoch(e uint64, acquisition, holder string) fenceRecord {
-	recent := make([]uint64, 0, recentEpochs)
-	for _, v := range append(slices.Clone(r.Recent), r.Epoch) {
-		if v != 0 && v < e && !slices.Contains(recent, v) {
-			recent = append(recent, v)
+	forgot := r.forgotten()
+	var kept []fencedBy
+	for _, f := range r.history() {
+		if f.epoch < e {
+			kept = append(kept, f)
 		}
 	}
-	slices.Sort(recent)
-	if len(recent) > recentEpochs-1 {
-		recent = recent[len(recent)-(recentEpochs-1):]
+	if n := len(kept) - (recentEpochs - 1); n > 0 {
+		forgot = max(forgot, kept[n-1].epoch)
+		kept = kept[n:]
 	}
-	return fenceRecord{Epoch: e, Acquisition: acquisition, Seq: r.Seq, Holder: holder, Recent: append(recent, e)}
+	next := fenceRecord{Epoch: e, Acquisition: acquisition, Seq: r.Seq, Holder: holder, Forgotten: forgot,
+		Recent: make([]uint64, 0, len(kept)+1), Acquisitions: make([]string, 0, len(kept)+1)}
+	for _, f := range append(kept, fencedBy{e, acquisition}) {
+		next.Recent = append(next.Recent, f.epoch)
+		next.Acquisitions = append(next.Acquisitions, f.acquisition)
+	}
+	return next
 }
 
 // errGarbledFence is matched by errors about a fence record that does not
@@ -90,6 +168,9 @@ func decodeFence(data []byte) (fenceRecord, error) {
 	var r fenceRecord
 	if err := json.Unmarshal(data, &r); err != nil {
 		return fenceRecord{}, fmt.Errorf("%w: %v", errGarbledFence, err)
+	}
+	if len(r.Acquisitions) > 0 && len(r.Acquisitions) != len(r.Recent) {
+		return fenceRecord{}, fmt.Errorf("%w: it names %d acquisitions for %d recent epochs", errGarbledFence, len(r.Acquisitions), len(r.Recent))
 	}
 	return r, nil
 }

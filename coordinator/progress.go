@@ -79,7 +79,7 @@ func (l *Lease) fence(ctx context.Context, repair bool) error {
 			if repair && l.neverIssued(ctx, cur.Epoch) {
 				l.c.cfg.Logger.Warn("fence record claims an epoch the lease bucket never issued: rewriting it", "lease", l.String(), "claimed", cur.Epoch)
 				l.repaired = append(l.repaired, fmt.Sprintf("rewrote %s of bucket %s, which claimed epoch %d, above every revision the lease bucket issued (its progress %d is kept)", l.key, l.c.b.fenceName, cur.Epoch, cur.Seq))
-				cur.Epoch, cur.Recent = 0, nil
+				cur.Epoch, cur.Recent, cur.Acquisitions, cur.Forgotten = 0, nil, nil, 0
 			} else {
 				return l.lose(LostRefused, cur.Holder, fmt.Errorf("%s is fenced at epoch %d already (by %s); if no acquisition issued it, the record was forged or the lease bucket lost writes: %s",
 					l.key, cur.Epoch, cur.Holder, repairHint(l.key)))
