@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/leader"
 )
 
 // ErrUnknownFence is matched by the error IssuedEpoch returns for a fence
@@ -79,27 +80,9 @@ func (b *Bucket) IssuedEpoch(ctx context.Context, id leasehold.FenceID) (leaseho
 }
 
 func (b *Bucket) issued(ctx context.Context, key string) (leasehold.Epoch, error) {
-	e, err := b.last(ctx, key)
-	if err != nil {
-		return 0, fmt.Errorf("coordinator: read %s from the leader of bucket %s: %w", key, b.name, err)
-	}
-	var bound uint64
-	switch e.kind {
-	case entryValue:
-		r, foreign := foreignReason(e.data, e.header)
-		if strings.HasPrefix(key, partitionKeyPrefix) {
-			r, foreign = partitionReason(e.data, e.header)
-		}
-		if foreign == "" {
-			return epochOf(r, e.rev), nil
-		}
-		bound = e.rev
-	case entryMarker:
-		bound = e.rev
-	case entryNone:
-		if bound, err = b.lastRevision(ctx); err != nil {
-			return 0, err
-		}
+	live, bound, err := b.leaseBound(ctx, key)
+	if err != nil || live != 0 {
+		return live, err
 	}
 	rec, _, err := b.readFence(ctx, key)
 	if errors.Is(err, errGarbledFence) {
@@ -115,6 +98,36 @@ func (b *Bucket) issued(ctx context.Context, key string) (leasehold.Epoch, error
 		}
 	}
 	return leasehold.Epoch(best), nil
+}
+
+// leaseBound reads lease key key through the stream leader. While it
+// holds a lease, live is that lease's epoch, which is also the bound.
+// Otherwise live is 0 and bound is the highest revision the server can
+// have assigned to an acquisition of the key so far: the revision of the
+// marker or of the record that is not a lease, or with nothing there, the
+// bucket's last revision. No record a client writes can raise it above a
+// revision the server assigned.
+func (b *Bucket) leaseBound(ctx context.Context, key string) (live leasehold.Epoch, bound uint64, err error) {
+	e, err := b.last(ctx, key)
+	if err != nil {
+		return 0, 0, fmt.Errorf("coordinator: read %s from the leader of bucket %s: %w", key, b.name, err)
+	}
+	switch e.kind {
+	case entryValue:
+		r, foreign := foreignReason(e.data, e.header)
+		if strings.HasPrefix(key, partitionKeyPrefix) {
+			r, foreign = partitionReason(e.data, e.header)
+		}
+		if foreign == "" {
+			live = epochOf(r, e.rev)
+			return live, uint64(live), nil
+		}
+		return 0, e.rev, nil
+	case entryMarker:
+		return 0, e.rev, nil
+	}
+	bound, err = b.lastRevision(ctx)
+	return 0, bound, err
 }
 
 // lastRevision is the lease bucket's last revision, as its stream leader
@@ -204,4 +217,204 @@ func (b *Bucket) partitionCount(ctx context.Context) (int, error) {
 	}
 	c.partitions, c.missing = n, nil
 	return n, nil
+}
+
+// ErrNotIssued is matched by the error VerifyAcquisition returns for an
+// epoch and acquisition the lease bucket did not issue to the fence.
+var ErrNotIssued = errors.New("coordinator: the lease bucket did not issue this epoch and acquisition to the fence")
+
+// NotIssuedReason says why VerifyAcquisition refused an epoch and
+// acquisition.
+type NotIssuedReason uint8
+
+const (
+	// ReasonAboveIssued: the epoch is above every revision the server has
+	// assigned to the fence's lease key (its live lease, its marker) or,
+	// with the key empty, to the bucket: it was never issued.
+	ReasonAboveIssued NotIssuedReason = iota + 1
+	// ReasonOtherWrite: the lease bucket still holds its write at that
+	// revision, and it is not an acquisition of this fence: it is another
+	// key's (another partition, a lock, a member), or a marker.
+	ReasonOtherWrite
+	// ReasonOtherAcquisition: the fence record names another acquisition
+	// at this epoch. The token is forged, or belongs to the other of two
+	// acquisitions handed one revision, which the record refused.
+	ReasonOtherAcquisition
+	// ReasonNotFenced: no acquisition at this epoch fenced the record: the
+	// epoch was issued to another fence, or to an acquisition that never
+	// fenced the record and so never had its lease handed out.
+	ReasonNotFenced
+	// ReasonForgotten: the epoch is older than every acquisition the record
+	// remembers (FenceHistory), and at or below one it forgot: it may have
+	// been issued, and can no longer be verified.
+	ReasonForgotten
+	// ReasonUnreadable: the fence record does not decode, so it verifies
+	// nothing until `leasehold fence` rewrites it.
+	ReasonUnreadable
+)
+
+func (r NotIssuedReason) String() string {
+	switch r {
+	case ReasonAboveIssued:
+		return "above_issued"
+	case ReasonOtherWrite:
+		return "other_write"
+	case ReasonOtherAcquisition:
+		return "other_acquisition"
+	case ReasonNotFenced:
+		return "not_fenced"
+	case ReasonForgotten:
+		return "forgotten"
+	case ReasonUnreadable:
+		return "unreadable"
+	}
+	return "unknown"
+}
+
+// NotIssuedError reports an epoch and acquisition the lease bucket did not
+// issue to a fence, as far as it can show. It is a verdict on the stamp,
+// not a failure to reach the bucket: a sink refuses the write as
+// unverified rather than retrying it.
+type NotIssuedError struct {
+	Fence       leasehold.FenceID
+	Epoch       leasehold.Epoch
+	Acquisition string
+	Reason      NotIssuedReason
+	Bucket      string
+	// Recorded and RecordedAcquisition are the newest acquisition the
+	// fence record holds.
+	Recorded            leasehold.Epoch
+	RecordedAcquisition string
+	// Bound is, for ReasonAboveIssued, the highest epoch the lease key's
+	// revisions allow.
+	Bound leasehold.Epoch
+	// Other is, for ReasonOtherAcquisition, the acquisition the record
+	// names at Epoch; for ReasonOtherWrite, what the lease bucket's write
+	// at revision Epoch is; for ReasonUnreadable, why the record does not
+	// decode.
+	Other string
+	// Oldest is, for ReasonForgotten, the oldest epoch the record
+	// remembers.
+	Oldest leasehold.Epoch
+}
+
+func (e *NotIssuedError) Error() string {
+	switch e.Reason {
+	case ReasonAboveIssued:
+		return fmt.Sprintf("coordinator: epoch %d of %s is above every revision lease bucket %s has assigned to it (%d): it was never issued", e.Epoch, e.Fence, e.Bucket, e.Bound)
+	case ReasonOtherWrite:
+		return fmt.Sprintf("coordinator: the write at revision %d of lease bucket %s is %s, not an acquisition of %s: epoch %d was issued to another fence", e.Epoch, e.Bucket, e.Other, e.Fence, e.Epoch)
+	case ReasonOtherAcquisition:
+		return fmt.Sprintf("coordinator: epoch %d of %s was issued to acquisition %s, not %s: the acquisition is forged, or is the other of two handed one revision", e.Epoch, e.Fence, e.Other, e.Acquisition)
+	case ReasonForgotten:
+		return fmt.Sprintf("coordinator: epoch %d of %s is older than every acquisition its fence record in %s remembers (the oldest is %d; it keeps the last %d): it can no longer be verified", e.Epoch, e.Fence, e.Bucket, e.Oldest, FenceHistory)
+	case ReasonUnreadable:
+		return fmt.Sprintf("coordinator: the fence record of %s in %s does not decode (%s), so none of its epochs can be verified: `leasehold fence` rewrites it", e.Fence, e.Bucket, e.Other)
+	}
+	return fmt.Sprintf("coordinator: no acquisition of %s at epoch %d fenced its record in %s (the newest is %d): the epoch was issued to another fence, or never handed out", e.Fence, e.Epoch, e.Bucket, e.Recorded)
+}
+
+// Is makes errors.Is(err, ErrNotIssued) true.
+func (e *NotIssuedError) Is(target error) bool { return target == ErrNotIssued }
+
+// Unverified reports that the stamp, not the lease bucket, is at fault:
+// sinks classify errors with this method as unverified epochs.
+func (e *NotIssuedError) Unverified() bool { return true }
+
+// Forgotten reports whether the epoch may have been issued but is older
+// than the fence record remembers: sinks refuse it distinctly.
+func (e *NotIssuedError) Forgotten() bool { return e.Reason == ReasonForgotten }
+
+// RecordedEpoch is the newest epoch the fence record holds.
+func (e *NotIssuedError) RecordedEpoch() leasehold.Epoch { return e.Recorded }
+
+// VerifyAcquisition reports whether the lease bucket issued epoch e to
+// fence id (a partition of its scope, or one of its locks) for acquisition
+// acq. It returns nil when all of these hold:
+//
+//   - the fence record names (e, acq), as its current acquisition or in
+//     its history. The record is the authority on which acquisition an
+//     epoch belongs to: it is fenced by compare-and-set on acquisition,
+//     before the lease is handed out, so an acquisition that did not fence
+//     it never wrote anything, and when the lease bucket handed one
+//     revision to two acquisitions (it lost writes) the record names the
+//     one that can commit. An epoch the release before recorded without
+//     its acquisition is verified by epoch alone;
+//   - e is not above what the revisions of the fence's lease key allow
+//     (see IssuedEpoch), which no record a client writes can raise;
+//   - where the lease bucket still holds its write at revision e (a
+//     session-held partition's acquisition stays until it is released),
+//     that write is a value of this fence's key.
+//
+// Epochs from before the lease bucket was re-created are verified by the
+// fence record alone: the new bucket's revisions start above them.
+//
+// An epoch and acquisition that fail a check return a *NotIssuedError
+// (matching ErrNotIssued) saying which; a fence the bucket does not serve
+// an *UnknownFenceError. Both are verdicts on the stamp. Any other error
+// means the bucket did not answer, and says nothing of the stamp.
+func (b *Bucket) VerifyAcquisition(ctx context.Context, id leasehold.FenceID, e leasehold.Epoch, acq string) error {
+	key, err := b.keyOf(ctx, id)
+	if err != nil {
+		return err
+	}
+	// Three reads, all through stream leaders, at once.
+	var (
+		wg         sync.WaitGroup
+		bound      uint64
+		rec        fenceRecord
+		at         *leader.Msg
+		berr, ferr error
+		aerr       error
+	)
+	wg.Go(func() { _, bound, berr = b.leaseBound(ctx, key) })
+	wg.Go(func() { rec, _, ferr = b.readFence(ctx, key) })
+	wg.Go(func() { at, aerr = b.leader.Next(ctx, uint64(e), "") })
+	wg.Wait()
+	switch {
+	case berr != nil:
+		return berr
+	case ferr != nil && !errors.Is(ferr, errGarbledFence):
+		return fmt.Errorf("coordinator: read the fence record %s: %w", key, ferr)
+	case aerr != nil:
+		return fmt.Errorf("coordinator: read revision %d of bucket %s: %w", e, b.name, aerr)
+	}
+	ni := &NotIssuedError{Fence: id, Epoch: e, Acquisition: acq, Bucket: b.name,
+		Recorded: leasehold.Epoch(rec.Epoch), RecordedAcquisition: rec.Acquisition}
+	if uint64(e) > bound {
+		ni.Reason, ni.Bound = ReasonAboveIssued, leasehold.Epoch(bound)
+		return ni
+	}
+	if at != nil && at.Seq == uint64(e) {
+		// Next asks for the message at exactly this sequence.
+		if other, ok := strings.CutPrefix(at.Subject, b.prefix); !ok || other != key {
+			ni.Reason, ni.Other = ReasonOtherWrite, "a write of "+at.Subject
+			return ni
+		}
+		if leader.IsMarker(at.Header) {
+			ni.Reason, ni.Other = ReasonOtherWrite, "a release or expiry marker of "+key
+			return ni
+		}
+	}
+	if ferr != nil {
+		ni.Reason, ni.Other = ReasonUnreadable, ferr.Error()
+		return ni
+	}
+	h := rec.history()
+	for _, f := range h {
+		if f.epoch != uint64(e) {
+			continue
+		}
+		if f.acquisition == acq || f.acquisition == "" {
+			return nil
+		}
+		ni.Reason, ni.Other = ReasonOtherAcquisition, f.acquisition
+		return ni
+	}
+	if len(h) > 0 && uint64(e) < h[0].epoch && uint64(e) <= rec.forgotten() {
+		ni.Reason, ni.Oldest = ReasonForgotten, leasehold.Epoch(h[0].epoch)
+		return ni
+	}
+	ni.Reason = ReasonNotFenced
+	return ni
 }
