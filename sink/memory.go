@@ -194,17 +194,18 @@ func (m *Memory) write(e *Effect) {
 	}
 }
 
-// verify checks, outside the lock, every epoch that would raise a fence.
-// The lock is not held across the lease bucket's answer; a fence that
-// rises meanwhile only makes the locked check stricter.
+// verify checks, outside the lock, every stamp that would raise its
+// fence. The lock is not held across the lease bucket's answer; a fence
+// that rises meanwhile only makes the locked judgement stricter: what
+// raises the risen fence raised the one read here too.
 func (m *Memory) verify(ctx context.Context, effects []Effect) error {
 	for i := range effects {
 		s := effects[i].Stamp
 		m.mu.Lock()
-		max := m.fences[s.Fence()].Epoch
+		f := m.fences[s.Fence()]
 		m.mu.Unlock()
-		if err := m.check.CheckAbove(ctx, s, max); err != nil {
-			d := Decision{Outcome: Unverified, Stamp: s, Subject: effects[i].Subject, Max: max, Err: err}
+		if err := m.check.CheckRaise(ctx, s, f); err != nil {
+			d := Decision{Outcome: Unverified, Stamp: s, Subject: effects[i].Subject, Max: f.Epoch, MaxAcquisition: f.Acquisition, Err: err}
 			if !isUnverified(err) {
 				d.Outcome = Failed
 			}
@@ -230,11 +231,11 @@ func (m *Memory) Advance(ctx context.Context, l leasehold.Lease) error {
 	report := s
 	report.Key = ""
 	m.mu.Lock()
-	max := m.fences[id].Epoch
+	cur := m.fences[id]
 	m.mu.Unlock()
-	if err := m.check.CheckAbove(ctx, s, max); err != nil {
+	if err := m.check.CheckRaise(ctx, s, cur); err != nil {
 		if isUnverified(err) {
-			m.rep.Report(ctx, Decision{Outcome: Unverified, Stamp: report, Max: max, Err: err})
+			m.rep.Report(ctx, Decision{Outcome: Unverified, Stamp: report, Max: cur.Epoch, MaxAcquisition: cur.Acquisition, Err: err})
 		}
 		return err
 	}

@@ -59,7 +59,10 @@ func (s *Sink) Apply(ctx context.Context, effects ...sink.Effect) error {
 		return s.failed(ctx, effects[0], err)
 	}
 	for i := range effects {
-		if err := s.check.CheckAbove(ctx, effects[i].Stamp, fences[effects[i].Stamp.Fence()].state.Epoch); err != nil {
+		// Every stamp that would raise its fence as read is verified; a
+		// fence read again later is only higher, and what raises it raised
+		// this one too.
+		if err := s.check.CheckRaise(ctx, effects[i].Stamp, fences[effects[i].Stamp.Fence()].state); err != nil {
 			o := sink.Failed
 			if errors.Is(err, sink.ErrUnverifiedEpoch) {
 				o = sink.Unverified

@@ -229,7 +229,7 @@ func (s *Sink) Advance(ctx context.Context, l leasehold.Lease) error {
 		if !raise {
 			return nil
 		}
-		if err := s.check.CheckAbove(ctx, st, f.state.Epoch); err != nil {
+		if err := s.check.Check(ctx, st); err != nil {
 			if errors.Is(err, sink.ErrUnverifiedEpoch) {
 				s.rep.Report(ctx, sink.Decision{Outcome: sink.Unverified, Stamp: report, Max: f.state.Epoch, Err: err})
 			}

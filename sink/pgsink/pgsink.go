@@ -464,6 +464,12 @@ func (s *Sink) refuseInBatch(ctx context.Context, effects []sink.Effect, fenced 
 	return s.refuse(ctx, s.db, e.Stamp, e.Subject)
 }
 
+// verify checks, before the statement, that the lease bucket issued st's
+// epoch to its fence for its acquisition (see sink.EpochCheck). Every
+// stamp is checked, not only those that raise the fence: the fence is
+// read and raised in the statement, one round trip, and a stamp that
+// raises nothing is the fence's own (epoch, acquisition), verified and
+// cached when it raised it, or a refusal either way.
 func (s *Sink) verify(ctx context.Context, st leasehold.Stamp, subject string) error {
 	err := s.check.Check(ctx, st)
 	if err == nil {

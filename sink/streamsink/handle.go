@@ -290,7 +290,7 @@ func (r *Runner) decide(ctx context.Context, w *work, m *logMsg, outs *[]outcome
 		// The verifier may be the user's: bound it, or one unanswered
 		// request stops the runner for good.
 		cctx, cancel := context.WithTimeout(ctx, r.cfg.RequestTimeout)
-		err := r.check.CheckAbove(cctx, st, f.Epoch)
+		err := r.check.Check(cctx, st)
 		cancel()
 		if err != nil {
 			if !errors.Is(err, sink.ErrUnverifiedEpoch) {
