@@ -18,7 +18,12 @@
 // new holder writes and refusing to go back, maxima that survive a reopen,
 // all-or-nothing batches, many goroutines racing with mixed epochs, dedupe,
 // cancelled contexts, bad stamps and headers, and forged epochs under
-// verification against a real lease bucket. Last, the case Properties
+// verification against a real lease bucket: epochs never issued, epochs
+// issued to another fence of the bucket, the holder's epoch with a forged
+// acquisition (as an effect and as an Advance before the holder's own), a
+// former holder far behind (admitted while the fence record remembers it,
+// refused as forgotten after), and a fence record of the previous release's
+// format. Last, the case Properties
 // (also callable alone as RunProperties) runs random sequences of calls,
 // some of them concurrent, against new sinks and compares every result with
 // a reference model of the contract; rapid shrinks a failing sequence to a
@@ -139,6 +144,10 @@ func Run(t *testing.T, features Features, newSink Constructor) {
 		{"Dedupe", testDedupe, features.Dedupe},
 		{"BadHeaders", testHeaders, features.Headers},
 		{"ForgedEpochRefused", testForged, features.VerifiedEpochs},
+		{"EpochOfAnotherFenceRefused", testOtherFence, features.VerifiedEpochs},
+		{"ForgedAcquisitionRefused", testForgedAcquisition, features.VerifiedEpochs},
+		{"FormerHolderFarBehind", testFarBehind, features.VerifiedEpochs},
+		{"PreviousReleaseRecord", testPreviousRecord, features.VerifiedEpochs},
 		{"Properties", testProperties, true},
 	}
 	for _, c := range cases {
