@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync"
 	"time"
 
@@ -12,6 +13,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/jspub"
 	"github.com/leasehold/leasehold/internal/retry"
 	"github.com/leasehold/leasehold/sink"
@@ -251,7 +253,98 @@ func (e *env) fenceCost(ctx context.Context) ([]Row, error) {
 	if err != nil {
 		return rows, err
 	}
-	return append(rows, row), nil
+	rows = append(rows, row)
+
+	verify, err := e.verifyCost(ctx)
+	return append(rows, verify...), err
+}
+
+// verifyCost measures what verified epochs cost a sink per new epoch:
+// sink.EpochCheck.Check of an (epoch, acquisition) it has not seen, which
+// asks the lease bucket, beside one it has, which its cache answers. Both
+// for a live holder's acquisition (a new holder's barrier or first write)
+// and for one released since (a former holder's effect, as a sink that
+// reads a log meets it).
+func (e *env) verifyCost(ctx context.Context) ([]Row, error) {
+	n := 200
+	if e.cfg.Quick {
+		n = 40
+	}
+	nc, js, err := e.connect("bench fence verify")
+	if err != nil {
+		return nil, err
+	}
+	defer e.release(nc)
+	defer e.dropStreams(ctx, js, "fence-verify")
+	bucket, err := retry.Value(ctx, func(ctx context.Context) (*coordinator.Bucket, error) {
+		return coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: "fence-verify", Replicas: e.replicas(), Logger: e.quiet()})
+	})
+	if err != nil {
+		return nil, err
+	}
+	if _, err := retry.Value(ctx, func(ctx context.Context) (jetstream.Stream, error) {
+		return js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
+			Name: bucket.Scope() + "-jobs", Subjects: []string{bucket.Scope() + ".jobs.>"}, Replicas: e.replicas(),
+			Metadata: map[string]string{"leasehold.partitions": strconv.Itoa(n)},
+		})
+	}); err != nil {
+		return nil, err
+	}
+	coord, err := coordinator.New(bucket, coordinator.Config{Worker: "bench", TTL: time.Minute, Partitions: n, Logger: e.quiet()})
+	if err != nil {
+		return nil, err
+	}
+	// timed is the mean time of one Check of each stamp, in microseconds.
+	timed := func(c *sink.EpochCheck, stamps []leasehold.Stamp) (float64, error) {
+		t0 := time.Now()
+		for _, s := range stamps {
+			if err := c.Check(ctx, s); err != nil {
+				return 0, err
+			}
+		}
+		return float64(time.Since(t0).Nanoseconds()) / float64(len(stamps)) / 1e3, nil
+	}
+	var liveNew, liveCached, formerNew, formerCached []float64
+	for range e.cfg.Runs {
+		stamps := make([]leasehold.Stamp, n)
+		leases := make([]*coordinator.Lease, n)
+		for p := range n {
+			l, err := coord.Acquire(ctx, leasehold.Partition(p), coordinator.ManualRenew())
+			if err != nil {
+				return nil, fmt.Errorf("fence verify: acquire partition %d: %w", p, err)
+			}
+			leases[p], stamps[p] = l, l.Info().Stamp("k")
+		}
+		check := sink.NewEpochCheck(bucket)
+		a, err := timed(check, stamps)
+		if err != nil {
+			return nil, fmt.Errorf("fence verify: %w", err)
+		}
+		b, err := timed(check, stamps)
+		if err != nil {
+			return nil, fmt.Errorf("fence verify: %w", err)
+		}
+		liveNew, liveCached = append(liveNew, a), append(liveCached, b)
+		for _, l := range leases {
+			if err := l.Release(ctx); err != nil {
+				return nil, fmt.Errorf("fence verify: release: %w", err)
+			}
+		}
+		check = sink.NewEpochCheck(bucket)
+		if a, err = timed(check, stamps); err != nil {
+			return nil, fmt.Errorf("fence verify: %w", err)
+		}
+		if b, err = timed(check, stamps); err != nil {
+			return nil, fmt.Errorf("fence verify: %w", err)
+		}
+		formerNew, formerCached = append(formerNew, a), append(formerCached, b)
+	}
+	e.progress("fence verify: new epoch %.1f µs (released %.1f µs), cached %.2f µs (median of %d runs of %d checks)",
+		median(liveNew), median(formerNew), median(liveCached), len(liveNew), n)
+	return []Row{
+		paired("fence_verify_new_epoch", "µs/check", liveNew, liveCached, fmt.Sprintf("sink.EpochCheck.Check of a live holder's epoch and acquisition the sink has not seen (the lease bucket is asked) vs one it has (cached); %d partitions", n)),
+		paired("fence_verify_former_epoch", "µs/check", formerNew, formerCached, fmt.Sprintf("the same for a released holder's epoch and acquisition, as a sink that reads a log meets a former holder's effects; %d partitions", n)),
+	}, nil
 }
 
 // allowAtomic lets a bucket's stream take atomic batches.
