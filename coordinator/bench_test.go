@@ -2,7 +2,9 @@ package coordinator_test
 
 import (
 	"context"
+	"fmt"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -97,10 +99,18 @@ func BenchmarkLeaseOps(b *testing.B) {
 
 // BenchmarkRecreate measures re-creating a deleted lease bucket next to a
 // full fence-record bucket (65,536 partitions and 5,000 locks): Provision
-// reads every fence record for the highest epoch.
+// reads every fence record for the highest epoch. The records hold the
+// previous release's history (8 epochs) or this release's (32
+// acquisitions with their tokens).
 //
 //	go test ./coordinator -run '^$' -bench Recreate -benchtime 5x
 func BenchmarkRecreate(b *testing.B) {
+	for _, history := range []int{8, coordinator.FenceHistory} {
+		b.Run(fmt.Sprintf("history=%d", history), func(b *testing.B) { benchRecreate(b, history) })
+	}
+}
+
+func benchRecreate(b *testing.B, history int) {
 	s := natstest.Start(b)
 	js := s.JetStream(b)
 	ctx := context.Background()
@@ -109,13 +119,23 @@ func BenchmarkRecreate(b *testing.B) {
 		b.Fatal(err)
 	}
 	const partitions, locks = leasehold.MaxPartitions, 5000
-	recent := `[1,2,3,4,5,6,7,8]`
+	var epochs, tokens []string
+	for i := range history {
+		epochs = append(epochs, strconv.Itoa(1_600_000_000_000_000+i*1_000_003))
+		tokens = append(tokens, strconv.Quote(fmt.Sprintf("%024x", i)))
+	}
+	recent := `[` + strings.Join(epochs, ",") + `]`
+	if history > 8 {
+		recent += `,"acquisitions":[` + strings.Join(tokens, ",") + `]`
+	}
+	var size int
 	for i := range partitions + locks {
 		key := "partition." + strconv.Itoa(i)
 		if i >= partitions {
 			key = "lock.account_3A" + strconv.Itoa(i-partitions)
 		}
 		value := `{"epoch":` + strconv.Itoa(1_700_000_000_000_000+i) + `,"acquisition":"0123456789abcdef01234567","seq":123456,"holder":"worker-0123456789","recent":` + recent + `}`
+		size = len(value)
 		if _, err := js.PublishAsync("$KV."+bucket.FenceBucket()+"."+key, []byte(value)); err != nil {
 			b.Fatal(err)
 		}
@@ -134,5 +154,6 @@ func BenchmarkRecreate(b *testing.B) {
 		}
 	}
 	b.ReportMetric(float64(partitions+locks), "records")
+	b.ReportMetric(float64(size), "bytes/record")
 	b.ReportMetric(b.Elapsed().Seconds()*1000/float64(b.N), "ms/recreate")
 }

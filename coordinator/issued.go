@@ -44,7 +44,9 @@ func (e *UnknownFenceError) Unverified() bool { return true }
 // IssuedEpoch is the highest epoch the lease bucket has issued for fence
 // id (a partition of its scope, or one of its locks), derived only from
 // revisions the server assigned to the fence's lease key. It is 0 when none
-// can be shown.
+// can be shown. It is a bound, not a verification: an epoch below it may
+// have been issued to another fence, or to another acquisition. Sinks
+// verify a stamp with VerifyAcquisition.
 //
 //   - While the key holds a lease (a record that decodes and carries the
 //     per-message TTL it names), the answer is that lease's epoch, bounded

@@ -252,3 +252,62 @@ func TestVerifyAcquisitionPreviousRelease(t *testing.T) {
 		t.Fatalf("record fenced again holds %s, want %s", got, want)
 	}
 }
+
+// Acquisitions in atomic batches fence records whose history is full: a
+// batch of 256 records of about 1.5 KB each lands whole, and each record
+// then holds the newest FenceHistory acquisitions, its own last.
+func TestBatchFencesFullHistories(t *testing.T) {
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	ctx := ctxFor(t, 60*time.Second)
+	const n = 256
+	jobStream(t, js, b.Scope(), n, 0)
+	var epochs []uint64
+	var tokens []string
+	for i := range coordinator.FenceHistory {
+		epochs = append(epochs, uint64(1_000_000_000_000_000+i))
+		tokens = append(tokens, fmt.Sprintf("%024x", i))
+	}
+	full, _ := json.Marshal(map[string]any{
+		"epoch": epochs[len(epochs)-1], "acquisition": tokens[len(tokens)-1], "seq": 7, "holder": "old",
+		"recent": epochs, "acquisitions": tokens,
+	})
+	for p := range n {
+		if _, err := b.FenceRecords().Put(ctx, fmt.Sprintf("partition.%d", p), full); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c := newSessionCoord(t, b, "w", 10*time.Second)
+	sess := renewedSession(t, c)
+	leases, errs := c.AcquireBatch(ctx, partitionsUpTo(n), sess)
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	if recs, fences := c.Batches(); recs != 1 || fences != 1 {
+		t.Fatalf("%d batches of records and %d of fences landed, want 1 and 1", recs, fences)
+	}
+	for _, l := range leases {
+		defer l.Release(ctx)
+	}
+	e, err := b.FenceRecords().Get(ctx, "partition.255")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rec struct {
+		Recent       []uint64 `json:"recent"`
+		Acquisitions []string `json:"acquisitions"`
+		Forgotten    uint64   `json:"forgotten"`
+		Seq          uint64   `json:"seq"`
+	}
+	if err := json.Unmarshal(e.Value(), &rec); err != nil {
+		t.Fatal(err)
+	}
+	l := leases[255].Info()
+	if len(rec.Recent) != coordinator.FenceHistory || rec.Recent[0] != epochs[1] || rec.Forgotten != epochs[0] ||
+		rec.Recent[len(rec.Recent)-1] != uint64(l.Epoch) || rec.Acquisitions[len(rec.Acquisitions)-1] != l.Acquisition || rec.Seq != 7 {
+		t.Fatalf("record after the batch: %s", e.Value())
+	}
+	if err := verify(ctx, b, l.Fence(), leasehold.Epoch(epochs[1]), tokens[1]); err != nil {
+		t.Fatalf("the oldest acquisition kept: %v", err)
+	}
+}
