@@ -4,6 +4,7 @@ import (
 	"errors"
 	"log/slog"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -29,16 +30,21 @@ func newChaos() *cobra.Command {
 binary, enqueues jobs throughout, and for --duration injects faults: SIGSTOP
 past the lease TTL (zombie workers that write with their old epoch when they
 wake), SIGKILL, SIGTERM, sink crashes, NATS server restarts or cluster node
-kills, a network partition of one worker (as root with ip and nft), and forged
-or garbage messages in the effect log. It then waits for the sink to catch
-up, checks the recorded history — no stale application, every job applied
-exactly once, no effect of a job attempt that did not complete applied (the
-attempts as the effect log and the workers record them), epochs strictly
-rising, one holder per epoch, and liveness: no
-partition with pending jobs and a live holder goes without progress for
-longer than the TTL + 5s (time a fault took away left out), and no job is
-left unapplied at the end — and prints the figures, the longest stall among
-them. It exits non-zero when the checker finds a violation.`,
+kills, a network partition of one worker (as root with ip and nft), forged
+or garbage messages in the effect log, and markers and acquisitions forged
+from real ones (abort markers and finals copied from effects of jobs, a
+barrier and an effect with the live holder's epoch and a made-up acquisition
+token, an effect with an epoch the lease bucket issued to another fence). It
+then waits for the sink to catch up, checks the recorded history — no stale
+or unverified application, every job applied exactly once, no effect of a
+job attempt that did not complete applied (the attempts as the effect log
+and the workers record them), epochs strictly rising, one holder per epoch,
+and liveness: no partition with pending jobs and a live holder goes without
+progress for longer than the TTL + 5s (time a fault took away left out), and
+no job is left unapplied at the end — and prints the figures, the longest
+stall among them, and how many forged copies of a holder's exact stamp were
+applied (what a credential that may publish effects can always do, counted
+apart). It exits non-zero when the checker finds a violation.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			cfg.Faults = faults
@@ -75,7 +81,7 @@ them. It exits non-zero when the checker finds a violation.`,
 	fs.DurationVar(&cfg.WorkTime, "work-time", 50*time.Millisecond, "time each job takes between its stamp and its effect")
 	fs.IntVar(&cfg.Rate, "rate", 25, "jobs enqueued per second")
 	fs.DurationVar(&cfg.FaultGap, "fault-gap", 2*time.Second, "mean quiet time between faults")
-	fs.StringSliceVar(&faults, "faults", nil, "fault types to inject (default all): pause, kill, term, sink_kill, sink_term, nats_restart, node_kill, partition, forged_epoch, garbage, lease_garbage, msgid_preempt")
+	fs.StringSliceVar(&faults, "faults", nil, "fault types to inject (default all): "+strings.Join(chaos.FaultNames(), ", "))
 	fs.DurationVar(&cfg.Settle, "settle", 2*time.Minute, "how long to wait for the sink to catch up after the faults")
 	fs.StringVar(&cfg.Dir, "dir", "", "directory for stores, histories and logs (default: a temporary one, kept only when the check fails)")
 	fs.Uint64Var(&cfg.Seed, "seed", 0, "seed of the fault schedule (default: random; printed)")

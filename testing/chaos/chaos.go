@@ -19,11 +19,15 @@
 //
 // Every process appends to its own history file; Check merges them with
 // the job stream, the effect log and the sink's final contents and reports
-// violations of: (a) no stale application, (b) every job's effect applied
-// exactly once, (c) per-partition epochs that strictly increase, (d) one
-// holder per epoch, (e) liveness: no partition stalls (pending jobs, a live
-// holder, no progress) for longer than the TTL + 5s, and no job is left
-// unapplied. Run returns the figures `leasehold chaos` prints.
+// violations of: (a) no stale application, and no admission of an epoch
+// and acquisition the lease bucket never issued to the fence, (b) every
+// job's effect applied exactly once, (c) per-partition epochs that
+// strictly increase, (d) one holder per epoch, (e) liveness: no partition
+// stalls (pending jobs, a live holder, no progress) for longer than the
+// TTL + 5s, and no job is left unapplied. Forged copies of a live holder's
+// exact stamp that the sink applied are counted apart: a credential that
+// may publish effects can always write those. Run returns the figures
+// `leasehold chaos` prints.
 //
 // Children run Config.Binary, the leasehold command. The leasehold command
 // and its tests run themselves; other callers build the command first
@@ -39,6 +43,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -165,7 +170,7 @@ func (c Config) Validate() error {
 	}
 	for _, f := range c.Faults {
 		if !faultKinds[f] {
-			errs = append(errs, fmt.Errorf("fault %q: use one of pause, kill, term, sink_kill, sink_term, nats_restart, node_kill, partition, forged_epoch, garbage, lease_garbage, msgid_preempt", f))
+			errs = append(errs, fmt.Errorf("fault %q: use one of %s", f, strings.Join(FaultNames(), ", ")))
 		}
 	}
 	return errors.Join(errs...)
@@ -204,6 +209,7 @@ type harness struct {
 	bucket *coordinator.Bucket
 	nemo   *history.Writer // the harness's own records
 	net    *netPartition
+	forger *forger // nil unless FaultForgedMarker is injected
 
 	mu      sync.Mutex
 	workers []*proc
@@ -301,10 +307,17 @@ func (h *harness) run(ctx context.Context) (*Result, error) {
 		return nil, err
 	}
 
+	if h.wants(FaultForgedMarker) {
+		if h.forger, err = h.startForger(ctx); err != nil {
+			return nil, err
+		}
+		defer h.forger.close()
+	}
 	prodCtx, stopProducer := context.WithCancel(ctx)
 	prodDone := make(chan error, 1)
 	go func() { prodDone <- h.produce(prodCtx) }()
 	nemErr := h.nemesis(ctx, time.Now().Add(h.cfg.Duration))
+	h.forger.close()
 	stopProducer()
 	if err := <-prodDone; err != nil {
 		return nil, err
@@ -465,7 +478,7 @@ func (h *harness) missing(ctx context.Context) (int, error) {
 	if err != nil {
 		return -1, err
 	}
-	final, err := readFinal(rctx, h.js, sinkKV)
+	final, _, err := readFinal(rctx, h.js, sinkKV)
 	if err != nil {
 		return -1, err
 	}
@@ -501,7 +514,7 @@ func (h *harness) collect(ctx context.Context) (Input, error) {
 		if in.Log, err = readEffectLog(rctx, h.js, prefix); err != nil {
 			return err
 		}
-		in.Final, err = readFinal(rctx, h.js, sinkKV)
+		in.Final, in.Forged, err = readFinal(rctx, h.js, sinkKV)
 		return err
 	})
 	if in.Jobs == nil {

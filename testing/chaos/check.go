@@ -31,6 +31,10 @@ type Input struct {
 	// Final is the deduping sink's final contents: each key and the stamp
 	// its value was written with.
 	Final map[string]leasehold.Stamp
+	// Forged names the keys of Final whose value is a payload the
+	// forged-marker fault wrote, with the variant it names: such a value is
+	// not the effect of the job whose key it may hold.
+	Forged map[string]string
 	// End is when the run ended; pending jobs stall until then. Default:
 	// the last event.
 	End time.Time
@@ -69,6 +73,11 @@ const (
 	// of the job that wrote it under its epoch completed: its attempts
 	// failed (an abort marker), or never marked their effects final.
 	CheckIncomplete = "incomplete-job-applied"
+	// CheckUnverified: the sink admitted a message whose epoch and
+	// acquisition the lease bucket never issued to its fence (a made-up
+	// acquisition token, an epoch issued to another fence): it raised the
+	// fence, or it was applied.
+	CheckUnverified = "unverified-application"
 )
 
 // Violation is one thing the checker found wrong.
@@ -145,10 +154,27 @@ type Figures struct {
 	// dropped by its duplicate window (the successor had written the key
 	// already) or never sent.
 	ZombieNotStored int `json:"zombie_not_stored"`
-	// Injected counts forged and garbage messages put into the effect log,
-	// InjectedRefused those the sink refused.
-	Injected        int `json:"injected"`
-	InjectedRefused int `json:"injected_refused"`
+	// Injected counts forged and garbage messages the effect log stored;
+	// InjectedRefused those the sink refused (its fence, its stamp check,
+	// or the destination), InjectedSetAside those it admitted and did not
+	// apply (markers that changed nothing, effects it dropped as aborted or
+	// duplicate), InjectedApplied those it applied. Only forged copies of
+	// a holder's exact stamp may be applied (ForgedResidual); any other is a
+	// violation.
+	Injected         int `json:"injected"`
+	InjectedRefused  int `json:"injected_refused"`
+	InjectedSetAside int `json:"injected_set_aside"`
+	InjectedApplied  int `json:"injected_applied"`
+	// InjectedByKind splits the injected messages by fault, and forged
+	// markers by variant ("forged_marker/abort_copy").
+	InjectedByKind map[string]InjectedFate `json:"injected_by_kind,omitempty"`
+	// ForgedResidual counts forged effects applied that carried a live
+	// holder's exact stamp (its epoch and acquisition): what a credential
+	// that may publish effects can always do, and no violation.
+	// JobsDisplaced counts the jobs whose key holds such an effect in place
+	// of the job's own; they are counted neither applied nor lost.
+	ForgedResidual int `json:"forged_applied_at_holder_stamp"`
+	JobsDisplaced  int `json:"jobs_displaced_by_forgery"`
 
 	JobsEnqueued int `json:"jobs_enqueued"`
 	JobsApplied  int `json:"jobs_applied"`
@@ -186,6 +212,14 @@ type Figures struct {
 	Acquisitions int            `json:"acquisitions"`
 	Decisions    map[string]int `json:"decisions"`
 	Violations   int            `json:"violations"`
+}
+
+// InjectedFate counts what became of injected messages of one kind.
+type InjectedFate struct {
+	Stored   int `json:"stored"`
+	Refused  int `json:"refused"`
+	SetAside int `json:"set_aside"`
+	Applied  int `json:"applied"`
 }
 
 // Analysis is the checker's verdict.
@@ -283,6 +317,16 @@ func (c *checker) index() {
 				if e.Key != "" {
 					c.injKeys[e.Key] = true
 				}
+			case FaultForgedMarker:
+				c.out.Injected++
+				if e.Position != 0 {
+					c.injected[e.Position] = e
+				}
+				// Copies carry a real key (a job's, its abort's, a
+				// barrier's): only the keys the forger made up are its own.
+				if e.Key != "" && (e.Outcome == ForgedAcqEffect || e.Outcome == ForgedForeignEpoch) {
+					c.injKeys[e.Key] = true
+				}
 			}
 		case KindDecision:
 			if e.Reason == ApplyStage || e.Position == 0 {
@@ -306,12 +350,16 @@ func (c *checker) index() {
 // sameOutcome reports whether two decisions of one log position agree. A
 // job's effect applied and then, read again after a restart, found applied
 // already (a duplicate) agree: the runner re-reads from short of a job still
-// open, and takes what it applied for duplicates.
+// open, and takes what it applied for duplicates. So do an effect of an
+// attempt dropped (aborted: a later attempt of its job superseded it) and,
+// read again after the job was applied, found a duplicate: neither applies
+// it.
 func sameOutcome(a, b string) bool {
 	if a == b {
 		return true
 	}
-	return (a == "accepted" && b == "duplicate") || (a == "duplicate" && b == "accepted")
+	pair := func(x, y string) bool { return a == x && b == y || a == y && b == x }
+	return pair("accepted", "duplicate") || pair("aborted", "duplicate")
 }
 
 // checkHolders is check (d): one holder per epoch (epochs are revisions of
@@ -435,12 +483,23 @@ func (c *checker) checkJobs() {
 	sort.Strings(keys)
 	for _, k := range keys {
 		j := jobs[k]
-		if n := len(applied[k]); n > 1 {
+		n := len(applied[k])
+		if c.in.Forged[k] != "" && n > 0 {
+			n-- // one application is the forged value the sink holds
+		}
+		if n > 1 {
 			c.out.JobsDuplicated++
 			c.violate(Violation{Check: CheckDuplicate, Partition: j.Partition, Key: k,
 				Detail: fmt.Sprintf("applied %d times", n), Excerpt: applied[k]})
 		}
 		if _, ok := c.in.Final[k]; ok {
+			if c.in.Forged[k] != "" {
+				// A forged copy of the holder's exact stamp took the key
+				// (judged by checkInjected): the job's own effect is not
+				// there, and cannot be.
+				c.out.JobsDisplaced++
+				continue
+			}
 			c.out.JobsApplied++
 			continue
 		}
@@ -477,6 +536,9 @@ func (c *checker) storyOf(key string, p leasehold.Partition, enq Event) []Event 
 			out = append(out, e)
 		case e.Kind == KindDecision && pos[e.Position]:
 			out = append(out, e)
+		case e.Kind == KindFault && e.Reason == FaultForgedMarker && leasehold.Partition(e.Partition) == p &&
+			(e.Seq == enq.Seq && enq.Seq != 0 || !enq.Time.IsZero() && e.Time.After(enq.Time.Add(-30*time.Second)) && e.Time.Before(enq.Time.Add(30*time.Second))):
+			out = append(out, e)
 		case leasehold.Partition(e.Partition) == p && (e.Kind == KindAcquire || e.Kind == KindLose || e.Kind == KindRelease) &&
 			!enq.Time.IsZero() && e.Time.After(enq.Time.Add(-30*time.Second)):
 			out = append(out, e)
@@ -502,7 +564,11 @@ func (c *checker) checkLog() {
 			continue
 		}
 		if l.Barrier {
-			barrier[l.Stamp.Partition] = max(barrier[l.Stamp.Partition], l.Stamp.Epoch)
+			// A forged barrier orders nothing: the writes a fence must
+			// refuse are those behind a holder's own.
+			if _, forged := c.injected[l.Position]; !forged {
+				barrier[l.Stamp.Partition] = max(barrier[l.Stamp.Partition], l.Stamp.Epoch)
+			}
 			continue
 		}
 		c.behind[i] = l.Stamp.Epoch < barrier[l.Stamp.Partition]
@@ -526,6 +592,9 @@ func (c *checker) checkDecisions() {
 	last := map[uint32]Event{}
 	for _, pos := range positions {
 		d := c.decided[pos]
+		if _, forged := c.injected[pos]; forged {
+			continue // judged by checkInjected
+		}
 		switch d.Outcome {
 		case "advanced":
 			if d.Epoch > maxOf[d.Partition] {
@@ -558,6 +627,18 @@ func (c *checker) checkDecisions() {
 	}
 }
 
+// realEntries are the indexes into Log of key's entries under epoch e that
+// were not injected.
+func (c *checker) realEntries(key string, e leasehold.Epoch) []int {
+	var out []int
+	for _, i := range c.logIdx[logKey(key, e)] {
+		if _, forged := c.injected[c.in.Log[i].Position]; !forged {
+			out = append(out, i)
+		}
+	}
+	return out
+}
+
 func (c *checker) staleApplied(key string, v Violation) {
 	if c.flagged[key] {
 		return
@@ -572,10 +653,10 @@ func (c *checker) staleApplied(key string, v Violation) {
 // barrier preceded.
 func (c *checker) checkFinal() {
 	for k, st := range c.in.Final {
-		if c.injKeys[k] {
-			continue
+		if c.injKeys[k] || c.in.Forged[k] != "" {
+			continue // judged by checkInjected
 		}
-		idx := c.logIdx[logKey(k, st.Epoch)]
+		idx := c.realEntries(k, st.Epoch)
 		if len(idx) == 0 {
 			c.violate(Violation{Check: CheckUnexpected, Partition: st.Partition, Epoch: st.Epoch, Key: k,
 				Detail: "the sink holds a value written under an epoch that never wrote this key into the effect log"})
@@ -621,6 +702,9 @@ func (c *checker) checkAttempts() {
 		if l.BadStamp || l.Mark.Standalone() {
 			continue
 		}
+		if _, forged := c.injected[l.Position]; forged {
+			continue // a forged final completes nothing, a forged abort fails nothing
+		}
 		k := attemptKey{l.Stamp.Partition, l.Stamp.Epoch, l.Mark.Job, l.Mark.Attempt}
 		switch {
 		case l.Mark.Final():
@@ -636,12 +720,12 @@ func (c *checker) checkAttempts() {
 		}
 	}
 	for key, st := range c.in.Final {
-		if c.injKeys[key] {
+		if c.injKeys[key] || c.in.Forged[key] != "" {
 			continue
 		}
 		var tries []string
 		ok := false
-		for _, i := range c.logIdx[logKey(key, st.Epoch)] {
+		for _, i := range c.realEntries(key, st.Epoch) {
 			l := c.in.Log[i]
 			if l.Mark.Standalone() || l.BadMark {
 				ok = true // it stands alone: no job to complete
@@ -667,7 +751,10 @@ func (c *checker) checkAttempts() {
 
 // checkInjected: no forged or garbage message may be applied, whatever
 // stage refused it (the runner's fence, its stamp check, or the
-// destination, for a key it cannot hold).
+// destination, for a key it cannot hold), and none whose epoch and
+// acquisition were never issued to its fence may even pass the fence. A
+// forged copy of a live holder's exact stamp may be applied: that is the
+// residual a credential that publishes effects leaves (ForgedResidual).
 func (c *checker) checkInjected() {
 	applied := map[string]Event{}
 	for _, e := range c.in.Events {
@@ -675,23 +762,86 @@ func (c *checker) checkInjected() {
 			applied[e.Key] = e
 		}
 	}
-	for pos, inj := range c.injected {
-		a, byDecision := applied[inj.Key]
-		_, inFinal := c.in.Final[inj.Key]
-		if inj.Key == "" || !byDecision && !inFinal {
-			c.out.InjectedRefused++
-			continue
+	c.out.InjectedByKind = map[string]InjectedFate{}
+	positions := make([]uint64, 0, len(c.injected))
+	for pos := range c.injected {
+		positions = append(positions, pos)
+	}
+	slices.Sort(positions)
+	for _, pos := range positions {
+		inj := c.injected[pos]
+		kind := inj.Reason
+		if inj.Reason == FaultForgedMarker {
+			kind += "/" + inj.Outcome
 		}
+		d, decided := c.decided[pos]
+		admitted := decided && (d.Outcome == "accepted" || d.Outcome == "advanced")
+		a, byDecision := applied[inj.Key]
+		isApplied := false
+		switch {
+		case inj.Reason == FaultForgedMarker && inj.Outcome == ForgedFinalCopy:
+			// It carries the job's own key: applied if the sink holds its
+			// payload under the forged stamp's epoch.
+			st, ok := c.in.Final[inj.Key]
+			isApplied, byDecision = ok && c.in.Forged[inj.Key] == ForgedFinalCopy && st.Epoch == leasehold.Epoch(inj.Epoch), false
+		case inj.Reason == FaultForgedMarker && (inj.Outcome == ForgedAbortCopy || inj.Outcome == ForgedAbortAhead):
+			// A marker applies nothing; what it wrongly closes shows as a
+			// job lost or never applied.
+		case inj.Reason == FaultForgedMarker && inj.Outcome == ForgedAcqBarrier:
+			isApplied = decided && d.Outcome == "advanced"
+		default:
+			_, inFinal := c.in.Final[inj.Key]
+			isApplied = inj.Key != "" && (byDecision || inFinal)
+		}
+		fate := c.out.InjectedByKind[kind]
+		fate.Stored++
+		switch {
+		case isApplied:
+			fate.Applied++
+			c.out.InjectedApplied++
+		case decided && refusal(d.Outcome), admitted && inj.Outcome != ForgedFinalCopy:
+			// Refused by the fence, or admitted by it and refused by the
+			// destination (a forged final it holds a real value for is
+			// set aside as a duplicate there).
+			fate.Refused++
+			c.out.InjectedRefused++
+		default:
+			fate.SetAside++
+			c.out.InjectedSetAside++
+		}
+		c.out.InjectedByKind[kind] = fate
 		excerpt := []Event{inj}
-		if d, ok := c.decided[pos]; ok {
+		if decided {
 			excerpt = append(excerpt, d)
 		}
 		if byDecision {
 			excerpt = append(excerpt, a)
 		}
-		c.violate(Violation{Check: CheckUnexpected, Partition: leasehold.Partition(inj.Partition), Epoch: leasehold.Epoch(inj.Epoch), Key: inj.Key,
-			Detail: fmt.Sprintf("the %s message at log position %d was applied", inj.Reason, pos), Excerpt: excerpt})
+		switch {
+		case inj.Reason == FaultForgedMarker && !copiesHolderStamp(inj.Outcome) && (admitted || isApplied):
+			what := "passed the fence (" + d.Outcome + ")"
+			if isApplied {
+				what = "was applied"
+			}
+			c.violate(Violation{Check: CheckUnverified, Partition: leasehold.Partition(inj.Partition), Epoch: leasehold.Epoch(inj.Epoch), Key: inj.Key,
+				Detail: fmt.Sprintf("the forged %s at log position %d, whose epoch and acquisition the lease bucket never issued to this partition, %s", inj.Outcome, pos, what), Excerpt: excerpt})
+		case !isApplied:
+		case inj.Reason == FaultForgedMarker && copiesHolderStamp(inj.Outcome):
+			c.out.ForgedResidual++
+		default:
+			c.violate(Violation{Check: CheckUnexpected, Partition: leasehold.Partition(inj.Partition), Epoch: leasehold.Epoch(inj.Epoch), Key: inj.Key,
+				Detail: fmt.Sprintf("the %s message at log position %d was applied", inj.Reason, pos), Excerpt: excerpt})
+		}
 	}
+}
+
+// refusal reports whether a sink's decision refused the message.
+func refusal(outcome string) bool {
+	switch outcome {
+	case "stale", "split_brain", "unverified", "bad_stamp", "over_limit", "dead_lettered", "failed":
+		return true
+	}
+	return false
 }
 
 // countZombies classifies the writes made under an epoch the partition

@@ -1,6 +1,7 @@
 package chaos
 
 import (
+	"math/rand/v2"
 	"slices"
 	"strings"
 	"testing"
@@ -294,5 +295,175 @@ func TestCheckFindsIncompleteJobApplied(t *testing.T) {
 	s.ev(12, Event{Proc: "b", Kind: KindAttempt, Epoch: 20, Seq: 2, Attempt: 2, Outcome: "failed"})
 	if a := Check(s.in); checks(a) != CheckIncomplete || a.AttemptsFailed != 1 {
 		t.Errorf("violations %q, %d failed attempts, after the attempt was recorded failed", checks(a), a.AttemptsFailed)
+	}
+}
+
+// forgedMarker puts a message of the forged-marker fault into the log with
+// the sink's decision on it ("" for none), as the forger and the sink record
+// them.
+func (s *story) forgedMarker(sec int, variant string, st leasehold.Stamp, mark leasehold.JobMark, barrier bool, outcome string) uint64 {
+	s.pos++
+	s.in.Log = append(s.in.Log, LogEntry{Position: s.pos, Stamp: st, Mark: mark, Barrier: barrier})
+	s.ev(sec, Event{Proc: effectProc, Kind: KindFault, Reason: FaultForgedMarker, Outcome: variant, Epoch: uint64(st.Epoch), Key: st.Key,
+		Seq: mark.Job, Attempt: mark.Attempt, Position: s.pos})
+	if outcome != "" {
+		s.ev(sec, Event{Proc: "sink", Kind: KindDecision, Epoch: uint64(st.Epoch), Key: st.Key, Outcome: outcome, Position: s.pos})
+	}
+	return s.pos
+}
+
+// Forged acquisitions: a barrier and an effect with b's epoch and a
+// made-up token, and an effect with an epoch issued to another fence. Each
+// is an unverified application if the sink admits it, and nothing if it
+// refuses it.
+func TestCheckJudgesForgedAcquisitions(t *testing.T) {
+	made := leasehold.Stamp{Scope: "chaos", Partition: 0, Epoch: 20, Acquisition: "madeup", Key: leasehold.BarrierKey("chaos", 0, 20), Worker: "b"}
+	effect := made
+	effect.Key = "chaos.0.forged-acquisition.1"
+	foreign := leasehold.Stamp{Scope: "chaos", Partition: 0, Epoch: 15, Acquisition: "other", Key: "chaos.0.forged-foreign.2", Worker: "b"}
+	build := func(barrierOutcome, effectOutcome string) *story {
+		s := newStory()
+		s.forgedMarker(8, ForgedForeignEpoch, foreign, leasehold.JobMark{}, false, effectOutcome)
+		s.forgedMarker(8, ForgedAcqBarrier, made, leasehold.JobMark{}, true, barrierOutcome)
+		s.forgedMarker(8, ForgedAcqEffect, effect, leasehold.JobMark{}, false, effectOutcome)
+		return s
+	}
+	a := Check(build("unverified", "unverified").in)
+	if !a.OK() || a.Injected != 3 || a.InjectedRefused != 3 || a.InjectedApplied != 0 {
+		t.Fatalf("refused forgeries: violations %v, figures %+v", a.Violations, a.Figures)
+	}
+	if f := a.InjectedByKind[FaultForgedMarker+"/"+ForgedAcqBarrier]; f != (InjectedFate{Stored: 1, Refused: 1}) {
+		t.Fatalf("barrier fate %+v", f)
+	}
+
+	s := build("advanced", "accepted")
+	s.in.Final[effect.Key] = effect
+	a = Check(s.in)
+	if got := checks(a); got != strings.Repeat(CheckUnverified+",", 2)+CheckUnverified {
+		t.Fatalf("admitted forgeries: violations %q, want three %s: %v", got, CheckUnverified, a.Violations)
+	}
+	if a.InjectedApplied != 2 || a.InjectedRefused != 1 || a.ForgedResidual != 0 {
+		t.Fatalf("figures %+v", a.Figures)
+	}
+}
+
+// A forged barrier with the next holder's epoch reaches the log before the
+// previous holder's last write, which the sink rightly applies: the forged
+// barrier orders nothing, so that write is neither stale nor a zombie's.
+func TestCheckForgedBarrierOrdersNothing(t *testing.T) {
+	t0 := time.Unix(1_800_000_000, 0)
+	at := func(sec int) time.Time { return t0.Add(time.Duration(sec) * time.Second) }
+	key := func(seq uint64) string { return leasehold.EffectKey("chaos", 0, seq, 0) }
+	stamp := func(epoch leasehold.Epoch, acq, key, proc string) leasehold.Stamp {
+		return leasehold.Stamp{Scope: "chaos", Partition: 0, Epoch: epoch, Acquisition: acq, Key: key, Worker: proc}
+	}
+	in := Input{Prefix: "chaos", Final: map[string]leasehold.Stamp{key(1): stamp(10, "a", key(1), "a"), key(2): stamp(20, "b", key(2), "b")},
+		Jobs: []Job{{Partition: 0, Seq: 1, ID: "job-1"}, {Partition: 0, Seq: 2, ID: "job-2"}}}
+	in.Log = []LogEntry{
+		{Position: 1, Stamp: stamp(10, "a", leasehold.BarrierKey("chaos", 0, 10), "a"), Barrier: true},
+		{Position: 2, Stamp: stamp(20, "madeup", leasehold.BarrierKey("chaos", 0, 20), "b"), Barrier: true},
+		{Position: 3, Stamp: in.Final[key(1)]},
+		{Position: 4, Stamp: stamp(20, "b", leasehold.BarrierKey("chaos", 0, 20), "b"), Barrier: true},
+		{Position: 5, Stamp: in.Final[key(2)]},
+	}
+	in.Events = []Event{
+		{Time: at(0), Proc: "producer", Kind: KindEnqueue, Seq: 1, JobID: "job-1"},
+		{Time: at(0), Proc: "producer", Kind: KindEnqueue, Seq: 2, JobID: "job-2"},
+		{Time: at(1), Proc: "a", Kind: KindAcquire, Epoch: 10},
+		{Time: at(1), Proc: "sink", Kind: KindDecision, Epoch: 10, Outcome: "advanced", Max: 10, Position: 1},
+		{Time: at(2), Proc: "a", Kind: KindEffect, Epoch: 10, Key: key(1), Seq: 1},
+		{Time: at(2), Proc: "a", Kind: KindRelease, Epoch: 10},
+		{Time: at(2), Proc: effectProc, Kind: KindFault, Reason: FaultForgedMarker, Outcome: ForgedAcqBarrier, Epoch: 20, Position: 2},
+		{Time: at(2), Proc: "sink", Kind: KindDecision, Epoch: 20, Outcome: "unverified", Max: 10, Position: 2},
+		{Time: at(2), Proc: "sink", Kind: KindDecision, Epoch: 10, Key: key(1), Outcome: "accepted", Max: 10, Position: 3},
+		{Time: at(2), Proc: "sink", Kind: KindDecision, Reason: ApplyStage, Epoch: 10, Key: key(1), Outcome: "accepted"},
+		{Time: at(3), Proc: "b", Kind: KindAcquire, Epoch: 20},
+		{Time: at(3), Proc: "sink", Kind: KindDecision, Epoch: 20, Outcome: "advanced", Max: 20, Position: 4},
+		{Time: at(4), Proc: "b", Kind: KindEffect, Epoch: 20, Key: key(2), Seq: 2},
+		{Time: at(4), Proc: "sink", Kind: KindDecision, Epoch: 20, Key: key(2), Outcome: "accepted", Max: 20, Position: 5},
+		{Time: at(4), Proc: "sink", Kind: KindDecision, Reason: ApplyStage, Epoch: 20, Key: key(2), Outcome: "accepted"},
+	}
+	a := Check(in)
+	if !a.OK() || a.ZombieAttempted != 0 || a.JobsApplied != 2 || a.InjectedRefused != 1 {
+		t.Fatalf("violations %v, figures %+v", a.Violations, a.Figures)
+	}
+}
+
+// A forged abort marker that closed a job's only attempt before it ran:
+// the sink dropped the job's effect as aborted, and the worker committed
+// past it. The job is lost, and the checker says the sink dropped it.
+func TestCheckFindsJobLostToForgedAbort(t *testing.T) {
+	s := newStory()
+	st := leasehold.Stamp{Scope: "chaos", Partition: 0, Epoch: 20, Acquisition: "a", Key: "chaos.0.2.abort.9007199254740992", Worker: "b"}
+	s.forgedMarker(9, ForgedAbortAhead, st, leasehold.JobMark{Job: 2, Attempt: leasehold.MaxAttempt, Abort: true}, false, "")
+	delete(s.in.Final, s.key(2))
+	for i := range s.in.Events {
+		if e := &s.in.Events[i]; e.Kind == KindDecision && e.Key == s.key(2) {
+			e.Outcome = "aborted"
+		}
+	}
+	s.in.Events = slices.DeleteFunc(s.in.Events, func(e Event) bool {
+		return e.Kind == KindDecision && e.Reason == ApplyStage && e.Key == s.key(2)
+	})
+	s.ev(12, Event{Proc: "b", Kind: KindCommit, Epoch: 20, Seq: 2})
+	a := Check(s.in)
+	if checks(a) != CheckLost || a.JobsLost != 1 {
+		t.Fatalf("violations %q, figures %+v", checks(a), a.Figures)
+	}
+	v := a.Violations[0]
+	if v.Key != s.key(2) || !strings.Contains(v.Detail, "dropped every entry") || !slices.ContainsFunc(v.Excerpt, func(e Event) bool { return e.Reason == FaultForgedMarker }) {
+		t.Fatalf("violation %s", v)
+	}
+	if a.InjectedSetAside != 1 {
+		t.Fatalf("figures %+v", a.Figures)
+	}
+	// Not yet decided, the effect may still apply: late, not lost.
+	for i := range s.in.Events {
+		if e := &s.in.Events[i]; e.Kind == KindDecision && e.Key == s.key(2) {
+			e.Position = 0
+		}
+	}
+	if a := Check(s.in); checks(a) != CheckNotApplied {
+		t.Fatalf("undecided: violations %q", checks(a))
+	}
+}
+
+// A forged final of a higher attempt, with the holder's exact stamp and its
+// own payload, was applied under job 2's key: the accepted residual,
+// counted apart. Job 2 is neither applied, lost nor duplicated, its forged
+// final completes no attempt, and a forged abort of a completed attempt
+// fails none.
+func TestCheckCountsForgedFinalApart(t *testing.T) {
+	s := newStory()
+	st := s.in.Final[s.key(2)]
+	s.forgedMarker(11, ForgedFinalCopy, st, leasehold.JobMark{Job: 2, Attempt: 2, Effects: 1}, false, "accepted")
+	abort := st
+	abort.Key = "chaos.0.2.abort.1"
+	s.forgedMarker(11, ForgedAbortCopy, abort, leasehold.JobMark{Job: 2, Attempt: 1, Abort: true}, false, "")
+	s.ev(11, Event{Proc: "sink", Kind: KindDecision, Reason: ApplyStage, Epoch: 20, Key: s.key(2), Outcome: "accepted"})
+	s.in.Forged = map[string]string{s.key(2): ForgedFinalCopy}
+	a := Check(s.in)
+	if !a.OK() {
+		t.Fatalf("violations %v", a.Violations)
+	}
+	if a.ForgedResidual != 1 || a.JobsDisplaced != 1 || a.JobsApplied != 1 || a.JobsDuplicated != 0 || a.InjectedApplied != 1 || a.InjectedSetAside != 1 {
+		t.Fatalf("figures %+v", a.Figures)
+	}
+	if a.AttemptsCompleted != 0 || a.AttemptsFailed != 0 {
+		t.Fatalf("forged markers counted as attempts: %d completed, %d failed", a.AttemptsCompleted, a.AttemptsFailed)
+	}
+}
+
+func TestForgedVariant(t *testing.T) {
+	f := &forger{rnd: rand.New(rand.NewPCG(1, 2)), h: &harness{}}
+	for _, v := range []string{ForgedFinalCopy, ForgedAcqEffect} {
+		if got := forgedVariant(f.payload(v)); got != v {
+			t.Errorf("forgedVariant(payload(%q)) = %q", v, got)
+		}
+	}
+	for _, data := range []string{"", `{"job":"job-1"}`, "leasehold-chaos-forge final_copy"} {
+		if got := forgedVariant([]byte(data)); got != "" {
+			t.Errorf("forgedVariant(%q) = %q, want none", data, got)
+		}
 	}
 }

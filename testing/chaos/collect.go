@@ -121,11 +121,14 @@ func readDeadLetters(ctx context.Context, js jetstream.JetStream, prefix string)
 }
 
 // readFinal reads the sink's KV bucket: each effect key with the stamp its
-// value carries. The sink's own keys (_leasehold.*) are left out.
-func readFinal(ctx context.Context, js jetstream.JetStream, bucket string) (map[string]leasehold.Stamp, error) {
+// value carries, and the keys whose value is a forged payload (see
+// forgedVariant) with the variant it names. The sink's own keys
+// (_leasehold.*) are left out.
+func readFinal(ctx context.Context, js jetstream.JetStream, bucket string) (map[string]leasehold.Stamp, map[string]string, error) {
 	out := map[string]leasehold.Stamp{}
+	forged := map[string]string{}
 	prefix := "$KV." + bucket + "."
-	err := readStream(ctx, js, "KV_"+bucket, prefix+">", true, true, func(seq uint64, subject string, h nats.Header, _ []byte) error {
+	err := readStream(ctx, js, "KV_"+bucket, prefix+">", true, false, func(seq uint64, subject string, h nats.Header, data []byte) error {
 		key := strings.TrimPrefix(subject, prefix)
 		if strings.HasPrefix(key, "_leasehold.") {
 			return nil
@@ -139,12 +142,15 @@ func readFinal(ctx context.Context, js jetstream.JetStream, bucket string) (map[
 			return fmt.Errorf("chaos: sink value %s (revision %d) carries no stamp: %w", key, seq, err)
 		}
 		out[key] = st
+		if v := forgedVariant(data); v != "" {
+			forged[key] = v
+		}
 		return nil
 	})
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
-		return out, nil
+		return out, forged, nil
 	}
-	return out, err
+	return out, forged, err
 }
 
 func headerValue(h nats.Header, name string) (string, bool) {

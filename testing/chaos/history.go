@@ -68,6 +68,14 @@ const (
 	// a worker must not take the log's "duplicate" answer for its own
 	// effect stored.
 	FaultPreempt = "msgid_preempt"
+	// FaultForgedMarker publishes into the effect log what an attacker with
+	// a worker's credentials can make of what it reads there and in the
+	// lease bucket: abort markers and finals copied from real effects of
+	// jobs, a barrier and an effect with a live holder's epoch and a
+	// made-up acquisition token, and an effect stamped with an epoch the
+	// bucket issued to another fence (see forgery.go). Each message counts
+	// as one fault; the injection event's Outcome names its variant.
+	FaultForgedMarker = "forged_marker"
 )
 
 // Records of the harness that end a fault or restart what it stopped; they
@@ -83,7 +91,7 @@ const (
 var faultKinds = map[string]bool{
 	FaultPause: true, FaultKill: true, FaultTerm: true, FaultSinkKill: true, FaultSinkTerm: true,
 	FaultNATSRestart: true, FaultNodeKill: true, FaultPartition: true, FaultForged: true, FaultGarbage: true,
-	FaultLeaseGarbage: true, FaultPreempt: true,
+	FaultLeaseGarbage: true, FaultPreempt: true, FaultForgedMarker: true,
 }
 
 // removesHolder reports whether a fault takes a worker's partitions away

@@ -340,19 +340,35 @@ func (c *checker) stallStory(p uint32, s stall) []Event {
 }
 
 // unapplied judges a job whose effect is not in the sink: lost, or not yet
-// applied when the run ended.
+// applied when the run ended. An entry of its effect in the log can still
+// be applied unless it sits behind a newer barrier, was injected, or the
+// sink has decided it and dropped it (refused, aborted, or taken for a
+// duplicate): a sink decides each position once.
 func (c *checker) unapplied(k string, j Job, enq Event) {
 	admissible := false
+	dropped := 0
 	for i, l := range c.in.Log {
-		if l.Stamp.Key == k && !l.BadStamp && !l.Barrier && !c.behind[i] {
-			admissible = true
+		if l.Stamp.Key != k || l.BadStamp || l.Barrier || c.behind[i] {
+			continue
 		}
+		if _, forged := c.injected[l.Position]; forged {
+			continue
+		}
+		if d, ok := c.decided[l.Position]; ok && (refusal(d.Outcome) || d.Outcome == "aborted" || d.Outcome == "duplicate") {
+			dropped++
+			continue
+		}
+		admissible = true
 	}
 	_, past := c.committedPast(uint32(j.Partition), j.Seq)
 	if !admissible && past {
+		why := "none in the effect log that a fence admits"
+		if dropped > 0 {
+			why = fmt.Sprintf("the sink dropped every entry of it in the effect log (%d)", dropped)
+		}
 		c.out.JobsLost++
 		c.violate(Violation{Check: CheckLost, Partition: j.Partition, Key: k,
-			Detail:  fmt.Sprintf("job %s (sequence %d) has no effect in the sink, none in the effect log that a fence admits, and progress was committed past it", j.ID, j.Seq),
+			Detail:  fmt.Sprintf("job %s (sequence %d) has no effect in the sink, %s, and progress was committed past it", j.ID, j.Seq, why),
 			Excerpt: c.storyOf(k, j.Partition, enq)})
 		return
 	}

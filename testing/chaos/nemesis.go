@@ -19,7 +19,18 @@ import (
 var weights = map[string]int{
 	FaultPause: 4, FaultKill: 2, FaultTerm: 1, FaultPartition: 2,
 	FaultSinkKill: 1, FaultSinkTerm: 1, FaultNATSRestart: 1, FaultNodeKill: 1,
-	FaultForged: 1, FaultGarbage: 1, FaultLeaseGarbage: 1, FaultPreempt: 1,
+	FaultForged: 1, FaultGarbage: 1, FaultLeaseGarbage: 1, FaultPreempt: 1, FaultForgedMarker: 1,
+}
+
+// FaultNames lists the fault types, sorted: the values Config.Faults and
+// `leasehold chaos --faults` take.
+func FaultNames() []string {
+	var out []string
+	for f := range faultKinds {
+		out = append(out, f)
+	}
+	slices.Sort(out)
+	return out
 }
 
 // planFaults settles which faults this run injects.
@@ -43,7 +54,7 @@ func (h *harness) planFaults() {
 				h.skip(f, fmt.Errorf("restarts the single server; a cluster kills nodes instead"))
 			}
 			continue
-		case (f == FaultForged || f == FaultGarbage || f == FaultLeaseGarbage || f == FaultPreempt) && h.cfg.Unfenced:
+		case (f == FaultForged || f == FaultGarbage || f == FaultLeaseGarbage || f == FaultPreempt || f == FaultForgedMarker) && h.cfg.Unfenced:
 			// The unfenced sink applies whatever it reads: it is there to
 			// show what a missing fence lets through, not to be attacked.
 			continue
@@ -135,6 +146,8 @@ func (h *harness) inject(ctx context.Context, f string) error {
 		return h.leaseGarbage(ctx)
 	case FaultPreempt:
 		return h.preempt(ctx)
+	case FaultForgedMarker:
+		return h.forgeMarkers(ctx)
 	}
 	return fmt.Errorf("unknown fault %q", f)
 }

@@ -81,7 +81,18 @@ func (rep Report) WriteTable(w io.Writer) error {
 	fmt.Fprintf(tw, "  rejected by the sink's fence\t%d\n", rep.ZombieRejected)
 	fmt.Fprintf(tw, "  not stored by the effect log (duplicate key, or never sent)\t%d\n", rep.ZombieNotStored)
 	fmt.Fprintf(tw, "  applied\t%d\n", rep.ZombieApplied)
-	fmt.Fprintf(tw, "forged and garbage messages injected / refused\t%d / %d\n", rep.Injected, rep.InjectedRefused)
+	fmt.Fprintf(tw, "forged and garbage messages stored / refused / set aside / applied\t%d / %d / %d / %d\n", rep.Injected, rep.InjectedRefused, rep.InjectedSetAside, rep.InjectedApplied)
+	kinds = kinds[:0]
+	for k := range rep.InjectedByKind {
+		kinds = append(kinds, k)
+	}
+	slices.Sort(kinds)
+	for _, k := range kinds {
+		f := rep.InjectedByKind[k]
+		fmt.Fprintf(tw, "  %s\t%d / %d / %d / %d\n", k, f.Stored, f.Refused, f.SetAside, f.Applied)
+	}
+	fmt.Fprintf(tw, "forged copies of a holder's exact stamp applied (the accepted residual)\t%d\n", rep.ForgedResidual)
+	fmt.Fprintf(tw, "  jobs whose key holds such a copy instead of their own effect\t%d\n", rep.JobsDisplaced)
 	fmt.Fprintln(tw, "\t")
 	fmt.Fprintln(tw, "JOBS\t")
 	fmt.Fprintf(tw, "  enqueued\t%d\n", rep.JobsEnqueued)
@@ -126,7 +137,7 @@ func (rep Report) WriteTable(w io.Writer) error {
 	case !rep.Settled:
 		fmt.Fprintln(w, "\nCHECK FAILED: the sink did not catch up with every job in time")
 	default:
-		fmt.Fprintln(w, "\ncheck passed: no stale application, every job applied exactly once, no effect of an incomplete job attempt applied, epochs rise, one holder per epoch, no partition stalled past the bound")
+		fmt.Fprintln(w, "\ncheck passed: no stale or unverified application, every job applied exactly once, no effect of an incomplete job attempt applied, epochs rise, one holder per epoch, no partition stalled past the bound")
 	}
 	if rep.Dir != "" {
 		fmt.Fprintf(w, "history, logs and stores kept in %s\n", rep.Dir)
