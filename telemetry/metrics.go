@@ -41,6 +41,11 @@ type Metrics struct {
 	// sink keeps fences for); the others, whose stamp may name anything,
 	// count under the scope "-".
 	SinkRefusals metric.Int64Counter
+	// EffectsNoStream counts the effects a worker refused at once because
+	// no stream stores their subject (an open subject breaker):
+	// leasehold_effects_no_stream_total. The worker's log names the
+	// subject; a label would not be bounded.
+	EffectsNoStream metric.Int64Counter
 	// JobsHung counts handlers that did not return after their context
 	// ended, whose partition the worker gave up:
 	// leasehold_jobs_hung_total{leasehold_partition, leasehold_worker}.
@@ -53,6 +58,9 @@ type Metrics struct {
 	epochs  map[held]int64 // current epoch of each partition held here
 	lags    map[held]int64 // jobs waiting in each partition held here
 	stalled map[held]bool  // partitions held here that are stalled
+	// unavailable counts, per worker, the effect subjects found without a
+	// stream.
+	unavailable map[string]int64
 
 	sinkOnce sync.Once       // registers the sink gauges' callback on first use
 	gaps     map[string]bool // sinks of this process stopped at a gap in their log
@@ -79,7 +87,7 @@ const (
 )
 
 func newMetrics(m metric.Meter) *Metrics {
-	ms := &Metrics{meter: m, epochs: map[held]int64{}, lags: map[held]int64{}, stalled: map[held]bool{}, gaps: map[string]bool{}}
+	ms := &Metrics{meter: m, epochs: map[held]int64{}, lags: map[held]int64{}, stalled: map[held]bool{}, unavailable: map[string]int64{}, gaps: map[string]bool{}}
 	// Instrument creation fails only for invalid names; these are constant.
 	ms.LeasesHeld, _ = m.Int64UpDownCounter("leasehold.leases.held", metric.WithDescription("Partition leases held by this process."), metric.WithUnit("{lease}"))
 	ms.Acquisitions, _ = m.Int64Counter("leasehold.lease.acquisitions", metric.WithDescription("Partition leases acquired."), metric.WithUnit("{lease}"))
@@ -90,6 +98,7 @@ func newMetrics(m metric.Meter) *Metrics {
 	ms.JobsFailed, _ = m.Int64Counter("leasehold.jobs.failed", metric.WithDescription("Handler attempts that failed (errors, panics, effects not stored)."), metric.WithUnit("{job}"))
 	ms.JobsDeadLettered, _ = m.Int64Counter("leasehold.jobs.dead_lettered", metric.WithDescription("Jobs sent to the dead-letter subject."), metric.WithUnit("{job}"))
 	ms.JobsHung, _ = m.Int64Counter("leasehold.jobs.hung", metric.WithDescription("Handlers that did not return after their context ended (HandleTimeout, a lost lease); their partition was released."), metric.WithUnit("{job}"))
+	ms.EffectsNoStream, _ = m.Int64Counter("leasehold.effects.no_stream", metric.WithDescription("Effects refused at once because no stream stores their subject; the worker's log names it."), metric.WithUnit("{effect}"))
 	ms.HandlerDuration, _ = m.Float64Histogram("leasehold.handler.duration", metric.WithDescription("Time a handler took for one attempt."), metric.WithUnit("s"),
 		metric.WithExplicitBucketBoundaries(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30))
 	ms.EffectsEmitted, _ = m.Int64Counter("leasehold.effects.emitted", metric.WithDescription("Stamped effects published or applied by handlers."), metric.WithUnit("{effect}"))
@@ -105,6 +114,7 @@ func (m *Metrics) register() {
 	epoch, _ := m.meter.Int64ObservableGauge("leasehold.partition.epoch", metric.WithDescription("Epoch of each partition lease held by a worker of this process."))
 	lag, _ := m.meter.Int64ObservableGauge("leasehold.consumer.lag", metric.WithDescription("Jobs waiting in each partition held by a worker of this process."), metric.WithUnit("{job}"))
 	stalled, _ := m.meter.Int64ObservableGauge("leasehold.partition.stalled", metric.WithDescription("1 for each partition held by a worker of this process that has jobs waiting and has made no progress for the worker's stall time."))
+	unavailable, _ := m.meter.Int64ObservableGauge("leasehold.effect.subjects.unavailable", metric.WithDescription("Effect subjects a worker of this process found without a stream: jobs publishing there fail at once and are dead-lettered. The worker's log and /readyz name them."), metric.WithUnit("{subject}"))
 	_, _ = m.meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
 		m.mu.Lock()
 		defer m.mu.Unlock()
@@ -117,8 +127,11 @@ func (m *Metrics) register() {
 		for h := range m.stalled {
 			o.ObserveInt64(stalled, 1, metric.WithAttributes(AttrPartition.Int64(int64(h.partition)), AttrWorker.String(h.worker)))
 		}
+		for w, n := range m.unavailable {
+			o.ObserveInt64(unavailable, n, metric.WithAttributes(AttrWorker.String(w)))
+		}
 		return nil
-	}, epoch, lag, stalled)
+	}, epoch, lag, stalled, unavailable)
 }
 
 // SetEpoch records the epoch of partition p's lease held by worker; 0
@@ -158,6 +171,19 @@ func (m *Metrics) SetStalled(worker string, p leasehold.Partition, stalled bool)
 		m.stalled[k] = true
 	} else {
 		delete(m.stalled, k)
+	}
+}
+
+// SetSubjectsUnavailable records how many effect subjects worker found
+// without a stream; 0 forgets the worker.
+func (m *Metrics) SetSubjectsUnavailable(worker string, n int) {
+	m.once.Do(m.register)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if n == 0 {
+		delete(m.unavailable, worker)
+	} else {
+		m.unavailable[worker] = int64(n)
 	}
 }
 

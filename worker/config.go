@@ -79,10 +79,18 @@ type Config struct {
 	HandleTimeout time.Duration
 	// TransientFor is how long a job's effects may keep failing for the
 	// transport's reasons (timeouts, a lost connection, no responders)
-	// without using up attempts; afterwards every such failure counts
-	// towards MaxAttempts, so an effect subject no stream listens on ends
-	// in the dead-letter stream instead of holding the partition for ever.
-	// Default 1 minute, enough to ride out a server restart.
+	// without using up attempts. Past it the worker asks JetStream which
+	// stream stores the effect's subject. When none does, the failure
+	// counts, and the subject's breaker opens: every later publish there
+	// fails at once with an error matching ErrNoStream, so that the jobs
+	// on it are dead-lettered after MaxAttempts without each waiting
+	// TransientFor (the leasehold_effect_subjects_unavailable gauge and
+	// Ready report it until a stream stores the subject). When a stream
+	// stores it but did not answer, or NATS does not answer, it is an
+	// outage and the failure still uses no attempt; the stall report
+	// (StallAfter) shows the waiting partition. Timeouts from a stream
+	// that answers count. Default 1 minute, enough to ride out a server
+	// restart.
 	TransientFor time.Duration
 	// StallAfter is how long a held partition may have jobs waiting without
 	// its committed progress moving before it counts as stalled: a WARN

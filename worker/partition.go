@@ -79,25 +79,10 @@ type retryState struct {
 	dead     bool  // the job is to be dead-lettered
 	// transientSince is when the job's effects first failed for the
 	// transport's reasons; such failures use up no attempt until they
-	// have gone on for Config.TransientFor.
+	// have gone on for Config.TransientFor, and then only as counts
+	// (breaker.go) says.
 	transientSince time.Time
 	dlqNonce       string // the dead letter's message ID nonce, kept across re-sends
-}
-
-// counts reports whether failure err uses up an attempt: every failure
-// does, but the transport's (a timeout, a lost connection, no responders),
-// until they have gone on for window. An effect subject that no stream
-// listens on, or a permission the worker lacks, fails the same way for
-// ever: it ends in the dead-letter stream instead of holding the partition.
-func (st *retryState) counts(err error, window time.Duration) bool {
-	if !effectTransient(err) {
-		return true
-	}
-	now := time.Now()
-	if st.transientSince.IsZero() {
-		st.transientSince = now
-	}
-	return now.Sub(st.transientSince) >= window
 }
 
 type outcome int
@@ -384,7 +369,7 @@ func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream
 			r.log.Error("a sink refused this worker's epoch: another worker has taken the partition over; stopping it", "seq", seq, "err", err)
 			return nil, completed{}, outStale
 		}
-		if st.counts(err, r.w.cfg.TransientFor) {
+		if r.counts(&st, err) {
 			st.failures++
 		}
 		st.err = err

@@ -64,7 +64,7 @@ func (r *runner) await(ctx context.Context, e *inflight, block bool) (error, boo
 	fut := e.futs[e.acked]
 	select {
 	case ack := <-fut.Ok():
-		return r.confirm(ctx, fut.Msg(), ack), true
+		return r.stored(ctx, fut, ack), true
 	case err := <-fut.Err():
 		return &EffectError{Subject: fut.Msg().Subject, Key: fut.Msg().Header.Get(jetstream.MsgIDHeader), Err: err}, true
 	default:
@@ -78,7 +78,7 @@ func (r *runner) await(ctx context.Context, e *inflight, block bool) (error, boo
 		defer t.Stop()
 		select {
 		case ack := <-fut.Ok():
-			return r.confirm(ctx, fut.Msg(), ack), true
+			return r.stored(ctx, fut, ack), true
 		case err := <-fut.Err():
 			return &EffectError{Subject: fut.Msg().Subject, Key: fut.Msg().Header.Get(jetstream.MsgIDHeader), Err: err}, true
 		case <-ctx.Done():
@@ -90,6 +90,16 @@ func (r *runner) await(ctx context.Context, e *inflight, block bool) (error, boo
 		Err: fmt.Errorf("no acknowledgement within %v: %w", r.w.cfg.EffectTimeout, jetstream.ErrAsyncPublishTimeout)}, true
 }
 
+// stored confirms an acknowledged effect (see confirm.go); one that is
+// stored closes its subject's breaker, if one is open.
+func (r *runner) stored(ctx context.Context, fut jetstream.PubAckFuture, ack *jetstream.PubAck) error {
+	err := r.confirm(ctx, fut.Msg(), ack)
+	if err == nil {
+		r.w.effectStored(fut.Msg().Subject)
+	}
+	return err
+}
+
 // rewind handles a failed effect of job seq: every job from seq on is read
 // and run again (their effects keep their idempotency keys, so what was
 // stored is not stored twice).
@@ -99,7 +109,7 @@ func (r *runner) rewind(seq uint64, err error) outcome {
 	if len(r.window) > 0 && r.window[0].seq == seq {
 		st.runs = max(st.runs, r.window[0].runs)
 	}
-	if st.counts(err, r.w.cfg.TransientFor) {
+	if r.counts(&st, err) {
 		st.failures++
 		st.dead = st.dead || IsPermanent(err) || st.failures >= r.w.cfg.MaxAttempts
 	}

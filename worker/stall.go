@@ -2,6 +2,7 @@ package worker
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -57,30 +58,42 @@ func (w *Worker) Stalled() []Stall {
 	return out
 }
 
-// Ready returns an error naming the stalled partitions, if any: for a
-// readiness probe.
+// Ready returns an error naming the stalled partitions and the effect
+// subjects found without a stream (breaker.go), if any: for a readiness
+// probe.
 func (w *Worker) Ready(context.Context) error {
-	st := w.Stalled()
-	if len(st) == 0 {
-		return nil
+	var errs []error
+	if st := w.Stalled(); len(st) > 0 {
+		parts := make([]string, 0, min(len(st), 8))
+		for _, s := range st[:min(len(st), 8)] {
+			parts = append(parts, fmt.Sprintf("%d (at job %d for %v)", s.Partition, s.Committed, s.For.Round(time.Second)))
+		}
+		errs = append(errs, fmt.Errorf("worker %s: %d partitions with waiting jobs made no progress for %v: %s%s; see the worker's log",
+			w.ID(), len(st), w.cfg.StallAfter, strings.Join(parts, ", "), andMore(len(st), 8)))
 	}
-	parts := make([]string, 0, min(len(st), 8))
-	for _, s := range st[:min(len(st), 8)] {
-		parts = append(parts, fmt.Sprintf("%d (at job %d for %v)", s.Partition, s.Committed, s.For.Round(time.Second)))
+	if subjects, n := w.unavailable(8); n > 0 {
+		errs = append(errs, fmt.Errorf("worker %s: no stream stores %d effect subjects, and jobs publishing there are dead-lettered: %s%s; add each to a stream's subjects (leasehold init provisions <prefix>.out.*)",
+			w.ID(), n, strings.Join(subjects, ", "), andMore(n, 8)))
 	}
-	more := ""
-	if len(st) > 8 {
-		more = fmt.Sprintf(" and %d more", len(st)-8)
-	}
-	return fmt.Errorf("worker %s: %d partitions with waiting jobs made no progress for %v: %s%s; see the worker's log",
-		w.ID(), len(st), w.cfg.StallAfter, strings.Join(parts, ", "), more)
+	return errors.Join(errs...)
 }
 
-// watchStalls reports stalls as they start and end, until ctx ends.
+// andMore says how many of n items past the first shown are left out.
+func andMore(n, shown int) string {
+	if n <= shown {
+		return ""
+	}
+	return fmt.Sprintf(" and %d more", n-shown)
+}
+
+// watchStalls reports stalls as they start and end, and looks up the
+// subjects of open breakers, until ctx ends.
 func (w *Worker) watchStalls(ctx context.Context) {
 	every := max(w.cfg.StallAfter/4, 100*time.Millisecond)
 	t := time.NewTicker(every)
 	defer t.Stop()
+	probe := time.NewTicker(breakerProbe)
+	defer probe.Stop()
 	known := map[leasehold.Partition]bool{}
 	for {
 		select {
@@ -88,7 +101,11 @@ func (w *Worker) watchStalls(ctx context.Context) {
 			for p := range known {
 				w.tel.Metrics.SetStalled(w.ID(), p, false)
 			}
+			w.tel.Metrics.SetSubjectsUnavailable(w.ID(), 0)
 			return
+		case <-probe.C:
+			w.probeBreakers(ctx)
+			continue
 		case <-t.C:
 		}
 		now := map[leasehold.Partition]bool{}

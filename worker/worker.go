@@ -36,7 +36,8 @@ type Worker struct {
 	stop    context.CancelFunc
 	stopped chan struct{} // closed when Run returns
 
-	stalls atomic.Int64 // pull requests that expired while jobs waited
+	stalls   atomic.Int64 // pull requests that expired while jobs waited
+	subjects breakers     // effect subjects found without a stream (breaker.go)
 
 	hangs map[leasehold.Partition]hangRecord // jobs whose handler hung here; guarded by mu
 }
