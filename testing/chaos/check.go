@@ -725,7 +725,20 @@ func (c *checker) checkAttempts() {
 		}
 		var tries []string
 		ok := false
-		for _, i := range c.realEntries(key, st.Epoch) {
+		entries := c.realEntries(key, st.Epoch)
+		// Where the runner says which entry it applied, that entry's
+		// attempt is the one judged: another attempt of the job that
+		// completed does not excuse it.
+		var accepted []int
+		for _, i := range entries {
+			if d, ok := c.decided[c.in.Log[i].Position]; ok && d.Outcome == "accepted" {
+				accepted = append(accepted, i)
+			}
+		}
+		if len(accepted) > 0 {
+			entries = accepted
+		}
+		for _, i := range entries {
 			l := c.in.Log[i]
 			if l.Mark.Standalone() || l.BadMark {
 				ok = true // it stands alone: no job to complete

@@ -467,3 +467,39 @@ func TestForgedVariant(t *testing.T) {
 		}
 	}
 }
+
+// A forged final completes the failed attempt of job 2 whose first effect
+// is in the log, and the runner applies that attempt's effect; the job's
+// next attempt, which completed, is found a duplicate. The key holds an
+// effect of an attempt that did not complete, although another attempt of
+// the job completed: the runner's decisions say which entry it applied.
+func TestCheckJudgesTheAttemptApplied(t *testing.T) {
+	s := newStory()
+	st := s.in.Final[s.key(2)]
+	// b's effect of job 2 (log position 4) becomes attempt 2's final.
+	for i := range s.in.Log {
+		if s.in.Log[i].Stamp.Key == s.key(2) {
+			s.in.Log[i].Mark = leasehold.JobMark{Job: 2, Attempt: 2, Effects: 1}
+			for j := range s.in.Events {
+				if e := &s.in.Events[j]; e.Kind == KindDecision && e.Reason == "" && e.Position == s.in.Log[i].Position {
+					e.Outcome = "duplicate"
+				}
+			}
+		}
+	}
+	// Attempt 1's effect, before it, was applied once a forged final made
+	// its attempt look complete.
+	s.pos++
+	s.in.Log = append(s.in.Log, LogEntry{Position: s.pos, Stamp: st, Mark: leasehold.JobMark{Job: 2, Attempt: 1}})
+	s.ev(10, Event{Proc: "sink", Kind: KindDecision, Epoch: 20, Key: s.key(2), Outcome: "accepted", Position: s.pos})
+	final := st
+	final.Key = leasehold.EffectKey("chaos", 0, 2, 1)
+	s.forgedMarker(10, ForgedFinalCopy, final, leasehold.JobMark{Job: 2, Attempt: 1, Effects: 2}, false, "accepted")
+	a := Check(s.in)
+	if got := checks(a); got != CheckIncomplete {
+		t.Fatalf("violations %q, want %s: %v", got, CheckIncomplete, a.Violations)
+	}
+	if v := a.Violations[0]; v.Key != s.key(2) || !strings.Contains(v.Detail, "attempt 1") {
+		t.Fatalf("violation %s", v)
+	}
+}

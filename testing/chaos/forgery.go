@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -489,6 +490,19 @@ func (f *forger) forgeAbortAhead(ctx context.Context) {
 		cands = append(cands, e)
 	}
 	f.rnd.Shuffle(len(cands), func(i, j int) { cands[i], cands[j] = cands[j], cands[i] })
+	// A partition whose newest effect carries its job's marks is held by a
+	// worker that marks every job (Job.Emit): its next job is one an abort
+	// can close.
+	slices.SortStableFunc(cands, func(a, b seenEffect) int {
+		am, bm := f.progress[a.stamp.Partition] == a.mark.Job, f.progress[b.stamp.Partition] == b.mark.Job
+		switch {
+		case am && !bm:
+			return -1
+		case bm && !am:
+			return 1
+		}
+		return 0
+	})
 	pick := f.rnd.IntN(f.h.cfg.Partitions)
 	f.mu.Unlock()
 	var st leasehold.Stamp
