@@ -1,7 +1,9 @@
 // Command watermill: leasehold workers publish through a Watermill publisher
-// stamped by worker/wmstamp to a router behind sink/wmsink's fencing
-// middleware. worker-a's message for o-2 hangs in the network; worker-b takes
-// over and ships o-2 again; the stale message arrives and is dropped.
+// stamped by worker/wmstamp to a JetStream stream, read by a router behind
+// sink/wmsink's fencing middleware, which judges each message at its position
+// in the stream. worker-a's message for o-2 hangs in the network; worker-b
+// takes over and ships o-2 again; the stale message is stored after worker-b's
+// barrier and is dropped.
 //
 //	go run ./examples/watermill                        # an embedded NATS server
 //	go run ./examples/watermill -nats nats://127.0.0.1:4222
@@ -19,8 +21,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	wmjs "github.com/ThreeDotsLabs/watermill-nats/v2/pkg/jetstream"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -69,7 +71,8 @@ func run(ctx context.Context, out io.Writer, url string) (sink.Decision, error) 
 		defer srv.Shutdown()
 		opts = append(opts, nats.InProcessServer(srv))
 	}
-	nc, err := nats.Connect(url, opts...)
+	connect := func() (*nats.Conn, error) { return nats.Connect(url, opts...) }
+	nc, err := connect()
 	if err != nil {
 		return drop, err
 	}
@@ -78,7 +81,7 @@ func run(ctx context.Context, out io.Writer, url string) (sink.Decision, error) 
 	if err != nil {
 		return drop, err
 	}
-	// One partition, no JetStream effect log: the effects are Watermill messages.
+	// One partition; the effects are Watermill messages on the shipments stream.
 	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: "shipping", Partitions: 1, NoEffects: true}); err != nil {
 		return drop, err
 	}
@@ -89,13 +92,19 @@ func run(ctx context.Context, out io.Writer, url string) (sink.Decision, error) 
 	if err != nil {
 		return drop, err
 	}
+	// The fencer judges each message where it stands in the stream, so the
+	// stream keeps every message (limits retention, no limits, never purged).
+	if _, err := js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{Name: "shipments", Subjects: []string{"shipments"}}); err != nil {
+		return drop, err
+	}
 
 	// Downstream: a router whose handler only sees messages of a current epoch.
-	// gochannel has no log positions, so the middleware judges in arrival order.
-	pubsub := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
-	defer pubsub.Close()
+	// The subscriber's messages carry their stream positions to the fencer
+	// (fencer.Unmarshaler), which reads the stream itself where it has not seen
+	// it: a message nacked before a take-over and delivered again after it is
+	// judged before the take-over, where it stands.
 	shipped, dropped := make(chan shipment, 16), make(chan sink.Decision, 1)
-	fencer, err := wmsink.New(wmsink.Config{ArrivalOrder: true, Observer: sink.ObserverFunc(func(_ context.Context, d sink.Decision) {
+	fencer, err := wmsink.New(wmsink.Config{JetStream: js, Observer: sink.ObserverFunc(func(_ context.Context, d sink.Decision) {
 		if d.Outcome.Dropped() {
 			dropped <- d
 		}
@@ -103,12 +112,22 @@ func run(ctx context.Context, out io.Writer, url string) (sink.Decision, error) 
 	if err != nil {
 		return drop, err
 	}
+	subConn, err := connect() // the subscriber drains it when it closes
+	if err != nil {
+		return drop, err
+	}
+	sub, err := wmjs.NewSubscriber(wmjs.SubscriberConfig{Conn: subConn, Logger: watermill.NopLogger{},
+		Unmarshaler: fencer.Unmarshaler(nil), ResourceInitializer: fromNow})
+	if err != nil {
+		subConn.Close()
+		return drop, err
+	}
 	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
 	if err != nil {
 		return drop, err
 	}
 	router.AddMiddleware(fencer.Middleware)
-	router.AddConsumerHandler("ship", "shipments", pubsub, func(m *message.Message) error {
+	router.AddConsumerHandler("ship", "shipments", sub, func(m *message.Message) error {
 		st, err := leasehold.StampFromMetadata(m.Metadata)
 		var o Order
 		if err == nil {
@@ -122,7 +141,18 @@ func run(ctx context.Context, out io.Writer, url string) (sink.Decision, error) 
 	defer func() { router.Close(); <-routed }()
 	<-router.Running()
 
-	// Upstream: workers whose handler publishes one stamped message per order.
+	pubConn, err := connect()
+	if err != nil {
+		return drop, err
+	}
+	defer pubConn.Close()
+	wmpub, err := wmjs.NewPublisher(wmjs.PublisherConfig{Conn: pubConn, Logger: watermill.NopLogger{}})
+	if err != nil {
+		return drop, err
+	}
+
+	// Upstream: workers whose handler publishes one stamped message per order,
+	// and a barrier to the shipments stream when they take the partition.
 	// The network holds worker-a's message for o-2 until wake is closed.
 	held, wake := make(chan leasehold.Stamp, 1), make(chan struct{})
 	network := publishFunc(func(topic string, msgs ...*message.Message) error {
@@ -131,7 +161,7 @@ func run(ctx context.Context, out io.Writer, url string) (sink.Decision, error) 
 			held <- st
 			<-wake
 		}
-		return pubsub.Publish(topic, msgs...)
+		return wmpub.Publish(topic, msgs...)
 	})
 	pub := wmstamp.NewPublisher(network, wmstamp.Config{})
 	mux := worker.NewMux()
@@ -141,7 +171,7 @@ func run(ctx context.Context, out io.Writer, url string) (sink.Decision, error) 
 	})
 	start := func(name string) (context.CancelFunc, chan error, error) {
 		w, err := worker.New(worker.Config{JetStream: js, Prefix: "shipping", Partitions: 1, Bucket: leases, Handler: mux,
-			BarrierSubjects: func(leasehold.Partition) []string { return nil },
+			BarrierSubjects: func(leasehold.Partition) []string { return []string{"shipments"} },
 			Coordinator:     coordinator.Config{Worker: name, ShutdownTimeout: time.Second, RebalanceDelay: 100 * time.Millisecond}})
 		wctx, stop := context.WithCancel(ctx)
 		done := make(chan error, 1)
@@ -225,6 +255,13 @@ func run(ctx context.Context, out io.Writer, url string) (sink.Decision, error) 
 	}
 	stopB()
 	return drop, <-doneB
+}
+
+// fromNow consumes the shipments stream from the subscription on: the fencer
+// reads an earlier run's messages from the stream itself.
+func fromNow(ctx context.Context, js jetstream.JetStream, topic string) (jetstream.Consumer, func(context.Context, watermill.LoggerAdapter), error) {
+	c, err := js.CreateOrUpdateConsumer(ctx, topic, jetstream.ConsumerConfig{AckPolicy: jetstream.AckExplicitPolicy, DeliverPolicy: jetstream.DeliverNewPolicy})
+	return c, nil, err
 }
 
 // publishFunc is a message.Publisher made of a function.

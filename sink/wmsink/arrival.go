@@ -84,27 +84,29 @@ func (f *Fencer) judgeArrivalLocked(ctx context.Context, st leasehold.Stamp) (ju
 }
 
 // Fence runs apply if the stamp in metadata md is admitted in arrival
-// order (Config.ArrivalOrder), holding the fence's critical section across
-// the check, apply and the raise: for a caller outside Watermill that is
-// the only writer of the fence's destination. apply must not wait for
-// another message of the same fence. The fence is raised once apply has
-// returned nil, so State never shows an epoch whose effect is not applied,
-// and a failed apply leaves the fence as it was. It returns a
-// *leasehold.StaleEpochError for a stale stamp, an error matching
-// leasehold.ErrBadStamp for bad metadata, one matching
-// sink.ErrUnverifiedEpoch for a forged epoch, and apply's error. A barrier
-// raises the fence and does not call apply; a barrier below the fence (a
-// late one of an earlier acquisition) moves nothing and is not reported
-// as a drop, and its *leasehold.StaleEpochError tells the caller that the
-// fence is past it: ack it like any refusal. A caller that sends barriers
-// itself learns from this, in the same critical section, whether its
-// acquisition is still the newest.
+// order (Config.UnsafeArrivalOrder), holding the fence's critical section
+// across the check, apply and the raise: for a caller outside Watermill
+// that is the only writer of the fence's destination. It is exact when the
+// caller feeds the messages of a log in their order and applies each
+// before it takes the next; a message it comes back to after a later one
+// is judged after it. apply must not wait for another message of the same
+// fence. The fence is raised once apply has returned nil, so State never
+// shows an epoch whose effect is not applied, and a failed apply leaves
+// the fence as it was. It returns a *leasehold.StaleEpochError for a stale
+// stamp, an error matching leasehold.ErrBadStamp for bad metadata, one
+// matching sink.ErrUnverifiedEpoch for a forged epoch, and apply's error.
+// A barrier raises the fence and does not call apply; a barrier below the
+// fence (a late one of an earlier acquisition) moves nothing and is not
+// reported as a drop, and its *leasehold.StaleEpochError tells the caller
+// that the fence is past it: ack it like any refusal. A caller that sends
+// barriers itself learns from this, in the same critical section, whether
+// its acquisition is still the newest.
 func (f *Fencer) Fence(ctx context.Context, md map[string]string, apply func() error) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("wmsink: %w", err)
 	}
-	if !f.cfg.ArrivalOrder {
-		return fmt.Errorf("%w: Fence judges in arrival order; set Config.ArrivalOrder", ErrNoPosition)
+	if !f.cfg.UnsafeArrivalOrder {
+		return fmt.Errorf("%w: Fence judges in arrival order; set Config.UnsafeArrivalOrder", ErrNoPosition)
 	}
 	st, err := leasehold.StampFromMetadata(md)
 	ctx, span := f.rep.StartProcess(ctx, telemetry.MetadataCarrier(md), "", st)

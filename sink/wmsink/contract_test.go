@@ -2,6 +2,7 @@ package wmsink_test
 
 import (
 	"context"
+	"errors"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -21,7 +22,7 @@ import (
 
 func arrivalFencer(t *testing.T, obs sink.Observer) *wmsink.Fencer {
 	t.Helper()
-	f, err := wmsink.New(wmsink.Config{ArrivalOrder: true, Logger: quiet(), Observer: obs})
+	f, err := wmsink.New(wmsink.Config{UnsafeArrivalOrder: true, Logger: quiet(), Observer: obs})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -39,10 +40,17 @@ func stampOf(key string) leasehold.Stamp {
 }
 
 // New refuses a Fencer that could not judge by log position unless it is
-// told to judge in arrival order.
+// told to judge in arrival order, knowing the risk; ArrivalOrder, which
+// did not say so, is refused whatever else is set.
 func TestNewRefusesWithoutPositions(t *testing.T) {
 	if _, err := wmsink.New(wmsink.Config{}); err == nil {
-		t.Fatal("New without JetStream or ArrivalOrder: no error")
+		t.Fatal("New without JetStream or UnsafeArrivalOrder: no error")
+	}
+	js := natstest.Start(t).JetStream(t)
+	for _, cfg := range []wmsink.Config{{ArrivalOrder: true}, {ArrivalOrder: true, JetStream: js}, {ArrivalOrder: true, UnsafeArrivalOrder: true}} {
+		if _, err := wmsink.New(cfg); !errors.Is(err, wmsink.ErrArrivalOrder) {
+			t.Errorf("New(ArrivalOrder, JetStream set %v, UnsafeArrivalOrder %v) = %v, want ErrArrivalOrder", cfg.JetStream != nil, cfg.UnsafeArrivalOrder, err)
+		}
 	}
 }
 
@@ -94,7 +102,7 @@ func TestSubscriberCloseClosesOutputs(t *testing.T) {
 	decided := make(chan struct{}, 1)
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(onStart(func() { decided <- struct{}{} })))
 	defer tp.Shutdown(context.Background())
-	f, err := wmsink.New(wmsink.Config{ArrivalOrder: true, Logger: quiet(), Telemetry: telemetry.Config{TracerProvider: tp}})
+	f, err := wmsink.New(wmsink.Config{UnsafeArrivalOrder: true, Logger: quiet(), Telemetry: telemetry.Config{TracerProvider: tp}})
 	if err != nil {
 		t.Fatal(err)
 	}

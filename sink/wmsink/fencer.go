@@ -14,30 +14,49 @@
 // take-over. A former holder's message after the barrier is refused.
 //
 // Positions come from JetStream: build the watermill-nats subscriber with
-// the Fencer's Unmarshaler, which reads each message's stream and
-// sequence from the server's metadata, and give the Fencer the JetStream
-// connection (Config.JetStream), through which it reads the log where
-// its messages leave a gap (before the first one it sees, or between two
-// consumers' messages), so that every barrier before a message has been
-// seen when the message is judged. Judging is then a function of the log
-// alone, and exact with any number of subscriptions, consumers and
-// processes on a log, in any delivery order, across restarts, as long as
-// the log keeps its messages: a stream with limits retention and no
-// MaxAge, MaxMsgs, MaxBytes or MaxMsgsPerSubject, never purged. A log
-// that can lose messages is refused (ErrLogNotKept), since a barrier it
-// drops is gone with them.
+// the Fencer's Unmarshaler (pkg/jetstream) or NATSUnmarshaler (pkg/nats,
+// JetStream on), which read each message's stream and sequence from the
+// server's metadata, and give the Fencer the JetStream connection
+// (Config.JetStream), through which it reads the log where its messages
+// leave a gap (before the first one it sees, or between two consumers'
+// messages), so that every barrier before a message has been seen when
+// the message is judged. Judging is then a function of the log alone, and
+// exact with any number of subscriptions, consumers and processes on a
+// log, in any delivery order, across restarts, as long as the log keeps
+// its messages: a stream with limits retention and no MaxAge, MaxMsgs,
+// MaxBytes or MaxMsgsPerSubject, never purged. A log that can lose
+// messages is refused (ErrLogNotKept), since a barrier it drops is gone
+// with them.
 //
 // # Arrival order
 //
-// Other subscribers give no positions. New refuses such a configuration
-// unless Config.ArrivalOrder says to judge messages in the order they
-// arrive, against fences this process keeps in memory. That is exact only
-// for a pub/sub that hands out every message in publishing order and
-// never again after a later one, in one process; it is not
-// redelivery-safe: a message nacked before a barrier and redelivered
-// after it is refused. The fences do not survive a restart, and there is
-// no Fence shared across processes: decisions there would be a check at
-// one store and a write at another.
+// A pub/sub that gives no positions (gochannel, watermill-nats' pkg/nats
+// with its default Unmarshaler, core NATS) leaves only the order messages
+// arrive in, and that is not enough: a message nacked before a barrier
+// and delivered again after it arrives after the barrier, as a former
+// holder's message published after the barrier does, and nothing in
+// either tells them apart. The first was committed (its job's progress
+// moved past it before the take-over) and must be applied; the second
+// must be refused. No rule of arrival can admit the one and refuse the
+// other, and the Fencer cannot know which messages are still to be
+// delivered without their positions. New therefore refuses
+// Config.ArrivalOrder (ErrArrivalOrder): judge by position instead.
+//
+// Config.UnsafeArrivalOrder judges messages without a position in the
+// order they arrive all the same, against fences this process keeps in
+// memory, and loses a committed effect whenever a message is delivered
+// after a later one: a nack, an AckWait expiry, a consumer group, a
+// restart. It is exact only where nothing is ever delivered again after a
+// later message: one process reading a pub/sub that hands out messages in
+// publishing order and redelivers a nacked message before the next (a
+// gochannel with BlockPublishUntilSubscriberAck, one subscriber per
+// topic; without it gochannel sends each message from a goroutine of its
+// own, and a nacked one is sent again after later ones), or a caller of
+// Fence that feeds a log in order and applies each message before the
+// next. Its refusals say they were judged in
+// arrival order. The fences do not survive a restart, and there is no
+// Fence shared across processes: decisions there would be a check at one
+// store and a write at another.
 //
 // # Outcomes
 //
@@ -90,6 +109,11 @@ import (
 	"github.com/leasehold/leasehold/telemetry"
 )
 
+// ErrArrivalOrder is matched by the error of New given Config.ArrivalOrder:
+// judged in arrival order, a committed effect that is redelivered after a
+// barrier is refused (see the package documentation).
+var ErrArrivalOrder = errors.New("wmsink: arrival order loses committed effects")
+
 // ErrNoPosition is matched by the error of a message that carries no log
 // position when the Fencer judges by position: it did not come through a
 // subscriber built with the Fencer's Unmarshaler. The message is nacked,
@@ -99,13 +123,26 @@ var ErrNoPosition = errors.New("wmsink: the message carries no log position")
 // Config configures a Fencer.
 type Config struct {
 	// JetStream reads the logs messages come from (see the package
-	// documentation). Required unless ArrivalOrder is set.
+	// documentation). Required unless UnsafeArrivalOrder is set.
 	JetStream jetstream.JetStream
-	// ArrivalOrder judges messages that carry no log position in the order
-	// they arrive, against fences kept in this process: not
-	// redelivery-safe (see the package documentation). Messages with a
-	// position are judged by it all the same.
+	// ArrivalOrder is refused by New with an error matching
+	// ErrArrivalOrder, which says how to judge by log position instead.
+	//
+	// Deprecated: judged in arrival order, a committed effect redelivered
+	// after a barrier is refused. Build the subscriber with Unmarshaler or
+	// NATSUnmarshaler and set JetStream; see UnsafeArrivalOrder for the
+	// few pub/subs where arrival order is exact.
 	ArrivalOrder bool
+	// UnsafeArrivalOrder judges messages that carry no log position in the
+	// order they arrive, against fences kept in this process. A message
+	// delivered after a later one (nacked, redelivered after its AckWait,
+	// handed to another member of a consumer group) is judged after it:
+	// an effect of a committed job that comes again after the barrier of
+	// a take-over is refused, and lost. Set it only for one process
+	// reading a pub/sub that never delivers a message after a later one,
+	// or to call Fence (see the package documentation). Messages with a
+	// position are judged by it all the same.
+	UnsafeArrivalOrder bool
 	// Name names the sink in decisions and logs. Default "watermill".
 	Name string
 	// Verifier, when set, turns on verified epochs (see sink.EpochCheck).
@@ -150,9 +187,16 @@ type Fencer struct {
 
 // New returns a Fencer.
 func New(cfg Config) (*Fencer, error) {
-	if cfg.JetStream == nil && !cfg.ArrivalOrder {
-		return nil, errors.New("wmsink: Config.JetStream is required to judge messages by their log position; " +
-			"for a pub/sub without positions set Config.ArrivalOrder, knowing that a message redelivered after a barrier it preceded is then refused")
+	if cfg.ArrivalOrder {
+		return nil, fmt.Errorf("%w: a message nacked before a take-over's barrier and delivered again after it is refused, though its job was committed. "+
+			"Judge by log position: build the watermill-nats subscriber with SubscriberConfig.Unmarshaler set to fencer.Unmarshaler(nil) (pkg/jetstream) "+
+			"or fencer.NATSUnmarshaler(nil) (pkg/nats with JetStream on), and set Config.JetStream. "+
+			"Only where no message is ever delivered after a later one (one process; a gochannel with BlockPublishUntilSubscriberAck) set Config.UnsafeArrivalOrder instead", ErrArrivalOrder)
+	}
+	if cfg.JetStream == nil && !cfg.UnsafeArrivalOrder {
+		return nil, errors.New("wmsink: Config.JetStream is required to judge messages by their log position " +
+			"(build the subscriber with fencer.Unmarshaler or fencer.NATSUnmarshaler); " +
+			"only for a pub/sub that never delivers a message after a later one set Config.UnsafeArrivalOrder, which refuses a committed effect redelivered after a barrier")
 	}
 	if (cfg.Poison == nil) != (cfg.PoisonTopic == "") {
 		return nil, errors.New("wmsink: Config.Poison and Config.PoisonTopic go together")
@@ -165,6 +209,14 @@ func New(cfg Config) (*Fencer, error) {
 	}
 	if cfg.RequestTimeout <= 0 {
 		cfg.RequestTimeout = 5 * time.Second
+	}
+	if cfg.UnsafeArrivalOrder {
+		log := cfg.Logger
+		if log == nil {
+			log = slog.Default()
+		}
+		log.Warn("wmsink: messages without a log position are judged in arrival order: one delivered again after a barrier it preceded is refused, and its committed effect lost; build the subscriber with the Fencer's Unmarshaler and set Config.JetStream",
+			"sink", cfg.Name)
 	}
 	return &Fencer{
 		cfg:    cfg,
@@ -236,14 +288,16 @@ func (f *Fencer) decide(msg *message.Message) decision {
 	base := sink.Decision{Stamp: st, Subject: message.SubscribeTopicFromCtx(ctx), Position: pos.Seq}
 	var j judgement
 	var err error
+	arrival := false
 	switch {
 	case positioned && f.cfg.JetStream != nil:
 		j, err = f.judgeAt(ctx, pos, st, serr == nil)
 	case serr != nil:
-	case f.cfg.ArrivalOrder:
+	case f.cfg.UnsafeArrivalOrder:
 		j, err = f.judgeArrival(ctx, st)
+		arrival = true
 	default:
-		err = fmt.Errorf("%w: build the watermill-nats subscriber with Unmarshaler: fencer.Unmarshaler(nil) (message %s, key %q)", ErrNoPosition, msg.UUID, st.Key)
+		err = fmt.Errorf("%w: build the watermill-nats subscriber with Unmarshaler: fencer.Unmarshaler(nil) (pkg/jetstream) or fencer.NATSUnmarshaler(nil) (pkg/nats, JetStream on) (message %s, key %q)", ErrNoPosition, msg.UUID, st.Key)
 	}
 	if err != nil {
 		return f.failedDecision(d, base, err)
@@ -269,6 +323,9 @@ func (f *Fencer) decide(msg *message.Message) decision {
 		if !(barrier && j.v == leasehold.Stale) {
 			// (A late barrier of an earlier acquisition moves nothing.)
 			base.Outcome, base.Err = sink.Refused(j.v), leasehold.Refusal(j.fence, st, j.v)
+			if arrival {
+				base.Err = fmt.Errorf("%w (judged in arrival order, not by log position: had the message preceded the barrier in its log, its job was committed and this refusal loses its effect)", base.Err)
+			}
 			f.rep.Report(ctx, base)
 		}
 		d.act = ack

@@ -65,25 +65,73 @@ func (u *unmarshaler) Unmarshal(m jetstream.Msg) (*message.Message, error) {
 			return nil, err
 		}
 	} else {
-		wm = unmarshalDefault(m)
+		wm = unmarshalDefault(m.Headers(), m.Data())
 	}
+	var pos Position
+	if meta, err := m.Metadata(); err == nil {
+		pos = Position{Stream: meta.Stream, Seq: meta.Sequence.Stream}
+	}
+	return u.mark(wm, pos), nil
+}
+
+// mark writes pos into wm's metadata for the Fencer, and removes any
+// position that came with the message.
+func (u *unmarshaler) mark(wm *message.Message, pos Position) *message.Message {
 	if wm.Metadata == nil {
 		wm.Metadata = message.Metadata{}
 	}
 	dropPositionKeys(wm.Metadata)
-	if meta, err := m.Metadata(); err == nil && meta.Stream != "" {
-		wm.Metadata[positionKey] = u.token + " " + meta.Stream + " " + strconv.FormatUint(meta.Sequence.Stream, 10)
+	if pos.Stream != "" && pos.Seq > 0 {
+		wm.Metadata[positionKey] = u.token + " " + pos.Stream + " " + strconv.FormatUint(pos.Seq, 10)
 	}
-	return wm, nil
+	return wm
+}
+
+// NATSMsgUnmarshaler turns a NATS message into a Watermill message: the
+// method set of watermill-nats' pkg/nats Unmarshaler.
+type NATSMsgUnmarshaler interface {
+	Unmarshal(*nats.Msg) (*message.Message, error)
+}
+
+// NATSUnmarshaler returns the Unmarshaler to build a watermill-nats
+// pkg/nats subscriber with (SubscriberConfig.Unmarshaler), JetStream on,
+// so that its messages carry their log positions to this Fencer. It
+// unmarshals with inner, or, when inner is nil, as pkg/nats' NATSMarshaler
+// does. A message that did not come through JetStream (the subscriber's
+// JetStream is disabled) has no position: the Fencer nacks it with
+// ErrNoPosition unless Config.UnsafeArrivalOrder is set.
+func (f *Fencer) NATSUnmarshaler(inner NATSMsgUnmarshaler) NATSMsgUnmarshaler {
+	return &natsUnmarshaler{u: unmarshaler{token: f.token}, inner: inner}
+}
+
+type natsUnmarshaler struct {
+	u     unmarshaler
+	inner NATSMsgUnmarshaler
+}
+
+func (n *natsUnmarshaler) Unmarshal(m *nats.Msg) (*message.Message, error) {
+	var wm *message.Message
+	if n.inner != nil {
+		var err error
+		if wm, err = n.inner.Unmarshal(m); err != nil {
+			return nil, err
+		}
+	} else {
+		wm = unmarshalDefault(m.Header, m.Data)
+	}
+	var pos Position
+	if meta, err := m.Metadata(); err == nil {
+		pos = Position{Stream: meta.Stream, Seq: meta.Sequence.Stream}
+	}
+	return n.u.mark(wm, pos), nil
 }
 
 // unmarshalDefault is watermill-nats' default unmarshaling, except that a
 // header given more than once with different values is left out (a
 // stamp header so given then reads as missing: a bad stamp) instead of
 // failing the message, which watermill-nats' subscriber cannot handle.
-func unmarshalDefault(m jetstream.Msg) *message.Message {
-	hdr := m.Headers()
-	wm := message.NewMessage(hdr.Get(watermillUUIDHeader), m.Data())
+func unmarshalDefault(hdr nats.Header, data []byte) *message.Message {
+	wm := message.NewMessage(hdr.Get(watermillUUIDHeader), data)
 	for k, vs := range hdr {
 		switch k {
 		case watermillUUIDHeader, nats.MsgIdHdr, nats.ExpectedLastMsgIdHdr, nats.ExpectedStreamHdr, nats.ExpectedLastSubjSeqHdr, nats.ExpectedLastSeqHdr:

@@ -77,7 +77,7 @@ func TestPubSubGoChannel(t *testing.T) {
 		tests.TestPubSub(t, features, backend, nil)
 	})
 	t.Run("wrapped", func(t *testing.T) {
-		f, err := wmsink.New(wmsink.Config{ArrivalOrder: true, Logger: quiet()})
+		f, err := wmsink.New(wmsink.Config{UnsafeArrivalOrder: true, Logger: quiet()})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -24,7 +24,7 @@ func TestMiddlewareSpans(t *testing.T) {
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	defer tp.Shutdown(context.Background())
 	prop := propagation.TraceContext{}
-	f, err := wmsink.New(wmsink.Config{ArrivalOrder: true, Logger: quiet(),
+	f, err := wmsink.New(wmsink.Config{UnsafeArrivalOrder: true, Logger: quiet(),
 		Telemetry: telemetry.Config{TracerProvider: tp, Propagator: prop}})
 	if err != nil {
 		t.Fatal(err)
@@ -78,7 +78,7 @@ func TestStaleMessageOutsideSampledTrace(t *testing.T) {
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	defer tp.Shutdown(context.Background())
 	prop := propagation.TraceContext{}
-	f, err := wmsink.New(wmsink.Config{ArrivalOrder: true, Logger: quiet(), Telemetry: telemetry.Config{TracerProvider: tp, Propagator: prop}})
+	f, err := wmsink.New(wmsink.Config{UnsafeArrivalOrder: true, Logger: quiet(), Telemetry: telemetry.Config{TracerProvider: tp, Propagator: prop}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -81,7 +81,7 @@ func (x *fenced) Dropped(id leasehold.FenceID) uint64 { return x.f.Dropped(id) }
 func TestConformance(t *testing.T) {
 	features := sinktest.Features{VerifiedEpochs: true, Headers: true}
 	sinktest.Run(t, features, func(t *testing.T, st sinktest.Setup) sinktest.Instance {
-		f, err := wmsink.New(wmsink.Config{ArrivalOrder: true, Observer: st.Observer, Verifier: st.Verifier, Logger: quiet()})
+		f, err := wmsink.New(wmsink.Config{UnsafeArrivalOrder: true, Observer: st.Observer, Verifier: st.Verifier, Logger: quiet()})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -126,11 +126,11 @@ func TestRouter(t *testing.T) {
 			handled := make(chan string, 100)
 			decided := make(chan sink.Decision, 100)
 			f, err := wmsink.New(wmsink.Config{
-				ArrivalOrder: true,
-				Logger:       quiet(),
-				Observer:     sink.ObserverFunc(func(_ context.Context, d sink.Decision) { decided <- d }),
-				Poison:       pubsub,
-				PoisonTopic:  "poison",
+				UnsafeArrivalOrder: true,
+				Logger:             quiet(),
+				Observer:           sink.ObserverFunc(func(_ context.Context, d sink.Decision) { decided <- d }),
+				Poison:             pubsub,
+				PoisonTopic:        "poison",
 			})
 			if err != nil {
 				t.Fatal(err)
