@@ -10,6 +10,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/leasehold/leasehold/internal/testskip"
 )
 
 // chromium is a headless Chromium driven over the DevTools protocol on a
@@ -49,7 +51,7 @@ func chromiumPath(t *testing.T) string {
 	if os.Getenv("LEASEHOLD_REQUIRE_CHROMIUM") == "1" {
 		t.Fatal("LEASEHOLD_REQUIRE_CHROMIUM=1 but no Chromium found (install Debian's chromium package, or set LEASEHOLD_CHROMIUM)")
 	}
-	t.Skip("no Chromium found (chromium, chromium-browser, google-chrome or $LEASEHOLD_CHROMIUM): the status page is not tested in a browser")
+	testskip.Skip(t, testskip.Chromium, "no Chromium found (chromium, chromium-browser, google-chrome or $LEASEHOLD_CHROMIUM): the status page is not tested in a browser")
 	return ""
 }
 

@@ -17,6 +17,7 @@ import (
 
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/fleet"
+	"github.com/leasehold/leasehold/internal/testskip"
 	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
@@ -28,7 +29,7 @@ func TestMain(m *testing.M) {
 		main()
 		os.Exit(0)
 	}
-	goleak.VerifyTestMain(m)
+	goleak.VerifyTestMain(testskip.Summarize(m))
 }
 
 // run executes the command line args and returns what it printed.

@@ -15,13 +15,14 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/testskip"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/pgsink"
 	"github.com/leasehold/leasehold/testing/pgtest"
 	"github.com/leasehold/leasehold/testing/sinktest"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { goleak.VerifyTestMain(testskip.Summarize(m)) }
 
 func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
 

@@ -10,6 +10,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/leasehold/leasehold/internal/testskip"
 )
 
 // requireEnv names the environment variable that turns a missing spin or
@@ -26,7 +28,7 @@ func needTools(t *testing.T) {
 			if os.Getenv(requireEnv) == "1" {
 				t.Fatalf("%s, and %s=1 requires it", msg, requireEnv)
 			}
-			t.Skip(msg + "; set " + requireEnv + "=1 to fail instead")
+			testskip.Skip(t, testskip.SPIN, msg+"; set "+requireEnv+"=1 to fail instead")
 		}
 	}
 }

@@ -29,6 +29,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/leasehold/leasehold/internal/testskip"
 )
 
 // RequireEnv names the environment variable that turns a missing
@@ -71,7 +73,7 @@ func Start(tb testing.TB, opts ...Option) *Server {
 		if os.Getenv(RequireEnv) == "1" {
 			tb.Fatalf("pgtest: %v (%s=1 requires PostgreSQL)", err, RequireEnv)
 		}
-		tb.Skipf("pgtest: %v: install Debian's postgresql package (apt-get install postgresql) to run this test", err)
+		testskip.Skip(tb, testskip.PostgreSQL, fmt.Sprintf("pgtest: %v: install Debian's postgresql package (apt-get install postgresql) to run this test", err))
 	}
 	s := &Server{tb: tb, bin: bin}
 	for _, o := range opts {

@@ -8,10 +8,11 @@ import (
 	"github.com/jackc/pgx/v5"
 	"go.uber.org/goleak"
 
+	"github.com/leasehold/leasehold/internal/testskip"
 	"github.com/leasehold/leasehold/testing/pgtest"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { goleak.VerifyTestMain(testskip.Summarize(m)) }
 
 func TestRestartKeepsData(t *testing.T) {
 	s := pgtest.Start(t)
