@@ -9,7 +9,7 @@ import (
 	"testing"
 )
 
-// The README's tutorial opens with this program, word for word.
+// The README's first program is this one, word for word.
 func TestREADMEShowsThisProgram(t *testing.T) {
 	readme, err := os.ReadFile("../../README.md")
 	if err != nil {
@@ -19,16 +19,16 @@ func TestREADMEShowsThisProgram(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, tutorial, ok := strings.Cut(string(readme), "\n## A five-minute tutorial\n")
+	_, section, ok := strings.Cut(string(readme), "\n## A first program\n")
 	if !ok {
-		t.Fatal("the README has no tutorial section")
+		t.Fatal(`the README has no section "## A first program"`)
 	}
-	m := regexp.MustCompile("(?s)```go\n(.*?)```\n").FindStringSubmatch(tutorial)
+	m := regexp.MustCompile("(?s)```go\n(.*?)```\n").FindStringSubmatch(section)
 	if m == nil {
-		t.Fatal("the tutorial has no Go block")
+		t.Fatal("the README's first program has no Go block")
 	}
 	if m[1] != string(program) {
-		t.Fatalf("the tutorial's first Go block is not examples/quickstart/main.go: copy the file into the README\nREADME:\n%s", m[1])
+		t.Fatalf("the README's first Go block under \"## A first program\" is not examples/quickstart/main.go: copy the file into the README\nREADME:\n%s", m[1])
 	}
 	if n := strings.Count(string(program), "\n"); n >= 80 {
 		t.Fatalf("the program has %d lines; keep it under 80", n)
