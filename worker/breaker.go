@@ -69,9 +69,10 @@ type NoStreamError struct {
 }
 
 func (e *NoStreamError) Error() string {
-	return fmt.Sprintf("no stream stores subject %s (found so %v ago; jobs publishing there fail at once until one does): "+
-		"add the subject to a stream's subjects (leasehold init provisions the job stream's default output, <prefix>.out.<partition>; "+
-		"for a subject of your own, create a stream for it or add it to one with nats stream edit), or publish elsewhere",
+	return fmt.Sprintf("no stream stores subject %s: its publishes got no responders, and JetStream names no stream for it (for %v now); "+
+		"jobs publishing there fail at once until one does: add the subject to a stream's subjects "+
+		"(leasehold init provisions the job stream's default output, <prefix>.out.<partition>; for a subject of your own, "+
+		"create a stream for it or add it to one with nats stream edit), or publish elsewhere",
 		e.Subject, time.Since(e.Since).Round(time.Second))
 }
 
