@@ -47,7 +47,7 @@ type SetupConfig struct {
 	// recorded whatever it decides. Sampling every trace
 	// (sdktrace.AlwaysSample(), or OTEL_TRACES_SAMPLER=always_on) adds
 	// about four times the CPU per job the default adds (about 30 µs
-	// against 7 on one server); see the README's benchmarks.
+	// against 7 on one server); see docs/benchmarks.md.
 	Sampler sdktrace.Sampler
 	// NoGlobals keeps Setup from installing its providers and propagator as
 	// the OpenTelemetry globals. By default it installs them, so that every

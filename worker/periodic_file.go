@@ -37,7 +37,7 @@ type periodicEntry struct {
 }
 
 // ParsePeriodics reads periodic jobs declared in YAML or JSON (see the
-// example in the package documentation and in the README). Unknown fields
+// example in the package documentation and in docs/jobs.md). Unknown fields
 // are errors, every entry is validated as Producer.Schedule would, names
 // must be unique, and each payload is kept as the JSON it was written as,
 // so a handler registered with Handle for a JSON type decodes it. Every
