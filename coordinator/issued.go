@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
@@ -82,7 +83,7 @@ func (b *Bucket) IssuedEpoch(ctx context.Context, id leasehold.FenceID) (leaseho
 }
 
 func (b *Bucket) issued(ctx context.Context, key string) (leasehold.Epoch, error) {
-	live, bound, err := b.leaseBound(ctx, key)
+	live, _, bound, err := b.leaseBound(ctx, key)
 	if err != nil || live != 0 {
 		return live, err
 	}
@@ -103,33 +104,39 @@ func (b *Bucket) issued(ctx context.Context, key string) (leasehold.Epoch, error
 }
 
 // leaseBound reads lease key key through the stream leader. While it
-// holds a lease, live is that lease's epoch, which is also the bound.
-// Otherwise live is 0 and bound is the highest revision the server can
-// have assigned to an acquisition of the key so far: the revision of the
-// marker or of the record that is not a lease, or with nothing there, the
-// bucket's last revision. No record a client writes can raise it above a
-// revision the server assigned.
-func (b *Bucket) leaseBound(ctx context.Context, key string) (live leasehold.Epoch, bound uint64, err error) {
+// holds a lease, live is that lease's epoch, which is also the bound, and
+// token its acquisition. Otherwise live is 0 and bound is the highest
+// revision the server can have assigned to an acquisition of the key so
+// far: the revision of the marker or of the record that is not a lease,
+// or with nothing there, the bucket's last revision. No record a client
+// writes can raise it above a revision the server assigned.
+func (b *Bucket) leaseBound(ctx context.Context, key string) (live leasehold.Epoch, token string, bound uint64, err error) {
 	e, err := b.last(ctx, key)
 	if err != nil {
-		return 0, 0, fmt.Errorf("coordinator: read %s from the leader of bucket %s: %w", key, b.name, err)
+		return 0, "", 0, fmt.Errorf("coordinator: read %s from the leader of bucket %s: %w", key, b.name, err)
 	}
 	switch e.kind {
 	case entryValue:
-		r, foreign := foreignReason(e.data, e.header)
-		if strings.HasPrefix(key, partitionKeyPrefix) {
-			r, foreign = partitionReason(e.data, e.header)
-		}
+		r, foreign := b.leaseRecord(key, e.data, e.header)
 		if foreign == "" {
 			live = epochOf(r, e.rev)
-			return live, uint64(live), nil
+			return live, r.Token, uint64(live), nil
 		}
-		return 0, e.rev, nil
+		return 0, "", e.rev, nil
 	case entryMarker:
-		return 0, e.rev, nil
+		return 0, "", e.rev, nil
 	}
 	bound, err = b.lastRevision(ctx)
-	return 0, bound, err
+	return 0, "", bound, err
+}
+
+// leaseRecord decodes a value of lease key key, and says why it is not a
+// lease leasehold wrote ("" when it is one).
+func (b *Bucket) leaseRecord(key string, data []byte, h nats.Header) (record, string) {
+	if strings.HasPrefix(key, partitionKeyPrefix) {
+		return partitionReason(data, h)
+	}
+	return foreignReason(data, h)
 }
 
 // lastRevision is the lease bucket's last revision, as its stream leader
@@ -330,6 +337,38 @@ func (e *NotIssuedError) Forgotten() bool { return e.Reason == ReasonForgotten }
 // RecordedEpoch is the newest epoch the fence record holds.
 func (e *NotIssuedError) RecordedEpoch() leasehold.Epoch { return e.Recorded }
 
+// ErrTokenConflict is matched by the error VerifyAcquisition returns while
+// the fence record and the lease bucket name different acquisitions at
+// the stamp's epoch.
+var ErrTokenConflict = errors.New("coordinator: the fence record and the lease bucket name different acquisitions at one epoch")
+
+// TokenConflictError reports that the fence record names one acquisition
+// at an epoch and the lease bucket (its write at that revision, or the
+// live lease of that epoch) another, the stamp's being one of them. It is
+// not a verdict: a sink does not apply the write and asks again later.
+// Either the record was rewritten by something other than an acquisition
+// (a credential that may write the fence-record bucket), which may put it
+// back, or the lease bucket handed the revision to two acquisitions (it
+// lost acknowledged writes), which the next renewal or release of the key
+// settles. A stamp verified while the record was rewritten for a moment
+// would fence the holder out.
+type TokenConflictError struct {
+	Fence       leasehold.FenceID
+	Epoch       leasehold.Epoch
+	Acquisition string // the stamp's
+	Recorded    string // the fence record's at Epoch
+	Leased      string // the lease bucket's at Epoch
+	Bucket      string
+}
+
+func (e *TokenConflictError) Error() string {
+	return fmt.Sprintf("coordinator: epoch %d of %s: the fence record names acquisition %s and lease bucket %s acquisition %s; the stamp (acquisition %s) is judged once they agree: a record rewritten by something other than an acquisition needs `leasehold fence`, and a revision the lease bucket handed out twice (run NATS with sync_interval: always) settles at the key's next renewal or release",
+		e.Epoch, e.Fence, e.Recorded, e.Bucket, e.Leased, e.Acquisition)
+}
+
+// Is makes errors.Is(err, ErrTokenConflict) true.
+func (e *TokenConflictError) Is(target error) bool { return target == ErrTokenConflict }
+
 // VerifyAcquisition reports whether the lease bucket issued epoch e to
 // fence id (a partition of its scope, or one of its locks) for acquisition
 // acq. It returns nil when all of these hold:
@@ -363,13 +402,15 @@ func (b *Bucket) VerifyAcquisition(ctx context.Context, id leasehold.FenceID, e 
 	// Three reads, all through stream leaders, at once.
 	var (
 		wg         sync.WaitGroup
+		live       leasehold.Epoch
+		liveToken  string
 		bound      uint64
 		rec        fenceRecord
 		at         *leader.Msg
 		berr, ferr error
 		aerr       error
 	)
-	wg.Go(func() { _, bound, berr = b.leaseBound(ctx, key) })
+	wg.Go(func() { live, liveToken, bound, berr = b.leaseBound(ctx, key) })
 	wg.Go(func() { rec, _, ferr = b.readFence(ctx, key) })
 	wg.Go(func() { at, aerr = b.leader.Next(ctx, uint64(e), "") })
 	wg.Wait()
@@ -387,6 +428,12 @@ func (b *Bucket) VerifyAcquisition(ctx context.Context, id leasehold.FenceID, e 
 		ni.Reason, ni.Bound = ReasonAboveIssued, leasehold.Epoch(bound)
 		return ni
 	}
+	// The acquisition the lease bucket itself still shows at revision e:
+	// its write there, or the live lease of that epoch.
+	var leaseToken string
+	if live == e {
+		leaseToken = liveToken
+	}
 	if at != nil && at.Seq == uint64(e) {
 		// Next asks for the message at exactly this sequence.
 		if other, ok := strings.CutPrefix(at.Subject, b.prefix); !ok || other != key {
@@ -396,6 +443,9 @@ func (b *Bucket) VerifyAcquisition(ctx context.Context, id leasehold.FenceID, e 
 		if leader.IsMarker(at.Header) {
 			ni.Reason, ni.Other = ReasonOtherWrite, "a release or expiry marker of "+key
 			return ni
+		}
+		if r, foreign := b.leaseRecord(key, at.Data, at.Header); foreign == "" {
+			leaseToken = r.Token
 		}
 	}
 	if ferr != nil {
@@ -407,10 +457,22 @@ func (b *Bucket) VerifyAcquisition(ctx context.Context, id leasehold.FenceID, e 
 		if f.epoch != uint64(e) {
 			continue
 		}
-		if f.acquisition == acq || f.acquisition == "" {
+		switch {
+		case f.acquisition != "" && leaseToken != "" && f.acquisition != leaseToken && (acq == f.acquisition || acq == leaseToken):
+			// The two buckets disagree on who acquired at e, and the stamp
+			// is one of the two. The fence record was rewritten by
+			// something other than an acquisition (which may put it back),
+			// or the lease bucket handed revision e to two acquisitions
+			// (the next renewal or release of the key settles it). Until
+			// they agree the stamp is not judged.
+			return &TokenConflictError{Fence: id, Epoch: e, Acquisition: acq, Recorded: f.acquisition, Leased: leaseToken, Bucket: b.name}
+		case f.acquisition == acq || f.acquisition == "" && (leaseToken == "" || leaseToken == acq):
 			return nil
+		case f.acquisition == "":
+			ni.Reason, ni.Other = ReasonOtherAcquisition, leaseToken
+		default:
+			ni.Reason, ni.Other = ReasonOtherAcquisition, f.acquisition
 		}
-		ni.Reason, ni.Other = ReasonOtherAcquisition, f.acquisition
 		return ni
 	}
 	if len(h) > 0 && uint64(e) < h[0].epoch && uint64(e) <= rec.forgotten() {

@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -310,4 +312,123 @@ func TestBatchFencesFullHistories(t *testing.T) {
 	if err := verify(ctx, b, l.Fence(), leasehold.Epoch(epochs[1]), tokens[1]); err != nil {
 		t.Fatalf("the oldest acquisition kept: %v", err)
 	}
+}
+
+// A fence record rewritten by something other than an acquisition to
+// name a forged acquisition at the live holder's epoch disagrees with the
+// lease bucket, whose lease at that epoch names the holder: while they
+// disagree neither acquisition is judged (a sink asks again later), and
+// once the record is put back the forged one is refused and the holder's
+// verified. Verified by the rewritten record, the forged stamp would fence
+// the holder out.
+func TestVerifyAcquisitionRecordRewrittenForAMoment(t *testing.T) {
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	jobStream(t, js, b.Scope(), 8, 0)
+	ctx := ctxFor(t, 30*time.Second)
+	l, err := newCoord(t, b, "a", 5*time.Second).Acquire(ctx, 5)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Release(ctx)
+	info := l.Info()
+	orig, err := b.FenceRecords().Get(ctx, "partition.5")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rec map[string]any
+	if err := json.Unmarshal(orig.Value(), &rec); err != nil {
+		t.Fatal(err)
+	}
+	rec["acquisition"] = "forged"
+	acqs := rec["acquisitions"].([]any)
+	acqs[len(acqs)-1] = "forged"
+	forged, _ := json.Marshal(rec)
+	if _, err := b.FenceRecords().Put(ctx, "partition.5", forged); err != nil {
+		t.Fatal(err)
+	}
+	for _, a := range []string{"forged", info.Acquisition} {
+		err := verify(ctx, b, info.Fence(), info.Epoch, a)
+		var ni *coordinator.NotIssuedError
+		if !errors.Is(err, coordinator.ErrTokenConflict) || errors.As(err, &ni) {
+			t.Fatalf("acquisition %s while the record names another than the lease: %v, want an ErrTokenConflict that is no verdict", a, err)
+		}
+	}
+	if _, err := b.FenceRecords().Put(ctx, "partition.5", orig.Value()); err != nil {
+		t.Fatal(err)
+	}
+	wantNotIssued(t, "the forged acquisition once the record is back", verify(ctx, b, info.Fence(), info.Epoch, "forged"), coordinator.ReasonOtherAcquisition)
+	if err := verify(ctx, b, info.Fence(), info.Epoch, info.Acquisition); err != nil {
+		t.Fatalf("the holder once the record is back: %v", err)
+	}
+}
+
+// Under a lease-bucket rollback (the bucket lost its last write, the fence
+// records did not) one revision goes to two acquisitions: the first
+// fenced the record and commits, the second fails its fence as a split
+// brain but its lease write stays in the bucket until the key's next
+// renewal or release. While the buckets disagree neither acquisition is
+// judged; once the second lease ends, the record's acquisition, the one
+// that commits, is verified and the other refused. Trusting the lease write
+// while they disagree would refuse the committing holder's effects.
+func TestVerifyAcquisitionAfterLeaseBucketRollback(t *testing.T) {
+	srv := natstest.Start(t)
+	ctx := ctxFor(t, 60*time.Second)
+	b := provision(t, srv.JetStream(t), 1)
+	jobStream(t, srv.JetStream(t), b.Scope(), 8, 0)
+	const p = leasehold.Partition(6)
+	srv.Shutdown()
+	before := srv.Snapshot(t)
+	srv.Restart(t)
+	b = mustOpen(t, srv.JetStream(t), b.Name())
+	first, err := newCoord(t, b, "a", time.Minute).Acquire(ctx, p, coordinator.ManualRenew())
+	if err != nil {
+		t.Fatal(err)
+	}
+	a1 := first.Info()
+
+	// The lease bucket loses the acquisition; the fence records keep it.
+	srv.Shutdown()
+	fences := filepath.Join(srv.StoreDir(), "jetstream", "$G", "streams", "KV_"+b.FenceBucket())
+	kept := filepath.Join(t.TempDir(), "fences")
+	if err := os.CopyFS(kept, os.DirFS(fences)); err != nil {
+		t.Fatal(err)
+	}
+	srv.Restore(t, before)
+	if err := os.RemoveAll(fences); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.CopyFS(fences, os.DirFS(kept)); err != nil {
+		t.Fatal(err)
+	}
+	srv.Restart(t)
+	b = mustOpen(t, srv.JetStream(t), b.Name())
+	_, err = newCoord(t, b, "b", time.Minute).Acquire(ctx, p, coordinator.ManualRenew())
+	if !errors.Is(err, leasehold.ErrSplitBrain) {
+		t.Fatalf("the second acquisition of the revision: %v, want a split brain", err)
+	}
+	e, err := b.KeyValue().Get(ctx, fmt.Sprintf("partition.%d", p))
+	if err != nil || e.Revision() != uint64(a1.Epoch) {
+		t.Fatalf("the lease key after the rollback: %v, %v; want the second acquisition's write at revision %d", e, err, a1.Epoch)
+	}
+	var second struct {
+		Token string `json:"token"`
+	}
+	if err := json.Unmarshal(e.Value(), &second); err != nil || second.Token == a1.Acquisition {
+		t.Fatalf("the lease key holds %s, want the second acquisition's", e.Value())
+	}
+	for _, a := range []string{a1.Acquisition, second.Token} {
+		if err := verify(ctx, b, a1.Fence(), a1.Epoch, a); !errors.Is(err, coordinator.ErrTokenConflict) {
+			t.Fatalf("acquisition %s while the buckets disagree: %v, want ErrTokenConflict", a, err)
+		}
+	}
+	// The second lease ends (it expires, or is released): the lease bucket
+	// no longer shows who acquired the revision, and the record decides.
+	if err := b.KeyValue().Purge(ctx, fmt.Sprintf("partition.%d", p)); err != nil {
+		t.Fatal(err)
+	}
+	if err := verify(ctx, b, a1.Fence(), a1.Epoch, a1.Acquisition); err != nil {
+		t.Fatalf("the acquisition that fenced the record, once the buckets agree: %v", err)
+	}
+	wantNotIssued(t, "the acquisition that lost the fence", verify(ctx, b, a1.Fence(), a1.Epoch, second.Token), coordinator.ReasonOtherAcquisition)
 }
