@@ -16,6 +16,7 @@ func newBench() *cobra.Command {
 		asJSON     bool
 		cpuProfile string
 		memProfile string
+		poolWorker string
 	)
 	cmd := &cobra.Command{
 		Use:   "bench",
@@ -25,9 +26,11 @@ throughput and latency beside a hand-written JetStream pipeline with the same
 hops and acks, what tracing costs at the default sampler and with every trace
 sampled, the fence's cost per write in the memory, KV and PostgreSQL sinks
 beside unfenced writes, crash fail-over (SIGKILL) and graceful hand-off
-(SIGTERM) of worker processes, scale-out under load, and 4096 partitions over 32
-worker processes. It starts its own NATS server (and PostgreSQL, when installed)
-and its own worker processes; it needs no deployment.
+(SIGTERM) of worker processes, scale-out under load, 4096 partitions over 32
+worker processes, and jobs whose handler waits 50 ms beside a hand-written
+JetStream worker pool (--only io). It starts its own NATS server (and
+PostgreSQL, when installed) and its own worker processes; it needs no
+deployment.
 
 Every figure is the median of several runs (see RUNS); where a baseline exists
 it is measured in the same run, interleaved, and RATIO is the median of the
@@ -41,6 +44,9 @@ servers with sync_interval: always; together they are the configuration
 deploy/helm recommends. The baselines run in the same configuration.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if poolWorker != "" {
+				return bench.RunPoolWorker(cmd.Context(), poolWorker)
+			}
 			if cpuProfile != "" {
 				f, err := os.Create(cpuProfile)
 				if err != nil {
@@ -84,6 +90,8 @@ deploy/helm recommends. The baselines run in the same configuration.`,
 	fs.StringVar(&cfg.LogDir, "log-dir", "", "keep the worker processes' output in this directory")
 	fs.StringVar(&cpuProfile, "cpuprofile", "", "write a CPU profile of this process (server, pipelines, sinks) to the file")
 	fs.StringVar(&memProfile, "memprofile", "", "write an allocation profile of this process to the file")
+	fs.StringVar(&poolWorker, "io-pool-worker", "", "run one process of the io rows' baseline pool with this JSON spec (the bench starts these itself)")
+	_ = fs.MarkHidden("io-pool-worker")
 	return cmd
 }
 

@@ -3,7 +3,8 @@
 // same hops, what tracing costs at each sampling setting, the fence's
 // cost per write in each sink beside an unfenced write of the same kind,
 // crash fail-over and graceful hand-off of worker processes, scale-out,
-// and lease load at thousands of partitions.
+// lease load at thousands of partitions, and jobs that wait on I/O beside
+// a hand-written worker pool.
 //
 // The contract:
 //
@@ -66,13 +67,18 @@ type Config struct {
 	// LogDir keeps the worker processes' output. Default: a temporary
 	// directory removed afterwards.
 	LogDir string
+
+	// runsDefaulted says Runs was left to its default, which the io rows
+	// take as 3.
+	runsDefaulted bool
 }
 
 // Scenarios names what Run can measure, in the order it measures them.
-var Scenarios = []string{"e2e", "latency", "tracing", "fence", "failover", "scaleout", "scale"}
+var Scenarios = []string{"e2e", "latency", "tracing", "fence", "failover", "scaleout", "scale", "io"}
 
 func (c *Config) setDefaults() {
 	if c.Runs == 0 {
+		c.runsDefaulted = true
 		c.Runs = 5
 		if c.Quick {
 			c.Runs = 2
@@ -163,6 +169,8 @@ func Run(ctx context.Context, cfg Config) ([]Row, error) {
 			got, err = env.scaleOut(ctx)
 		case "scale":
 			got, err = env.scale(ctx)
+		case "io":
+			got, err = env.ioRows(ctx)
 		}
 		rows = append(rows, got...)
 		if err != nil {

@@ -39,6 +39,8 @@ type procGroup struct {
 	// process (a coordinator.Run group member, without job consumers).
 	mode    runMode
 	inStops map[string]func()
+	// args are added to every worker process's command line.
+	args []string
 
 	mu    sync.Mutex
 	procs map[string]*fleet.Proc
@@ -197,7 +199,7 @@ func (g *procGroup) start(id string) error {
 	args := []string{"worker", "--nats", g.e.url, "--prefix", g.prefix, "--bucket", g.bucket,
 		"--partitions", strconv.Itoa(g.partitions), "--ttl", g.ttl.String(), "--worker-id", id,
 		"--http=", "--log-level", "warn", "--drain-timeout", "10s"}
-	p, err := fleet.Start(id, args, g.e.fleetOptions())
+	p, err := fleet.Start(id, append(args, g.args...), g.e.fleetOptions())
 	if err != nil {
 		return err
 	}
