@@ -20,9 +20,11 @@ import (
 	"go.uber.org/goleak"
 	kjson "sigs.k8s.io/json"
 	"sigs.k8s.io/yaml"
+
+	"github.com/leasehold/leasehold/internal/testskip"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { goleak.VerifyTestMain(testskip.Summarize(m)) }
 
 // readFile reads a file of this directory (tests run in it).
 func readFile(t *testing.T, name string) []byte {
