@@ -15,8 +15,11 @@ import (
 	"github.com/leasehold/leasehold/telemetry"
 )
 
-// Headers a dead letter carries beside the job's own headers and the stamp
-// of the lease it was dead-lettered under.
+// Headers a dead letter carries beside the job's own headers, the stamp
+// of the lease it was dead-lettered under, and the job's origin
+// (leasehold.HeaderOrigin: where it was first stored, its own place unless
+// it was replayed or moved; one that could not be read is dropped, and the
+// error says why).
 const (
 	HeaderError    = "Leasehold-Error"    // the last failure, on one line
 	HeaderAttempts = "Leasehold-Attempts" // attempts run by the worker that gave up
@@ -66,6 +69,9 @@ func (r *runner) deadLetter(m jetstream.Msg, md *jetstream.MsgMetadata, st retry
 	msg.Header.Set(HeaderAttempts, strconv.Itoa(st.runs))
 	msg.Header.Set(HeaderSubject, m.Subject())
 	msg.Header.Set(HeaderSeq, strconv.FormatUint(md.Sequence.Stream, 10))
+	// The job's identity goes with it: a replay runs it under its
+	// origin's keys, not the replay's place.
+	r.originOf(m.Headers(), md.Sequence.Stream).SetHeader(msg.Header)
 	if jobID != "" {
 		msg.Header.Set(HeaderJobID, jobID)
 	}

@@ -17,10 +17,13 @@
 //     subject, so the previous holder's later writes are refused.
 //   - Effects (Job.Publish, Job.Emit, Job.Apply, Job.NextStamp) carry the
 //     headers Leasehold-Partition, Leasehold-Epoch and Leasehold-Key, an
-//     idempotency key derived from (prefix, partition, job sequence, effect
-//     index), plus W3C trace context; published effects use the key and the
-//     epoch as Nats-Msg-Id (MessageID). A job re-run after a fail-over emits
-//     the same keys; the sinks, not the stream, dedupe them.
+//     idempotency key derived from the job's origin (the prefix, partition
+//     and sequence where it was first stored: its place, unless a replay or
+//     a move stored it again; see Job.Origin) and the effect index, plus W3C
+//     trace context; published effects use the key and the epoch as
+//     Nats-Msg-Id (MessageID). A job re-run after a fail-over, or replayed
+//     from its dead letter, emits the same keys; the sinks, not the stream,
+//     dedupe them.
 //   - Progress is not the consumer's acks: it is a compare-and-set on the
 //     lease bucket (coordinator.Lease.Commit), and it moves past a job only
 //     once all of the job's effects (or its dead letter) are acknowledged.

@@ -19,10 +19,13 @@ import (
 // they are emitted, so a handler that wants the same idempotency keys on a
 // re-run emits in a deterministic order.
 type Job struct {
-	Data      []byte
-	Header    nats.Header
-	Subject   string
-	Seq       uint64 // the job's sequence in the job stream
+	Data    []byte
+	Header  nats.Header
+	Subject string
+	// Seq is the job's sequence in the job stream: where its message
+	// sits now. Its identity, which its effects' keys derive from, is
+	// Origin: the same place unless a replay or a move stored it again.
+	Seq       uint64
 	Partition leasehold.Partition
 	// Attempt counts the runs of this job by this worker since it took the
 	// partition, from 1; after a hang (see Config.HangGrace) it counts on
@@ -33,6 +36,11 @@ type Job struct {
 	ID      string          // the job's Nats-Msg-Id
 	// Enqueued is when the job stream stored the job.
 	Enqueued time.Time
+
+	// The job's identity (see Origin), read once from its headers.
+	originOnce sync.Once
+	origin     leasehold.Origin
+	originErr  error
 
 	r     *runner
 	nonce string // unique to this attempt: its effects' message IDs carry it
@@ -81,9 +89,13 @@ func (j *Job) reserve() (leasehold.Stamp, error) {
 	if err := j.usable(); err != nil {
 		return leasehold.Stamp{}, err
 	}
+	o, err := j.identity()
+	if err != nil {
+		return leasehold.Stamp{}, err
+	}
 	idx := j.next
 	j.next++
-	return j.Lease.Stamp(leasehold.EffectKey(j.Lease.Scope, j.Partition, j.Seq, idx)), nil
+	return j.Lease.Stamp(o.EffectKey(idx)), nil
 }
 
 // usable reports why nothing more may be emitted for j; j.mu is held.

@@ -143,7 +143,8 @@ func (j *Job) sentSubjects() []string {
 }
 
 // AbortKey is the idempotency key of the abort marker of attempt (as
-// numbered on the wire) of the job at seq of partition p.
+// numbered on the wire) of the job at seq of partition p. The worker gives
+// it the job's origin (see Job.Origin), as it does its effects' keys.
 func AbortKey(scope string, p leasehold.Partition, seq, attempt uint64) string {
 	return scope + "." + p.String() + "." + strconv.FormatUint(seq, 10) + ".abort." + strconv.FormatUint(attempt, 10)
 }
@@ -155,11 +156,12 @@ func AbortKey(scope string, p leasehold.Partition, seq, attempt uint64) string {
 // courtesy: a sink drops the attempt anyway once a later attempt, a later
 // job or a successor's barrier supersedes it, so a marker that cannot be
 // sent (the lease is gone) is only logged.
-func (r *runner) abort(seq, attempt uint64, subjects []string) {
+func (r *runner) abort(job *Job, subjects []string) {
 	if len(subjects) == 0 {
 		return
 	}
-	stamp := r.info.Stamp(AbortKey(r.info.Scope, r.p, seq, attempt))
+	seq, attempt, o := job.Seq, job.wire, job.Origin()
+	stamp := r.info.Stamp(AbortKey(o.Scope, o.Partition, o.Seq, attempt))
 	nonce := newNonce()
 	for _, subject := range subjects {
 		if err := r.sendable(); err != nil {

@@ -323,8 +323,9 @@ func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream
 		r.event(ctx, Event{Kind: EventJobStarted, Job: job, Seq: seq, Attempt: st.runs})
 		start := time.Now()
 		dog := r.watch(ctx, job, st, start)
-		// A roll-up purged jobs before it: whatever the handler, say so.
-		err := rollupError(job)
+		// An unreadable origin, or a roll-up that purged jobs before it:
+		// whatever the handler, say so.
+		err := beforeHandle(job)
 		if err == nil {
 			err = call(ctx, r.w.handler, job)
 		}
@@ -363,7 +364,7 @@ func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream
 		for i := len(undo) - 1; i >= 0; i-- {
 			r.after[undo[i].subject] = undo[i].prev
 		}
-		r.abort(seq, job.wire, job.sentSubjects())
+		r.abort(job, job.sentSubjects())
 		if errors.Is(err, leasehold.ErrStaleEpoch) || errors.Is(err, leasehold.ErrLeaseLost) {
 			r.event(ctx, Event{Kind: EventJobFailed, Job: job, Seq: seq, Attempt: st.runs, Err: err, Duration: took})
 			r.log.Error("a sink refused this worker's epoch: another worker has taken the partition over; stopping it", "seq", seq, "err", err)

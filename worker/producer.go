@@ -171,6 +171,9 @@ func enqueueOptions(opts []EnqueueOption) enqueueOpts {
 func JobID(id string) EnqueueOption { return func(o *enqueueOpts) { o.id = id } }
 
 // WithHeader adds headers to the job. Handlers see them in Job.Header.
+// Leasehold-* headers are leasehold's to write, and an enqueue that gives
+// one (but Leasehold-Kind) fails; so do Nats-* directives that would purge,
+// schedule or expire jobs.
 func WithHeader(h nats.Header) EnqueueOption { return func(o *enqueueOpts) { o.header = h } }
 
 // Enqueue stores a job on the partition its key hashes to (Kafka's key
@@ -252,6 +255,12 @@ func (p *Producer) message(ctx context.Context, part leasehold.Partition, data [
 	for k, vs := range o.header {
 		if hasPrefixFold(k, "Nats-Rollup") || hasPrefixFold(k, "Nats-Schedule") || hasPrefixFold(k, "Nats-Scheduler") {
 			return nil, fmt.Errorf("worker: enqueue: header %s is a server directive that would purge or schedule jobs; use EnqueueAt or Producer.Schedule", k)
+		}
+		if hasPrefixFold(k, "Leasehold-") && !strings.EqualFold(k, HeaderKind) {
+			// The worker and leasehold's tools write these: a job's origin
+			// (whose keys its effects take), a replay's, a stamp. Taken
+			// from a caller, one would let a job emit another job's keys.
+			return nil, fmt.Errorf("worker: enqueue: header %s is leasehold's own, which it writes itself (only %s may be given, and WithKind sets it)", k, HeaderKind)
 		}
 		if strings.EqualFold(k, "Nats-TTL") {
 			// A job stream with MaxAge and schedules allows message TTLs.
