@@ -42,7 +42,8 @@
 //   - Delayed jobs (EnqueueAt, EnqueueIn) and periodic jobs (Periodic,
 //     Producer.Schedule) are message schedules the NATS server runs
 //     (nats-server 2.12+); Producer.Status and Producer.Wait tell where a
-//     job is: scheduled, pending, running, done or dead-lettered.
+//     job is: scheduled, pending, running, done, dead-lettered, replayed,
+//     purged or removed unrun (see Record).
 //   - A handler's context ends when its lease is lost or its local deadline
 //     passes, and emitting then fails with leasehold.ErrLeaseLost. That is
 //     a courtesy: a paused process cannot see its own pause, which is why

@@ -32,6 +32,7 @@ type fetcher struct {
 	out    chan *jobMsg
 	cancel context.CancelFunc
 	done   chan struct{}
+	gaps   gapState // owned by run's goroutine (gap.go)
 }
 
 // errGap reports a message the consumer skipped.
@@ -39,7 +40,7 @@ var errGap = errors.New("delivery sequence gap")
 
 func (r *runner) startFetch(from uint64) *fetcher {
 	ctx, cancel := context.WithCancel(r.ctx)
-	f := &fetcher{r: r, out: make(chan *jobMsg, r.w.cfg.FetchBatch), cancel: cancel, done: make(chan struct{})}
+	f := &fetcher{r: r, out: make(chan *jobMsg, r.w.cfg.FetchBatch), cancel: cancel, done: make(chan struct{}), gaps: r.newGapState()}
 	go f.run(ctx, from)
 	return f
 }
@@ -201,6 +202,12 @@ func (f *fetcher) pull(ctx context.Context, name string, batch int, next uint64)
 			n++
 			pending = md.NumPending
 			if md.Sequence.Stream >= next {
+				// Jobs between that were removed unrun are recorded
+				// before progress can pass them.
+				if err := f.checkGap(ctx, next, md); err != nil {
+					return next, err
+				}
+				f.gaps.last = md.Timestamp
 				next = md.Sequence.Stream + 1
 				select {
 				case f.out <- newJobMsg(m, md):

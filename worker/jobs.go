@@ -64,11 +64,11 @@ type JobsConfig struct {
 	Replicas int
 	// MaxAge is how long a job is kept. Default 0: jobs stay until MaxBytes
 	// is reached or workers trim them (Config.TrimCommitted). A job that
-	// ages out before a worker handles it is gone, so set it well above the
-	// longest backlog you can have. The schedules of delayed and periodic
-	// jobs are exempt (they carry "Nats-TTL: never", so a job stream with
-	// MaxAge and schedules allows per-message TTLs); the jobs they fire
-	// age out as any job does.
+	// ages out before a worker handles it is gone (its status says removed
+	// unrun), so set it well above the longest backlog you can have. The
+	// schedules of delayed and periodic jobs are exempt (they carry
+	// "Nats-TTL: never", so a job stream with MaxAge and schedules allows
+	// per-message TTLs); the jobs they fire age out as any job does.
 	MaxAge time.Duration
 	// MaxBytes bounds the job stream's size; when full, enqueues are
 	// refused rather than old jobs dropped. Default 0: no bound.
@@ -79,6 +79,9 @@ type JobsConfig struct {
 	// plus re-run time. Default 2 minutes.
 	Duplicates time.Duration
 	// DLQMaxAge is how long dead letters are kept. Default 0: forever.
+	// The records beside them (see Record) age out with them, and a job
+	// whose dead letter was replayed or purged, or that aged out unrun,
+	// longer ago than that is reported done again.
 	DLQMaxAge time.Duration
 	// EffectsMaxAge is how long effects in the default output are kept.
 	// Default 0: forever (bound it once sinks have applied them).

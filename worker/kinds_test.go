@@ -244,7 +244,7 @@ func TestRollupOnAJobSubjectIsRefusedAndReported(t *testing.T) {
 	cfg.Observer = rec
 	start(t, cfg)
 	rec.waitFor(t, 30*time.Second, "the forged job to be dead-lettered", func() bool { return rec.count(kind(worker.EventJobDeadLettered)) == 1 })
-	dlq := readStream(t, e.js, worker.DLQStream(e.prefix))
+	dlq := deadLetters(t, e)
 	if len(dlq) != 1 || !strings.Contains(dlq[0].Headers().Get(worker.HeaderError), "carries a Nats-Rollup header: the server purged every job stored before it") {
 		t.Fatalf("dead letters %d, the first saying %q", len(dlq), dlq[0].Headers().Get(worker.HeaderError))
 	}

@@ -48,7 +48,7 @@ func TestRollupAllPurgesEveryPartition(t *testing.T) {
 	cfg.Observer = rec
 	start(t, cfg)
 	rec.waitFor(t, 30*time.Second, "the roll-up to be dead-lettered", func() bool { return rec.count(kind(worker.EventJobDeadLettered)) == 1 })
-	dlq := readStream(t, e.js, worker.DLQStream(e.prefix))
+	dlq := deadLetters(t, e)
 	if len(dlq) != 1 {
 		t.Fatalf("%d dead letters; want the roll-up's", len(dlq))
 	}
@@ -81,7 +81,7 @@ func TestRollupReachesAPlainHandler(t *testing.T) {
 		t.Errorf("the handler ran the roll-up (sequence %d)", seq)
 	default:
 	}
-	dlq := readStream(t, e.js, worker.DLQStream(e.prefix))
+	dlq := deadLetters(t, e)
 	if len(dlq) != 1 || !strings.Contains(dlq[0].Headers().Get(worker.HeaderError), "carries a Nats-Rollup header") {
 		t.Fatalf("%d dead letters; want the roll-up's, saying what it did", len(dlq))
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -25,6 +26,12 @@ type JobState int
 // partition's committed progress has passed it. A job's handler may have
 // returned a little before its status says Done: progress is committed
 // every Config.CommitEvery.
+//
+// A dead-lettered job that `leasehold dlq replay` sent back is Replayed
+// (JobStatus.ReplayedAs names the new job, whose status is its own), and
+// one that `leasehold dlq purge` deleted is Purged. A job removed from the
+// job stream before it ran (aged out, deleted) is RemovedUnrun. None of
+// them is ever reported Done: Done means its handler succeeded.
 const (
 	JobUnknown JobState = iota
 	JobScheduled
@@ -32,9 +39,12 @@ const (
 	JobRunning
 	JobDone
 	JobDeadLettered
+	JobReplayed
+	JobPurged
+	JobRemovedUnrun
 )
 
-var stateNames = [...]string{"unknown", "scheduled", "pending", "running", "done", "dead-lettered"}
+var stateNames = [...]string{"unknown", "scheduled", "pending", "running", "done", "dead-lettered", "replayed", "purged", "removed-unrun"}
 
 func (s JobState) String() string {
 	if s >= 0 && int(s) < len(stateNames) {
@@ -46,9 +56,10 @@ func (s JobState) String() string {
 // MarshalText writes the state's name.
 func (s JobState) MarshalText() ([]byte, error) { return []byte(s.String()), nil }
 
-// Finished reports whether the job will not run again: done or
-// dead-lettered.
-func (s JobState) Finished() bool { return s == JobDone || s == JobDeadLettered }
+// Finished reports whether the job will not run again under its
+// reference: done, dead-lettered, replayed (as another job), purged or
+// removed unrun.
+func (s JobState) Finished() bool { return s >= JobDone && s <= JobRemovedUnrun }
 
 // JobStatus is what the streams and the lease bucket say about one job.
 type JobStatus struct {
@@ -68,9 +79,16 @@ type JobStatus struct {
 	// sequence it finished.
 	Progress uint64 `json:"progress"`
 	// Error is a dead-lettered job's last failure, and DeadLetter its
-	// sequence in the dead-letter stream.
+	// sequence in the dead-letter stream (also for a job replayed or
+	// purged: the dead letter that was).
 	Error      string `json:"error,omitempty"`
 	DeadLetter uint64 `json:"dead_letter,omitempty"`
+	// ReplayedAs is, for JobReplayed, the reference of the job the replay
+	// stored.
+	ReplayedAs string `json:"replayed_as,omitempty"`
+	// Via lists, in Wait's answers, the jobs whose replays Wait followed
+	// to reach this one, the job it was asked about first.
+	Via []string `json:"via,omitempty"`
 	// Detail says what could not be found, for JobUnknown.
 	Detail string `json:"detail,omitempty"`
 
@@ -131,9 +149,11 @@ func ParseRef(s string) (Enqueued, error) {
 const maxScan = 100_000
 
 // Status tells where the job ref is: scheduled, pending, running (by whom,
-// at which epoch), done or dead-lettered. It reads the lease bucket and
-// the fence records through the coordinator's read-only calls, and the
-// job and dead-letter streams; it needs ProducerConfig.Bucket.
+// at which epoch), done, dead-lettered, replayed (as which job), purged or
+// removed unrun. It reads the lease bucket and the fence records through
+// the coordinator's read-only calls, and the job and dead-letter streams
+// (their dead letters and records, see Record) through the stream leader;
+// it needs ProducerConfig.Bucket.
 func (p *Producer) Status(ctx context.Context, ref Enqueued) (JobStatus, error) {
 	b, err := p.bucket()
 	if err != nil {
@@ -151,7 +171,7 @@ func (p *Producer) Status(ctx context.Context, ref Enqueued) (JobStatus, error) 
 		return st, err
 	}
 	if st.goneUnrun() {
-		st.Detail = goneDetail
+		st.State, st.Detail = JobRemovedUnrun, goneDetail
 		return st, nil
 	}
 	snap, err := b.Snapshot(ctx)
@@ -270,46 +290,6 @@ func (p *Producer) checkStored(ctx context.Context, s jetstream.Stream, st JobSt
 	return st, nil
 }
 
-// finished tells done jobs from dead-lettered ones, all of whose
-// partitions' progress has passed them: a dead letter is stored before
-// progress moves past its job. It reads each partition's dead letters once,
-// from the time of its oldest job in sts.
-func (p *Producer) finished(ctx context.Context, sts ...*JobStatus) error {
-	byPart := map[leasehold.Partition]map[string]*JobStatus{}
-	oldest := map[leasehold.Partition]uint64{}
-	for _, st := range sts {
-		st.State = JobDone
-		if byPart[st.Partition] == nil {
-			byPart[st.Partition] = map[string]*JobStatus{}
-		}
-		byPart[st.Partition][strconv.FormatUint(st.Seq, 10)] = st
-		if o, ok := oldest[st.Partition]; !ok || st.Seq < o {
-			oldest[st.Partition] = st.Seq
-		}
-	}
-	for part, want := range byPart {
-		cc := jetstream.ConsumerConfig{DeliverPolicy: jetstream.DeliverAllPolicy}
-		if s, err := p.jobs(ctx); err == nil {
-			if m, err := s.GetMsg(ctx, oldest[part]); err == nil {
-				cc = jetstream.ConsumerConfig{DeliverPolicy: jetstream.DeliverByStartTimePolicy, OptStartTime: ptr(m.Time.Add(-time.Second))}
-			}
-		}
-		left := len(want)
-		err := scan(ctx, p.js, DLQStream(p.cfg.Prefix), DLQSubject(p.cfg.Prefix, part), cc,
-			func(m jetstream.Msg, md *jetstream.MsgMetadata) bool {
-				if st, ok := want[m.Headers().Get(HeaderSeq)]; ok && st.State != JobDeadLettered {
-					st.State, st.Error, st.DeadLetter = JobDeadLettered, m.Headers().Get(HeaderError), md.Sequence.Stream
-					left--
-				}
-				return left > 0
-			})
-		if err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
-			return fmt.Errorf("worker: look for the dead letters of partition %d: %w", part, err)
-		}
-	}
-	return nil
-}
-
 func ptr[T any](v T) *T { return &v }
 
 // scan reads the headers of the messages on filter from where cc starts,
@@ -325,6 +305,13 @@ func ptr[T any](v T) *T { return &v }
 // the follower catches up (fn may see a message more than once), and
 // fails, saying so, if it stays behind for about two seconds.
 func scan(ctx context.Context, js jetstream.JetStream, stream, filter string, cc jetstream.ConsumerConfig, fn func(jetstream.Msg, *jetstream.MsgMetadata) bool) error {
+	cc.HeadersOnly = true
+	return scanFull(ctx, js, stream, filter, cc, fn)
+}
+
+// scanFull is scan, reading the messages' data too unless cc says
+// HeadersOnly.
+func scanFull(ctx context.Context, js jetstream.JetStream, stream, filter string, cc jetstream.ConsumerConfig, fn func(jetstream.Msg, *jetstream.MsgMetadata) bool) error {
 	last, err := leader.NewReader(js, stream).Last(ctx, filter)
 	if err != nil {
 		return err
@@ -355,7 +342,6 @@ func scanCopy(ctx context.Context, js jetstream.JetStream, stream, filter string
 	cc.AckPolicy = jetstream.AckNonePolicy
 	cc.MemoryStorage = true
 	cc.Replicas = 1
-	cc.HeadersOnly = true
 	cc.InactiveThreshold = time.Minute
 	cons, err := js.CreateConsumer(ctx, stream, cc)
 	if err != nil {
@@ -426,14 +412,20 @@ func scanCopy(ctx context.Context, js jetstream.JetStream, stream, filter string
 	return seen, false, fmt.Errorf("gave up after reading %d messages of %s", maxScan, filter)
 }
 
-// Wait waits until every job of refs is done or dead-lettered, or ctx
-// ends, and returns their statuses in the order of refs. It wakes on every
-// change to the fence records (each progress commit), and polls with
-// backoff beside that (up to a second between polls) for delayed jobs and
-// for a watch that fails. Each round reads each partition's progress once,
-// and the dead letters of a partition once for all its jobs found
-// finished. On ctx's end it returns the statuses as they
-// were and ctx's error.
+// maxReplays bounds the replays Wait follows from one job.
+const maxReplays = 100
+
+// Wait waits until every job of refs has finished (see JobState.Finished),
+// or ctx ends, and returns their statuses in the order of refs. A job
+// replayed from its dead letter is followed to its replay: Wait waits for
+// the replay, whose status it returns, with JobStatus.Via naming the jobs
+// replayed on the way (up to 100 replays; after them it returns the
+// replayed status). It wakes on every change to the fence records (each
+// progress commit), and polls with backoff beside that (up to a second
+// between polls) for delayed jobs and for a watch that fails. Each round
+// reads each partition's progress once, and the dead letters and records
+// of a partition once for all its jobs found finished. On ctx's end it
+// returns the statuses as they were and ctx's error.
 func (p *Producer) Wait(ctx context.Context, refs ...Enqueued) ([]JobStatus, error) {
 	b, err := p.bucket()
 	if err != nil {
@@ -467,6 +459,7 @@ func (p *Producer) Wait(ctx context.Context, refs ...Enqueued) ([]JobStatus, err
 			}
 		}()
 	}
+	refs = slices.Clone(refs) // followed replays replace them
 	out := make([]JobStatus, len(refs))
 	done := make([]bool, len(refs))
 	located := make([]bool, len(refs))
@@ -487,6 +480,7 @@ func (p *Producer) Wait(ctx context.Context, refs ...Enqueued) ([]JobStatus, err
 				if err != nil {
 					return out, err
 				}
+				st.Via = out[i].Via
 				out[i] = st
 				if st.State == JobScheduled {
 					left++
@@ -506,8 +500,9 @@ func (p *Producer) Wait(ctx context.Context, refs ...Enqueued) ([]JobStatus, err
 			}
 			out[i].Progress = pr
 			if out[i].goneUnrun() {
-				out[i].Detail = goneDetail
-				return out, fmt.Errorf("worker: wait for job %s: %s", out[i].Ref, goneDetail)
+				out[i].State, out[i].Detail = JobRemovedUnrun, goneDetail
+				done[i] = true
+				continue
 			}
 			if pr < out[i].Seq {
 				out[i].State = JobPending
@@ -521,8 +516,26 @@ func (p *Producer) Wait(ctx context.Context, refs ...Enqueued) ([]JobStatus, err
 			return out, err
 		}
 		finished = finished[:0]
+		followed := false
+		for i := range refs {
+			if !done[i] || out[i].State != JobReplayed || len(out[i].Via) >= maxReplays {
+				continue
+			}
+			next, err := ParseRef(out[i].ReplayedAs)
+			if err != nil {
+				continue // a record is checked when read; this cannot be
+			}
+			via := append(out[i].Via, out[i].Ref)
+			refs[i] = next
+			out[i] = JobStatus{Ref: next.Ref(), Partition: next.Partition, Seq: next.Seq, Via: via}
+			done[i], located[i], followed = false, false, true
+			left++
+		}
 		if left == 0 {
 			return out, nil
+		}
+		if followed {
+			continue
 		}
 		t := time.NewTimer(poll)
 		select {
