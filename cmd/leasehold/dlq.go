@@ -43,7 +43,8 @@ func newDLQ() *cobra.Command {
 
 A dead letter keeps the job's (or effect's) payload and headers, and adds
 headers that say what went wrong: Leasehold-Error and Leasehold-Attempts on a
-job, Leasehold-Sink-* on an effect. To work through them:
+job, Leasehold-Sink-* on an effect, and the job's identity (Leasehold-Origin:
+where it was first stored, whose keys its effects keep). To work through them:
 
   leasehold dlq list                  what is there, one line each, with the error
   leasehold dlq show SEQ              one dead letter in full
@@ -53,6 +54,10 @@ job, Leasehold-Sink-* on an effect. To work through them:
   leasehold dlq purge SEQ... --yes    drop the ones that must never run
 
 list and show only read: they change neither the stream nor its consumers.
+Replay and purge of a job leave a record in <prefix>-dlq (on
+<prefix>.dlq.record.<partition>, which list skips) before they delete its dead
+letter, so that ` + "`leasehold jobs show`" + ` says "replayed as <ref>" or "purged", never
+"done", of a job that never succeeded.
 Headers are shown as stored, quoted when they hold anything but printable text:
 a dead letter comes from the network and is not trusted.`,
 		Args: noArgsSuggest,
@@ -135,6 +140,16 @@ func (d *dlq) each(ctx context.Context, from uint64, fn func(*jetstream.RawStrea
 	if st.Msgs == 0 {
 		return st, nil
 	}
+	if !d.sink {
+		// Records are no dead letters: counted apart.
+		ri, err := d.s.Info(ctx, jetstream.WithSubjectFilter(d.prefix+".dlq.record.>"))
+		if err != nil {
+			return st, fmt.Errorf("read dead-letter stream %s: %w", d.name, err)
+		}
+		for _, n := range ri.State.Subjects {
+			st.Msgs -= min(n, st.Msgs)
+		}
+	}
 	for seq := max(from, st.FirstSeq, 1); seq <= st.LastSeq; {
 		m, err := d.s.GetMsg(ctx, seq, jetstream.WithGetMsgSubject(">"))
 		if errors.Is(err, jetstream.ErrMsgNotFound) {
@@ -149,10 +164,13 @@ func (d *dlq) each(ctx context.Context, from uint64, fn func(*jetstream.RawStrea
 		if m.Sequence > st.LastSeq {
 			return st, nil
 		}
+		seq = m.Sequence + 1
+		if d.isRecord(m) {
+			continue
+		}
 		if more, err := fn(m); err != nil || !more {
 			return st, err
 		}
-		seq = m.Sequence + 1
 	}
 	return st, nil
 }
@@ -166,7 +184,16 @@ func (d *dlq) get(ctx context.Context, seq uint64) (*jetstream.RawStreamMsg, err
 	if err != nil {
 		return nil, fmt.Errorf("read dead letter %d of %s: %w", seq, d.name, err)
 	}
+	if d.isRecord(m) {
+		return nil, fmt.Errorf("sequence %d of %s is no dead letter but a record of what became of one (see worker.Record): `leasehold dlq list` shows the dead letters", seq, d.name)
+	}
 	return m, nil
+}
+
+// isRecord reports whether m is a record the worker or a replay or purge
+// left in a job stream's dead-letter stream: no dead letter.
+func (d *dlq) isRecord(m *jetstream.RawStreamMsg) bool {
+	return !d.sink && worker.IsRecordSubject(d.prefix, m.Subject)
 }
 
 // summary is what list shows of a dead letter, taken from its headers
@@ -328,6 +355,9 @@ func (d *dlq) show(ctx context.Context, out io.Writer, m *jetstream.RawStreamMsg
 		fmt.Fprintf(out, "  replay:  refused: %v\n", err)
 	} else {
 		fmt.Fprintf(out, "  replay:  to %s (stream %s)\n", msg.Subject, target)
+		if o := msg.Header.Get(leasehold.HeaderOrigin); o != "" {
+			fmt.Fprintf(out, "  origin:  %s (the replay's effects keep this job's keys)\n", o)
+		}
 	}
 	fmt.Fprintf(out, "headers (%d):\n", len(m.Header))
 	names := make([]string, 0, len(m.Header))

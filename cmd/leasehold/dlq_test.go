@@ -172,10 +172,26 @@ func TestDlqWorkerListShowReplayPurge(t *testing.T) {
 		if string(j.Data) != `{"order":17}` || j.Partition != 1 || j.Header.Get("X-Order") != "order-17" {
 			t.Errorf("replayed job: partition %d, data %q, headers %v", j.Partition, j.Data, j.Header)
 		}
+		// It keeps its identity and says what it replays; nothing else
+		// of the dead letter's leasehold headers comes back.
+		want := map[string]string{
+			leasehold.HeaderOrigin:       "dq/1/1",
+			leasehold.HeaderReplayOf:     "dq-dlq/1",
+			leasehold.HeaderReplayReason: "the payment service said no | try later",
+		}
 		for k := range j.Header {
+			if v, ok := want[k]; ok {
+				if j.Header.Get(k) != v {
+					t.Errorf("the replayed job's %s is %q, want %q", k, j.Header.Get(k), v)
+				}
+				continue
+			}
 			if strings.HasPrefix(k, "Leasehold-") {
 				t.Errorf("the replayed job carries the dead letter's %s header", k)
 			}
+		}
+		if o := j.Origin(); o != leasehold.OriginOf("dq", 1, 1) {
+			t.Errorf("the replayed job's origin is %s, want dq/1/1", o)
 		}
 	case <-ctx.Done():
 		t.Fatal("the replayed job never ran")
@@ -185,11 +201,16 @@ func TestDlqWorkerListShowReplayPurge(t *testing.T) {
 		t.Errorf("second replay: %v\n%s", err, out)
 	}
 
+	// The replay left its record at sequence 2: no dead letter.
+	if out, err := run(t, ctx, cli("show", "2")...); err == nil || !strings.Contains(err.Error(), "no dead letter but a record") {
+		t.Errorf("show of the replay's record: %v\n%s", err, out)
+	}
+
 	failing.Store(true)
 	enqueue("two", "order-2")
 	enqueue("three", "order-3")
-	out, err = run(t, ctx, cli("purge", "2")...)
-	t.Logf("dlq purge 2: %v\n%s", err, out)
+	out, err = run(t, ctx, cli("purge", "3")...)
+	t.Logf("dlq purge 3: %v\n%s", err, out)
 	if err == nil || !strings.Contains(err.Error(), "nothing deleted") || !strings.Contains(out, "order-2") {
 		t.Fatalf("purge without --yes: %v\n%s", err, out)
 	}
@@ -198,8 +219,8 @@ func TestDlqWorkerListShowReplayPurge(t *testing.T) {
 	if _, err := run(t, ctx, cli("purge", "--all")...); err == nil {
 		t.Fatal("purge --all took --yes from the environment")
 	}
-	wantIn(t, "list after refused purges", mustRun(t, ctx, cli("list", "--limit", "1")...), "order-2", "dq-dlq holds 2 dead letters", "more follow: add --from 3")
-	wantIn(t, "purge 2 --yes", mustRun(t, ctx, cli("purge", "2", "--yes")...), "deleted 1 dead letters")
+	wantIn(t, "list after refused purges", mustRun(t, ctx, cli("list", "--limit", "1")...), "order-2", "dq-dlq holds 2 dead letters", "more follow: add --from 4")
+	wantIn(t, "purge 3 --yes", mustRun(t, ctx, cli("purge", "3", "--yes")...), "deleted 1 dead letters")
 	wantIn(t, "purge --all --yes", mustRun(t, ctx, cli("purge", "--all", "--yes")...), "order-3", "deleted 1 dead letters from dq-dlq")
 	wantIn(t, "list after purges", mustRun(t, ctx, cli("list")...), "no dead letters in dq-dlq")
 }

@@ -20,8 +20,11 @@ func newJobs() *cobra.Command {
 		Use:   "jobs",
 		Short: "Show where jobs are, or wait for them to finish",
 		Long: `jobs tells where jobs are: scheduled (a delayed job before its time), pending,
-running (on which worker, at which epoch), done, or dead-lettered (with the
-reason). A job is named by the reference ` + "`leasehold enqueue --refs`" + ` prints
+running (on which worker, at which epoch), done (its handler succeeded),
+dead-lettered (with the reason), replayed (its dead letter was sent back by
+` + "`leasehold dlq replay`" + `: "replayed as <ref>" names the new job), purged (its dead
+letter was deleted by ` + "`leasehold dlq purge`" + `), or removed-unrun (the job stream
+removed it, aged out, before it ran). A job is named by the reference ` + "`leasehold enqueue --refs`" + ` prints
 (<partition>:<seq>, and <partition>:<seq>@<due>/<id> for a delayed job); "-"
 reads references from standard input, one a line.`,
 	}
@@ -146,10 +149,12 @@ func newJobsWait() *cobra.Command {
 	)
 	cmd := &cobra.Command{
 		Use:   "wait REF...",
-		Short: "Wait until every job is done or dead-lettered",
-		Long: `wait returns once every job named is done or dead-lettered, and prints their
-statuses. It fails when --timeout passes first (printing where they are), and
-when any job was dead-lettered.`,
+		Short: "Wait until every job has finished",
+		Long: `wait returns once every job named has finished, and prints their statuses. A
+job replayed from its dead letter is followed to its replay, which it waits for
+(its line names the jobs replayed on the way). It fails when --timeout passes
+first (printing where they are), and when any job did not end done:
+dead-lettered, purged or removed unrun.`,
 		Args: cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			p, refs, closeConn, err := f.open(cmd, args)
@@ -166,16 +171,24 @@ when any job was dead-lettered.`,
 			if werr != nil {
 				return werr
 			}
-			dead := 0
+			failed := map[worker.JobState]int{}
+			n := 0
 			for _, st := range sts {
-				if st.State == worker.JobDeadLettered {
-					dead++
+				if st.State != worker.JobDone {
+					failed[st.State]++
+					n++
 				}
 			}
-			if dead > 0 {
-				return fmt.Errorf("%d of %d jobs were dead-lettered (see leasehold dlq list)", dead, len(sts))
+			if n == 0 {
+				return nil
 			}
-			return nil
+			var what []string
+			for _, state := range []worker.JobState{worker.JobDeadLettered, worker.JobPurged, worker.JobRemovedUnrun, worker.JobReplayed} {
+				if failed[state] > 0 {
+					what = append(what, fmt.Sprintf("%d %s", failed[state], state))
+				}
+			}
+			return fmt.Errorf("%d of %d jobs did not succeed: %s (see leasehold dlq list)", n, len(sts), strings.Join(what, ", "))
 		},
 	}
 	f.register(cmd)
@@ -202,6 +215,13 @@ func printJobs(out io.Writer, sts []worker.JobStatus, asJSON bool) error {
 			detail = "due " + st.Due.Format(time.RFC3339)
 		case st.State == worker.JobDeadLettered:
 			detail = fmt.Sprintf("dead letter %d: %s", st.DeadLetter, st.Error)
+		case st.State == worker.JobReplayed:
+			detail = fmt.Sprintf("replayed as %s (dead letter %d: %s)", st.ReplayedAs, st.DeadLetter, st.Error)
+		case st.State == worker.JobPurged:
+			detail = fmt.Sprintf("purged (dead letter %d: %s)", st.DeadLetter, st.Error)
+		}
+		if len(st.Via) > 0 {
+			detail = "replay of " + strings.Join(st.Via, " then ") + "; " + detail
 		}
 		// A dead letter's reason is a header anyone allowed to publish on
 		// the dead-letter stream could write.
