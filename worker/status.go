@@ -357,27 +357,43 @@ func scanCopy(ctx context.Context, js jetstream.JetStream, stream, filter string
 	}
 	unanswered := 0
 	for n := 0; n < maxScan; {
-		batch, err := cons.Fetch(256, jetstream.FetchMaxWait(time.Second))
+		// The fetch's goroutine ends with its context, which ends when
+		// this batch is read: a scan that stops early leaves none
+		// waiting for its request to expire.
+		fctx, cancel := context.WithTimeout(ctx, time.Second)
+		batch, err := cons.Fetch(256, jetstream.FetchContext(fctx))
 		if err != nil {
+			cancel()
 			return seen, false, err
 		}
 		got := 0
+		var stop, stopped bool
 		for m := range batch.Messages() {
 			got++
 			n++
-			md, err := m.Metadata()
-			if err != nil {
-				return seen, false, err
+			md, merr := m.Metadata()
+			if merr != nil {
+				cancel()
+				return seen, false, merr
 			}
 			seen = max(seen, md.Sequence.Stream)
 			if !fn(m, md) {
-				return seen, true, nil
+				stop, stopped = true, true
+				break
 			}
 			if md.NumPending == 0 {
-				return seen, false, nil
+				stop = true
+				break
 			}
 		}
 		err = batch.Error()
+		cancel()
+		if stop {
+			return seen, stopped, nil
+		}
+		if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
+			err = jetstream.ErrNoMessages // the request expired
+		}
 		if got == 0 && errors.Is(err, nats.ErrNoResponders) {
 			// On a cluster, a consumer just created may not be heard on
 			// this server yet: its pull requests meet no responder for a
