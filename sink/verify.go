@@ -241,13 +241,3 @@ func (c *EpochCheck) CheckRaise(ctx context.Context, s leasehold.Stamp, f leaseh
 	}
 	return c.Check(ctx, s)
 }
-
-// CheckAbove runs Check only when s's epoch is above max. It misses the
-// raise of a fence at max that recorded no acquisition: use CheckRaise,
-// which sees the whole fence.
-func (c *EpochCheck) CheckAbove(ctx context.Context, s leasehold.Stamp, max leasehold.Epoch) error {
-	if c == nil || s.Epoch <= max {
-		return nil
-	}
-	return c.Check(ctx, s)
-}

@@ -73,7 +73,7 @@ func (f *Fencer) judgeArrivalLocked(ctx context.Context, st leasehold.Stamp) (ju
 	if v != leasehold.Admit || !raise {
 		return j, nil
 	}
-	if err := f.check.CheckAbove(ctx, st, fs.Epoch); err != nil {
+	if err := f.check.Check(ctx, st); err != nil {
 		if errors.Is(err, sink.ErrUnverifiedEpoch) {
 			j.unverified = err
 			return j, nil

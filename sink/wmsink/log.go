@@ -177,7 +177,7 @@ func (f *Fencer) fold(ctx context.Context, l *logState, seq uint64, st leasehold
 	if v != leasehold.Admit || !raise {
 		return j, nil
 	}
-	if err := f.check.CheckAbove(ctx, st, fs.Epoch); err != nil {
+	if err := f.check.Check(ctx, st); err != nil {
 		if errors.Is(err, sink.ErrUnverifiedEpoch) {
 			j.unverified = err
 			return j, nil
