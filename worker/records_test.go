@@ -120,8 +120,9 @@ func TestAgedOutJobIsRemovedUnrun(t *testing.T) {
 
 // Records are read only for jobs the partition's progress has passed, and
 // only where they hold: a forged purge of a pending job leaves it pending;
-// a record that names a dead letter stored after it, or one still there,
-// or a replay that is not the dead letter's, changes nothing.
+// a record that names a dead letter stored after it, or one still there
+// (forged, or our own tool's that stopped before the delete), or a replay
+// that is not the dead letter's, changes nothing.
 func TestForgedRecordsDoNotDecideStatus(t *testing.T) {
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, time.Minute)
@@ -173,8 +174,9 @@ func TestForgedRecordsDoNotDecideStatus(t *testing.T) {
 	if sts[0].State != worker.JobDone || sts[1].State != worker.JobDeadLettered || sts[1].DeadLetter != 2 {
 		t.Fatalf("after the worker: %+v", sts)
 	}
-	// 3: a replay of bad's dead letter, which is still there.
-	forge(worker.Record{Kind: worker.RecordReplayed, Partition: 0, Seq: bad.Seq, Origin: origin(bad), DeadLetter: 2, DeadLetterTime: time.Now().Add(-time.Second), As: ok.Ref()})
+	// 3: a purge of bad's dead letter, which is still there (as our own
+	// tool leaves it when it stops between the record and the delete).
+	forge(worker.Record{Kind: worker.RecordPurged, Partition: 0, Seq: bad.Seq, Origin: origin(bad), DeadLetter: 2, DeadLetterTime: time.Now().Add(-time.Second)})
 	// 4, deleted: a dead letter gone.
 	ack, err := e.js.PublishMsg(ctx, nats.NewMsg(worker.DLQSubject(e.prefix, 0)))
 	if err != nil {
@@ -193,6 +195,6 @@ func TestForgedRecordsDoNotDecideStatus(t *testing.T) {
 		t.Errorf("a done job with forged records: %+v; want done", st)
 	}
 	if st := status(bad); st.State != worker.JobDeadLettered || st.DeadLetter != 2 {
-		t.Errorf("a dead-lettered job with a forged replay record: %+v; want dead-lettered", st)
+		t.Errorf("a dead-lettered job with a purge record of its dead letter, which is still there: %+v; want dead-lettered", st)
 	}
 }
