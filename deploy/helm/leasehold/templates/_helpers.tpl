@@ -90,7 +90,7 @@ role's Secret. Call with (dict "ctx" $ "role" "worker" "auth" .Values.worker.aut
 */}}
 {{- define "leasehold.natsEnv" -}}
 {{- $a := .auth }}
-{{- $secret := required (printf "%s.auth.existingSecret: name the Secret holding the %s's NATS credentials" .role .role) $a.existingSecret }}
+{{- $secret := required (printf "%s.auth.existingSecret: name the Secret holding the %s's NATS credentials" .role .role) $a.existingSecret -}}
 - name: NATS_URL
   value: {{ required "nats.url is required" .ctx.Values.nats.url | quote }}
 {{- if eq $a.type "password" }}
@@ -116,28 +116,23 @@ role's Secret. Call with (dict "ctx" $ "role" "worker" "auth" .Values.worker.aut
 {{- end }}
 {{- end }}
 
-{{/* The volume mount of a role's credentials file, if it has one. */}}
+{{/* The volume mount of a role's credentials file (auth.type creds). */}}
 {{- define "leasehold.natsVolumeMount" -}}
-{{- if ne .auth.type "password" }}
 - name: nats-credentials
   mountPath: /etc/leasehold/nats
   readOnly: true
 {{- end }}
-{{- end }}
 
-{{/* The volume of a role's credentials file, if it has one. */}}
+{{/* The volume of a role's credentials file (auth.type creds). */}}
 {{- define "leasehold.natsVolume" -}}
-{{- if ne .auth.type "password" }}
-{{- $key := .auth.credsKey }}
 - name: nats-credentials
   secret:
     secretName: {{ .auth.existingSecret | quote }}
     # Readable by the pod's group (fsGroup) only.
     defaultMode: 0440
     items:
-      - key: {{ $key | quote }}
-        path: {{ $key | quote }}
-{{- end }}
+      - key: {{ .auth.credsKey | quote }}
+        path: {{ .auth.credsKey | quote }}
 {{- end }}
 
 {{/*
