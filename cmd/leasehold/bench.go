@@ -27,8 +27,9 @@ hops and acks, what tracing costs at the default sampler and with every trace
 sampled, the fence's cost per write in the memory, KV and PostgreSQL sinks
 beside unfenced writes, crash fail-over (SIGKILL) and graceful hand-off
 (SIGTERM) of worker processes, scale-out under load, 4096 partitions over 32
-worker processes, and jobs whose handler waits 50 ms beside a hand-written
-JetStream worker pool (--only io). It starts its own NATS server (and
+worker processes, jobs whose handler waits 50 ms beside a hand-written
+JetStream worker pool (--only io), and what an idle partition costs the
+server and the workers (--only partitions). It starts its own NATS server (and
 PostgreSQL, when installed) and its own worker processes; it needs no
 deployment.
 

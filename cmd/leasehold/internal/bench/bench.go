@@ -3,8 +3,8 @@
 // same hops, what tracing costs at each sampling setting, the fence's
 // cost per write in each sink beside an unfenced write of the same kind,
 // crash fail-over and graceful hand-off of worker processes, scale-out,
-// lease load at thousands of partitions, and jobs that wait on I/O beside
-// a hand-written worker pool.
+// lease load at thousands of partitions, jobs that wait on I/O beside a
+// hand-written worker pool, and what an idle partition costs.
 //
 // The contract:
 //
@@ -74,7 +74,7 @@ type Config struct {
 }
 
 // Scenarios names what Run can measure, in the order it measures them.
-var Scenarios = []string{"e2e", "latency", "tracing", "fence", "failover", "scaleout", "scale", "io"}
+var Scenarios = []string{"e2e", "latency", "tracing", "fence", "failover", "scaleout", "scale", "io", "partitions"}
 
 func (c *Config) setDefaults() {
 	if c.Runs == 0 {
@@ -171,6 +171,8 @@ func Run(ctx context.Context, cfg Config) ([]Row, error) {
 			got, err = env.scale(ctx)
 		case "io":
 			got, err = env.ioRows(ctx)
+		case "partitions":
+			got, err = env.partitionCost(ctx)
 		}
 		rows = append(rows, got...)
 		if err != nil {
