@@ -417,6 +417,19 @@ func (s *Server) deadLetters(ctx context.Context, d DeadLetterStream) DeadLetter
 	}
 	state := st.CachedInfo().State
 	out.Count = state.Msgs
+	// A worker's dead-letter stream also holds records of what `leasehold
+	// dlq replay` and `purge` did and of ranges the job stream removed
+	// (worker.RecordSubject): they are no dead letters.
+	prefix, workers := strings.CutSuffix(d.Stream, "-dlq")
+	if workers {
+		if info, err := st.Info(ctx, jetstream.WithSubjectFilter(prefix+".dlq.record.>")); err == nil {
+			var records uint64
+			for _, n := range info.State.Subjects {
+				records += n
+			}
+			out.Count -= min(records, out.Count)
+		}
+	}
 	if !d.Details {
 		return out
 	}
@@ -428,6 +441,9 @@ func (s *Server) deadLetters(ctx context.Context, d DeadLetterStream) DeadLetter
 		if err != nil {
 			out.Error = err.Error()
 			break
+		}
+		if workers && worker.IsRecordSubject(prefix, m.Subject) {
+			continue
 		}
 		dl := DeadLetter{Seq: m.Sequence, Time: m.Time, Subject: truncate(m.Subject)}
 		h := m.Header

@@ -109,6 +109,9 @@ func readJobs(ctx context.Context, js jetstream.JetStream, prefix string) ([]Job
 func readDeadLetters(ctx context.Context, js jetstream.JetStream, prefix string) ([]Job, error) {
 	var out []Job
 	err := readStream(ctx, js, worker.DLQStream(prefix), "", false, true, func(seq uint64, subject string, h nats.Header, _ []byte) error {
+		if worker.IsRecordSubject(prefix, subject) {
+			return nil // what dlq replay or purge did, or a removed range: no dead letter
+		}
 		p, perr := leasehold.ParsePartition(subject[strings.LastIndexByte(subject, '.')+1:])
 		s, serr := strconv.ParseUint(h.Get(worker.HeaderSeq), 10, 64)
 		if perr != nil || serr != nil {
