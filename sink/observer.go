@@ -102,6 +102,13 @@ type Decision struct {
 	// stream sequence), for sinks that consume a log; 0 otherwise.
 	Position uint64
 	Err      error
+	// Suspect, when set, says why the sink set this message aside as
+	// suspicious: a marker (an abort, an attempt number, a final) that no
+	// worker writes the way it came, which a forger or a garbled copy can
+	// have made. It was counted in leasehold_sink_markers_suspicious_total
+	// under this reason and changed nothing the message's worker did. The
+	// stream sink runner's reasons are its Suspect* constants.
+	Suspect string
 }
 
 // Observer receives every decision a sink makes, for tracing, metrics and

@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
@@ -39,8 +40,13 @@ type Reporter struct {
 	processOpts []trace.SpanStartOption
 	counts      [Failed + 1][]metric.AddOption // by outcome
 
-	mu    sync.Mutex
-	parts map[leasehold.FenceID]*dropState
+	// suspicious counts the messages set aside as suspicious, by reason
+	// (Decision.Suspect); suspects rate-limits their log lines by reason.
+	suspicious metric.Int64Counter
+
+	mu       sync.Mutex
+	parts    map[leasehold.FenceID]*dropState
+	suspects map[string]*dropState
 }
 
 type dropState struct {
@@ -81,9 +87,17 @@ func NewReporter(cfg ReporterConfig) *Reporter {
 	}
 	r := &Reporter{
 		name: cfg.Name, obs: cfg.Observer, log: cfg.Logger, logEvery: cfg.LogEvery, now: time.Now,
-		parts: make(map[leasehold.FenceID]*dropState),
+		parts: make(map[leasehold.FenceID]*dropState), suspects: make(map[string]*dropState),
 	}
 	r.newInstruments(cfg.Telemetry)
+	mp := cfg.Telemetry.MeterProvider
+	if mp == nil {
+		mp = otel.GetMeterProvider()
+	}
+	// Instrument creation fails only for invalid names; this one is constant.
+	r.suspicious, _ = mp.Meter(telemetry.ScopeName).Int64Counter("leasehold.sink.markers.suspicious",
+		metric.WithDescription("Messages a sink set aside as suspicious: job markers (aborts, attempt numbers, finals) no worker writes the way they came, by reason."),
+		metric.WithUnit("{message}"))
 	return r
 }
 
@@ -98,6 +112,9 @@ func (r *Reporter) Report(ctx context.Context, d Decision) {
 	r.obs.Decided(ctx, d)
 	r.count(ctx, d.Outcome)
 	r.traceDecision(ctx, &d)
+	if d.Suspect != "" {
+		r.reportSuspect(ctx, d)
+	}
 	if !d.Outcome.Dropped() {
 		return
 	}
@@ -170,4 +187,46 @@ func (r *Reporter) Drops() map[leasehold.FenceID]uint64 {
 		out[p] = st.n.Load()
 	}
 	return out
+}
+
+// reportSuspect counts a message set aside as suspicious in
+// leasehold_sink_markers_suspicious_total{leasehold_sink, leasehold_reason},
+// marks the span of ctx with the event leasehold.marker.suspicious, and
+// logs it, at most once per reason per LogEvery.
+func (r *Reporter) reportSuspect(ctx context.Context, d Decision) {
+	reason := telemetry.AttrReason.String(d.Suspect)
+	r.suspicious.Add(ctx, 1, metric.WithAttributes(telemetry.AttrSink.String(r.name), reason))
+	if span := trace.SpanFromContext(ctx); span.IsRecording() {
+		span.SetAttributes(reason)
+		span.AddEvent("leasehold.marker.suspicious", trace.WithAttributes(reason, telemetry.AttrPosition.Int64(int64(d.Position))))
+	}
+	r.mu.Lock()
+	st := r.suspects[d.Suspect]
+	if st == nil {
+		st = &dropState{}
+		r.suspects[d.Suspect] = st
+	}
+	now := r.now()
+	if !st.lastLog.IsZero() && now.Sub(st.lastLog) < r.logEvery {
+		st.suppressed++
+		r.mu.Unlock()
+		return
+	}
+	suppressed := st.suppressed
+	st.lastLog, st.suppressed = now, 0
+	r.mu.Unlock()
+	r.log.LogAttrs(ctx, slog.LevelWarn, "leasehold: suspicious message set aside",
+		slog.String("sink", r.name),
+		slog.String("reason", d.Suspect),
+		slog.String("outcome", d.Outcome.String()),
+		slog.String("scope", d.Stamp.Scope),
+		slog.Uint64("partition", uint64(d.Stamp.Partition)),
+		slog.Uint64("epoch", uint64(d.Stamp.Epoch)),
+		slog.String("key", d.Stamp.Key),
+		slog.String("worker", d.Stamp.Worker),
+		slog.String("subject", d.Subject),
+		slog.Uint64("position", d.Position),
+		slog.Uint64("suppressed", suppressed),
+		slog.Any("error", d.Err),
+	)
 }
