@@ -87,3 +87,58 @@ func BenchmarkDecideJob(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkDecideJobThree measures the runner's decision for jobs of
+// three effects: two held back in the job's group until the third, the
+// final, completes it and all three are applied, jobs in order on 16
+// partitions.
+func BenchmarkDecideJobThree(b *testing.B) {
+	cfg := Config{Prefix: "bench", Logger: slog.New(slog.DiscardHandler)}
+	cfg.setDefaults()
+	const parts = 16
+	var r *Runner
+	reset := func() {
+		r = &Runner{cfg: cfg, rep: sink.NewReporter(sink.ReporterConfig{Name: "b", Logger: cfg.Logger}), fences: newFenceTable(numShards), groups: newGroups()}
+		for p := range leasehold.Partition(parts) {
+			r.fences.add(leasehold.FenceID{Scope: "bench", Partition: p}, rise{Epoch: 5, Acquisition: "a5"})
+		}
+	}
+	reset()
+	msgs := make([]*logMsg, 3<<14)
+	data := make([]byte, 256)
+	for i := range msgs {
+		n := i / 3
+		p := leasehold.Partition(n % parts)
+		job := uint64(n/parts + 1)
+		h := nats.Header{}
+		leasehold.Stamp{Scope: "bench", Partition: p, Epoch: 5, Acquisition: "a5", Key: fmt.Sprintf("bench.%d.%d.%d", p, job, i%3)}.SetHeader(h)
+		mark := leasehold.JobMark{Job: job, Attempt: job}
+		if i%3 == 2 {
+			mark.Effects, mark.After = 3, job-1
+		}
+		mark.SetHeader(h)
+		msgs[i] = &logMsg{seq: uint64(i + 1), subject: fmt.Sprintf("bench.out.%d", p), header: h, data: data}
+	}
+	ctx := context.Background()
+	w := &work{}
+	var outs []outcome
+	b.ReportAllocs()
+	for i := 0; b.Loop(); i++ {
+		if i%len(msgs) == 0 && i > 0 {
+			b.StopTimer()
+			reset()
+			b.StartTimer()
+		}
+		m := msgs[i%len(msgs)]
+		w.seq = m.seq - 1
+		outs = outs[:0]
+		o, err := r.decide(ctx, w, m, &outs)
+		want := 0
+		if i%3 == 2 {
+			want = 3
+		}
+		if err != nil || o.deliver || len(outs) != want {
+			b.Fatalf("message %d: %v, %d outcomes, want %d", m.seq, err, len(outs), want)
+		}
+	}
+}
