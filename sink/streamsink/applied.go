@@ -22,9 +22,12 @@ import (
 // anyway: a batch of jobs costs no write more than a batch of standalone
 // effects. Once the list holds maxDelta chains, the shards it touches are
 // written first and the list starts over. Loading takes, per chain, the
-// later of the two. Written ahead of the position is harmless: an entry
-// names a job whose effects were delivered, and reading the log again from
-// the saved position takes them for duplicates.
+// later of the two. They are written after the batch's effects were
+// delivered, so an entry names jobs whose effects the destination took, or
+// (its holes) sent to the dead-letter stream. Written ahead of the
+// position is harmless: reading the log again from the saved position
+// takes the jobs for duplicates, and a dead-lettered job's effects apply
+// on their own, as its replayed dead letters do.
 
 const appliedShards = 256
 
@@ -46,6 +49,13 @@ func (e appliedEntry) validate() error {
 		return fmt.Errorf("job %d on subject %q", e.Job, e.Subject)
 	case e.Acquisition != "" && leasehold.ValidateAcquisition(e.Acquisition) != nil:
 		return fmt.Errorf("acquisition %q", e.Acquisition)
+	case len(e.Holes) > maxHoles:
+		return fmt.Errorf("%d dead-lettered jobs, above %d", len(e.Holes), maxHoles)
+	}
+	for _, h := range e.Holes {
+		if h == 0 || h > e.Job {
+			return fmt.Errorf("dead-lettered job %d beside job %d", h, e.Job)
+		}
 	}
 	return nil
 }
@@ -55,20 +65,24 @@ func (e appliedEntry) chain() chainKey {
 }
 
 func (e appliedEntry) applied() applied {
-	return applied{Epoch: e.Epoch, Acquisition: e.Acquisition, Job: e.Job}
+	return applied{Epoch: e.Epoch, Acquisition: e.Acquisition, Job: e.Job, Holes: e.Holes}
 }
 
 func entryOf(c chainKey, a applied) appliedEntry {
-	return appliedEntry{Scope: c.fence.Scope, Partition: c.fence.Partition, Subject: c.subject, Epoch: a.Epoch, Acquisition: a.Acquisition, Job: a.Job}
+	return appliedEntry{Scope: c.fence.Scope, Partition: c.fence.Partition, Subject: c.subject, Epoch: a.Epoch, Acquisition: a.Acquisition, Job: a.Job, Holes: a.Holes}
 }
 
 // later reports whether a is later than b on one chain: a chain's epochs
-// only rise, and within a lease its jobs.
+// only rise, and within a lease its jobs; a job's dead letters are
+// recorded after it.
 func (a applied) later(b applied) bool {
 	if a.Epoch != b.Epoch {
 		return a.Epoch > b.Epoch
 	}
-	return a.Job > b.Job
+	if a.Job != b.Job {
+		return a.Job > b.Job
+	}
+	return len(a.Holes) > len(b.Holes)
 }
 
 // deltaEntries lists the jobs applied since the shards were written, in a
@@ -137,6 +151,9 @@ type appliedEntry struct {
 	Epoch       leasehold.Epoch     `json:"e"`
 	Acquisition string              `json:"a,omitempty"`
 	Job         uint64              `json:"j"`
+	// Holes are the jobs up to Job whose delivery went to the
+	// dead-letter stream: not applied (see applied in groups.go).
+	Holes []uint64 `json:"h,omitempty"`
 }
 
 func appliedShard(id leasehold.FenceID) int { return shardOf(id, appliedShards) }
@@ -196,7 +213,7 @@ func (r *Runner) loadApplied(ctx context.Context) (loadedApplied, error) {
 	}
 	for _, es := range shards {
 		for _, e := range es {
-			out.entries[chainKey{fence: leasehold.FenceID{Scope: e.Scope, Partition: e.Partition}, subject: e.Subject}] = applied{Epoch: e.Epoch, Acquisition: e.Acquisition, Job: e.Job}
+			out.entries[e.chain()] = e.applied()
 		}
 	}
 	return out, nil
@@ -216,7 +233,7 @@ func (r *Runner) encodeApplied(k int) []byte {
 				continue
 			}
 		}
-		v.Applied = append(v.Applied, appliedEntry{Scope: c.fence.Scope, Partition: c.fence.Partition, Subject: c.subject, Epoch: a.Epoch, Acquisition: a.Acquisition, Job: a.Job})
+		v.Applied = append(v.Applied, entryOf(c, a))
 	}
 	var b bytes.Buffer
 	enc := json.NewEncoder(&b)

@@ -170,6 +170,15 @@ type Config struct {
 	Name string
 	// Verifier, when set, turns on verified epochs (see sink.EpochCheck).
 	Verifier sink.Verifier
+	// Progress reads partitions' committed progress from their fence
+	// records: the proof that an attempt of a job the runner holds open
+	// never completes (see groups.go). With it, job markers (aborts,
+	// attempt numbers) prove nothing on their own, and none, whoever sends
+	// it, drops a job its worker committed.
+	// Default: the Verifier, when it is one (*coordinator.Bucket is).
+	// Without either, markers and epochs are trusted as the worker writes
+	// them.
+	Progress sink.ProgressReader
 	// Observer receives every decision, after it is saved. Optional.
 	Observer sink.Observer
 	// Logger receives drop lines and retries. Default slog.Default().
@@ -256,6 +265,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
+	}
+	if c.Progress == nil {
+		c.Progress, _ = c.Verifier.(sink.ProgressReader)
 	}
 }
 

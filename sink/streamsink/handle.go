@@ -28,6 +28,7 @@ type outcome struct {
 	report  bool
 	deliver bool
 	term    bool
+	job     uint64 // the job of an effect handed on as part of its job (see groups.go)
 
 	ctx  context.Context // carries the message's span, when it has one
 	span trace.Span
@@ -73,6 +74,9 @@ func (r *Runner) handle(ctx context.Context, msgs []*logMsg) error {
 		}
 		outs = append(outs, o)
 		w.seq = m.seq
+	}
+	if r.applyProofs(w.seq, &outs) {
+		w.grouped = true
 	}
 	for _, m := range msgs[rest:] {
 		if m.msg != nil && m.seq > w.seq {
@@ -125,6 +129,7 @@ func (r *Runner) settle(ctx context.Context, outs []outcome, w *work) error {
 	if err := r.deliver(ctx, outs); err != nil {
 		return err
 	}
+	r.notDelivered(ctx, outs)
 	if err := r.at("delivered"); err != nil {
 		return err
 	}
@@ -145,6 +150,25 @@ func (r *Runner) settle(ctx context.Context, outs []outcome, w *work) error {
 	// Waiters on the position see the decisions reported.
 	r.adopt(w, written)
 	return nil
+}
+
+// notDelivered records, for each job an effect of which went to the
+// dead-letter stream instead of its destination, that the job was not
+// applied: a job counts as applied once its effects were delivered, and
+// one that was not stays open for its dead letters (see applied.hole).
+func (r *Runner) notDelivered(ctx context.Context, outs []outcome) {
+	for i := range outs {
+		o := &outs[i]
+		if o.job == 0 || o.d.Outcome != sink.DeadLettered {
+			continue
+		}
+		st := o.d.Stamp
+		k := groupKey{chainKey: chainKey{fence: st.Fence(), subject: o.m.subject}, epoch: st.Epoch, acquisition: st.Acquisition, job: o.job}
+		if forgot := r.groups.addHole(k); forgot != 0 {
+			r.log.LogAttrs(ctx, slog.LevelWarn, "streamsink: forgot a dead-lettered job: its dead letters, replayed with their job headers, are taken for duplicates; replay them without (no Leasehold-Job)",
+				slog.String("sink", r.cfg.Name), slog.String("fence", st.Fence().String()), slog.String("subject", o.m.subject), slog.Uint64("job", forgot))
+		}
+	}
 }
 
 // reportedBefore reports whether this runner reported o's decision for
@@ -310,7 +334,7 @@ func (r *Runner) decide(ctx context.Context, w *work, m *logMsg, outs *[]outcome
 		w.raise(r.fences, id, rise{At: m.seq, Epoch: st.Epoch, Acquisition: st.Acquisition, Holder: holderOf(st.Worker)})
 		if len(r.groups.open) > 0 {
 			w.grouped = true
-			r.abandon(id, st.Epoch, outs)
+			r.abandon(id, st.Epoch, st.Acquisition, m.seq, outs)
 		}
 	}
 	o.d.Max, o.d.MaxAcquisition = st.Epoch, st.Acquisition

@@ -23,18 +23,38 @@
 //
 // A job's effects apply all or none. Effects a worker publishes for a job
 // (leasehold.HeaderJob and the other job headers: leasehold.JobMark) are
-// held back, by fence, subject, lease and job, until the attempt's final
-// and every effect it counts are in the log and the job before it on the
-// subject was applied; then they are delivered together (one BatchHandler
-// call, one republish round). Effects of attempts that failed (an abort
-// marker), were superseded by a later attempt, were skipped by a later
-// job of the lease or cut short by a successor's barrier are never
-// applied, and are reported sink.Aborted. The saved position stops short
-// of the first effect of a job still open, and the last job applied per
-// fence and subject is saved beside it, so a restart finds open jobs again
-// and applies no job twice. Held effects are bounded (Config.MaxHeldEffects
-// and MaxHeldBytes, ErrGroupLimit). Effects without job headers apply on
-// their own. See groups.go.
+// held back, by fence, subject, lease, job and attempt, until one
+// attempt's final and every effect it counts are in the log and the job
+// before it on the subject was applied; then that attempt's effects are
+// delivered together (one BatchHandler call, one republish round) and the
+// job's other attempts are dropped, reported sink.Aborted. Markers prove
+// nothing on their own: an abort marker concerns its own attempt only, an
+// attempt number supersedes no other attempt, and an attempt is dropped
+// only on proof that it can no longer complete: its job applied from
+// another attempt, a later job of its lease applied, a successor's stamp
+// admitted on its fence, or its partition's committed progress, read from
+// the fence record (Config.Progress; by default the Verifier). So no abort
+// marker and no attempt number, whoever sends it, drops a job the worker
+// committed; a marker the runner can tell is not a worker's is set aside,
+// counted in leasehold_sink_markers_suspicious_total, logged, and marked
+// on its decision (sink.Decision.Suspect, the Suspect* reasons). Without
+// a progress reader (no Verifier), markers and epochs are trusted as the
+// worker writes them: an abort closes its own attempt, and a complete
+// attempt applies whatever attempts came before it. Whoever may publish on
+// the log with a worker's stamp can still make effects up (data of its own
+// under keys it picks), as with effects that carry no job: only the log's
+// permissions keep that out.
+//
+// A job counts as applied once its effects were delivered: one whose
+// delivery went to the dead-letter stream stays open for its dead letters,
+// which apply on their own when they are replayed into the log, with their
+// job headers or without. The saved position stops short of the first
+// effect of a job still open, and where each fence and subject stands (the
+// last job applied, the dead-lettered ones) is saved beside it, so a
+// restart finds open jobs again and applies no job twice. Held effects are
+// bounded (Config.MaxHeldEffects and MaxHeldBytes, ErrGroupLimit). Effects
+// without job headers apply on their own. See groups.go, attempts.go and
+// proofs.go.
 //
 // Progress is crash-safe. After each batch the runner saves the fence
 // shards the batch changed (most batches change none), then the last log
@@ -115,8 +135,10 @@ type Runner struct {
 	skips  []skip         // the operators' resumes the position record keeps
 	tries  map[uint64]int // failed deliveries by log position; deadLettered once moved
 
-	// Job groups (groups.go), owned by Run's goroutine.
+	// Job groups (groups.go), owned by Run's goroutine, and what the
+	// fence records proved of them (proofs.go).
 	groups     *groups
+	proofs     *proofs
 	saved      uint64                  // the saved position: seq, or short of the first effect of an open job
 	appliedRev map[int]uint64          // revisions of the applied shards
 	needReload bool                    // a batch that placed effects in groups was not saved
@@ -154,6 +176,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Runner, erro
 		js: js, cfg: cfg, leader: leader.NewReader(js, cfg.Stream), log: cfg.Logger,
 		rep:      sink.NewReporter(sink.ReporterConfig{Name: cfg.Name, Observer: cfg.Observer, Logger: cfg.Logger, Telemetry: cfg.Telemetry}),
 		check:    sink.NewEpochCheck(cfg.Verifier),
+		proofs:   newProofs(cfg.Progress),
 		progress: make(chan struct{}),
 		resumed:  make(chan struct{}),
 		tries:    make(map[uint64]int),
@@ -421,6 +444,9 @@ func (r *Runner) Ready(context.Context) error {
 	if errors.Is(r.lastErr, ErrGroupLimit) {
 		return r.lastErr
 	}
+	if err := r.progressStalled(); err != nil {
+		return err
+	}
 	if !r.running {
 		return fmt.Errorf("streamsink: sink %s is not running", r.cfg.Name)
 	}
@@ -448,12 +474,13 @@ func (r *Runner) step(ctx context.Context, p *prefetcher) error {
 			return err
 		}
 	}
+	r.poll(ctx)
 	msgs, err := r.take(ctx, p)
 	if err != nil {
 		return err
 	}
 	if len(msgs) == 0 {
-		return nil
+		return r.resolve(ctx)
 	}
 	return r.handle(ctx, msgs)
 }

@@ -172,7 +172,7 @@ func TestRepublishHeaders(t *testing.T) {
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)
 	r := start(t, js, streamsink.Config{Prefix: "hdr", Provision: true})
-	st := leasehold.Stamp{Scope: "hdr", Partition: 3, Epoch: 4, Acquisition: "a4", Key: "k-1", Worker: "w4"}
+	st := leasehold.Stamp{Scope: "hdr", Partition: 3, Epoch: 4, Acquisition: "a4", Key: leasehold.EffectKey("hdr", 3, 17, 0), Worker: "w4"}
 	h := nats.Header{}
 	for k, v := range map[string][]string(stampHeaders(st)) {
 		h[strings.ToLower(k)] = v
@@ -187,7 +187,7 @@ func TestRepublishHeaders(t *testing.T) {
 	h["Leasehold-After"] = []string{"0"}
 	// The log takes it; the downstream stream would refuse it for ever.
 	h["Nats-Expected-Stream"] = []string{"hdr-effects"}
-	h["nats-msg-id"] = []string{"k-1@4~abc"}
+	h["nats-msg-id"] = []string{st.Key + "@4~abc"}
 	h["X-Other"] = []string{"not the sink's"}
 	ack, err := js.PublishMsg(ctx, &nats.Msg{Subject: "hdr.out.a", Header: h, Data: []byte("v")})
 	if err != nil {
@@ -210,7 +210,7 @@ func TestRepublishHeaders(t *testing.T) {
 	}
 	wantHeaders := map[string]string{
 		leasehold.HeaderScope: "hdr", leasehold.HeaderPartition: "3", leasehold.HeaderEpoch: "4",
-		leasehold.HeaderAcquisition: "a4", leasehold.HeaderKey: "k-1", leasehold.HeaderWorker: "w4",
+		leasehold.HeaderAcquisition: "a4", leasehold.HeaderKey: st.Key, leasehold.HeaderWorker: "w4",
 		"Leasehold-Job": "17", "Leasehold-Attempt": "1", "Leasehold-Effects": "1", "Leasehold-After": "0", "traceparent": traceparent, "tracestate": "vendor=1",
 		jetstream.MsgIDHeader: streamsink.MessageID(st),
 	}
@@ -223,8 +223,8 @@ func TestRepublishHeaders(t *testing.T) {
 	if len(m.Header) != len(wantHeaders) {
 		t.Errorf("downstream headers %v, want exactly %v", m.Header, wantHeaders)
 	}
-	if id := streamsink.MessageID(st); id != "hdr k-1" {
-		t.Errorf("MessageID = %q, want \"hdr k-1\"", id)
+	if id := streamsink.MessageID(st); id != "hdr hdr.3.17.0" {
+		t.Errorf("MessageID = %q, want \"hdr hdr.3.17.0\"", id)
 	}
 }
 
