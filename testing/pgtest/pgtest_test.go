@@ -15,6 +15,7 @@ import (
 func TestMain(m *testing.M) { goleak.VerifyTestMain(testskip.Summarize(m)) }
 
 func TestRestartKeepsData(t *testing.T) {
+	t.Parallel()
 	s := pgtest.Start(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -43,5 +44,34 @@ func TestRestartKeepsData(t *testing.T) {
 	}
 	if _, err := pgx.Connect(ctx, dsn); err == nil {
 		t.Fatal("connected to a stopped server")
+	}
+}
+
+// Servers are copies of one cluster initdb made once: each is its own,
+// and what one stores the other does not see.
+func TestServersAreIndependent(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	a, b := pgtest.Start(t), pgtest.Start(t)
+	if a.Port() == b.Port() {
+		t.Fatalf("two servers on port %d", a.Port())
+	}
+	ca, err := pgx.Connect(ctx, a.DSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ca.Close(ctx)
+	if _, err := ca.Exec(ctx, "CREATE TABLE only_in_a (v int)"); err != nil {
+		t.Fatal(err)
+	}
+	cb, err := pgx.Connect(ctx, b.DSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cb.Close(ctx)
+	var n int
+	if err := cb.QueryRow(ctx, "SELECT count(*) FROM pg_tables WHERE tablename = 'only_in_a'").Scan(&n); err != nil || n != 0 {
+		t.Fatalf("the other server sees %d tables only_in_a (%v)", n, err)
 	}
 }
