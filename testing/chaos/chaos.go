@@ -306,6 +306,7 @@ func (h *harness) run(ctx context.Context) (*Result, error) {
 	if err := h.warmUp(ctx); err != nil {
 		return nil, err
 	}
+	h.log.Info("chaos: every partition held; faults begin")
 
 	if h.wants(FaultForgedMarker) {
 		if h.forger, err = h.startForger(ctx); err != nil {
@@ -328,12 +329,15 @@ func (h *harness) run(ctx context.Context) (*Result, error) {
 	if err := h.healAll(ctx); err != nil {
 		return nil, err
 	}
+	h.log.Info("chaos: faults over, every process and server up again")
 	settled, err := h.settle(ctx)
 	if err != nil {
 		return nil, err
 	}
 	end := time.Now()
+	h.log.Info("chaos: settled; stopping the processes", "settled", settled)
 	h.stopAll()
+	h.log.Info("chaos: processes stopped; reading the history and the streams")
 	in, err := h.collect(ctx)
 	if err != nil {
 		return nil, err
@@ -461,7 +465,7 @@ func (h *harness) settle(ctx context.Context) (bool, error) {
 			return false, nil
 		}
 		h.log.Info("chaos: waiting for the sink", "missing", missing, "err", err)
-		if err := sleepCtx(ctx, 2*time.Second); err != nil {
+		if err := sleepCtx(ctx, 500*time.Millisecond); err != nil {
 			return false, err
 		}
 	}

@@ -41,8 +41,18 @@ func readStream(ctx context.Context, js jetstream.JetStream, stream, filter stri
 	if err != nil {
 		return fmt.Errorf("chaos: read stream %s: %w", stream, err)
 	}
+	// A fetch ends when its batch is full or its wait runs out: ask for no
+	// more than the stream holds (the subjects, for the last of each), and
+	// then for what the last message said is pending, so that no read
+	// waits out the two seconds for messages that will not come. A count
+	// too high only costs that wait; the loop ends on a message with
+	// nothing pending after it, or a fetch that brought none.
+	want := info.State.Msgs
+	if lastPerSubject {
+		want = uint64(max(info.State.NumSubjects, 1))
+	}
 	for {
-		batch, err := cons.Fetch(500, jetstream.FetchMaxWait(2*time.Second))
+		batch, err := cons.Fetch(int(min(want, 500)), jetstream.FetchMaxWait(2*time.Second))
 		if err != nil {
 			return fmt.Errorf("chaos: read stream %s: %w", stream, err)
 		}
@@ -58,6 +68,7 @@ func readStream(ctx context.Context, js jetstream.JetStream, stream, filter stri
 				return err
 			}
 			last = md.NumPending == 0
+			want = max(md.NumPending, 1)
 		}
 		if err := batch.Error(); err != nil && !errors.Is(err, nats.ErrTimeout) && !errors.Is(err, jetstream.ErrNoMessages) {
 			return fmt.Errorf("chaos: read stream %s: %w", stream, err)
