@@ -91,6 +91,28 @@ end:
        fi;
        x = 0
      }
+#ifndef WRITTEN_REOPEN
+  /* forged markers: a copy of a stored effect of a job (its stamp, job and
+   * key) made an abort marker, or a final, of an attempt of the forger's
+   * choosing */
+  :: atomic {
+       FAULT(nforge, MAXFORGE) && lfirst <= llen ->
+       select (x : 1 .. LOGMAX);
+       if
+       :: x >= lfirst && x <= llen && log[x-1].kind == EFFECT && log[x-1].j != 0 -> TAKE(nforge);
+          printf("MSC: forged marker, from position %d:\n", x);
+          y = log[x-1].k;
+          if
+          :: append(ABORT, log[x-1].f, log[x-1].e, log[x-1].a, log[x-1].j, y, 0, 0, 0)      /* its own attempt */
+          :: y < 3 -> append(ABORT, log[x-1].f, log[x-1].e, log[x-1].a, log[x-1].j, 3, 0, 0, 0)   /* the highest */
+          :: y < 3 -> append(EFFECT, log[x-1].f, log[x-1].e, log[x-1].a, log[x-1].j, y + 1, log[x-1].idx, 1, log[x-1].prev)
+          :: y > 1 -> append(EFFECT, log[x-1].f, log[x-1].e, log[x-1].a, log[x-1].j, y - 1, log[x-1].idx, 1, log[x-1].prev)
+          fi
+       :: else -> skip
+       fi;
+       x = 0; y = 0
+     }
+#endif
   /* replayed: a copy of a stored message, stored again later */
   :: atomic {
        FAULT(nforge, MAXFORGE) && lfirst <= llen ->
@@ -111,10 +133,18 @@ end:
  * (a job's keys all come from one attempt), I5 (each key once, checked as
  * it is applied) and nothing waits for ever (no attempt left open). A
  * stopped runner (gap) is the visible outcome the design allows instead. */
+#if defined(TODAY_MARKERS) || defined(VARIANT_D)
+#define RESOLVED 1
+#else
+/* an attempt still open waits for nothing: the runner has read the records
+ * as they now stand over the whole log, or they would settle none of it */
+#define RESOLVED (NOOPEN || !USEFUL || (ps == 2 && PROOFNOW))
+#endif
+
 proctype Check() {
   byte x, y, z;
   atomic {
-    wended == NW && (stopped != 0 || pos == llen) ->
+    wended == NW && (stopped != 0 || (pos == llen && RESOLVED)) ->
     if
     :: stopped == 0 ->
        x = 0;

@@ -32,7 +32,16 @@
  *   TODAY_VERIFY         an epoch verifies if it is at or below the highest
  *                        the fence record holds, whatever its acquisition
  *                        (sink.EpochCheck against Bucket.IssuedEpoch today)
+ *   TODAY_MARKERS        job markers trusted, as the runner took them before
+ *                        it read committed progress: an abort closes the
+ *                        open attempt at or below its number, a higher
+ *                        attempt supersedes a lower open one
  */
+
+#ifdef WRITTEN_REOPEN
+/* found when markers were trusted (see README, finding 4) */
+#define TODAY_MARKERS
+#endif
 
 /* ------------------------------------------------------------ sizes */
 #ifndef NW
@@ -201,19 +210,44 @@ byte stopped;           /* 1: trimmed gap, 2: an epoch it can no longer verify *
 #define FSLOT(f) (f)
 #endif
 
-/* one open attempt per (partition, job) */
+/* the attempts (1..3) of a job's group, per (partition, job): bit k-1 of a
+ * mask per attempt, two bits per attempt for the effect indexes received
+ * and for the previous job its final names; all of one lease */
 typedef Slot {
-  unsigned on   : 1;
   unsigned e    : 5;
   unsigned a    : 5;
-  unsigned k    : 2;
-  unsigned got  : 2;    /* effect indexes received */
-  unsigned fin  : 1;
-  unsigned prev : 2
+  unsigned on   : 3;    /* attempts open */
+  unsigned fin  : 3;    /* attempts whose final came */
+  unsigned ab   : 3;    /* attempts whose abort came (a hint) */
+  unsigned late : 3;    /* attempts that first came after a higher one */
+  unsigned got  : 6;
+  unsigned prev : 6
 }
 Slot slot[NP*NJ];
 #define SI(f, j) ((f)*NJ + (j) - 1)
 #define KI(f, j, i) (SI(f, j)*2 + (i))
+#define BIT(k) (1 << ((k) - 1))
+#define ON(s, k) ((slot[s].on >> ((k) - 1)) & 1)
+#define FINK(s, k) ((slot[s].fin >> ((k) - 1)) & 1)
+#define ABK(s, k) ((slot[s].ab >> ((k) - 1)) & 1)
+#define LATEK(s, k) ((slot[s].late >> ((k) - 1)) & 1)
+#define GOT(s, k) ((slot[s].got >> (2*((k) - 1))) & 3)
+#define PRV(s, k) ((slot[s].prev >> (2*((k) - 1))) & 3)
+#define COMPLETE(s, k, j) (ON(s, k) && FINK(s, k) && GOT(s, k) == FULL(j))
+#define ANYCOMPLETE(s, j) (COMPLETE(s, 1, j) || COMPLETE(s, 2, j) || COMPLETE(s, 3, j))
+
+#ifndef TODAY_MARKERS
+/* The runner's read of a fence record (pE, pA, pSeq) and the log's last
+ * position then (pS): taken (ps 1), and applied (ps 2) once the runner has
+ * decided the log up to pS. (sink/streamsink/proofs.go) */
+byte ps, pS;
+byte pE[NP], pA[NP], pSeq[NP];
+/* the lease (e, a) of fence f commits no more of job j, by the record read
+ * or (rz, in the runner) by a later lease's admitted stamp */
+#define SETTLED(f, e, a, j) ((e) < rz || (ps == 2 && ((pE[f] > (e)) || (pE[f] == (e) && pA[f] != (a)) || (pE[f] == (e) && pA[f] == (a) && pSeq[f] >= (j)))))
+#define PROOFNOW (pS == llen && pE[0] == frec[0].e && pA[0] == frec[0].a && pSeq[0] == frec[0].seq && \
+                  (NP < 2 || (pE[NP-1] == frec[NP-1].e && pA[NP-1] == frec[NP-1].a && pSeq[NP-1] == frec[NP-1].seq)))
+#endif
 
 /* the destination: what it applied, with its dedupe records (durable) */
 bit appliedKey[NP*NJ*2];

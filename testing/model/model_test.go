@@ -98,6 +98,7 @@ var defects = []struct {
 	{"WRITTEN_REOPEN", "an effect of an applied job reopens an attempt (an attempt open for ever)", "slot[0].on"},
 	{"TODAY_PROGRESS", "the progress record fenced and committed on the epoch alone (I2)", "frec[f].a==a"},
 	{"TODAY_VERIFY", "an epoch verified by being at or below the highest fenced, whatever its acquisition (I3)", "!=31"},
+	{"TODAY_MARKERS", "job markers trusted: a forged abort closes an attempt, a forged higher attempt supersedes one (I8)", "jobApplied["},
 }
 
 func TestModelDefects(t *testing.T) {

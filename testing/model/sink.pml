@@ -49,43 +49,129 @@ inline verify(ff, ee, aa, out) {
 #endif
 }
 
-/* Apply job jj of fence ff if its open attempt is complete and the job its
- * final names as previous is applied: every effect in one step, each key
- * once (dedupe by scope and key). */
-inline tryApply(ff, jj) {
-  si = SI(ff, jj);
-  if
-  :: slot[si].on && slot[si].fin && slot[si].got == FULL(jj) &&
-     (slot[si].prev == 0 || PREVAPPLIED(ff, slot[si].prev)) ->
-     /* I3: never below the fence id's highest admitted stamp, never split brain, never forged */
-     assert(slot[si].e == gF[ff].e && slot[si].a == gF[ff].a);
-     assert(slot[si].a != FORGED);
-     /* all or none: before this step the job's keys are none or all applied */
-     assert(appliedKey[KI(ff, jj, 0)] == appliedKey[KI(ff, jj, NE(jj) - 1)]);
-     vi = 0;
-     do
-     :: vi < NE(jj) ->
-        if
-        :: !appliedKey[KI(ff, jj, vi)] -> appliedKey[KI(ff, jj, vi)] = 1
-        :: else -> skip   /* I5: a key is applied once (dedupe by scope and key) */
-        fi;
-        vi++
-     :: else -> break
-     od;
-     vi = 0;
-     jobApplied[si] = 1;
-     printf("MSC: sink applies job %d of fence %d (epoch %d acquisition %d attempt %d)\n", jj, ff, slot[si].e, slot[si].a, slot[si].k);
+/* Apply job jj of fence ff from attempt rk: every effect in one step, each
+ * key once (dedupe by scope and key). */
+inline applyJob(ff, jj, rk) {
+  /* I3: never below the fence id's highest admitted stamp, never split brain, never forged */
+  assert(slot[si].e == gF[ff].e && slot[si].a == gF[ff].a);
+  assert(slot[si].a != FORGED);
+  /* all or none: before this step the job's keys are none or all applied */
+  assert(appliedKey[KI(ff, jj, 0)] == appliedKey[KI(ff, jj, NE(jj) - 1)]);
+  vi = 0;
+  do
+  :: vi < NE(jj) ->
+     if
+     :: !appliedKey[KI(ff, jj, vi)] -> appliedKey[KI(ff, jj, vi)] = 1
+     :: else -> skip   /* I5: a key is applied once (dedupe by scope and key) */
+     fi;
+     vi++
+  :: else -> break
+  od;
+  vi = 0;
+  jobApplied[si] = 1;
+  printf("MSC: sink applies job %d of fence %d (epoch %d acquisition %d attempt %d)\n", jj, ff, slot[si].e, slot[si].a, rk);
 #ifdef WRITTEN_STATE
-     memApplied[si] = 1;
+  memApplied[si] = 1;
 #endif
-     slot[si].on = 0; slot[si].e = 0; slot[si].a = 0; slot[si].k = 0; slot[si].got = 0; slot[si].fin = 0; slot[si].prev = 0
-  :: else -> skip
-  fi;
-  si = 0
+  clearSlot(si)
 }
 
+#ifdef TODAY_MARKERS
+/* the open attempt (one at a time), if complete and the job its final
+ * names as previous is applied */
+inline tryApply(ff, jj) {
+  si = SI(ff, jj);
+  kk = 1;
+  do
+  :: kk <= 3 && !ON(si, kk) -> kk++
+  :: else -> break
+  od;
+  if
+  :: kk <= 3 && COMPLETE(si, kk, jj) && (PRV(si, kk) == 0 || PREVAPPLIED(ff, PRV(si, kk))) -> applyJob(ff, jj, kk)
+  :: else -> skip
+  fi;
+  kk = 0; si = 0
+}
+#else
+/* Apply job jj of fence ff from the first attempt, by rank, that is complete
+ * and whose previous job is applied; an attempt ranked before it that may
+ * still complete holds it back. Rank: attempts in number order, one that
+ * came after a higher one (late) after those (the order they first came
+ * in, with one forgery). A disputed attempt (its abort and its final both
+ * came) waits for the record, and then gives way to a complete attempt
+ * ranked after it. A complete attempt whose previous job can never apply
+ * (hopeless: with two jobs, job 1 settled, not applied, with no complete
+ * attempt) is passed over. (sink/streamsink/attempts.go candidate) */
+inline tryApply(ff, jj) {
+  si = SI(ff, jj);
+  rk = 0; pass = 0;
+  do
+  :: pass < 2 && rk == 0 ->
+     kk = 1;
+     do
+     :: kk <= 3 && rk == 0 ->
+        if
+        :: ON(si, kk) && LATEK(si, kk) == pass ->
+           if
+           :: !COMPLETE(si, kk, jj) -> rk = NONE         /* may still complete: wait */
+           :: else ->
+              /* lc: a complete attempt ranks after this one */
+              lc = 0; k2 = 1;
+              do
+              :: k2 <= 3 ->
+                 if
+                 :: COMPLETE(si, k2, jj) && (LATEK(si, k2) > pass || (LATEK(si, k2) == pass && k2 > kk)) -> lc = 1
+                 :: else -> skip
+                 fi;
+                 k2++
+              :: else -> break
+              od;
+              k2 = 0;
+              if
+              :: ABK(si, kk) && !SETTLED(ff, slot[si].e, slot[si].a, jj) -> rk = NONE   /* disputed: wait */
+              :: ABK(si, kk) && SETTLED(ff, slot[si].e, slot[si].a, jj) && lc -> skip  /* gives way */
+              :: else ->
+                 if
+                 :: PRV(si, kk) == 0 || PREVAPPLIED(ff, PRV(si, kk)) -> rk = kk
+                 :: else ->
+                    if
+                    :: jj == 2 && PRV(si, kk) == 1 && SETTLED(ff, slot[si].e, slot[si].a, jj) &&
+                       !PREVAPPLIED(ff, 1) && !ANYCOMPLETE(SI(ff, 1), 1) -> skip   /* hopeless */
+                    :: else -> rk = NONE
+                    fi
+                 fi
+              fi;
+              lc = 0
+           fi
+        :: else -> skip
+        fi;
+        kk++
+     :: else -> break
+     od;
+     pass++
+  :: else -> break
+  od;
+  if
+  :: rk != 0 && rk != NONE -> applyJob(ff, jj, rk)
+  :: else -> skip
+  fi;
+  rk = 0; pass = 0; kk = 0; si = 0
+}
+#endif
+
 inline clearSlot(s) {
-  slot[s].on = 0; slot[s].e = 0; slot[s].a = 0; slot[s].k = 0; slot[s].got = 0; slot[s].fin = 0; slot[s].prev = 0
+  slot[s].on = 0; slot[s].e = 0; slot[s].a = 0; slot[s].fin = 0; slot[s].ab = 0; slot[s].late = 0; slot[s].got = 0; slot[s].prev = 0
+}
+
+/* drop the attempt k of slot s (all its bits) */
+inline clearAttempt(s, k) {
+  slot[s].on = slot[s].on & ~BIT(k); slot[s].fin = slot[s].fin & ~BIT(k);
+  slot[s].ab = slot[s].ab & ~BIT(k); slot[s].late = slot[s].late & ~BIT(k);
+  slot[s].got = slot[s].got & ~(3 << (2*((k) - 1))); slot[s].prev = slot[s].prev & ~(3 << (2*((k) - 1)));
+  if
+  :: slot[s].on == 0 -> clearSlot(s)
+  :: else -> skip
+  fi
 }
 
 /* an admitted effect with job headers */
@@ -114,30 +200,120 @@ inline onJobEffect(p) {
   :: else -> skip
   fi
 #else
+  kk = log[p].k;
   if
 #ifndef WRITTEN_REOPEN
   :: jobApplied[si] -> skip   /* a job applied already: a duplicate, acked and dropped */
 #endif
-  :: slot[si].on && slot[si].e == log[p].e && slot[si].a == log[p].a && slot[si].k > log[p].k ->
+#ifdef TODAY_MARKERS
+  :: slot[si].on && slot[si].e == log[p].e && slot[si].a == log[p].a && (slot[si].on >> kk) != 0 ->
      skip                     /* an earlier attempt, superseded */
   :: else ->
      if
-     :: slot[si].on && slot[si].e == log[p].e && slot[si].a == log[p].a && slot[si].k == log[p].k -> skip
+     :: slot[si].on && slot[si].e == log[p].e && slot[si].a == log[p].a && ON(si, kk) -> skip
      :: else ->                /* a new attempt supersedes an open one */
         clearSlot(si);
-        slot[si].on = 1; slot[si].e = log[p].e; slot[si].a = log[p].a; slot[si].k = log[p].k
+        slot[si].e = log[p].e; slot[si].a = log[p].a; slot[si].on = BIT(kk)
      fi;
-     slot[si].got = slot[si].got | (1 << log[p].idx);
+#else
+  :: !ON(si, kk) && log[p].f < NP && (p + 1) > pS && SETTLED(log[p].f, log[p].e, log[p].a, log[p].j) ->
+     skip                     /* after the lease's commits were all read: set aside (after_commit) */
+  :: else ->
      if
-     :: log[p].fin -> slot[si].fin = 1; slot[si].prev = log[p].prev
+     :: slot[si].on && (slot[si].e != log[p].e || slot[si].a != log[p].a) -> clearSlot(si)
      :: else -> skip
      fi;
+     if
+     :: !ON(si, kk) ->
+        slot[si].e = log[p].e; slot[si].a = log[p].a;
+        if
+        :: (slot[si].on >> kk) != 0 -> slot[si].late = slot[si].late | BIT(kk)   /* attempt_order */
+        :: else -> skip
+        fi;
+        slot[si].on = slot[si].on | BIT(kk)
+     :: else -> skip
+     fi;
+#endif
+     if
+     :: log[p].fin && !FINK(si, kk) && !((GOT(si, kk) >> log[p].idx) & 1) ->
+        slot[si].fin = slot[si].fin | BIT(kk);
+        slot[si].prev = (slot[si].prev & ~(3 << (2*(kk - 1)))) | (log[p].prev << (2*(kk - 1)))
+     :: else -> skip           /* not a final, or a final that repeats a key or a final (final_key, final_conflict) */
+     fi;
+     slot[si].got = slot[si].got | (1 << (2*(kk - 1) + log[p].idx));
      tryApply(log[p].f, 1);
      tryApply(log[p].f, 2)
   fi;
+  kk = 0;
 #endif
   si = 0
 }
+
+/* an admitted abort marker */
+inline onAbort(p) {
+  si = SI(log[p].f, log[p].j);
+  kk = log[p].k;
+  if
+#ifdef TODAY_MARKERS
+  /* closes the open attempt at or below its number */
+  :: slot[si].on && slot[si].e == log[p].e && slot[si].a == log[p].a && (slot[si].on & ((1 << kk) - 1)) != 0 -> clearSlot(si)
+#else
+  /* a hint on its own attempt: it proves nothing */
+  :: slot[si].on && slot[si].e == log[p].e && slot[si].a == log[p].a && ON(si, kk) -> slot[si].ab = slot[si].ab | BIT(kk)
+#endif
+  :: else -> skip
+  fi;
+  kk = 0; si = 0
+}
+
+#ifndef TODAY_MARKERS
+/* a read of the records now would settle an open attempt's job */
+#define NOWSETTLED(s) (slot[s].on && ((frec[(s)/NJ].e > slot[s].e) || (frec[(s)/NJ].e == slot[s].e && frec[(s)/NJ].a != slot[s].a) || (frec[(s)/NJ].e == slot[s].e && frec[(s)/NJ].a == slot[s].a && frec[(s)/NJ].seq >= (s)%NJ + 1)))
+#define USEFUL (NOWSETTLED(0) || NOWSETTLED(1) || (NP > 1 && (NOWSETTLED(NJ) || NOWSETTLED(NJ+1))))
+inline forgetProof() {
+  ps = 0; pS = 0;
+  q = 0;
+  do
+  :: q < NP -> pE[q] = 0; pA[q] = 0; pSeq[q] = 0; q++
+  :: else -> break
+  od;
+  q = 0
+}
+
+/* The record read shows attempts that can never complete: those of a job
+ * the lease commits no more of, still incomplete once the runner has
+ * decided the log up to where it ended when the record was read. */
+inline applyProof() {
+  vi = 0;
+  do
+  :: vi < NP*NJ ->
+     if
+     :: slot[vi].on && SETTLED(vi / NJ, slot[vi].e, slot[vi].a, vi % NJ + 1) ->
+        kk = 1;
+        do
+        :: kk <= 3 ->
+           if
+           :: ON(vi, kk) && !COMPLETE(vi, kk, vi % NJ + 1) -> clearAttempt(vi, kk)
+           :: else -> skip
+           fi;
+           kk++
+        :: else -> break
+        od;
+        kk = 0
+     :: else -> skip
+     fi;
+     vi++
+  :: else -> break
+  od;
+  vi = 0;
+  q = 0;
+  do
+  :: q < NP -> tryApply(q, 1); tryApply(q, 2); q++
+  :: else -> break
+  od;
+  q = 0
+}
+#endif
 
 /* decide the message at position p+1 (log[p]) against the fences */
 inline decide(p) {
@@ -159,8 +335,18 @@ inline decide(p) {
         verify(log[p].f, log[p].e, log[p].a, v);
         if
         :: v == ADMIT ->
+#ifndef TODAY_MARKERS
+           /* the later lease fenced the record before it wrote this: the
+            * earlier leases are settled as of here. What they completed
+            * applies, under the fence as it stood (sink/streamsink/groups.go
+            * abandon) */
+           if
+           :: log[p].f < NP -> rz = log[p].e; applyProof(); rz = 0
+           :: else -> skip
+           fi;
+#endif
            /* the fence rises at this position; open attempts below it are
-            * abandoned (their jobs were not committed: see README) */
+            * abandoned (what they did not complete never will: see README) */
            fence[fs].e = log[p].e; fence[fs].a = log[p].a; fence[fs].setter = log[p].f;
            printf("MSC: sink raises fence %d to %d/%d at position %d\n", fs, log[p].e, log[p].a, p + 1);
            if
@@ -189,13 +375,7 @@ inline decide(p) {
         fi;
         if
         :: log[p].kind == BARRIER -> skip
-        :: log[p].kind == ABORT ->
-           si = SI(log[p].f, log[p].j);
-           if
-           :: slot[si].on && slot[si].e == log[p].e && slot[si].a == log[p].a && slot[si].k <= log[p].k -> clearSlot(si)
-           :: else -> skip
-           fi;
-           si = 0
+        :: log[p].kind == ABORT -> onAbort(p)
         :: log[p].kind == EFFECT && log[p].j == 0 ->
            /* a write without job headers: applies on its own (I3) */
            assert(log[p].e == gF[log[p].f].e && log[p].a == gF[log[p].f].a);
@@ -212,6 +392,12 @@ inline decide(p) {
 }
 
 #define NOOPEN (!slot[0].on && !slot[1].on && (NP < 2 || (!slot[NJ].on && !slot[NJ+1].on)))
+
+#ifdef TODAY_MARKERS
+#define FORGETPROOF skip
+#else
+#define FORGETPROOF forgetProof()
+#endif
 
 inline saveFences() {
   vi = 0;
@@ -255,11 +441,21 @@ inline restore() {
      vi++
   :: else -> break
   od;
+  vi = 0;
+#ifndef TODAY_MARKERS
+  /* what it read of the records is gone with it */
+  ps = 0; pS = 0;
+  do
+  :: vi < NP -> pE[vi] = 0; pA[vi] = 0; pSeq[vi] = 0; vi++
+  :: else -> break
+  od;
   vi = 0
+#endif
 }
 
 proctype Runner() {
-  byte fs, v, vi, si, q;
+  byte fs, v, vi, si, q, kk, rk, pass, lc, k2;
+  byte rz;   /* while a raise to epoch rz settles the leases below it */
 #ifdef VARIANT_D
   /* the consumer: ccur is the last position delivered; a delivery may be
    * lost in flight and comes again as a redelivery, after later ones */
@@ -309,7 +505,7 @@ end:
        :: stopped == 0 && pos < llen && pos + 1 >= lfirst ->
           decide(pos); pos++;
           if
-          :: NOOPEN -> savedPos = pos; saveFences(); forgetSaved()
+          :: NOOPEN -> savedPos = pos; saveFences(); forgetSaved(); FORGETPROOF
           :: else -> skip
           fi;
 #ifdef ONEBYONE
@@ -320,6 +516,27 @@ end:
        :: else -> break
        od
      }
+#ifndef TODAY_MARKERS
+  /* read the fence records while attempts are open, note the log's last
+   * position, and (decided up to it) drop what can never complete and
+   * apply what that lets apply */
+  :: atomic {
+       stopped == 0 && pos == llen && USEFUL && !(ps == 2 && PROOFNOW) ->
+       ps = 2; pS = llen;
+       q = 0;
+       do
+       :: q < NP -> pE[q] = frec[q].e; pA[q] = frec[q].a; pSeq[q] = frec[q].seq; q++
+       :: else -> break
+       od;
+       q = 0;
+       printf("MSC: sink reads the fence record: %d/%d committed %d, the log ends at %d\n", pE[0], pA[0], pSeq[0], pS);
+       applyProof();
+       if
+       :: NOOPEN -> savedPos = pos; saveFences(); forgetSaved(); forgetProof()
+       :: else -> skip
+       fi
+     }
+#endif
   /* crash, and resume from what was saved */
   :: atomic { FAULT(nscrash, MAXSCRASH) -> TAKE(nscrash); printf("MSC: sink crashes; resumes after position %d\n", savedPos); restore() }
   od

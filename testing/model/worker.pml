@@ -214,12 +214,11 @@ fencing:
        :: else -> skip
        fi
      }
-  /* an effect not acknowledged: the attempt failed after emitting; abort
-   * marker, then run again from this job (worker/progress.go rewind) */
+  /* an effect not acknowledged: run again from this job, under higher
+   * attempt numbers, with no abort marker (worker/progress.go rewind) */
   :: atomic {
        fin + 1 < nxt && !ok[fin + 1] ->
-       publish(ABORT, f, e, a, fin + 1, att[fin + 1], 0, 0, 0, res);
-       res = 0; ok[1] = 0; ok[2] = 0; nxt = fin + 1
+       ok[1] = 0; ok[2] = 0; nxt = fin + 1
      }
   od;
 
