@@ -137,6 +137,11 @@ func (gs *groups) last(k groupKey) (applied, uint64) {
 // advance records job k applied from an attempt numbered up to top.
 func (gs *groups) advance(k groupKey, top uint64) {
 	a, _ := gs.last(k)
+	gs.advanceFrom(k, a, top)
+}
+
+// advanceFrom is advance from a, where the chain stood.
+func (gs *groups) advanceFrom(k groupKey, a applied, top uint64) {
 	if a.Epoch != k.epoch || a.Acquisition != k.acquisition {
 		a = applied{Epoch: k.epoch, Acquisition: k.acquisition}
 	}
@@ -188,7 +193,8 @@ func (r *Runner) decideJob(o *outcome, mark leasehold.JobMark, outs *[]outcome) 
 	chain := chainKey{fence: st.Fence(), subject: o.m.subject}
 	k := groupKey{chainKey: chain, epoch: st.Epoch, acquisition: st.Acquisition, job: mark.Job}
 	o.deliver, o.report = false, false
-	if a, last := gs.last(k); mark.Job <= last {
+	a, last := gs.last(k)
+	if mark.Job <= last {
 		switch {
 		case mark.Abort:
 		case a.hole(mark.Job):
@@ -206,10 +212,14 @@ func (r *Runner) decideJob(o *outcome, mark leasehold.JobMark, outs *[]outcome) 
 		setAside(o, SuspectJobKey, fmt.Errorf("streamsink: the effect at log position %d names job %d, and its key %q another: a worker's keys name their job", o.m.seq, mark.Job, st.Key))
 		return nil
 	}
-	g := gs.open[k]
+	// Most jobs' chains hold no open group: their effect is applied alone.
+	busy := gs.busy[chain] != 0
+	var g *group
 	var at *attempt
-	if g != nil {
-		at = g.find(mark.Attempt)
+	if busy {
+		if g = gs.open[k]; g != nil {
+			at = g.find(mark.Attempt)
+		}
 	}
 	if at == nil && r.afterCommit(k, o.m.seq) {
 		if !mark.Abort {
@@ -217,7 +227,7 @@ func (r *Runner) decideJob(o *outcome, mark leasehold.JobMark, outs *[]outcome) 
 		}
 		return nil
 	}
-	if g == nil && r.applyAlone(o, k, mark, outs) {
+	if !busy && r.applyAlone(o, k, mark, a, last, outs) {
 		return nil
 	}
 	if mark.Abort {
@@ -348,19 +358,17 @@ func (r *Runner) topAttempt(k groupKey) uint64 {
 // it. That is the effect of nearly every job, so it is worth the shortcut.
 // Anything else (more effects, an open group on the chain, a job before it
 // not applied yet, a runner at its held-effects limit) takes the way of
-// groups. The job has no group: no other attempt of it is open, and none
-// can rank before this one.
-func (r *Runner) applyAlone(o *outcome, k groupKey, mark leasehold.JobMark, outs *[]outcome) bool {
+// groups. It is called only for a chain with no open group: no other
+// attempt of the job is open, none can rank before this one, and no job
+// before it is open.
+func (r *Runner) applyAlone(o *outcome, k groupKey, mark leasehold.JobMark, a applied, last uint64, outs *[]outcome) bool {
 	gs := r.groups
-	if mark.Effects != 1 || mark.Abort || mark.Attempt == 0 || gs.busy[k.chainKey] != 0 ||
+	if mark.Effects != 1 || mark.Abort || mark.Attempt == 0 || mark.After > last ||
 		gs.held >= r.cfg.MaxHeldEffects || gs.bytes+len(o.m.data) > r.cfg.MaxHeldBytes {
 		return false
 	}
-	if _, last := gs.last(k); mark.After > last {
-		return false
-	}
 	*outs = append(*outs, heldCopy(o, k.job))
-	gs.advance(k, mark.Attempt)
+	gs.advanceFrom(k, a, mark.Attempt)
 	return true
 }
 
