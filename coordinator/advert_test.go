@@ -61,33 +61,10 @@ func partitionWatchers(t *testing.T, ctx context.Context, js jetstream.JetStream
 	return n
 }
 
-// waitUntil polls cond until it holds or ctx ends.
-func waitUntil(t *testing.T, ctx context.Context, what string, cond func() (bool, string)) {
-	t.Helper()
-	for {
-		ok, state := cond()
-		if ok {
-			return
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("%s: not reached (%s)", what, state)
-		case <-time.After(20 * time.Millisecond):
-		}
-	}
-}
-
-func heldPartitions(m *member) []int32 {
-	var out []int32
-	for _, l := range m.c.Held() {
-		out = append(out, int32(l.Partition()))
-	}
-	return out
-}
-
 // Members list what they hold in their own registrations, and watch the
 // member records only: no consumer reads the partition records.
 func TestMembersListWhatTheyHold(t *testing.T) {
+	t.Parallel()
 	const n = 48
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
@@ -137,6 +114,7 @@ func TestMembersListWhatTheyHold(t *testing.T) {
 // partition records again, and the group still shares every partition
 // out once; when it leaves, the partition watches end.
 func TestAMemberWithoutAListBringsBackThePartitionWatch(t *testing.T) {
+	t.Parallel()
 	const n = 48
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
@@ -183,6 +161,7 @@ func TestAMemberWithoutAListBringsBackThePartitionWatch(t *testing.T) {
 // else may take a live session's record. Member a here is a registration
 // kept alive that took every partition and lists none of them.
 func TestUnlistedRecordOfALiveSessionIsTakenOver(t *testing.T) {
+	t.Parallel()
 	const n = 16
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
@@ -222,6 +201,7 @@ func TestUnlistedRecordOfALiveSessionIsTakenOver(t *testing.T) {
 // Fence leaves it a notice), and the group takes the partition again with
 // a higher epoch though no job ever makes the holder commit.
 func TestFenceOfAListedPartitionIsTakenBack(t *testing.T) {
+	t.Parallel()
 	const n = 8
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)

@@ -42,6 +42,7 @@ func moved(before, after []string) int {
 }
 
 func TestAssignBalancedAndSticky(t *testing.T) {
+	t.Parallel()
 	const n = 64
 	ws := func(k int) []string {
 		var m []string
@@ -77,6 +78,7 @@ func TestAssignBalancedAndSticky(t *testing.T) {
 }
 
 func TestAssignSmallAndEdgeCases(t *testing.T) {
+	t.Parallel()
 	if got := Assign(4, nil, nil); !slices.Equal(got, make([]string, 4)) {
 		t.Fatalf("no members: %v", got)
 	}
@@ -100,6 +102,7 @@ func TestAssignSmallAndEdgeCases(t *testing.T) {
 }
 
 func TestAssignSpreadsFreshPartitionsEvenly(t *testing.T) {
+	t.Parallel()
 	members := []string{"x", "y", "z"}
 	got := Assign(4096, members, nil)
 	checkBalanced(t, 4096, members, got)
@@ -206,6 +209,7 @@ func assignReference(n int, members []string, owners []string) []string {
 // (as a worker keeps it), gives exactly the reference assignment at every
 // step; so does Assign.
 func TestAssignerMatchesTheDefinition(t *testing.T) {
+	t.Parallel()
 	rng := rand.New(rand.NewPCG(7, 11))
 	for _, n := range []int{1, 7, 64, 1000} {
 		a := newAssigner(n)

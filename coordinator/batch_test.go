@@ -123,13 +123,14 @@ func checkBatchLeases(t *testing.T, js jetstream.JetStream, b *coordinator.Bucke
 // compare-and-set on their revisions in one batch, and the progress they
 // hold carries over.
 func TestBatchAcquisitionEpochsAreTheirRecordsRevisions(t *testing.T) {
+	t.Parallel()
 	for _, replicas := range []int{1, 3} {
 		t.Run(fmt.Sprintf("R%d", replicas), func(t *testing.T) {
 			var js jetstream.JetStream
 			if replicas == 1 {
 				js = natstest.Start(t).JetStream(t)
 			} else {
-				js = natstest.StartCluster(t).JetStream(t)
+				js = startCluster(t).JetStream(t)
 			}
 			// Round 1 writes its batch over round 0's release markers, at
 			// the revisions it reads them at: a marker that expires in
@@ -192,6 +193,7 @@ func TestBatchAcquisitionEpochsAreTheirRecordsRevisions(t *testing.T) {
 // epoch refuses its partition alone. The rest are acquired and fenced, in
 // one batch each, at the right epochs.
 func TestBatchAcquisitionFallsBackOneByOne(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	ctx := ctxFor(t, 2*time.Minute)
@@ -272,6 +274,7 @@ func TestBatchAcquisitionFallsBackOneByOne(t *testing.T) {
 // A bucket an earlier leasehold made takes no atomic batches: a group
 // acquires one by one there, and Provision, run again, allows them.
 func TestBucketWithoutAtomicBatchesAcquiresOneByOne(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	ctx := ctxFor(t, time.Minute)
@@ -311,6 +314,8 @@ func TestBucketWithoutAtomicBatchesAcquiresOneByOne(t *testing.T) {
 // membership has settled, and every partition it holds has its record's
 // revision as its epoch.
 func TestRunAcquiresInBatches(t *testing.T) {
+	t.Parallel()
+	oneOf(t, busy)
 	const n = 600
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)

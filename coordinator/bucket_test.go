@@ -56,6 +56,7 @@ func cycle(t *testing.T, c *coordinator.Coordinator, p leasehold.Partition) leas
 
 // I1: epochs strictly increase across a server restart.
 func TestEpochsIncreaseAcrossRestart(t *testing.T) {
+	t.Parallel()
 	s := natstest.Start(t, natstest.Listen())
 	b := provision(t, s.JetStream(t), 1)
 	c := newCoord(t, b, "a", 2*time.Second)
@@ -72,7 +73,8 @@ func TestEpochsIncreaseAcrossRestart(t *testing.T) {
 
 // I1: epochs strictly increase across the loss of the stream leader.
 func TestEpochsIncreaseAcrossLeaderKill(t *testing.T) {
-	cl := natstest.StartCluster(t)
+	t.Parallel()
+	cl := startCluster(t)
 	js := cl.JetStream(t)
 	b := provision(t, js, 3)
 	c := newCoord(t, b, "a", 2*time.Second)
@@ -101,6 +103,7 @@ func TestEpochsIncreaseAcrossLeaderKill(t *testing.T) {
 // I1: epochs strictly increase when the bucket is deleted and re-created,
 // even when the old bucket issued revisions faster than the clock moves.
 func TestEpochsIncreaseAcrossBucketRecreation(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	ctx := ctxFor(t, 20*time.Second)
 	b := provision(t, js, 1)
@@ -146,7 +149,8 @@ func TestEpochsIncreaseAcrossBucketRecreation(t *testing.T) {
 // else: it held nothing when it recorded, so it is not counted, and it
 // does not take the place of the holder it found.
 func TestNeverTwoHolders(t *testing.T) {
-	cl := natstest.StartCluster(t)
+	t.Parallel()
+	cl := startCluster(t)
 	b := provision(t, cl.JetStream(t), 3)
 	const racers, target = 8, 60
 	var mu sync.Mutex
@@ -232,6 +236,7 @@ func TestNeverTwoHolders(t *testing.T) {
 }
 
 func TestBucketWithWrongConfigIsRefused(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	ctx := ctxFor(t, 10*time.Second)
 	// A stock KV bucket: history 5, no per-key TTL, memory storage.
@@ -264,6 +269,7 @@ func TestBucketWithWrongConfigIsRefused(t *testing.T) {
 }
 
 func TestGarbledLeaseRecord(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	ctx := ctxFor(t, 10*time.Second)
@@ -290,6 +296,7 @@ func TestGarbledLeaseRecord(t *testing.T) {
 }
 
 func TestNATSUnreachable(t *testing.T) {
+	t.Parallel()
 	s := natstest.Start(t, natstest.Listen())
 	nc, err := nats.Connect(s.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
 	if err != nil {
@@ -316,7 +323,8 @@ func TestNATSUnreachable(t *testing.T) {
 // to a follower, where a direct get (kv.Get) may still miss it. Keys with
 // no value read as absent.
 func TestLookupSeesTheLeadersValue(t *testing.T) {
-	cl := natstest.StartCluster(t)
+	t.Parallel()
+	cl := startCluster(t)
 	b := provision(t, cl.JetStream(t), 3)
 	ctx := ctxFor(t, 60*time.Second)
 	leader := cl.StreamLeader(t, "KV_"+b.Name(), 10*time.Second)

@@ -15,6 +15,7 @@ import (
 // acquisition) pairs, ascending with its own last, and names the newest
 // epoch it dropped.
 func TestFenceRecordHistory(t *testing.T) {
+	t.Parallel()
 	var r fenceRecord
 	for i := range FenceHistory + 3 {
 		r = r.withEpoch(uint64(100+10*i), fmt.Sprintf("a%d", i), "w")
@@ -45,6 +46,7 @@ func TestFenceRecordHistory(t *testing.T) {
 // its own acquisition is known from the record's Acquisition. One that
 // holds as many epochs as that release kept may have forgotten older ones.
 func TestFenceRecordFromPreviousRelease(t *testing.T) {
+	t.Parallel()
 	prev, err := decodeFence([]byte(`{"epoch":40,"acquisition":"a40","seq":7,"holder":"w","recent":[10,20,30,40]}`))
 	if err != nil {
 		t.Fatal(err)
@@ -76,6 +78,7 @@ func TestFenceRecordFromPreviousRelease(t *testing.T) {
 // What a fence record costs by the size of its history: its JSON, with
 // the epochs (Unix microseconds) and tokens acquisitions have.
 func TestFenceRecordSize(t *testing.T) {
+	t.Parallel()
 	for _, n := range []int{8, 16, 32} {
 		var r fenceRecord
 		for i := range n {

@@ -20,6 +20,7 @@ import (
 // puts each right; afterwards nothing is found and every partition can be
 // acquired.
 func TestFindingsAndRepair(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	jobStream(t, js, b.Scope(), 8, 5)
@@ -164,6 +165,7 @@ func (r *logRecorder) about(key, msg string) int {
 // they have outlived any lease, and a member record without a TTL gets no
 // partitions. Each record is warned about once.
 func TestGroupTakesOverForeignRecords(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	ctx := ctxFor(t, 60*time.Second)

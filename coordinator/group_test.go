@@ -17,180 +17,6 @@ import (
 	"github.com/leasehold/leasehold/testing/natstest"
 )
 
-type member struct {
-	c        *coordinator.Coordinator
-	cancel   context.CancelFunc
-	done     chan error
-	acquired atomic.Int64
-	revoked  atomic.Int64
-	lapsed   atomic.Int64 // leases lost to their local deadline
-}
-
-func startMember(t *testing.T, b *coordinator.Bucket, name string, n int) *member {
-	t.Helper()
-	return startMemberTTL(t, b, name, n, 2*time.Second)
-}
-
-// startMemberTTL starts a member with lease TTL ttl. A test that is about
-// the assignment, not about expiry, uses a TTL long enough that no lease
-// lapses on a loaded machine: a lapse moves partitions the assignment
-// would not have moved.
-func startMemberTTL(t *testing.T, b *coordinator.Bucket, name string, n int, ttl time.Duration) *member {
-	t.Helper()
-	return startMemberWith(t, b, name, n, ttl, nil)
-}
-
-// startMemberWith starts a member as startMemberTTL does, with its
-// configuration changed by edit (when not nil).
-func startMemberWith(t *testing.T, b *coordinator.Bucket, name string, n int, ttl time.Duration, edit func(*coordinator.Config)) *member {
-	t.Helper()
-	m := &member{done: make(chan error, 1)}
-	cfg := coordinator.Config{
-		Worker:     name,
-		Partitions: n,
-		TTL:        ttl,
-		OnAcquire:  func(*coordinator.Lease) { m.acquired.Add(1) },
-		OnRevoke:   func(context.Context, *coordinator.Lease) { m.revoked.Add(1) },
-		Observer:   m,
-	}
-	if edit != nil {
-		edit(&cfg)
-	}
-	c, err := coordinator.New(b, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	m.c = c
-	ctx, cancel := context.WithCancel(context.Background())
-	m.cancel = cancel
-	go func() { m.done <- c.Run(ctx) }()
-	t.Cleanup(func() { m.stop(t) })
-	return m
-}
-
-// LeaseEvent counts the leases that lapsed.
-func (m *member) LeaseEvent(_ context.Context, e coordinator.Event) {
-	if e.Kind == coordinator.EventLost && e.Reason == coordinator.LostDeadline {
-		m.lapsed.Add(1)
-	}
-}
-
-func (m *member) stop(t *testing.T) {
-	if m.cancel == nil {
-		return
-	}
-	m.cancel()
-	m.cancel = nil
-	select {
-	case err := <-m.done:
-		if err != nil {
-			t.Errorf("Run: %v", err)
-		}
-	case <-time.After(30 * time.Second):
-		t.Error("Run did not return after its context ended")
-	}
-}
-
-// ownership returns the owner of every partition, as the members see their
-// own holdings, and whether it is balanced: every partition held exactly
-// once and the counts within one of each other.
-func ownership(ms map[string]*member, n int) ([]string, bool) {
-	owners := make([]string, n)
-	lo, hi := n, 0
-	for name, m := range ms {
-		held := m.c.Held()
-		lo, hi = min(lo, len(held)), max(hi, len(held))
-		for _, l := range held {
-			if owners[l.Partition()] != "" {
-				return nil, false
-			}
-			owners[l.Partition()] = name
-		}
-	}
-	for _, o := range owners {
-		if o == "" {
-			return nil, false
-		}
-	}
-	return owners, hi-lo <= 1
-}
-
-func waitBalanced(t *testing.T, ms map[string]*member, n int, within time.Duration) []string {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for {
-		if owners, ok := ownership(ms, n); ok {
-			// Hold still: a balanced moment in passing is not convergence.
-			time.Sleep(600 * time.Millisecond)
-			if again, ok := ownership(ms, n); ok && fmt.Sprint(again) == fmt.Sprint(owners) {
-				return owners
-			}
-		}
-		if time.Now().After(deadline) {
-			var counts []string
-			for name, m := range ms {
-				counts = append(counts, fmt.Sprintf("%s:%d", name, len(m.c.Held())))
-			}
-			t.Fatalf("not balanced after %v: %v", within, counts)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
-// lapses counts the leases the members lost to their local deadline: the
-// server did not answer renewals in time (a loaded machine can starve a
-// cluster of a leader for seconds), and the partitions moved for that.
-func lapses(ms map[string]*member) int64 {
-	var n int64
-	for _, m := range ms {
-		n += m.lapsed.Load()
-	}
-	return n
-}
-
-func revocations(ms map[string]*member) int64 {
-	var n int64
-	for _, m := range ms {
-		n += m.revoked.Load()
-	}
-	return n
-}
-
-// checkHandoffs: every acquisition of a phase is a move, but for one each
-// transient revocation explains — a member that saw the group change
-// later than the others (a loaded machine delays watch updates past the
-// rebalance delay) and handed off a partition that then came back.
-func checkHandoffs(t *testing.T, phase string, moved int, handoffs, revoked int64) {
-	t.Helper()
-	transient := revoked - int64(moved)
-	if handoffs == int64(moved) {
-		return
-	}
-	if handoffs > int64(moved) && handoffs-int64(moved) <= transient {
-		t.Logf("%s: %d hand-offs beyond the %d moves, after %d transient revocations while the views settled", phase, handoffs-int64(moved), moved, transient)
-		return
-	}
-	t.Errorf("%s took %d acquisitions for %d moves (%d revocations)", phase, handoffs, moved, revoked)
-}
-
-func acquisitions(ms map[string]*member) int64 {
-	var n int64
-	for _, m := range ms {
-		n += m.acquired.Load()
-	}
-	return n
-}
-
-func diff(a, b []string) int {
-	n := 0
-	for p := range a {
-		if a[p] != b[p] {
-			n++
-		}
-	}
-	return n
-}
-
 // Assignment: 3, then 5, then 2 workers over 64 partitions. Every phase ends
 // with every partition owned once, the counts within one, and only the
 // partitions that had to move moved. Moves are hand-offs, which do not
@@ -198,13 +24,14 @@ func diff(a, b []string) int {
 // 2-core) cluster lapses no lease, which would move partitions that need
 // not move.
 func TestGroupRebalancesMinimally(t *testing.T) {
+	t.Parallel()
 	const ttl = 6 * time.Second
 	for _, topo := range []string{"single", "cluster"} {
 		t.Run(topo, func(t *testing.T) {
 			const n = 64
 			var b *coordinator.Bucket
 			if topo == "cluster" {
-				b = provision(t, natstest.StartCluster(t).JetStream(t), 3)
+				b = provision(t, startCluster(t).JetStream(t), 3)
 			} else {
 				b = provision(t, natstest.Start(t).JetStream(t), 1)
 			}
@@ -283,6 +110,7 @@ func TestGroupRebalancesMinimally(t *testing.T) {
 // partitions to the others within about a TTL, with higher epochs, while
 // the partitions the survivor already held keep theirs.
 func TestGroupFailsOverWhenAWorkerIsCutOff(t *testing.T) {
+	t.Parallel()
 	const n = 8
 	s := natstest.Start(t)
 	b := provision(t, s.JetStream(t), 1)
@@ -334,6 +162,8 @@ func TestGroupFailsOverWhenAWorkerIsCutOff(t *testing.T) {
 // when the first lease is handed out, by which time the first
 // reconciliation has queued every partition.
 func TestColdStartQueuesAcquisitions(t *testing.T) {
+	t.Parallel()
+	oneOf(t, busy)
 	const n = 2048
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
@@ -390,6 +220,7 @@ func TestColdStartQueuesAcquisitions(t *testing.T) {
 // count it as the holder's, so that each could assign it to the other
 // and neither took it.
 func TestRecordOfAnEndedSessionIsTakenWhoeverItNames(t *testing.T) {
+	t.Parallel()
 	const n = 16
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)

@@ -9,6 +9,7 @@ import (
 )
 
 func TestHoldsRoundTrip(t *testing.T) {
+	t.Parallel()
 	for _, ps := range [][]leasehold.Partition{nil, {0}, {5}, {0, 1, 2}, {3, 200, 65535}, {127, 128, 16383, 16384}} {
 		s := encodeHolds(ps)
 		got, err := decodeHolds(s, leasehold.MaxPartitions)
@@ -33,6 +34,7 @@ func TestHoldsRoundTrip(t *testing.T) {
 }
 
 func TestHoldsRefusesWhatNoMemberWrites(t *testing.T) {
+	t.Parallel()
 	raw := func(b ...byte) string { return base64.RawURLEncoding.EncodeToString(b) }
 	for name, s := range map[string]string{
 		"not base64":       "!!",

@@ -32,89 +32,81 @@ func issued(t *testing.T, ctx context.Context, b *coordinator.Bucket, p leasehol
 // claiming MaxInt64, and garbage over the lease key, leave it at the
 // epoch the bucket really issued, on one node and on the cluster.
 func TestIssuedEpochIgnoresForgedRecords(t *testing.T) {
-	for _, topo := range []string{"single", "cluster"} {
-		t.Run(topo, func(t *testing.T) {
-			var js jetstream.JetStream
-			replicas := 1
-			if topo == "cluster" {
-				js, replicas = natstest.StartCluster(t).JetStream(t), 3
-			} else {
-				js = natstest.Start(t).JetStream(t)
-			}
-			b := provision(t, js, replicas)
-			jobStream(t, js, b.Scope(), 8, 0)
-			ctx := ctxFor(t, 30*time.Second)
-			c := newCoord(t, b, "a", 5*time.Second)
-			leases, fences := b.KeyValue(), b.FenceRecords()
+	t.Parallel()
+	onEachTopology(t, func(t *testing.T, js jetstream.JetStream, replicas int) {
+		b := provision(t, js, replicas)
+		jobStream(t, js, b.Scope(), 8, 0)
+		ctx := ctxFor(t, 30*time.Second)
+		c := newCoord(t, b, "a", 5*time.Second)
+		leases, fences := b.KeyValue(), b.FenceRecords()
 
-			if got := issued(t, ctx, b, 1); got != 0 {
-				t.Fatalf("never acquired: %d", got)
-			}
-			l, err := c.Acquire(ctx, 1)
-			if err != nil {
-				t.Fatal(err)
-			}
-			truth := l.Epoch()
-			if got := issued(t, ctx, b, 1); got != truth {
-				t.Fatalf("held: %d, want %d", got, truth)
-			}
-			// Forged while the lease is live: the live record answers.
-			if _, err := fences.Put(ctx, "partition.1", []byte(`{"epoch":`+maxInt64+`,"holder":"forger","recent":[`+maxInt64+`]}`)); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := leases.Put(ctx, "progress.1", []byte(`{"epoch":`+maxInt64+`,"seq":1,"holder":"forger"}`)); err != nil {
-				t.Fatal(err)
-			}
-			if got := issued(t, ctx, b, 1); got != truth {
-				t.Fatalf("held, with forged records: %d, want %d", got, truth)
-			}
-			// Released: the marker bounds the fence record, which names
-			// the truth among forged epochs.
-			if err := l.Release(ctx); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := fences.Put(ctx, "partition.1", []byte(fmt.Sprintf(`{"epoch":%s,"holder":"forger","recent":[%d,%s]}`, maxInt64, truth, maxInt64))); err != nil {
-				t.Fatal(err)
-			}
-			if got := issued(t, ctx, b, 1); got != truth {
-				t.Fatalf("released, with a forged fence record: %d, want %d", got, truth)
-			}
-			// A lease record without a TTL claiming MaxInt64 is not a lease:
-			// its revision bounds the answer.
-			if _, err := leases.Put(ctx, "partition.1", []byte(`{"holder":"forger","token":"t","epoch":`+maxInt64+`,"ttl_ms":5000}`)); err != nil {
-				t.Fatal(err)
-			}
-			if got := issued(t, ctx, b, 1); got != truth {
-				t.Fatalf("a lease record without a TTL: %d, want %d", got, truth)
-			}
-			// Nor is garbage.
-			if _, err := leases.Put(ctx, "partition.1", []byte("garbage")); err != nil {
-				t.Fatal(err)
-			}
-			if got := issued(t, ctx, b, 1); got != truth {
-				t.Fatalf("garbage in the lease key: %d, want %d", got, truth)
-			}
-			// A fence record that forgets the truth answers less, never more.
-			if _, err := fences.Put(ctx, "partition.1", []byte(`{"epoch":`+maxInt64+`,"holder":"forger"}`)); err != nil {
-				t.Fatal(err)
-			}
-			if got := issued(t, ctx, b, 1); got > truth {
-				t.Fatalf("a fence record with nothing but MaxInt64: %d, above %d", got, truth)
-			}
+		if got := issued(t, ctx, b, 1); got != 0 {
+			t.Fatalf("never acquired: %d", got)
+		}
+		l, err := c.Acquire(ctx, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		truth := l.Epoch()
+		if got := issued(t, ctx, b, 1); got != truth {
+			t.Fatalf("held: %d, want %d", got, truth)
+		}
+		// Forged while the lease is live: the live record answers.
+		if _, err := fences.Put(ctx, "partition.1", []byte(`{"epoch":`+maxInt64+`,"holder":"forger","recent":[`+maxInt64+`]}`)); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := leases.Put(ctx, "progress.1", []byte(`{"epoch":`+maxInt64+`,"seq":1,"holder":"forger"}`)); err != nil {
+			t.Fatal(err)
+		}
+		if got := issued(t, ctx, b, 1); got != truth {
+			t.Fatalf("held, with forged records: %d, want %d", got, truth)
+		}
+		// Released: the marker bounds the fence record, which names
+		// the truth among forged epochs.
+		if err := l.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := fences.Put(ctx, "partition.1", []byte(fmt.Sprintf(`{"epoch":%s,"holder":"forger","recent":[%d,%s]}`, maxInt64, truth, maxInt64))); err != nil {
+			t.Fatal(err)
+		}
+		if got := issued(t, ctx, b, 1); got != truth {
+			t.Fatalf("released, with a forged fence record: %d, want %d", got, truth)
+		}
+		// A lease record without a TTL claiming MaxInt64 is not a lease:
+		// its revision bounds the answer.
+		if _, err := leases.Put(ctx, "partition.1", []byte(`{"holder":"forger","token":"t","epoch":`+maxInt64+`,"ttl_ms":5000}`)); err != nil {
+			t.Fatal(err)
+		}
+		if got := issued(t, ctx, b, 1); got != truth {
+			t.Fatalf("a lease record without a TTL: %d, want %d", got, truth)
+		}
+		// Nor is garbage.
+		if _, err := leases.Put(ctx, "partition.1", []byte("garbage")); err != nil {
+			t.Fatal(err)
+		}
+		if got := issued(t, ctx, b, 1); got != truth {
+			t.Fatalf("garbage in the lease key: %d, want %d", got, truth)
+		}
+		// A fence record that forgets the truth answers less, never more.
+		if _, err := fences.Put(ctx, "partition.1", []byte(`{"epoch":`+maxInt64+`,"holder":"forger"}`)); err != nil {
+			t.Fatal(err)
+		}
+		if got := issued(t, ctx, b, 1); got > truth {
+			t.Fatalf("a fence record with nothing but MaxInt64: %d, above %d", got, truth)
+		}
 
-			// A well-formed lease with its TTL is a stolen lease: a real
-			// acquisition, whose revision is the answer.
-			msg := nats.NewMsg("$KV." + b.Name() + ".partition.2")
-			msg.Data = []byte(`{"holder":"thief","token":"t","epoch":` + maxInt64 + `,"ttl_ms":5000}`)
-			ack, err := js.PublishMsg(ctx, msg, jetstream.WithMsgTTL(5*time.Second))
-			if err != nil {
-				t.Fatal(err)
-			}
-			if got := issued(t, ctx, b, 2); got != leasehold.Epoch(ack.Sequence) {
-				t.Fatalf("a stolen lease: %d, want its revision %d", got, ack.Sequence)
-			}
-		})
-	}
+		// A well-formed lease with its TTL is a stolen lease: a real
+		// acquisition, whose revision is the answer.
+		msg := nats.NewMsg("$KV." + b.Name() + ".partition.2")
+		msg.Data = []byte(`{"holder":"thief","token":"t","epoch":` + maxInt64 + `,"ttl_ms":5000}`)
+		ack, err := js.PublishMsg(ctx, msg, jetstream.WithMsgTTL(5*time.Second))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := issued(t, ctx, b, 2); got != leasehold.Epoch(ack.Sequence) {
+			t.Fatalf("a stolen lease: %d, want its revision %d", got, ack.Sequence)
+		}
+	})
 }
 
 // Fences the bucket does not serve are refused with a typed error a sink
@@ -122,6 +114,7 @@ func TestIssuedEpochIgnoresForgedRecords(t *testing.T) {
 // other scopes, malformed lock names, a lock's partition other than 0, and
 // any partition while there is no job stream (locks still answer).
 func TestIssuedEpochUnknownFences(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	ctx := ctxFor(t, 20*time.Second)

@@ -10,62 +10,14 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
-	"go.uber.org/goleak"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/testing/natstest"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
-
-func ctxFor(t *testing.T, d time.Duration) context.Context {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), d)
-	t.Cleanup(cancel)
-	return ctx
-}
-
-func provision(t *testing.T, js jetstream.JetStream, replicas int) *coordinator.Bucket {
-	t.Helper()
-	b, err := coordinator.Provision(ctxFor(t, 20*time.Second), js, coordinator.BucketConfig{Replicas: replicas, MarkerTTL: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return b
-}
-
-func newCoord(t *testing.T, b *coordinator.Bucket, worker string, ttl time.Duration) *coordinator.Coordinator {
-	t.Helper()
-	c, err := coordinator.New(b, coordinator.Config{Worker: worker, TTL: ttl, Partitions: 64})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return c
-}
-
-// acquireEventually retries until the partition is free, as a successor
-// does after a lease expires.
-func acquireEventually(t *testing.T, c *coordinator.Coordinator, p leasehold.Partition, within time.Duration, opts ...coordinator.AcquireOption) *coordinator.Lease {
-	t.Helper()
-	ctx := ctxFor(t, within)
-	for {
-		l, err := c.Acquire(ctx, p, opts...)
-		if err == nil {
-			return l
-		}
-		if !errors.Is(err, coordinator.ErrHeld) {
-			t.Fatalf("acquire partition %d: %v", p, err)
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("partition %d still held after %v: %v", p, within, err)
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
-}
-
 func TestAcquireHeldRelease(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	a, bw := newCoord(t, b, "a", 2*time.Second), newCoord(t, b, "b", 2*time.Second)
@@ -117,69 +69,62 @@ func TestAcquireHeldRelease(t *testing.T) {
 // server, B takes the partition; A's renew, release and progress commit all
 // fail with ErrLeaseLost, and A's context says so.
 func TestStaleHolder(t *testing.T) {
-	for _, topo := range []string{"single", "cluster"} {
-		t.Run(topo, func(t *testing.T) {
-			var js jetstream.JetStream
-			replicas := 1
-			if topo == "cluster" {
-				js, replicas = natstest.StartCluster(t).JetStream(t), 3
-			} else {
-				js = natstest.Start(t).JetStream(t)
-			}
-			b := provision(t, js, replicas)
-			a, bw := newCoord(t, b, "a", time.Second), newCoord(t, b, "b", time.Second)
-			ctx := ctxFor(t, 30*time.Second)
+	t.Parallel()
+	onEachTopology(t, func(t *testing.T, js jetstream.JetStream, replicas int) {
+		b := provision(t, js, replicas)
+		a, bw := newCoord(t, b, "a", time.Second), newCoord(t, b, "b", time.Second)
+		ctx := ctxFor(t, 30*time.Second)
 
-			la, err := a.Acquire(ctx, 0, coordinator.ManualRenew())
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := la.Commit(ctx, 10); err != nil {
-				t.Fatal(err)
-			}
-			select {
-			case <-la.Done():
-			case <-time.After(5 * time.Second):
-				t.Fatal("A's context outlived its local deadline")
-			}
-			var lost *coordinator.LostError
-			if cause := context.Cause(la.Context()); !errors.Is(cause, leasehold.ErrLeaseLost) || !errors.As(cause, &lost) || lost.Reason != coordinator.LostDeadline {
-				t.Fatalf("cause %v, want a deadline LostError", cause)
-			}
-			if time.Now().Before(la.Deadline()) {
-				t.Fatal("cancelled before the deadline")
-			}
+		la, err := a.Acquire(ctx, 0, coordinator.ManualRenew())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := la.Commit(ctx, 10); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-la.Done():
+		case <-time.After(5 * time.Second):
+			t.Fatal("A's context outlived its local deadline")
+		}
+		var lost *coordinator.LostError
+		if cause := context.Cause(la.Context()); !errors.Is(cause, leasehold.ErrLeaseLost) || !errors.As(cause, &lost) || lost.Reason != coordinator.LostDeadline {
+			t.Fatalf("cause %v, want a deadline LostError", cause)
+		}
+		if time.Now().Before(la.Deadline()) {
+			t.Fatal("cancelled before the deadline")
+		}
 
-			lb := acquireEventually(t, bw, 0, 10*time.Second)
-			defer lb.Release(ctx)
-			if lb.Epoch() <= la.Epoch() {
-				t.Fatalf("successor epoch %d is not above %d", lb.Epoch(), la.Epoch())
-			}
-			if lb.Progress() != 10 {
-				t.Fatalf("successor resumes after %d, want 10", lb.Progress())
-			}
-			if err := la.Renew(ctx); !errors.Is(err, leasehold.ErrLeaseLost) {
-				t.Fatalf("stale renew: %v", err)
-			}
-			if err := la.Release(ctx); !errors.Is(err, leasehold.ErrLeaseLost) {
-				t.Fatalf("stale release: %v", err)
-			}
-			if err := la.Commit(ctx, 20); !errors.Is(err, leasehold.ErrLeaseLost) {
-				t.Fatalf("stale commit: %v", err)
-			}
-			if err := lb.Commit(ctx, 11); err != nil {
-				t.Fatalf("successor commit: %v", err)
-			}
-			if lb.Err() != nil {
-				t.Fatalf("successor lease: %v", lb.Err())
-			}
-		})
-	}
+		lb := acquireEventually(t, bw, 0, 10*time.Second)
+		defer lb.Release(ctx)
+		if lb.Epoch() <= la.Epoch() {
+			t.Fatalf("successor epoch %d is not above %d", lb.Epoch(), la.Epoch())
+		}
+		if lb.Progress() != 10 {
+			t.Fatalf("successor resumes after %d, want 10", lb.Progress())
+		}
+		if err := la.Renew(ctx); !errors.Is(err, leasehold.ErrLeaseLost) {
+			t.Fatalf("stale renew: %v", err)
+		}
+		if err := la.Release(ctx); !errors.Is(err, leasehold.ErrLeaseLost) {
+			t.Fatalf("stale release: %v", err)
+		}
+		if err := la.Commit(ctx, 20); !errors.Is(err, leasehold.ErrLeaseLost) {
+			t.Fatalf("stale commit: %v", err)
+		}
+		if err := lb.Commit(ctx, 11); err != nil {
+			t.Fatalf("successor commit: %v", err)
+		}
+		if lb.Err() != nil {
+			t.Fatalf("successor lease: %v", lb.Err())
+		}
+	})
 }
 
 // A renewal refused by the server (the partition was fenced by an operator
 // while A still believed it held it) loses the lease at once.
 func TestRefusedRenew(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	a, op := newCoord(t, b, "a", 5*time.Second), newCoord(t, b, "operator", 5*time.Second)
@@ -213,6 +158,7 @@ func TestRefusedRenew(t *testing.T) {
 }
 
 func TestConfigValidate(t *testing.T) {
+	t.Parallel()
 	bad := []coordinator.Config{
 		{Worker: "has space"},
 		{Worker: "w", TTL: 1500 * time.Millisecond},
@@ -235,6 +181,7 @@ func TestConfigValidate(t *testing.T) {
 }
 
 func TestSnapshot(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	ctx := ctxFor(t, 10*time.Second)
@@ -273,6 +220,7 @@ func TestSnapshot(t *testing.T) {
 // Fence takes a live lease away from its holder: the holder's renewal and
 // commit are refused, and the partition gets a higher epoch.
 func TestFenceRemovesALiveLease(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	ctx := ctxFor(t, 10*time.Second)
@@ -311,6 +259,7 @@ func TestFenceRemovesALiveLease(t *testing.T) {
 // first two land with the optimistic write against a direct get of the
 // record; the others fall back to reading through the stream leader.
 func TestAcquireFencesProgressWhateverTheRecordHolds(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	c := newCoord(t, b, "a", 2*time.Second)

@@ -59,6 +59,7 @@ func loggedCoord(t *testing.T, b *coordinator.Bucket, worker string, ttl time.Du
 // that have a value; the membership registration is named as such, never
 // as a partition.
 func TestLeaseLogLines(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	ctx := ctxFor(t, 30*time.Second)

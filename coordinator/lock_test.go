@@ -19,6 +19,7 @@ import (
 )
 
 func TestLockNameEncoding(t *testing.T) {
+	t.Parallel()
 	var all strings.Builder
 	for c := byte('!'); c <= '~'; c++ {
 		all.WriteByte(c)
@@ -51,72 +52,64 @@ func TestLockNameEncoding(t *testing.T) {
 // and then waits, A hands it off, B holds it with a higher token, in the
 // lock's own scope; A's stale lease can neither renew nor release.
 func TestLockHandOff(t *testing.T) {
-	for _, topo := range []string{"single", "cluster"} {
-		t.Run(topo, func(t *testing.T) {
-			var js jetstream.JetStream
-			replicas := 1
-			if topo == "cluster" {
-				js, replicas = natstest.StartCluster(t).JetStream(t), 3
-			} else {
-				js = natstest.Start(t).JetStream(t)
-			}
-			b := provision(t, js, replicas)
-			a, bw := newCoord(t, b, "a", 2*time.Second), newCoord(t, b, "b", 2*time.Second)
-			ctx := ctxFor(t, 30*time.Second)
+	t.Parallel()
+	onEachTopology(t, func(t *testing.T, js jetstream.JetStream, replicas int) {
+		b := provision(t, js, replicas)
+		a, bw := newCoord(t, b, "a", 2*time.Second), newCoord(t, b, "b", 2*time.Second)
+		ctx := ctxFor(t, 30*time.Second)
 
-			la, err := a.TryLock(ctx, "account:42")
+		la, err := a.TryLock(ctx, "account:42")
+		if err != nil {
+			t.Fatal(err)
+		}
+		info := la.Info()
+		if info.Scope != leasehold.LockScope(b.Scope(), "account:42") || info.Partition != 0 || la.Name() != "account:42" || info.Acquisition == "" {
+			t.Fatalf("lock lease %+v", info)
+		}
+		if got, err := b.IssuedEpoch(ctx, info.Fence()); err != nil || got != info.Epoch {
+			t.Fatalf("IssuedEpoch of the lock = %d, %v; want %d", got, err, info.Epoch)
+		}
+		_, err = bw.TryLock(ctx, "account:42")
+		var held *coordinator.HeldError
+		if !errors.As(err, &held) || held.Lease.Holder != "a" || held.Lock != "account:42" || !strings.Contains(err.Error(), `lock "account:42"`) {
+			t.Fatalf("TryLock of a held lock: %v", err)
+		}
+		if h, ok, err := bw.LockHolder(ctx, "account:42"); err != nil || !ok || h.Holder != "a" || h.Epoch != info.Epoch {
+			t.Fatalf("LockHolder = %+v, %v, %v", h, ok, err)
+		}
+		got := make(chan *coordinator.Lease, 1)
+		go func() {
+			l, err := bw.Lock(ctx, "account:42")
 			if err != nil {
-				t.Fatal(err)
+				t.Error(err)
 			}
-			info := la.Info()
-			if info.Scope != leasehold.LockScope(b.Scope(), "account:42") || info.Partition != 0 || la.Name() != "account:42" || info.Acquisition == "" {
-				t.Fatalf("lock lease %+v", info)
-			}
-			if got, err := b.IssuedEpoch(ctx, info.Fence()); err != nil || got != info.Epoch {
-				t.Fatalf("IssuedEpoch of the lock = %d, %v; want %d", got, err, info.Epoch)
-			}
-			_, err = bw.TryLock(ctx, "account:42")
-			var held *coordinator.HeldError
-			if !errors.As(err, &held) || held.Lease.Holder != "a" || held.Lock != "account:42" || !strings.Contains(err.Error(), `lock "account:42"`) {
-				t.Fatalf("TryLock of a held lock: %v", err)
-			}
-			if h, ok, err := bw.LockHolder(ctx, "account:42"); err != nil || !ok || h.Holder != "a" || h.Epoch != info.Epoch {
-				t.Fatalf("LockHolder = %+v, %v, %v", h, ok, err)
-			}
-			got := make(chan *coordinator.Lease, 1)
-			go func() {
-				l, err := bw.Lock(ctx, "account:42")
-				if err != nil {
-					t.Error(err)
-				}
-				got <- l
-			}()
-			select {
-			case l := <-got:
-				t.Fatalf("B took the lock while A held it: %v", l)
-			case <-time.After(100 * time.Millisecond):
-			}
-			if err := la.Release(ctx); err != nil {
-				t.Fatal(err)
-			}
-			var lb *coordinator.Lease
-			select {
-			case lb = <-got:
-			case <-ctx.Done():
-				t.Fatal("B did not get the lock after A released it")
-			}
-			defer lb.Release(ctx)
-			if lb.Epoch() <= la.Epoch() || lb.Info().Scope != info.Scope {
-				t.Fatalf("B holds %v after A's %v", lb.Info(), info)
-			}
-			if err := la.Renew(ctx); !errors.Is(err, coordinator.ErrReleased) && !errors.Is(err, leasehold.ErrLeaseLost) {
-				t.Fatalf("renew of a released lock: %v", err)
-			}
-			if err := lb.Commit(ctx, 1); err == nil {
-				t.Fatal("Commit on a lock succeeded")
-			}
-		})
-	}
+			got <- l
+		}()
+		select {
+		case l := <-got:
+			t.Fatalf("B took the lock while A held it: %v", l)
+		case <-time.After(100 * time.Millisecond):
+		}
+		if err := la.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+		var lb *coordinator.Lease
+		select {
+		case lb = <-got:
+		case <-ctx.Done():
+			t.Fatal("B did not get the lock after A released it")
+		}
+		defer lb.Release(ctx)
+		if lb.Epoch() <= la.Epoch() || lb.Info().Scope != info.Scope {
+			t.Fatalf("B holds %v after A's %v", lb.Info(), info)
+		}
+		if err := la.Renew(ctx); !errors.Is(err, coordinator.ErrReleased) && !errors.Is(err, leasehold.ErrLeaseLost) {
+			t.Fatalf("renew of a released lock: %v", err)
+		}
+		if err := lb.Commit(ctx, 1); err == nil {
+			t.Fatal("Commit on a lock succeeded")
+		}
+	})
 }
 
 // I6 and the sinks: A's lease on the lock lapses (it stops renewing), its
@@ -124,6 +117,7 @@ func TestLockHandOff(t *testing.T) {
 // it, B writes; A's late write through the same sink is refused as stale,
 // and the resource holds B's value.
 func TestLockZombieRefusedBySink(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	a, bw := newCoord(t, b, "a", time.Second), newCoord(t, b, "b", time.Second)
@@ -178,6 +172,8 @@ func TestLockZombieRefusedBySink(t *testing.T) {
 // by 8 goroutines, every token distinct, every lock listed afterwards with
 // its fenced epoch and no holder.
 func TestManyLocks(t *testing.T) {
+	t.Parallel()
+	oneOf(t, busy)
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	ctx := ctxFor(t, 120*time.Second)
@@ -229,6 +225,7 @@ func TestManyLocks(t *testing.T) {
 
 // Snapshot and FenceLock on a held lock.
 func TestFenceLock(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	ctx := ctxFor(t, 20*time.Second)
@@ -263,6 +260,7 @@ func TestFenceLock(t *testing.T) {
 // a new leader's fn starts under a higher epoch, and the former leader
 // campaigns again. Both return nil when their context ends.
 func TestRunSingleton(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	ctx, cancel := context.WithCancel(ctxFor(t, 60*time.Second))
@@ -321,6 +319,7 @@ func TestRunSingleton(t *testing.T) {
 // lock from everyone for ever: Lock takes it over once it has stayed
 // unchanged for a TTL.
 func TestLockTakesOverAForeignRecord(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	ctx := ctxFor(t, 20*time.Second)

@@ -71,6 +71,7 @@ func oldBucket(t *testing.T, js jetstream.JetStream, name string, progress map[l
 // so that an earlier worker's commit fails loudly. Progress carries over,
 // and the next epochs are above the moved ones.
 func TestMigrationMovesProgressRecords(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	js := srv.JetStream(t)
 	ctx := ctxFor(t, 30*time.Second)
@@ -159,6 +160,7 @@ func TestMigrationMovesProgressRecords(t *testing.T) {
 // A progress record an earlier worker writes after the move is a finding,
 // and Repair moves it too, when it is newer than the fence record.
 func TestMigrationOfALateLegacyRecord(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	ctx := ctxFor(t, 30*time.Second)
 	oldBucket(t, js, "orders-leases", map[leasehold.Partition][2]uint64{2: {0, 5}})

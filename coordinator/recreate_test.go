@@ -39,93 +39,85 @@ func jobStream(t *testing.T, js jetstream.JetStream, scope string, n, jobs int) 
 // again. Every partition's and every lock's next epoch is above its
 // earlier ones, and the progress committed before is where it was.
 func TestRecreationWithAClockBehind(t *testing.T) {
-	for _, topo := range []string{"single", "cluster"} {
-		t.Run(topo, func(t *testing.T) {
-			var js jetstream.JetStream
-			replicas := 1
-			if topo == "cluster" {
-				js, replicas = natstest.StartCluster(t).JetStream(t), 3
-			} else {
-				js = natstest.Start(t).JetStream(t)
-			}
-			ctx := ctxFor(t, 60*time.Second)
-			cfg := coordinator.BucketConfig{Bucket: "orders-leases", Replicas: replicas, MarkerTTL: time.Second}
-			b, err := coordinator.Provision(ctx, js, cfg)
+	onEachTopology(t, func(t *testing.T, js jetstream.JetStream, replicas int) {
+		ctx := ctxFor(t, 60*time.Second)
+		cfg := coordinator.BucketConfig{Bucket: "orders-leases", Replicas: replicas, MarkerTTL: time.Second}
+		b, err := coordinator.Provision(ctx, js, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		jobStream(t, js, "orders", 8, 40)
+		c := newCoord(t, b, "a", 2*time.Second)
+		epochs := map[string]leasehold.Epoch{}
+		for p := range leasehold.Partition(8) {
+			l, err := c.Acquire(ctx, p)
 			if err != nil {
 				t.Fatal(err)
 			}
-			jobStream(t, js, "orders", 8, 40)
-			c := newCoord(t, b, "a", 2*time.Second)
-			epochs := map[string]leasehold.Epoch{}
-			for p := range leasehold.Partition(8) {
-				l, err := c.Acquire(ctx, p)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if err := l.Commit(ctx, uint64(10+p)); err != nil {
-					t.Fatal(err)
-				}
-				epochs[p.String()] = l.Epoch()
-				if err := l.Release(ctx); err != nil {
-					t.Fatal(err)
-				}
+			if err := l.Commit(ctx, uint64(10+p)); err != nil {
+				t.Fatal(err)
 			}
-			for _, name := range []string{"report-generator", "account:42"} {
-				l, err := c.TryLock(ctx, name)
-				if err != nil {
-					t.Fatal(err)
-				}
-				epochs[name] = l.Epoch()
-				if err := l.Release(ctx); err != nil {
-					t.Fatal(err)
-				}
+			epochs[p.String()] = l.Epoch()
+			if err := l.Release(ctx); err != nil {
+				t.Fatal(err)
 			}
+		}
+		for _, name := range []string{"report-generator", "account:42"} {
+			l, err := c.TryLock(ctx, name)
+			if err != nil {
+				t.Fatal(err)
+			}
+			epochs[name] = l.Epoch()
+			if err := l.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
 
-			if err := js.DeleteStream(ctx, "KV_"+b.Name()); err != nil {
-				t.Fatal(err)
-			}
-			behind := time.Now().Add(-time.Hour)
-			restore := coordinator.SetWallClock(func() time.Time { return behind })
-			b, err = coordinator.Provision(ctx, js, cfg)
-			restore()
+		if err := js.DeleteStream(ctx, "KV_"+b.Name()); err != nil {
+			t.Fatal(err)
+		}
+		behind := time.Now().Add(-time.Hour)
+		restore := coordinator.SetWallClock(func() time.Time { return behind })
+		b, err = coordinator.Provision(ctx, js, cfg)
+		restore()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if clock := leasehold.Epoch(behind.UnixMicro()); clock >= epochs["0"] {
+			t.Fatalf("the clock an hour behind (%d) is not below the old epochs (%d): the test shows nothing", clock, epochs["0"])
+		}
+		c = newCoord(t, b, "b", 2*time.Second)
+		for p := range leasehold.Partition(8) {
+			l, err := c.Acquire(ctx, p)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if clock := leasehold.Epoch(behind.UnixMicro()); clock >= epochs["0"] {
-				t.Fatalf("the clock an hour behind (%d) is not below the old epochs (%d): the test shows nothing", clock, epochs["0"])
+			if l.Epoch() <= epochs[p.String()] {
+				t.Errorf("partition %d: epoch %d after re-creation, %d before", p, l.Epoch(), epochs[p.String()])
 			}
-			c = newCoord(t, b, "b", 2*time.Second)
-			for p := range leasehold.Partition(8) {
-				l, err := c.Acquire(ctx, p)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if l.Epoch() <= epochs[p.String()] {
-					t.Errorf("partition %d: epoch %d after re-creation, %d before", p, l.Epoch(), epochs[p.String()])
-				}
-				if l.Progress() != uint64(10+p) {
-					t.Errorf("partition %d resumes after %d, want %d", p, l.Progress(), 10+p)
-				}
-				_ = l.Release(ctx)
+			if l.Progress() != uint64(10+p) {
+				t.Errorf("partition %d resumes after %d, want %d", p, l.Progress(), 10+p)
 			}
-			for _, name := range []string{"report-generator", "account:42"} {
-				l, err := c.TryLock(ctx, name)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if l.Epoch() <= epochs[name] {
-					t.Errorf("lock %s: token %d after re-creation, %d before", name, l.Epoch(), epochs[name])
-				}
-				_ = l.Release(ctx)
+			_ = l.Release(ctx)
+		}
+		for _, name := range []string{"report-generator", "account:42"} {
+			l, err := c.TryLock(ctx, name)
+			if err != nil {
+				t.Fatal(err)
 			}
-		})
-	}
+			if l.Epoch() <= epochs[name] {
+				t.Errorf("lock %s: token %d after re-creation, %d before", name, l.Epoch(), epochs[name])
+			}
+			_ = l.Release(ctx)
+		}
+	})
 }
 
 // With the fence records gone too and a job stream that has been used,
 // Provision refuses, and says how to go on: a floor for the epochs and
 // consent to progress starting over. Given both, it starts above the floor.
 func TestRecreationWithoutFenceRecordsIsRefused(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	ctx := ctxFor(t, 30*time.Second)
 	cfg := coordinator.BucketConfig{Bucket: "orders-leases", MarkerTTL: time.Second}
@@ -181,6 +173,7 @@ func TestRecreationWithoutFenceRecordsIsRefused(t *testing.T) {
 // A fence record that claims an epoch no lease bucket issues cannot lift a
 // re-created bucket out of range: Provision refuses, naming it.
 func TestRecreationRefusesAForgedFloor(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	ctx := ctxFor(t, 20*time.Second)
 	b := provision(t, js, 1)
@@ -198,6 +191,7 @@ func TestRecreationRefusesAForgedFloor(t *testing.T) {
 
 // A fresh deployment needs neither: no job stream, or an empty one.
 func TestProvisionFresh(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	ctx := ctxFor(t, 20*time.Second)
 	jobStream(t, js, "fresh", 2, 0)

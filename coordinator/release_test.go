@@ -15,6 +15,7 @@ import (
 // partition up when a handler hangs) leaves Run's holdings: Run takes the
 // partition again, under a new epoch, instead of counting it as held.
 func TestRunTakesAGivenUpPartitionAgain(t *testing.T) {
+	t.Parallel()
 	b := provision(t, natstest.Start(t).JetStream(t), 1)
 	leases := make(chan *coordinator.Lease, 4)
 	c, err := coordinator.New(b, coordinator.Config{
@@ -68,7 +69,8 @@ func TestRunTakesAGivenUpPartitionAgain(t *testing.T) {
 // a millisecond or two and left the registration, and every partition it
 // holds, to its TTL.
 func TestReleaseWhileARenewalIsStillBeingStored(t *testing.T) {
-	cl := natstest.StartCluster(t, natstest.SyncAlways())
+	t.Parallel()
+	cl := startCluster(t, natstest.SyncAlways())
 	b := provision(t, cl.JetStream(t), 3)
 	const rounds = 20
 	failed := 0
@@ -108,7 +110,8 @@ func TestReleaseWhileARenewalIsStillBeingStored(t *testing.T) {
 // replicated bucket the server refuses it at once with 10164 while the
 // record still reads as before, and three tries back to back all failed.
 func TestCommitWhileTheLastCommitIsStillBeingStored(t *testing.T) {
-	cl := natstest.StartCluster(t, natstest.SyncAlways())
+	t.Parallel()
+	cl := startCluster(t, natstest.SyncAlways())
 	b := provision(t, cl.JetStream(t), 3)
 	c := newCoord(t, b, "a", 30*time.Second)
 	ctx := ctxFor(t, time.Minute)

@@ -6,6 +6,7 @@ import (
 )
 
 func TestRevClockDatesRevisionsByTheWatch(t *testing.T) {
+	t.Parallel()
 	t0 := time.Unix(1000, 0)
 	c := newRevClock(3 * time.Second)
 	at := func(d time.Duration) time.Time { return t0.Add(d) }
@@ -51,6 +52,7 @@ func TestRevClockDatesRevisionsByTheWatch(t *testing.T) {
 // the bucket was re-created below them: they are all dropped, and a record
 // of the new bucket is dated from now.
 func TestRevClockForgetsARecreatedBucket(t *testing.T) {
+	t.Parallel()
 	t0 := time.Unix(1000, 0)
 	c := newRevClock(3 * time.Second)
 	c.saw(100, t0)

@@ -17,6 +17,7 @@ import (
 // two leases differ in Acquisition, and a sink that admitted A1's write
 // refuses A2's as a split brain.
 func TestStorageRollbackGivesOneEpochTwice(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, 60*time.Second)
 	b := provision(t, srv.JetStream(t), 1)

@@ -84,6 +84,7 @@ func scanAll(t *testing.T, ctx context.Context, js jetstream.JetStream) map[stri
 // A release the leader acknowledged and the copy the consumer reads has
 // not stored yet is seen: the key shows its purge marker, not the record.
 func TestScanSeesWhatALaggingCopyLacks(t *testing.T) {
+	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	l := lagging(t, ctx, 2,
@@ -107,6 +108,7 @@ func TestScanSeesWhatALaggingCopyLacks(t *testing.T) {
 // A copy that holds none of the writes yet (a peer catching up) still
 // gives every key, read from the leader.
 func TestScanOfACopyFarBehind(t *testing.T) {
+	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	var writes []*nats.Msg
@@ -121,6 +123,7 @@ func TestScanOfACopyFarBehind(t *testing.T) {
 
 // When the leader holds nothing, a copy's stale records are not shown.
 func TestScanOfAnEmptyLeader(t *testing.T) {
+	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	l := lagging(t, ctx, 1, &nats.Msg{Subject: "$KV.scan.member.a", Data: []byte("a")})

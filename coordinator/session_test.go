@@ -38,6 +38,7 @@ type sessionRecord struct {
 // key is written, every record names its holder's session and carries no
 // per-message TTL, and each partition's epoch is its record's revision.
 func TestSessionsWriteOnlyMemberKeysWhileIdle(t *testing.T) {
+	t.Parallel()
 	const n = 32
 	s := natstest.Start(t)
 	js := s.JetStream(t)
@@ -138,35 +139,14 @@ func TestSessionsWriteOnlyMemberKeysWhileIdle(t *testing.T) {
 	t.Logf("member renewals %v, no partition write", renewals)
 }
 
-func startSessionMember(t *testing.T, b *coordinator.Bucket, name string, n int, ttl time.Duration) *member {
-	t.Helper()
-	m := &member{done: make(chan error, 1)}
-	c, err := coordinator.New(b, coordinator.Config{
-		Worker:     name,
-		Partitions: n,
-		TTL:        ttl,
-		OnAcquire:  func(*coordinator.Lease) { m.acquired.Add(1) },
-		OnRevoke:   func(context.Context, *coordinator.Lease) { m.revoked.Add(1) },
-		Observer:   m,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	m.c = c
-	ctx, cancel := context.WithCancel(context.Background())
-	m.cancel = cancel
-	go func() { m.done <- c.Run(ctx) }()
-	t.Cleanup(func() { m.stop(t) })
-	return m
-}
-
 // A holder whose registration expires while it still believes it holds (a
 // paused process whose local deadline has not fired yet): while the
 // registration lives no taker gets the partition; once it has expired,
 // takers racing on the cluster get it exactly once, at a higher epoch; the
 // old holder's commit and renewal are refused.
 func TestSessionExpiredHolderIsTakenOnce(t *testing.T) {
-	cl := natstest.StartCluster(t)
+	t.Parallel()
+	cl := startCluster(t)
 	b := provision(t, cl.JetStream(t), 3)
 	ctx := ctxFor(t, 180*time.Second)
 	const p, takers, rounds = leasehold.Partition(3), 4, 4
@@ -293,8 +273,9 @@ func TestSessionExpiredHolderIsTakenOnce(t *testing.T) {
 // stream leader, and when it thaws it holds nothing it had: its late
 // renewal is refused and it joins again under a new session.
 func TestSessionFrozenMemberFailsOverAcrossLeaderKill(t *testing.T) {
+	t.Parallel()
 	const n = 12
-	cl := natstest.StartCluster(t, natstest.Listen())
+	cl := startCluster(t, natstest.Listen())
 	b := provision(t, cl.JetStream(t), 3)
 	ctx := ctxFor(t, 120*time.Second)
 	leaderNode := cl.StreamLeader(t, "KV_"+b.Name(), 20*time.Second)
@@ -365,15 +346,6 @@ func TestSessionFrozenMemberFailsOverAcrossLeaderKill(t *testing.T) {
 	}
 }
 
-func mustOpen(t *testing.T, js jetstream.JetStream, name string) *coordinator.Bucket {
-	t.Helper()
-	b, err := coordinator.OpenBucket(ctxFor(t, 20*time.Second), js, name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return b
-}
-
 // A fleet that mixes the two kinds of lease: a partition lease that renews
 // itself is never taken by a session member while its holder renews, and
 // is taken once released; members renewing every partition and members
@@ -381,6 +353,7 @@ func mustOpen(t *testing.T, js jetstream.JetStream, name string) *coordinator.Bu
 // off, a member renewing every partition takes over what its session held
 // once the registration expires, at higher epochs.
 func TestMixedFleet(t *testing.T) {
+	t.Parallel()
 	const n, p = 8, leasehold.Partition(2)
 	s := natstest.Start(t)
 	b := provision(t, s.JetStream(t), 1)
@@ -457,32 +430,5 @@ func TestMixedFleet(t *testing.T) {
 				t.Errorf("partition %d taken over at epoch %d, not above %d", l.Partition(), l.Epoch(), old.Epoch())
 			}
 		}
-	}
-}
-
-func startRenewingMember(t *testing.T, b *coordinator.Bucket, name string, n int, ttl time.Duration) *member {
-	t.Helper()
-	m := &member{done: make(chan error, 1)}
-	c, err := coordinator.New(b, coordinator.Config{Worker: name, Partitions: n, TTL: ttl, RenewPartitions: true, Observer: m,
-		OnAcquire: func(*coordinator.Lease) { m.acquired.Add(1) }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	m.c = c
-	ctx, cancel := context.WithCancel(context.Background())
-	m.cancel = cancel
-	go func() { m.done <- c.Run(ctx) }()
-	t.Cleanup(func() { m.stop(t) })
-	return m
-}
-
-func waitFor(t *testing.T, within time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not after %v", what, within)
-		}
-		time.Sleep(20 * time.Millisecond)
 	}
 }

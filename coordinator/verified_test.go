@@ -39,79 +39,71 @@ func wantNotIssued(t *testing.T, what string, err error, r coordinator.NotIssued
 // on a partition and the reverse (issued between the fence's own), an
 // epoch above every revision of the key, on one node and on the cluster.
 func TestVerifyAcquisition(t *testing.T) {
-	for _, topo := range []string{"single", "cluster"} {
-		t.Run(topo, func(t *testing.T) {
-			var js jetstream.JetStream
-			replicas := 1
-			if topo == "cluster" {
-				js, replicas = natstest.StartCluster(t).JetStream(t), 3
-			} else {
-				js = natstest.Start(t).JetStream(t)
-			}
-			b := provision(t, js, replicas)
-			jobStream(t, js, b.Scope(), 8, 0)
-			ctx := ctxFor(t, 30*time.Second)
-			c := newCoord(t, b, "a", 5*time.Second)
+	t.Parallel()
+	onEachTopology(t, func(t *testing.T, js jetstream.JetStream, replicas int) {
+		b := provision(t, js, replicas)
+		jobStream(t, js, b.Scope(), 8, 0)
+		ctx := ctxFor(t, 30*time.Second)
+		c := newCoord(t, b, "a", 5*time.Second)
 
-			la, err := c.Acquire(ctx, 0)
-			if err != nil {
-				t.Fatal(err)
+		la, err := c.Acquire(ctx, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p0 := la.Info().Fence()
+		if err := verify(ctx, b, p0, la.Epoch(), la.Info().Acquisition); err != nil {
+			t.Fatalf("the holder's own epoch and acquisition: %v", err)
+		}
+		ni := wantNotIssued(t, "the holder's epoch with a forged acquisition", verify(ctx, b, p0, la.Epoch(), "forged"), coordinator.ReasonOtherAcquisition)
+		if ni.Other != la.Info().Acquisition || !strings.Contains(ni.Error(), "forged") {
+			t.Fatalf("refusal %q does not name the recorded acquisition", ni)
+		}
+		l1, err := c.TryLock(ctx, "report")
+		if err != nil {
+			t.Fatal(err)
+		}
+		lock1 := l1.Info()
+		if err := l1.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := la.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+		// B's acquiring write stays in the lease bucket while its lease
+		// is not renewed.
+		lb, err := newCoord(t, b, "b", time.Minute).Acquire(ctx, 0, coordinator.ManualRenew())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer lb.Release(ctx)
+		l2, err := c.TryLock(ctx, "report")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer l2.Release(ctx)
+		if !(la.Epoch() < lock1.Epoch && lock1.Epoch < lb.Epoch() && lb.Epoch() < l2.Epoch()) {
+			t.Fatalf("epochs %d %d %d %d out of order", la.Epoch(), lock1.Epoch, lb.Epoch(), l2.Epoch())
+		}
+		wantNotIssued(t, "the lock's epoch on partition 0", verify(ctx, b, p0, lock1.Epoch, lock1.Acquisition), coordinator.ReasonNotFenced)
+		ni = wantNotIssued(t, "partition 0's epoch on the lock", verify(ctx, b, lock1.Fence(), lb.Epoch(), lb.Info().Acquisition), coordinator.ReasonOtherWrite)
+		if !strings.Contains(ni.Error(), "partition.0") {
+			t.Fatalf("refusal %q does not name the key epoch %d was written to", ni, lb.Epoch())
+		}
+		// The former holders stay verifiable.
+		for _, l := range []leasehold.Lease{la.Info(), lock1, lb.Info(), l2.Info()} {
+			if err := verify(ctx, b, l.Fence(), l.Epoch, l.Acquisition); err != nil {
+				t.Fatalf("acquisition %s of %s at %d: %v", l.Acquisition, l.Fence(), l.Epoch, err)
 			}
-			p0 := la.Info().Fence()
-			if err := verify(ctx, b, p0, la.Epoch(), la.Info().Acquisition); err != nil {
-				t.Fatalf("the holder's own epoch and acquisition: %v", err)
-			}
-			ni := wantNotIssued(t, "the holder's epoch with a forged acquisition", verify(ctx, b, p0, la.Epoch(), "forged"), coordinator.ReasonOtherAcquisition)
-			if ni.Other != la.Info().Acquisition || !strings.Contains(ni.Error(), "forged") {
-				t.Fatalf("refusal %q does not name the recorded acquisition", ni)
-			}
-			l1, err := c.TryLock(ctx, "report")
-			if err != nil {
-				t.Fatal(err)
-			}
-			lock1 := l1.Info()
-			if err := l1.Release(ctx); err != nil {
-				t.Fatal(err)
-			}
-			if err := la.Release(ctx); err != nil {
-				t.Fatal(err)
-			}
-			// B's acquiring write stays in the lease bucket while its lease
-			// is not renewed.
-			lb, err := newCoord(t, b, "b", time.Minute).Acquire(ctx, 0, coordinator.ManualRenew())
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer lb.Release(ctx)
-			l2, err := c.TryLock(ctx, "report")
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer l2.Release(ctx)
-			if !(la.Epoch() < lock1.Epoch && lock1.Epoch < lb.Epoch() && lb.Epoch() < l2.Epoch()) {
-				t.Fatalf("epochs %d %d %d %d out of order", la.Epoch(), lock1.Epoch, lb.Epoch(), l2.Epoch())
-			}
-			wantNotIssued(t, "the lock's epoch on partition 0", verify(ctx, b, p0, lock1.Epoch, lock1.Acquisition), coordinator.ReasonNotFenced)
-			ni = wantNotIssued(t, "partition 0's epoch on the lock", verify(ctx, b, lock1.Fence(), lb.Epoch(), lb.Info().Acquisition), coordinator.ReasonOtherWrite)
-			if !strings.Contains(ni.Error(), "partition.0") {
-				t.Fatalf("refusal %q does not name the key epoch %d was written to", ni, lb.Epoch())
-			}
-			// The former holders stay verifiable.
-			for _, l := range []leasehold.Lease{la.Info(), lock1, lb.Info(), l2.Info()} {
-				if err := verify(ctx, b, l.Fence(), l.Epoch, l.Acquisition); err != nil {
-					t.Fatalf("acquisition %s of %s at %d: %v", l.Acquisition, l.Fence(), l.Epoch, err)
-				}
-			}
-			ni = wantNotIssued(t, "an epoch above the live lease", verify(ctx, b, p0, lb.Epoch()+1, "x"), coordinator.ReasonAboveIssued)
-			if ni.Bound != lb.Epoch() {
-				t.Fatalf("bound %d, want the live lease's epoch %d", ni.Bound, lb.Epoch())
-			}
-			var ue *coordinator.UnknownFenceError
-			if err := verify(ctx, b, leasehold.FenceID{Scope: b.Scope(), Partition: 8}, lb.Epoch(), "x"); !errors.As(err, &ue) {
-				t.Fatalf("a partition outside the job stream: %v, want an UnknownFenceError", err)
-			}
-		})
-	}
+		}
+		ni = wantNotIssued(t, "an epoch above the live lease", verify(ctx, b, p0, lb.Epoch()+1, "x"), coordinator.ReasonAboveIssued)
+		if ni.Bound != lb.Epoch() {
+			t.Fatalf("bound %d, want the live lease's epoch %d", ni.Bound, lb.Epoch())
+		}
+		var ue *coordinator.UnknownFenceError
+		if err := verify(ctx, b, leasehold.FenceID{Scope: b.Scope(), Partition: 8}, lb.Epoch(), "x"); !errors.As(err, &ue) {
+			t.Fatalf("a partition outside the job stream: %v, want an UnknownFenceError", err)
+		}
+	})
 }
 
 // Where the lease bucket still holds its write at the revision (a
@@ -120,6 +112,7 @@ func TestVerifyAcquisition(t *testing.T) {
 // client rewrote to claim another partition's acquisition verifies
 // nothing, although the epoch is below its own holder's.
 func TestVerifyAcquisitionReadsTheLeaseWrite(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	jobStream(t, js, b.Scope(), 8, 0)
@@ -163,6 +156,7 @@ func TestVerifyAcquisitionReadsTheLeaseWrite(t *testing.T) {
 // A fence record remembers the last FenceHistory acquisitions: the oldest
 // of them verifies, the one before is refused as forgotten, distinctly.
 func TestVerifyAcquisitionForgets(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	jobStream(t, js, b.Scope(), 8, 0)
@@ -193,6 +187,7 @@ func TestVerifyAcquisitionForgets(t *testing.T) {
 // epoch alone, its current acquisition by token; fenced again by this
 // release, it keeps them so, and adds the new acquisition with its token.
 func TestVerifyAcquisitionPreviousRelease(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	jobStream(t, js, b.Scope(), 8, 0)
@@ -259,6 +254,7 @@ func TestVerifyAcquisitionPreviousRelease(t *testing.T) {
 // batch of 256 records of about 1.5 KB each lands whole, and each record
 // then holds the newest FenceHistory acquisitions, its own last.
 func TestBatchFencesFullHistories(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	ctx := ctxFor(t, 60*time.Second)
@@ -322,6 +318,7 @@ func TestBatchFencesFullHistories(t *testing.T) {
 // verified. Verified by the rewritten record, the forged stamp would fence
 // the holder out.
 func TestVerifyAcquisitionRecordRewrittenForAMoment(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	b := provision(t, js, 1)
 	jobStream(t, js, b.Scope(), 8, 0)
@@ -372,6 +369,7 @@ func TestVerifyAcquisitionRecordRewrittenForAMoment(t *testing.T) {
 // that commits, is verified and the other refused. Trusting the lease write
 // while they disagree would refuse the committing holder's effects.
 func TestVerifyAcquisitionAfterLeaseBucketRollback(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, 60*time.Second)
 	b := provision(t, srv.JetStream(t), 1)
