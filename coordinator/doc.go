@@ -26,8 +26,11 @@
 //     above every epoch it recorded, and progress carries over.
 //   - Locks on named resources (Lock, TryLock, RunSingleton) are leases
 //     with the same guarantees; a lock's scope is "<scope>/<name>".
-//   - IssuedEpoch tells sinks the highest epoch issued for a fence, from
-//     the server's revisions of its lease key only.
+//   - VerifyAcquisition tells sinks whether an epoch was issued to a fence
+//     with a given acquisition token: the fence record names the pair, and
+//     the lease key's revisions allow it (IssuedEpoch is that bound).
+//     Committed reads a partition's committed progress from its fence
+//     record, for sinks that drop a job's effects only on proof.
 //   - Records a client left that leasehold never writes (garbage, leases
 //     without a TTL) are reported by Findings, repaired by Fence and Repair,
 //     and taken over by the worker group once they outlive any lease.

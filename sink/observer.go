@@ -22,8 +22,9 @@ const (
 	// BadStamp: the stamp was missing or malformed; nothing was applied.
 	// Err matches leasehold.ErrBadStamp.
 	BadStamp
-	// Unverified: the epoch is above every epoch the lease bucket has
-	// fenced; nothing was applied. Err matches ErrUnverifiedEpoch.
+	// Unverified: the write would raise its fence to an epoch and
+	// acquisition the lease bucket did not issue to that fence; nothing was
+	// applied. Err matches ErrUnverifiedEpoch.
 	Unverified
 	// Advanced: a barrier or Advance raised the partition's maximum.
 	Advanced

@@ -32,10 +32,11 @@
 // split_brain under the writer's span; see Reporter), and returned to the
 // caller.
 //
-// With verified epochs (an EpochCheck against the lease bucket), an epoch
-// above a fence's recorded maximum raises it only if the lease bucket
-// issued it for that fence, so a forged or garbled epoch cannot fence out
-// the legitimate holder.
+// With verified epochs (an EpochCheck against the lease bucket), a write
+// raises its fence only to an epoch and acquisition the lease bucket issued
+// to that fence (see Verifier), so a forged or garbled stamp, an epoch
+// issued to another fence, or the holder's epoch with a made-up acquisition
+// cannot fence out the legitimate holder.
 //
 // The sinks: Memory (the reference, in this package), kvsink (JetStream
 // KV), streamsink (a runner over a JetStream effect log), pgsink
