@@ -117,14 +117,19 @@ func FuzzParseEpoch(f *testing.F) {
 // FuzzJobMarkHeaders: job headers are read only when every one has a single
 // canonical value in its place, and what is read writes back the same.
 func FuzzJobMarkHeaders(f *testing.F) {
-	f.Add("Leasehold-Job", "7", "Leasehold-Attempt", "1", "Leasehold-Effects", "3", "Leasehold-After", "5")
-	f.Add("leasehold-job", "7", "LEASEHOLD-ATTEMPT", "2", "Leasehold-Abort", "1", "", "")
-	f.Add("Leasehold-Job", "07", "Leasehold-Attempt", "1", "Leasehold-Effects", "0", "Leasehold-After", "7")
-	f.Add("Leasehold-Job", "7", "Leasehold-Attempt", "1", "Leasehold-Abort", "1", "Leasehold-After", "1")
-	f.Add("Leasehold-Job", "18446744073709551615", "Leasehold-Attempt", "9007199254740993", "Leasehold-Effects", "1048577", "X", "y")
-	f.Fuzz(func(t *testing.T, n1, v1, n2, v2, n3, v3, n4, v4 string) {
+	f.Add("Leasehold-Job", "7", "Leasehold-Attempt", "1", "Leasehold-Effects", "3", "Leasehold-After", "5", "", "")
+	f.Add("leasehold-job", "7", "LEASEHOLD-ATTEMPT", "2", "Leasehold-Abort", "1", "", "", "", "")
+	f.Add("Leasehold-Job", "07", "Leasehold-Attempt", "1", "Leasehold-Effects", "0", "Leasehold-After", "7", "", "")
+	f.Add("Leasehold-Job", "7", "Leasehold-Attempt", "1", "Leasehold-Abort", "1", "Leasehold-After", "1", "", "")
+	f.Add("Leasehold-Job", "18446744073709551615", "Leasehold-Attempt", "9007199254740993", "Leasehold-Effects", "1048577", "X", "y", "", "")
+	f.Add("Leasehold-Job", "7", "Leasehold-Attempt", "1", "Leasehold-Effects", "3", "Leasehold-After", "9", "Leasehold-Floor", "0")
+	f.Add("Leasehold-Job", "7", "Leasehold-Attempt", "1", "Leasehold-Effects", "1", "Leasehold-After", "7", "leasehold-floor", "6")
+	f.Add("Leasehold-Job", "7", "Leasehold-Attempt", "1", "Leasehold-Effects", "1", "Leasehold-After", "0", "Leasehold-Floor", "7")
+	f.Add("Leasehold-Job", "7", "Leasehold-Attempt", "1", "Leasehold-Abort", "1", "Leasehold-Floor", "3", "", "")
+	f.Add("Leasehold-Job", "7", "Leasehold-Attempt", "1", "Leasehold-Floor", "3", "Leasehold-Floor", "03", "", "")
+	f.Fuzz(func(t *testing.T, n1, v1, n2, v2, n3, v3, n4, v4, n5, v5 string) {
 		h := map[string][]string{}
-		for _, kv := range [][2]string{{n1, v1}, {n2, v2}, {n3, v3}, {n4, v4}} {
+		for _, kv := range [][2]string{{n1, v1}, {n2, v2}, {n3, v3}, {n4, v4}, {n5, v5}} {
 			h[kv[0]] = append(h[kv[0]], kv[1])
 		}
 		m, err := leasehold.JobMarkFromHeader(h)
@@ -144,15 +149,27 @@ func FuzzJobMarkHeaders(f *testing.F) {
 		if !m.Standalone() && (m.Attempt == 0 || m.Attempt > leasehold.MaxAttempt) {
 			t.Fatalf("accepted attempt %d", m.Attempt)
 		}
-		if m.Final() && (m.Effects > leasehold.MaxJobEffects || m.After >= m.Job || m.Abort) {
+		if m.Final() && (m.Effects > leasehold.MaxJobEffects || m.After == m.Job || m.Abort) {
 			t.Fatalf("accepted final %+v", m)
 		}
+		// Only a final says it completes out of order, and then its floor
+		// is below it; without one, After is below the job.
+		if m.Floored != m.Floors() || (m.Floored && m.Floor >= m.Job) || (!m.Floored && (m.Floor != 0 || m.After > m.Job)) {
+			t.Fatalf("accepted %+v", m)
+		}
 		for k, vs := range h {
-			if strings.EqualFold(k, leasehold.HeaderJob) {
-				for _, v := range vs {
-					if v != strconv.FormatUint(m.Job, 10) {
-						t.Fatalf("accepted job %d beside the spelling %q", m.Job, v)
-					}
+			var want string
+			switch {
+			case strings.EqualFold(k, leasehold.HeaderJob):
+				want = strconv.FormatUint(m.Job, 10)
+			case strings.EqualFold(k, leasehold.HeaderFloor):
+				want = strconv.FormatUint(m.Floor, 10)
+			default:
+				continue
+			}
+			for _, v := range vs {
+				if v != want {
+					t.Fatalf("accepted %+v beside the spelling %s: %q", m, k, v)
 				}
 			}
 		}

@@ -21,8 +21,17 @@ const (
 	HeaderEffects = "Leasehold-Effects" // on the final: the attempt's effects on its subject, the final included
 	// HeaderAfter is on the final: the job, in the same lease, whose
 	// attempt completed last before this one with effects on the subject;
-	// 0 when none did.
+	// 0 when none did. Without HeaderFloor it is below the job; with it,
+	// jobs complete out of order and it may name a later job.
 	HeaderAfter = "Leasehold-After"
+	// HeaderFloor is on the final of a runner with several jobs of the
+	// partition in flight: its watermark when it sent the final. Every job
+	// of the lease up to the floor is finished (its finals, if any, are in
+	// the log before this one, and it publishes nothing more), while jobs
+	// above it may complete in any order. A final without it comes from a
+	// runner that completes jobs in stream order, whose every earlier job
+	// is finished.
+	HeaderFloor = "Leasehold-Floor"
 	// HeaderAbort marks a message with no effect that closes an attempt
 	// which published effects on its subject and then failed.
 	HeaderAbort = "Leasehold-Abort"
@@ -43,7 +52,13 @@ type JobMark struct {
 	// on the subject, the final included.
 	Effects int
 	After   uint64 // on the final: see HeaderAfter
-	Abort   bool   // the message closes the attempt: it is no effect
+	// Floor is on the final when Floored: see HeaderFloor. A floor of 0
+	// (no job of the stream finished yet) is a floor all the same: a runner
+	// with several jobs in flight sets Floored on each final it sends, and
+	// SetHeader writes the floor when Floored or Floor is not 0.
+	Floor   uint64
+	Floored bool
+	Abort   bool // the message closes the attempt: it is no effect
 }
 
 // Standalone reports whether the message belongs to no job.
@@ -68,10 +83,17 @@ func (m JobMark) SetHeader(h map[string][]string) {
 	case m.Final():
 		h[HeaderEffects] = []string{strconv.Itoa(m.Effects)}
 		h[HeaderAfter] = []string{strconv.FormatUint(m.After, 10)}
+		if m.Floored || m.Floor != 0 {
+			h[HeaderFloor] = []string{strconv.FormatUint(m.Floor, 10)}
+		}
 	}
 }
 
-var jobHeaders = [...]string{HeaderJob, HeaderAttempt, HeaderEffects, HeaderAfter, HeaderAbort}
+// Floors reports whether the final carries a floor: its job may complete
+// out of stream order.
+func (m JobMark) Floors() bool { return m.Final() && (m.Floored || m.Floor != 0) }
+
+var jobHeaders = [...]string{HeaderJob, HeaderAttempt, HeaderEffects, HeaderAfter, HeaderAbort, HeaderFloor}
 
 // ErrBadJobMark is matched by the error of JobMarkFromHeader.
 var ErrBadJobMark = errors.New("leasehold: malformed job headers")
@@ -85,7 +107,7 @@ type JobMarkError struct {
 }
 
 func (e *JobMarkError) Error() string {
-	return fmt.Sprintf("leasehold: header %s %q: %v: effects of a job carry Leasehold-Job and Leasehold-Attempt, and their final Leasehold-Effects and Leasehold-After, as the worker writes them", e.Header, e.Value, e.Err)
+	return fmt.Sprintf("leasehold: header %s %q: %v: effects of a job carry Leasehold-Job and Leasehold-Attempt, and their final Leasehold-Effects and Leasehold-After (and Leasehold-Floor from a runner with several jobs in flight), as the worker writes them", e.Header, e.Value, e.Err)
 }
 
 // Is makes errors.Is(err, ErrBadJobMark) true.
@@ -98,8 +120,9 @@ func (e *JobMarkError) Unwrap() error { return e.Err }
 // match without regard to case, a header given twice with different
 // values is an error, numbers are canonical decimals within bounds, and a
 // header out of place (an abort that counts effects, a final with no
-// attempt, an After not below the job) is an error. A message with none of
-// the headers is standalone.
+// attempt, a floor on what is no final, a floor not below the job, an After
+// naming the job itself, or not below it on a final without a floor) is an
+// error. A message with none of the headers is standalone.
 func JobMarkFromHeader(h map[string][]string) (JobMark, error) {
 	var vals [len(jobHeaders)]string
 	var seen [len(jobHeaders)]bool
@@ -140,8 +163,8 @@ func JobMarkFromHeader(h map[string][]string) (JobMark, error) {
 		if vals[4] != "1" {
 			return bad(4, errors.New(`is not "1"`))
 		}
-		if seen[2] || seen[3] {
-			return bad(4, errors.New("is given beside Leasehold-Effects or Leasehold-After: an abort marker counts no effects"))
+		if seen[2] || seen[3] || seen[5] {
+			return bad(4, errors.New("is given beside Leasehold-Effects, Leasehold-After or Leasehold-Floor: an abort marker counts no effects"))
 		}
 		m.Abort = true
 		return m, nil
@@ -153,6 +176,9 @@ func JobMarkFromHeader(h map[string][]string) (JobMark, error) {
 		return bad(3, errors.New("is missing beside Leasehold-Effects"))
 	}
 	if !seen[2] {
+		if seen[5] {
+			return bad(5, errors.New("is given on an effect that is not its attempt's final"))
+		}
 		return m, nil
 	}
 	n, err := parseCanonical(vals[2], MaxJobEffects)
@@ -163,8 +189,21 @@ func JobMarkFromHeader(h map[string][]string) (JobMark, error) {
 	if m.After, err = parseCanonical(vals[3], 1<<63); err != nil {
 		return bad(3, err)
 	}
+	if seen[5] {
+		if m.Floor, err = parseCanonical(vals[5], 1<<63); err != nil {
+			return bad(5, err)
+		}
+		if m.Floor >= m.Job {
+			return bad(5, fmt.Errorf("is %d, not below job %d: the floor counts finished jobs, and this one is finishing", m.Floor, m.Job))
+		}
+		m.Floored = true
+		if m.After == m.Job {
+			return bad(3, fmt.Errorf("names job %d itself", m.Job))
+		}
+		return m, nil
+	}
 	if m.After >= m.Job {
-		return bad(3, fmt.Errorf("names job %d, not one before job %d", m.After, m.Job))
+		return bad(3, fmt.Errorf("names job %d, not one before job %d, on a final without Leasehold-Floor", m.After, m.Job))
 	}
 	return m, nil
 }
