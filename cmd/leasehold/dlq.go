@@ -198,7 +198,7 @@ func (d *dlq) isRecord(m *jetstream.RawStreamMsg) bool {
 
 // summary is what list shows of a dead letter, taken from its headers
 // as they are.
-type summary struct{ partition, id, attempts, err string }
+type summary struct{ partition, id, kind, attempts, err string }
 
 func (d *dlq) summarize(m *jetstream.RawStreamMsg) summary {
 	h := m.Header
@@ -209,6 +209,7 @@ func (d *dlq) summarize(m *jetstream.RawStreamMsg) summary {
 		s.err = sinkHeader(h, sinkHeaderError, "Error")
 	} else {
 		s.id = header(h, worker.HeaderJobID)
+		s.kind = header(h, worker.HeaderKind)
 		s.attempts = header(h, worker.HeaderAttempts)
 		s.err = header(h, worker.HeaderError)
 		if s.partition == "" {
@@ -220,25 +221,32 @@ func (d *dlq) summarize(m *jetstream.RawStreamMsg) summary {
 
 // lister prints dead letters as a table.
 type lister struct {
-	tw   *tabwriter.Writer
-	n    int
-	last uint64
+	tw    *tabwriter.Writer
+	n     int
+	last  uint64
+	kinds bool // a KIND column: the job's Leasehold-Kind, "-" for none
 }
 
 func (d *dlq) lister(out io.Writer) *lister {
 	l := &lister{tw: tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)}
-	id, tries := "JOB", "ATTEMPTS"
+	l.kinds = !d.sink
 	if d.sink {
-		id, tries = "KEY", "TRIES"
+		// An effect has no kind: the column would always be empty.
+		fmt.Fprintf(l.tw, "SEQ\tTIME\tPARTITION\tKEY\tTRIES\tSIZE\tERROR\n")
+	} else {
+		fmt.Fprintf(l.tw, "SEQ\tTIME\tPARTITION\tJOB\tKIND\tATTEMPTS\tSIZE\tERROR\n")
 	}
-	fmt.Fprintf(l.tw, "SEQ\tTIME\tPARTITION\t%s\t%s\tSIZE\tERROR\n", id, tries)
 	return l
 }
 
 func (l *lister) add(d *dlq, m *jetstream.RawStreamMsg) {
 	s := d.summarize(m)
+	id := cell(s.id, 48)
+	if l.kinds {
+		id += "\t" + cell(s.kind, 32)
+	}
 	fmt.Fprintf(l.tw, "%d\t%s\t%s\t%s\t%s\t%d\t%s\n", m.Sequence, m.Time.UTC().Format(time.RFC3339),
-		cell(s.partition, 24), cell(s.id, 48), cell(s.attempts, 8), len(m.Data), cell(s.err, 100))
+		cell(s.partition, 24), id, cell(s.attempts, 8), len(m.Data), cell(s.err, 100))
 	l.n++
 	l.last = m.Sequence
 }
@@ -254,8 +262,8 @@ func newDLQList() *cobra.Command {
 		Short: "List dead letters, one line each",
 		Long: `list prints one line per dead letter, oldest first: its sequence in the
 dead-letter stream (what show, replay and purge take), when it was stored, its
-partition, the job's ID (the effect's key with --sink), how many attempts were
-made, the payload's size in bytes and the last error. It only reads.
+partition, the job's ID and kind (its Leasehold-Kind: which handler of a Mux
+ran it; the effect's key with --sink), how many attempts were made, the payload's size in bytes and the last error. It only reads.
 
 A stream holding more than --limit dead letters ends with the --from that lists
 the next ones.`,

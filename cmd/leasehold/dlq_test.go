@@ -140,9 +140,9 @@ func TestDlqWorkerListShowReplayPurge(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	enqueue := func(data, id string) {
+	enqueue := func(data, id string, opts ...worker.EnqueueOption) {
 		t.Helper()
-		e, err := p.EnqueueTo(ctx, 1, []byte(data), worker.JobID(id), worker.WithHeader(nats.Header{"X-Order": {id}}))
+		e, err := p.EnqueueTo(ctx, 1, []byte(data), append(opts, worker.JobID(id), worker.WithHeader(nats.Header{"X-Order": {id}}))...)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -151,12 +151,16 @@ func TestDlqWorkerListShowReplayPurge(t *testing.T) {
 	conn := []string{"--nats", s.URL(), "--prefix", "dq"}
 	cli := func(args ...string) []string { return append(append([]string{"dlq"}, args...), conn...) }
 
-	enqueue(`{"order":17}`, "order-17")
+	enqueue(`{"order":17}`, "order-17", worker.WithKind("refund"))
 	out := mustRun(t, ctx, cli("list")...)
 	t.Logf("dlq list:\n%s", out)
 	wantIn(t, "list", out, "SEQ", "order-17", "the payment service said no | try later", "1 shown; dq-dlq holds 1 dead letters")
 	if line := strings.Split(out, "\n")[1]; !strings.HasPrefix(line, "1 ") || !strings.Contains(line, " 12 ") {
 		t.Errorf("list line %q: want sequence 1 and 12 bytes", line)
+	}
+	// The kind says which handler failed it.
+	if head, line := strings.Fields(strings.Split(out, "\n")[0]), strings.Fields(strings.Split(out, "\n")[1]); len(head) < 5 || head[4] != "KIND" || len(line) < 5 || line[4] != "refund" {
+		t.Errorf("list: want a KIND column showing refund:\n%s", out)
 	}
 	out = mustRun(t, ctx, cli("show", "1")...)
 	t.Logf("dlq show 1:\n%s", out)
@@ -178,6 +182,7 @@ func TestDlqWorkerListShowReplayPurge(t *testing.T) {
 			leasehold.HeaderOrigin:       "dq/1/1",
 			leasehold.HeaderReplayOf:     "dq-dlq/1",
 			leasehold.HeaderReplayReason: "the payment service said no | try later",
+			worker.HeaderKind:            "refund", // which handler runs it
 		}
 		for k := range j.Header {
 			if v, ok := want[k]; ok {
