@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -69,6 +70,9 @@ the stream leader, so a replica that is behind cannot hide a write.`,
 					}
 					fences = append(fences, sinkFence{Scope: id.Scope, Partition: uint32(id.Partition), Epoch: uint64(st.Epoch), Acquisition: st.Acquisition, Holder: st.Holder})
 				}
+				slices.SortFunc(fences, func(a, b sinkFence) int {
+					return cmp.Or(naturalCompare(a.Scope, b.Scope), cmp.Compare(a.Partition, b.Partition))
+				})
 				out := cmd.OutOrStdout()
 				if f.asJSON {
 					vals := make([]sinkValue, 0, len(effects))
@@ -178,6 +182,7 @@ type badValue struct {
 func readEffects(ctx context.Context, js jetstream.JetStream, s *kvsink.Sink) ([]sink.Effect, []badValue, error) {
 	effects, err := s.Effects(ctx)
 	if err == nil {
+		slices.SortStableFunc(effects, func(a, b sink.Effect) int { return naturalCompare(a.Subject, b.Subject) })
 		return effects, nil, nil
 	}
 	bucket := s.KeyValue().Bucket()
@@ -196,7 +201,7 @@ func readEffects(ctx context.Context, js jetstream.JetStream, s *kvsink.Sink) ([
 			keys = append(keys, key)
 		}
 	}
-	slices.Sort(keys)
+	slices.SortFunc(keys, naturalCompare)
 	var bad []badValue
 	for _, key := range keys {
 		e, ok, err := s.Get(ctx, key)
@@ -208,6 +213,45 @@ func readEffects(ctx context.Context, js jetstream.JetStream, s *kvsink.Sink) ([
 		}
 	}
 	return effects, bad, nil
+}
+
+// naturalCompare orders keys as people read them: runs of digits by their
+// value, so that orders.3.9 comes before orders.3.10, and orders.3.10
+// before orders.3.90; the rest byte by byte. Keys equal that way (007 and
+// 7) fall back to byte order, so the order is total.
+func naturalCompare(a, b string) int {
+	i, j := 0, 0
+	for i < len(a) && j < len(b) {
+		if isDigit(a[i]) && isDigit(b[j]) {
+			ei, ej := digitsEnd(a, i), digitsEnd(b, j)
+			x, y := strings.TrimLeft(a[i:ei], "0"), strings.TrimLeft(b[j:ej], "0")
+			if c := cmp.Compare(len(x), len(y)); c != 0 {
+				return c
+			}
+			if c := strings.Compare(x, y); c != 0 {
+				return c
+			}
+			i, j = ei, ej
+			continue
+		}
+		if a[i] != b[j] {
+			return cmp.Compare(a[i], b[j])
+		}
+		i, j = i+1, j+1
+	}
+	if c := cmp.Compare(len(a)-i, len(b)-j); c != 0 {
+		return c
+	}
+	return strings.Compare(a, b)
+}
+
+func isDigit(c byte) bool { return '0' <= c && c <= '9' }
+
+func digitsEnd(s string, i int) int {
+	for i < len(s) && isDigit(s[i]) {
+		i++
+	}
+	return i
 }
 
 // sinkValue is one value of ls and get --json.
