@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -11,6 +12,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 
 	"github.com/leasehold/leasehold"
@@ -39,7 +41,8 @@ func newInit() *cobra.Command {
 settings: the lease bucket (per-key TTLs, history 1, file storage, an epoch
 floor) and its fence-record bucket <bucket>-fences (epochs and progress, no
 TTL), the job stream <prefix>-jobs on <prefix>.jobs.<partition>, the
-dead-letter stream <prefix>-dlq, the effect log <prefix>-effects and the
+dead-letter stream <prefix>-dlq, the effect log <prefix>-effects (whose
+messages nobody may delete or purge by hand: a sink stops at such a gap) and the
 status page's events stream <prefix>-events (an hour of take-overs, lease
 losses and refused writes). Running it
 again is safe: existing resources are checked, and a mismatch is reported with
@@ -65,11 +68,21 @@ production deployment lacks (sync_interval: always, replicas).`,
 				return err
 			}
 			fmt.Fprintf(out, "lease bucket %s and fence records %s: ready\n", b.Name(), b.FenceBucket())
+			effects := worker.EffectsStream(conn.prefix)
+			_, serr := js.Stream(ctx, effects)
+			fresh := errors.Is(serr, jetstream.ErrStreamNotFound)
 			if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: conn.prefix, Partitions: partitions, Replicas: replicas, Schedules: schedules, Duplicates: window}); err != nil {
 				return err
 			}
 			fmt.Fprintf(out, "streams %s, %s and %s: ready (%d partitions, %d replicas)\n",
-				worker.JobsStream(conn.prefix), worker.DLQStream(conn.prefix), worker.EffectsStream(conn.prefix), partitions, replicas)
+				worker.JobsStream(conn.prefix), worker.DLQStream(conn.prefix), effects, partitions, replicas)
+			note, err := guardEffectLog(ctx, js, effects, fresh)
+			if err != nil {
+				return err
+			}
+			if note != "" {
+				fmt.Fprintln(out, "note:", note)
+			}
 			if _, err := statuspage.ProvisionEvents(ctx, js, conn.prefix, replicas); err != nil {
 				return err
 			}
@@ -91,6 +104,32 @@ production deployment lacks (sync_interval: always, replicas).`,
 	cmd.Flags().BoolVar(&restartProgress, "restart-progress", false, "when the fence records are gone: accept that every partition's progress starts at the job stream's beginning")
 	cmd.Flags().StringVar(&monitor, "monitor", "", "NATS monitoring URL to read server settings from (default: the server's host, port 8222)")
 	return cmd
+}
+
+// guardEffectLog makes sure nobody can delete or purge messages of the
+// effect log by hand: a sink stops at a message removed before it handled
+// it, since it may have been a take-over's barrier, and warns at start
+// about a log that allows it. A log this init created gets DenyDelete and
+// DenyPurge; an existing one that lacks them is left as it is (the server
+// never lets them be turned off again) and the returned note says how to
+// set them.
+func guardEffectLog(ctx context.Context, js jetstream.JetStream, name string, fresh bool) (note string, err error) {
+	s, err := js.Stream(ctx, name)
+	if err != nil {
+		return "", fmt.Errorf("look up the effect log %s: %w", name, err)
+	}
+	sc := s.CachedInfo().Config
+	if sc.DenyDelete && sc.DenyPurge {
+		return "", nil
+	}
+	if !fresh {
+		return fmt.Sprintf("the effect log %s lets anyone allowed delete or purge its messages, and a sink stops at a message removed before it handled it (it may have been a take-over's barrier); forbid it with `nats stream edit %s --deny-delete --deny-purge` (for good: the server does not allow it again)", name, name), nil
+	}
+	sc.DenyDelete, sc.DenyPurge = true, true
+	if _, err := js.UpdateStream(ctx, sc); err != nil {
+		return "", fmt.Errorf("forbid deleting and purging messages of the effect log %s: %w", name, err)
+	}
+	return "", nil
 }
 
 // varz is the part of a server's /varz that init reads.

@@ -155,7 +155,11 @@ func runSink(ctx context.Context, f sinkFlags) error {
 	if f.verifyEpochs {
 		b, err := f.conn.openLeaseBucket(ctx, js)
 		if err != nil {
-			return fmt.Errorf("--verify-epochs needs the lease bucket: %w", err)
+			if _, serr := js.Stream(ctx, "KV_"+f.conn.leaseBucket()); errors.Is(serr, jetstream.ErrStreamNotFound) {
+				return fmt.Errorf("run `leasehold init --prefix %s` first: there is no lease bucket %s, which the sink checks every new epoch against%s",
+					f.conn.prefix, f.conn.leaseBucket(), f.conn.knownPrefixes(ctx, js))
+			}
+			return fmt.Errorf("the sink checks every new epoch against the lease bucket (--verify-epochs): %w", err)
 		}
 		cfg.Verifier, page.Bucket = b, b
 	}
