@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/leasehold/leasehold"
 )
@@ -23,12 +24,25 @@ type Committed struct {
 	Epoch       leasehold.Epoch // the acquisition that fenced the record last
 	Acquisition string
 	Seq         uint64 // the last input sequence committed (partitions only)
+	// Done are the inputs above Seq committed too, ascending: a runner
+	// with several jobs in flight finishes them out of order (at most
+	// MaxDone; a record of a release before has none).
+	Done []uint64
 }
 
-// Includes reports whether job (an input sequence) is committed in c. It
-// is the one place that says so: progress kept as a watermark today, and
-// as a watermark with the jobs finished beyond it, later.
-func (c Committed) Includes(job uint64) bool { return job != 0 && job <= c.Seq }
+// Includes reports whether job (an input sequence) is committed in c: at
+// or below the watermark Seq, or among the jobs Done beyond it. It is the
+// one place that says so.
+func (c Committed) Includes(job uint64) bool {
+	if job == 0 {
+		return false
+	}
+	if job <= c.Seq {
+		return true
+	}
+	_, found := slices.BinarySearch(c.Done, job)
+	return found
+}
 
 // Committed reads the fence record of fence id (a partition of the
 // bucket's scope, or one of its locks) through the fence bucket's stream
@@ -55,7 +69,7 @@ func (b *Bucket) Committed(ctx context.Context, id leasehold.FenceID) (Committed
 	}
 	c := Committed{Epoch: leasehold.Epoch(r.Epoch), Acquisition: r.Acquisition}
 	if id.Scope == b.scope {
-		c.Seq = r.Seq
+		c.Seq, c.Done = r.Seq, r.done
 	}
 	return c, nil
 }

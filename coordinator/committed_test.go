@@ -2,6 +2,7 @@ package coordinator_test
 
 import (
 	"errors"
+	"reflect"
 	"testing"
 	"time"
 
@@ -33,7 +34,7 @@ func TestCommitted(t *testing.T) {
 			p0 := leasehold.FenceID{Scope: b.Scope(), Partition: 0}
 
 			got, err := b.Committed(ctx, p0)
-			if err != nil || got != (coordinator.Committed{}) {
+			if err != nil || !reflect.DeepEqual(got, coordinator.Committed{}) {
 				t.Fatalf("before any acquisition: %+v, %v; want the zero Committed", got, err)
 			}
 
@@ -47,7 +48,7 @@ func TestCommitted(t *testing.T) {
 			}
 			got, err = b.Committed(ctx, p0)
 			want := coordinator.Committed{Epoch: la.Epoch(), Acquisition: la.Info().Acquisition, Seq: 7}
-			if err != nil || got != want {
+			if err != nil || !reflect.DeepEqual(got, want) {
 				t.Fatalf("after the holder committed 7: %+v, %v; want %+v", got, err, want)
 			}
 			if !got.Includes(7) || !got.Includes(1) || got.Includes(8) || got.Includes(0) {
@@ -62,7 +63,7 @@ func TestCommitted(t *testing.T) {
 			defer lc.Release(ctx)
 			got, err = b.Committed(ctx, p0)
 			want = coordinator.Committed{Epoch: lc.Epoch(), Acquisition: lc.Info().Acquisition, Seq: 7}
-			if err != nil || got != want {
+			if err != nil || !reflect.DeepEqual(got, want) {
 				t.Fatalf("after a successor fenced the record: %+v, %v; want %+v", got, err, want)
 			}
 			if got.Epoch <= la.Epoch() {
@@ -76,7 +77,7 @@ func TestCommitted(t *testing.T) {
 			defer lk.Release(ctx)
 			got, err = b.Committed(ctx, lk.Info().Fence())
 			want = coordinator.Committed{Epoch: lk.Epoch(), Acquisition: lk.Info().Acquisition}
-			if err != nil || got != want {
+			if err != nil || !reflect.DeepEqual(got, want) {
 				t.Errorf("a lock: %+v, %v; want %+v", got, err, want)
 			}
 

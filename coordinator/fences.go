@@ -66,9 +66,17 @@ type fenceRecord struct {
 	// on the record, so only that acquisition can still change it.
 	Epoch       uint64 `json:"epoch"`
 	Acquisition string `json:"acquisition,omitempty"`
-	// Seq is the last input sequence committed (partitions only).
-	Seq    uint64 `json:"seq,omitempty"`
-	Holder string `json:"holder"`
+	// Seq is the last input sequence committed (partitions only): every
+	// job up to it is finished.
+	Seq uint64 `json:"seq,omitempty"`
+	// Done are the jobs above Seq the lease finished (partitions only),
+	// encoded by encodeDone; done holds them decoded. A release before
+	// kept none: it reads a record with them (it ignores the field) and
+	// drops them when it rewrites the record, and its successor runs those
+	// jobs again, under the same idempotency keys.
+	Done   string   `json:"done,omitempty"`
+	done   []uint64 // Done, decoded
+	Holder string   `json:"holder"`
 	// Recent are the epochs of the latest acquisitions that fenced the
 	// record, ascending, Epoch last.
 	Recent []uint64 `json:"recent,omitempty"`
@@ -151,7 +159,7 @@ func (r fenceRecord) withEpoch(e uint64, acquisition, holder string) fenceRecord
 		forgot = max(forgot, kept[n-1].epoch)
 		kept = kept[n:]
 	}
-	next := fenceRecord{Epoch: e, Acquisition: acquisition, Seq: r.Seq, Holder: holder, Forgotten: forgot,
+	next := fenceRecord{Epoch: e, Acquisition: acquisition, Seq: r.Seq, Done: r.Done, done: r.done, Holder: holder, Forgotten: forgot,
 		Recent: make([]uint64, 0, len(kept)+1), Acquisitions: make([]string, 0, len(kept)+1)}
 	for _, f := range append(kept, fencedBy{e, acquisition}) {
 		next.Recent = append(next.Recent, f.epoch)
@@ -171,6 +179,13 @@ func decodeFence(data []byte) (fenceRecord, error) {
 	}
 	if len(r.Acquisitions) > 0 && len(r.Acquisitions) != len(r.Recent) {
 		return fenceRecord{}, fmt.Errorf("%w: it names %d acquisitions for %d recent epochs", errGarbledFence, len(r.Acquisitions), len(r.Recent))
+	}
+	if r.Done != "" {
+		done, err := decodeDone(r.Seq, r.Done)
+		if err != nil {
+			return fenceRecord{}, fmt.Errorf("%w: %v", errGarbledFence, err)
+		}
+		r.done = done
 	}
 	return r, nil
 }
