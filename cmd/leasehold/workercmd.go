@@ -61,7 +61,7 @@ what it has, commits progress and releases its partitions within
 	fs := cmd.Flags()
 	f.conn.register(fs)
 	fs.IntVar(&f.partitions, "partitions", 0, partitionsHelp)
-	fs.StringVar(&f.id, "worker-id", "", "this worker's ID, unique among live workers (default: the host name); in Kubernetes pass the pod name")
+	fs.StringVar(&f.id, "worker-id", "", "this worker's ID, unique among live workers: a second process under a live ID stops at start (default: the host name and a random suffix, new for each process); in Kubernetes pass the pod name")
 	fs.DurationVar(&f.ttl, "ttl", 10*time.Second, "lease TTL: how long a crashed worker's partitions wait before others take them (whole seconds)")
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", 20*time.Second, "how long a shutdown may take to finish in-flight jobs and release partitions")
 	fs.IntVar(&f.concurrency, "concurrency", 0, "handlers running at once across partitions (0: one per held partition)")
@@ -87,8 +87,7 @@ func runWorker(ctx context.Context, f workerFlags) error {
 		return err
 	}
 	if f.id == "" {
-		host, _ := os.Hostname()
-		f.id = sanitize(host)
+		f.id = defaultWorkerID()
 	}
 	if f.pidFile != "" {
 		remove, err := writePidFile(f.pidFile)
