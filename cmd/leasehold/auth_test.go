@@ -28,6 +28,7 @@ import (
 // JetStream, KV and stream rights) and reading the partition table back.
 // Wrong or missing credentials fail with the server's refusal.
 func TestAuthentication(t *testing.T) {
+	t.Parallel()
 	dir := t.TempDir()
 	cases := []struct {
 		name  string

@@ -13,6 +13,8 @@ import (
 // started as a child), and checks that the rows are well formed. It
 // asserts no timings: the machine is shared and noisy.
 func TestBenchQuickJSON(t *testing.T) {
+	t.Parallel()
+	defer oneFleet(t)()
 	if testing.Short() {
 		t.Skip("starts worker processes and a NATS server")
 	}
@@ -73,6 +75,8 @@ func TestBenchQuickJSON(t *testing.T) {
 // 3-node cluster with every write synced, and checks that each comes with
 // its baseline and that the table names the configuration.
 func TestBenchClusterSync(t *testing.T) {
+	t.Parallel()
+	defer oneFleet(t)()
 	if testing.Short() {
 		t.Skip("starts a 3-node NATS cluster")
 	}
@@ -101,6 +105,7 @@ func TestBenchClusterSync(t *testing.T) {
 }
 
 func TestBenchRejectsUnknownScenario(t *testing.T) {
+	t.Parallel()
 	out, err := run(t, context.Background(), "bench", "--only", "e2e,nonsense")
 	if err == nil || !strings.Contains(err.Error(), `scenario "nonsense"`) {
 		t.Fatalf("bench --only nonsense: %v\n%s", err, out)

@@ -61,6 +61,7 @@ func httpGet(url string) (int, string) {
 // init, two workers and a KV sink, run as the command line runs them:
 // every job's effect lands in the sink once, and the endpoints answer.
 func TestInitWorkerSink(t *testing.T) {
+	t.Parallel()
 	s := natstest.Start(t, natstest.Listen())
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()

@@ -13,6 +13,8 @@ import (
 // its TTL and really writes when it wakes up; the sink refuses it; nothing
 // is lost and nothing stale is applied.
 func TestDemoJSON(t *testing.T) {
+	t.Parallel()
+	defer oneFleet(t)()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	out, err := run(t, ctx, "demo", "--json", "--duration", "20s", "--jobs", "600", "--workers", "3", "--partitions", "6")
@@ -63,6 +65,7 @@ func TestDemoJSON(t *testing.T) {
 }
 
 func TestDemoRefusesBadFlags(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	for _, args := range [][]string{
 		{"demo", "--workers", "1"},

@@ -14,6 +14,7 @@ import (
 // parse with this command's real flags, so a renamed or removed flag breaks
 // this test rather than a deployment.
 func TestDeployCommandLinesParse(t *testing.T) {
+	t.Parallel()
 	var lines [][]string
 	manifests, _ := filepath.Glob("../../deploy/kubernetes/*.yaml")
 	for _, path := range manifests {

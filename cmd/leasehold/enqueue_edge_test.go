@@ -1,12 +1,9 @@
 package main
 
 import (
-	"context"
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 // --rate is a float from the command line: a rate above a job a
@@ -14,12 +11,9 @@ import (
 // one. Any positive rate enqueues, as fast as the server takes them at
 // most.
 func TestEnqueueHugeRate(t *testing.T) {
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	if out, err := run(t, ctx, "init", "--nats", s.URL(), "--partitions", "2"); err != nil {
-		t.Fatalf("init: %v\n%s", err, out)
-	}
+	t.Parallel()
+	s, ctx := listening(t, 60*time.Second)
+	mustRun(t, ctx, "init", "--nats", s.URL(), "--partitions", "2")
 	for _, rate := range []string{"5e9", "+Inf"} {
 		out, err := run(t, ctx, "enqueue", "--nats", s.URL(), "-n", "3", "--rate", rate)
 		if err != nil || !strings.Contains(out, "enqueued 3 jobs") {

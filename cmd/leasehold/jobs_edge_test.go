@@ -1,12 +1,9 @@
 package main
 
 import (
-	"context"
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 // `jobs show` reads a job's progress from the lease bucket: a --bucket of
@@ -14,9 +11,8 @@ import (
 // nothing about this one's jobs. As status does, jobs refuses a bucket
 // that serves another prefix.
 func TestJobsWithAnotherStreamsBucket(t *testing.T) {
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
+	t.Parallel()
+	s, ctx := listening(t, 60*time.Second)
 	for _, prefix := range []string{"a", "b"} {
 		if out, err := run(t, ctx, "init", "--nats", s.URL(), "--prefix", prefix, "--partitions", "2"); err != nil {
 			t.Fatalf("init --prefix %s: %v\n%s", prefix, err, out)

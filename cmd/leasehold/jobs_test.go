@@ -1,20 +1,16 @@
 package main
 
 import (
-	"context"
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 // enqueue prints references and reports duplicates; jobs show tells where
 // the jobs are and jobs wait returns once a worker has done them.
 func TestJobsShowAndWait(t *testing.T) {
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
+	t.Parallel()
+	s, ctx := listening(t, 90*time.Second)
 	base := []string{"--nats", s.URL(), "--prefix", "jq"}
 	cli := func(args ...string) []string { return append(args, base...) }
 	mustRun(t, ctx, cli("init", "--partitions", "2", "--schedules")...)

@@ -12,6 +12,7 @@ import (
 // stream, which anyone allowed to publish there can write, escape
 // sequences included; `jobs show` prints it to a terminal.
 func TestJobsShowQuotesControlBytes(t *testing.T) {
+	t.Parallel()
 	var out bytes.Buffer
 	sts := []worker.JobStatus{
 		{Ref: "0:1", Seq: 1, State: worker.JobDeadLettered, DeadLetter: 3, Error: "boom\x1b]0;owned\x07\x1b[2J"},

@@ -22,9 +22,7 @@ func TestPartitionsFromTheJobStream(t *testing.T) {
 	if _, err := run(t, ctx, "enqueue", "--nats", s.URL()); err == nil || !strings.Contains(err.Error(), "no job stream leasehold-jobs") {
 		t.Fatalf("enqueue before init: %v", err)
 	}
-	if out, err := run(t, ctx, "init", "--nats", s.URL(), "--partitions", "3"); err != nil {
-		t.Fatalf("init: %v\n%s", err, out)
-	}
+	mustRun(t, ctx, "init", "--nats", s.URL(), "--partitions", "3")
 	// init again without --partitions keeps the stream's count.
 	if out, err := run(t, ctx, "init", "--nats", s.URL()); err != nil || !strings.Contains(out, "(3 partitions") {
 		t.Fatalf("init without --partitions on a 3-partition stream: %v\n%s", err, out)
@@ -54,6 +52,7 @@ func TestPartitionsFromTheJobStream(t *testing.T) {
 // A prefix with no job stream is an error naming the prefixes there are,
 // and a lease bucket of another prefix is refused rather than shown.
 func TestStatusRefusesAnUnknownPrefix(t *testing.T) {
+	t.Parallel()
 	s := natstest.Start(t, natstest.Listen())
 	startFleet(t, s, 1, 4)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)

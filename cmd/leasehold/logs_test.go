@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"encoding/json"
 	"os"
 	"path/filepath"
@@ -13,7 +12,6 @@ import (
 
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/fleet"
-	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 // Two worker processes; one is frozen (SIGSTOP) past its lease TTL and
@@ -22,15 +20,13 @@ import (
 // membership registration as a partition, empty fields on lease-lost
 // lines, or its start and stop twice.
 func TestFrozenWorkerLogs(t *testing.T) {
+	t.Parallel()
+	defer oneFleet(t)()
 	if testing.Short() {
 		t.Skip("runs worker processes through a freeze")
 	}
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Second)
-	defer cancel()
-	if out, err := run(t, ctx, "init", "--nats", s.URL(), "--partitions", "4"); err != nil {
-		t.Fatalf("init: %v\n%s", err, out)
-	}
+	s, ctx := listening(t, 45*time.Second)
+	mustRun(t, ctx, "init", "--nats", s.URL(), "--partitions", "4")
 	dir := t.TempDir()
 	procs := map[string]*fleet.Proc{}
 	for _, name := range []string{"alice", "bob"} {

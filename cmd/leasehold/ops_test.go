@@ -1,11 +1,8 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
-	"io"
-	"log/slog"
 	"os"
 	"path/filepath"
 	"slices"
@@ -13,66 +10,12 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
-
 	"github.com/leasehold/leasehold/coordinator"
-	"github.com/leasehold/leasehold/internal/fleet"
-	"github.com/leasehold/leasehold/internal/testskip"
 	"github.com/leasehold/leasehold/testing/natstest"
-	"github.com/leasehold/leasehold/worker"
 )
 
-func TestMain(m *testing.M) {
-	if fleet.IsChild() {
-		// Started by the demo, the chaos harness or a benchmark as the
-		// leasehold command: be it.
-		main()
-		os.Exit(0)
-	}
-	goleak.VerifyTestMain(testskip.Summarize(m))
-}
-
-// run executes the command line args and returns what it printed.
-func run(t *testing.T, ctx context.Context, args ...string) (string, error) {
-	t.Helper()
-	var out bytes.Buffer
-	root := newRoot()
-	root.SetOut(&out)
-	root.SetErr(&out)
-	root.SetArgs(args)
-	err := root.ExecuteContext(ctx)
-	return out.String(), err
-}
-
-// startFleet runs n coordinators over partitions on s until the test ends.
-func startFleet(t *testing.T, s *natstest.Server, n, partitions int) {
-	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	if err := worker.ProvisionJobs(ctx, s.JetStream(t), worker.JobsConfig{Prefix: "leasehold", Partitions: partitions}); err != nil {
-		t.Fatal(err)
-	}
-	b, err := coordinator.Provision(ctx, s.JetStream(t), coordinator.BucketConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan struct{}, n)
-	for i := range n {
-		c, err := coordinator.New(b, coordinator.Config{Worker: "w" + string(rune('a'+i)), Partitions: partitions, TTL: 2 * time.Second,
-			Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-		if err != nil {
-			t.Fatal(err)
-		}
-		go func() { c.Run(ctx); done <- struct{}{} }()
-	}
-	t.Cleanup(func() {
-		cancel()
-		for range n {
-			<-done
-		}
-	})
-}
-
 func TestStatusAndFence(t *testing.T) {
+	t.Parallel()
 	s := natstest.Start(t, natstest.Listen())
 	startFleet(t, s, 2, 4)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)

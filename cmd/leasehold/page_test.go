@@ -13,7 +13,6 @@ import (
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/fleet"
 	"github.com/leasehold/leasehold/statuspage"
-	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -43,17 +42,15 @@ func waitHTTP(t *testing.T, ctx context.Context, url string) string {
 // which epoch, against which), pushed by server-sent events; and a forged
 // event carrying markup must show as text.
 func TestStatusPageInChromium(t *testing.T) {
+	t.Parallel()
+	defer oneFleet(t)()
 	if testing.Short() {
 		t.Skip("runs worker processes and a browser")
 	}
 	chromiumPath(t) // skip early, before starting anything
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
-	defer cancel()
+	s, ctx := listening(t, 4*time.Minute)
 	const partitions = 4
-	if out, err := run(t, ctx, "init", "--nats", s.URL(), "--partitions", fmt.Sprint(partitions)); err != nil {
-		t.Fatalf("init: %v\n%s", err, out)
-	}
+	mustRun(t, ctx, "init", "--nats", s.URL(), "--partitions", fmt.Sprint(partitions))
 	sinkAddr, statusAddr := freeAddr(t), freeAddr(t)
 	background(t, "sink", "--nats", s.URL(), "--name", "kv", "--http", sinkAddr, "--log-level", "error")
 	background(t, "status", "--nats", s.URL(), "--http", statusAddr)

@@ -9,7 +9,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/testing/pgtest"
 	"github.com/leasehold/leasehold/worker"
 )
@@ -18,16 +17,13 @@ import (
 // while workers keep producing, and comes back: the sink retries with
 // backoff, and every job's effect ends up in the database exactly once.
 func TestPostgresSinkSurvivesARestart(t *testing.T) {
+	t.Parallel()
 	if testing.Short() {
 		t.Skip("starts PostgreSQL")
 	}
 	pg := pgtest.Start(t)
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	if out, err := run(t, ctx, "init", "--nats", s.URL(), "--partitions", "2"); err != nil {
-		t.Fatalf("init: %v\n%s", err, out)
-	}
+	s, ctx := listening(t, 3*time.Minute)
+	mustRun(t, ctx, "init", "--nats", s.URL(), "--partitions", "2")
 	background(t, "worker", "--nats", s.URL(), "--partitions", "2", "--worker-id", "pw", "--ttl", "2s", "--http", "", "--log-level", "error")
 	background(t, "sink", "--nats", s.URL(), "--kind", "postgres", "--postgres-url", pg.DSN(), "--verify-epochs", "--http", "", "--log-level", "error")
 

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"testing"
 	"time"
 
@@ -9,7 +8,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -19,12 +17,9 @@ import (
 // is applied. It used to be retried for ever, and nothing behind it was
 // applied again.
 func TestSinkSkipsAnEffectItCanNeverApply(t *testing.T) {
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	if out, err := run(t, ctx, "init", "--nats", s.URL(), "--partitions", "1", "--prefix", "poison"); err != nil {
-		t.Fatalf("init: %v\n%s", err, out)
-	}
+	t.Parallel()
+	s, ctx := listening(t, 60*time.Second)
+	mustRun(t, ctx, "init", "--nats", s.URL(), "--partitions", "1", "--prefix", "poison")
 	// The stamps below are made by hand, not issued by the lease bucket:
 	// the test is about the key, so the epochs go unverified.
 	background(t, "sink", "--nats", s.URL(), "--prefix", "poison", "--kind", "kv", "--kv-bucket", "poison-sink", "--verify-epochs=false", "--http", "", "--log-level", "error")

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"errors"
 	"os"
 	"path/filepath"
@@ -12,7 +11,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -20,9 +18,8 @@ import (
 // often it is applied; the server fires them onto a job subject; schedule
 // rm removes one.
 func TestScheduleApplyAndRemove(t *testing.T) {
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
+	t.Parallel()
+	s, ctx := listening(t, 90*time.Second)
 	base := []string{"--nats", s.URL(), "--prefix", "sq"}
 	cli := func(args ...string) []string { return append(args, base...) }
 	file := filepath.Join(t.TempDir(), "periodic.yaml")

@@ -22,6 +22,7 @@ import (
 // every effect of the other stream on that partition (0 of 10 applied).
 // With fences per scope every committed job of both streams is applied.
 func TestTwoJobStreamsShareOneSink(t *testing.T) {
+	t.Parallel()
 	t.Run("kv", func(t *testing.T) {
 		testSharedSink(t, []string{"--kind", "kv", "--kv-bucket", "shared"}, func(ctx context.Context, t *testing.T, js jetstream.JetStream) func(string) bool {
 			var kv jetstream.KeyValue

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"strings"
 	"testing"
 	"time"
@@ -10,15 +9,13 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink/kvsink"
-	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 // One value without a stamp (a `nats kv put` by hand) must not hide every
 // other value from `sink ls`: the listing is how an operator finds it.
 func TestSinkLsWithAnUnstampedValue(t *testing.T) {
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
+	t.Parallel()
+	s, ctx := listening(t, 60*time.Second)
 	js := s.JetStream(t)
 	if _, err := kvsink.New(ctx, js, kvsink.Config{Bucket: kvsink.DefaultBucket, Name: "kvs"}); err != nil {
 		t.Fatal(err)

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"strings"
 	"testing"
 	"time"
@@ -10,7 +9,6 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink/kvsink"
-	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 // A KV sink's bucket holds what anyone allowed to write it put there, and
@@ -18,9 +16,8 @@ import (
 // escape sequences included. `sink get` and `sink ls` print to an
 // operator's terminal: a forged worker must not reach it raw.
 func TestSinkReadForgedStamp(t *testing.T) {
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
+	t.Parallel()
+	s, ctx := listening(t, 60*time.Second)
 	js := s.JetStream(t)
 	if _, err := kvsink.New(ctx, js, kvsink.Config{Bucket: kvsink.DefaultBucket, Name: "kvs"}); err != nil {
 		t.Fatal(err)

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"encoding/json"
 	"reflect"
 	"strconv"
@@ -10,7 +9,6 @@ import (
 	"time"
 
 	"github.com/leasehold/leasehold/coordinator"
-	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 // A worker and a KV sink run as the command line runs them, with
@@ -20,12 +18,9 @@ import (
 // applies into both counted every decision under one sink name, so 30
 // effects read 60 accepted.
 func TestSinkLsGetAndEffectsCountedOnce(t *testing.T) {
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
-	if out, err := run(t, ctx, "init", "--nats", s.URL(), "--partitions", "4"); err != nil {
-		t.Fatalf("init: %v\n%s", err, out)
-	}
+	t.Parallel()
+	s, ctx := listening(t, 90*time.Second)
+	mustRun(t, ctx, "init", "--nats", s.URL(), "--partitions", "4")
 	// No bucket yet: a reader says so and creates none.
 	if _, err := run(t, ctx, "sink", "ls", "--nats", s.URL()); err == nil || !strings.Contains(err.Error(), "no such KV sink bucket") {
 		t.Fatalf("sink ls before the sink ran: %v", err)

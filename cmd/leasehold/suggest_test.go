@@ -10,6 +10,7 @@ import (
 // Misspelt commands, subcommands and flags are answered with the names
 // spelt like them.
 func TestSuggestionsForUnknownCommandsAndFlags(t *testing.T) {
+	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	for _, c := range []struct {
