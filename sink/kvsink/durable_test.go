@@ -16,6 +16,7 @@ import (
 // storage, a TTL, old records discarded when full, fewer replicas than the
 // lease bucket's.
 func TestBucketThatCanLoseFencesRefused(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	js := srv.JetStream(t)
 	ctx := ctxFor(t, time.Minute)

@@ -10,6 +10,7 @@ import (
 )
 
 func TestScopeToken(t *testing.T) {
+	t.Parallel()
 	for scope, want := range map[string]string{
 		"orders":                 "orders",
 		"jobs-a_b":               "jobs-a_b",
@@ -42,6 +43,7 @@ func TestScopeToken(t *testing.T) {
 // Every printable byte, in every position, survives the round trip and
 // gives a key the server accepts.
 func TestScopeTokenEveryByte(t *testing.T) {
+	t.Parallel()
 	for c := byte('!'); c < 0x7f; c++ {
 		scope := "x" + string(c) + "y" + string(c)
 		if err := leasehold.ValidateScope(scope); err != nil {
@@ -58,6 +60,7 @@ func TestScopeTokenEveryByte(t *testing.T) {
 }
 
 func TestLongestFenceKey(t *testing.T) {
+	t.Parallel()
 	scope := strings.Repeat(":", leasehold.MaxScopeLen)
 	k := fenceKey(leasehold.FenceID{Scope: scope, Partition: leasehold.MaxPartitions - 1})
 	if len(k) != MaxFenceKeyLen || !validKey(k) {
@@ -68,6 +71,7 @@ func TestLongestFenceKey(t *testing.T) {
 // Distinct (scope, key) pairs that concatenate alike get distinct dedupe
 // keys, none of them a key of the layout before scopes.
 func TestDedupeKey(t *testing.T) {
+	t.Parallel()
 	pairs := [][2]string{{"a", "b.c"}, {"a.b", "c"}, {"ab", "c"}, {"a", "bc"}, {"orders", "k1"}, {"payments", "k1"}}
 	seen := map[string][2]string{}
 	for _, p := range pairs {

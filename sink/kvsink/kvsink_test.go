@@ -11,13 +11,19 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/testpar"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/kvsink"
 	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/testing/sinktest"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+// Each test has a server (or a cluster) of its own: run more of them at
+// once than the two a two-core machine gets by default.
+func TestMain(m *testing.M) {
+	testpar.Raise(4)
+	goleak.VerifyTestMain(m)
+}
 
 func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
 
@@ -28,8 +34,9 @@ func ctxFor(t testing.TB, d time.Duration) context.Context {
 }
 
 func TestConformance(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
-	sinktest.Run(t, sinktest.Features{Durable: true, AtomicBatch: true, Dedupe: true, VerifiedEpochs: true},
+	sinktest.Run(t, sinktest.Features{Durable: true, AtomicBatch: true, Dedupe: true, VerifiedEpochs: true, Parallel: true},
 		func(t *testing.T, st sinktest.Setup) sinktest.Instance {
 			cfg := kvsink.Config{Bucket: st.Name, Observer: st.Observer, Verifier: st.Verifier, Logger: quiet()}
 			s, err := kvsink.New(ctxFor(t, time.Minute), srv.JetStream(t), cfg)
@@ -51,11 +58,12 @@ func TestConformance(t *testing.T) {
 }
 
 func TestConformanceCluster(t *testing.T) {
+	t.Parallel()
 	if testing.Short() {
 		t.Skip("starts a three-node cluster")
 	}
 	cl := natstest.StartCluster(t)
-	sinktest.Run(t, sinktest.Features{AtomicBatch: true, Dedupe: true, RaceGoroutines: 6, RaceOps: 25},
+	sinktest.Run(t, sinktest.Features{AtomicBatch: true, Dedupe: true, RaceGoroutines: 6, RaceOps: 25, Parallel: true},
 		func(t *testing.T, st sinktest.Setup) sinktest.Instance {
 			cfg := kvsink.Config{Bucket: st.Name, Replicas: 3, Observer: st.Observer, Logger: quiet()}
 			s, err := kvsink.New(ctxFor(t, time.Minute), cl.JetStream(t), cfg)
@@ -67,6 +75,7 @@ func TestConformanceCluster(t *testing.T) {
 }
 
 func TestBadSubject(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	s, err := kvsink.New(ctx, srv.JetStream(t), kvsink.Config{Logger: quiet()})
@@ -86,6 +95,7 @@ func TestBadSubject(t *testing.T) {
 
 // Effects and their stamps can be read back through the bucket.
 func TestGet(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	s, err := kvsink.New(ctx, srv.JetStream(t), kvsink.Config{Logger: quiet(), DedupeTTL: time.Hour})
@@ -112,6 +122,7 @@ func TestGet(t *testing.T) {
 // attempt, Nats-Msg-Id has a later effect dropped as a duplicate, Nats-TTL
 // is refused by a bucket without per-message TTLs.
 func TestForeignHeaders(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)

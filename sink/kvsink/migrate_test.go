@@ -97,6 +97,7 @@ func (l *legacyBucket) wantMoved(ctx context.Context, p leasehold.Partition) {
 }
 
 func TestLegacyBucketRefused(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	ctx := ctxFor(t, time.Minute)
 	fences := newLegacyBucket(ctx, t, js, "old-fences", 1)
@@ -119,6 +120,7 @@ func TestLegacyBucketRefused(t *testing.T) {
 }
 
 func TestLegacyBucketAdopted(t *testing.T) {
+	t.Parallel()
 	t.Run("single", func(t *testing.T) { testLegacyBucketAdopted(t, natstest.Start(t).JetStream(t), 1) })
 	t.Run("cluster", func(t *testing.T) {
 		if testing.Short() {

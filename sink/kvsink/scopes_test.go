@@ -22,6 +22,7 @@ import (
 // effect of each is applied once, a zombie of each is refused by its own
 // fence, and nothing is refused because of another scope.
 func TestSharedBucket(t *testing.T) {
+	t.Parallel()
 	t.Run("single", func(t *testing.T) { testSharedBucket(t, natstest.Start(t).JetStream(t), 1) })
 	t.Run("cluster", func(t *testing.T) {
 		if testing.Short() {
@@ -180,6 +181,7 @@ func testSharedBucket(t *testing.T, js jetstream.JetStream, replicas int) {
 // partition: its fence key is the longest the sink writes, and the server
 // takes it, keeps it and reads it back.
 func TestLongestScope(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	cfg := kvsink.Config{Bucket: "longest", Logger: quiet()}

@@ -20,6 +20,7 @@ import (
 // A refused write is an error span under the writer's, naming the holder
 // the fence was advanced for, which the fence key keeps.
 func TestRefusalSpan(t *testing.T) {
+	t.Parallel()
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	defer tp.Shutdown(context.Background())

@@ -23,6 +23,7 @@ import (
 // acquisition is refused, and the holder's own raises the fence and
 // applies.
 func TestEqualEpochRaiseIsVerified(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	ctx := ctxFor(t, 30*time.Second)
 	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: "orders-leases", MarkerTTL: time.Second})

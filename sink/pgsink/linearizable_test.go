@@ -88,6 +88,7 @@ var fenceModel = porcupine.Model{
 // The model itself refuses histories in which a stale or a split-brain
 // write is accepted, so the check below is not vacuous.
 func TestFenceModelRejectsBadAccepts(t *testing.T) {
+	t.Parallel()
 	id := leasehold.FenceID{Scope: "a", Partition: 1}
 	for name, second := range map[string]fenceInput{
 		"stale":       {op: "apply", id: id, e: 3, acq: acq(3)},
@@ -108,6 +109,7 @@ func TestFenceModelRejectsBadAccepts(t *testing.T) {
 // from a second acquisition of an epoch, is linearizable with respect to
 // leasehold.Judge over each fence.
 func TestLinearizable(t *testing.T) {
+	t.Parallel()
 	srv := pgtest.Start(t)
 	db := pool(t, srv.DSN())
 	ctx := ctxFor(t, 3*time.Minute)

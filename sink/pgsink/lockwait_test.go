@@ -25,6 +25,7 @@ import (
 // waiting, each would wait for the others, a deadlock PostgreSQL breaks by
 // failing one with SQLSTATE 40P01 instead of the stale-epoch error.
 func TestStaleApplyTxNoDeadlock(t *testing.T) {
+	t.Parallel()
 	srv := pgtest.Start(t)
 	db := pool(t, srv.DSN())
 	ctx := ctxFor(t, time.Minute)
@@ -85,6 +86,7 @@ func TestStaleApplyTxNoDeadlock(t *testing.T) {
 // after which the successor's raise goes through and the paused holder's
 // write is lost to it.
 func TestPausedHolderLockTimeout(t *testing.T) {
+	t.Parallel()
 	srv := pgtest.Start(t)
 	db := pool(t, srv.DSN())
 	ctx := ctxFor(t, 2*time.Minute)

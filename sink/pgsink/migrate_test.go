@@ -96,6 +96,7 @@ func hasScopeColumn(ctx context.Context, t *testing.T, db pgsink.DB, table strin
 // with an error that says what to set, and left as they are; a sink that
 // skipped CreateSchema is told the same by its first write.
 func TestLegacyTablesRefused(t *testing.T) {
+	t.Parallel()
 	srv := pgtest.Start(t)
 	db := pool(t, srv.DSN())
 	ctx := ctxFor(t, time.Minute)
@@ -133,6 +134,7 @@ func TestLegacyTablesRefused(t *testing.T) {
 // effects and keys belong to that scope, keep fencing and deduplicating,
 // and other scopes start fresh beside them.
 func TestLegacyTablesUpgrade(t *testing.T) {
+	t.Parallel()
 	srv := pgtest.Start(t)
 	db := pool(t, srv.DSN())
 	ctx := ctxFor(t, time.Minute)
@@ -202,6 +204,7 @@ func TestLegacyTablesUpgrade(t *testing.T) {
 // Several sink processes starting at once on legacy tables: one upgrades
 // them, the others find them upgraded, and nothing is lost or doubled.
 func TestLegacyUpgradeConcurrent(t *testing.T) {
+	t.Parallel()
 	srv := pgtest.Start(t)
 	ctx := ctxFor(t, 2*time.Minute)
 	dsn := srv.CreateDatabase(t, "legacy")

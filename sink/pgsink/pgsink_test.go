@@ -15,6 +15,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/testpar"
 	"github.com/leasehold/leasehold/internal/testskip"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/pgsink"
@@ -22,7 +23,13 @@ import (
 	"github.com/leasehold/leasehold/testing/sinktest"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(testskip.Summarize(m)) }
+// Each test has a server of its own, and most of their time is
+// PostgreSQL's start and lock waits: run more of them at once than the two
+// a two-core machine gets by default.
+func TestMain(m *testing.M) {
+	testpar.Raise(4)
+	goleak.VerifyTestMain(testskip.Summarize(m))
+}
 
 func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
 
@@ -117,9 +124,10 @@ func waitLockWaiters(ctx context.Context, t *testing.T, db pgsink.DB, n int, ret
 }
 
 func TestConformance(t *testing.T) {
+	t.Parallel()
 	srv := pgtest.Start(t)
 	db := pool(t, srv.DSN())
-	sinktest.Run(t, sinktest.Features{Durable: true, AtomicBatch: true, Dedupe: true, VerifiedEpochs: true},
+	sinktest.Run(t, sinktest.Features{Durable: true, AtomicBatch: true, Dedupe: true, VerifiedEpochs: true, Parallel: true},
 		func(t *testing.T, st sinktest.Setup) sinktest.Instance {
 			cfg := pgsink.Config{Prefix: st.Name + "_", Observer: st.Observer, Verifier: st.Verifier}
 			s := newSink(t, db, cfg)
@@ -144,6 +152,7 @@ func TestConformance(t *testing.T) {
 // never calls it, a duplicate key calls it once, and its error rolls the
 // fence and key back too.
 func TestApplyTx(t *testing.T) {
+	t.Parallel()
 	srv := pgtest.Start(t)
 	db := pool(t, srv.DSN())
 	ctx := ctxFor(t, time.Minute)
@@ -221,6 +230,7 @@ func TestApplyTx(t *testing.T) {
 
 // A sink whose tables are missing says what to run.
 func TestMissingSchema(t *testing.T) {
+	t.Parallel()
 	srv := pgtest.Start(t)
 	db := pool(t, srv.DSN())
 	s, err := pgsink.New(pgsink.Config{DB: db, Prefix: "absent_", Logger: quiet()})
@@ -243,6 +253,7 @@ func TestMissingSchema(t *testing.T) {
 // the sink returns clear errors, and afterwards every effect is applied
 // exactly once.
 func TestPostgresRestart(t *testing.T) {
+	t.Parallel()
 	srv := pgtest.Start(t)
 	db := pool(t, srv.DSN())
 	ctx := ctxFor(t, 3*time.Minute)
@@ -313,6 +324,7 @@ func TestPostgresRestart(t *testing.T) {
 // ApplyTx commits, so the former holder's writes land before the raise and
 // never after it.
 func TestRaiseWaitsForWriter(t *testing.T) {
+	t.Parallel()
 	srv := pgtest.Start(t)
 	db := pool(t, srv.DSN())
 	ctx := ctxFor(t, time.Minute)

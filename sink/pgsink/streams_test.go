@@ -50,6 +50,7 @@ func jobKey(p leasehold.Partition, j int) string { return fmt.Sprintf("job-%d-%d
 // effect is applied once; a zombie of each is refused by its own fence
 // alone; nothing is refused, or deduplicated, because of another scope.
 func TestTwoJobStreamsAndALock(t *testing.T) {
+	t.Parallel()
 	srv := pgtest.Start(t)
 	dsn := srv.CreateDatabase(t, "shared")
 	ctx := ctxFor(t, 2*time.Minute)

@@ -25,6 +25,7 @@ import (
 // A refused write, through Apply or ApplyTx, is an error span under the
 // writer's, naming the holder the fence was advanced for.
 func TestRefusalSpan(t *testing.T) {
+	t.Parallel()
 	srv := pgtest.Start(t)
 	db := pool(t, srv.CreateDatabase(t, "traced"))
 	rec := tracetest.NewSpanRecorder()
@@ -74,6 +75,7 @@ func TestRefusalSpan(t *testing.T) {
 // A sink process is ready while PostgreSQL answers, and says so when it
 // stops answering.
 func TestPingReady(t *testing.T) {
+	t.Parallel()
 	srv := pgtest.Start(t)
 	db := pool(t, srv.CreateDatabase(t, "ready"))
 	web := httptest.NewServer(telemetry.Mux(nil, telemetry.PingReady("PostgreSQL", db)))

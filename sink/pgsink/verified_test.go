@@ -24,6 +24,7 @@ import (
 // live holder's epoch with a forged acquisition is refused, and the
 // holder's own raises the row and applies.
 func TestEqualEpochRaiseIsVerified(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	ctx := ctxFor(t, time.Minute)
 	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: "orders-leases", MarkerTTL: time.Second})

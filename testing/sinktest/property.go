@@ -67,8 +67,16 @@ func propertyRuns(f Features) int {
 // a race is found by the first.
 func testProperties(t *testing.T, h *harness) {
 	budget := propertyRuns(h.f)
-	t.Run("Sequential", func(t *testing.T) { search(t, h, budget, false) })
+	t.Run("Sequential", func(t *testing.T) {
+		if h.f.Parallel {
+			t.Parallel()
+		}
+		search(t, h, budget, false)
+	})
 	t.Run("Concurrent", func(t *testing.T) {
+		if h.f.Parallel {
+			t.Parallel()
+		}
 		if h.f.SkipConcurrent != "" {
 			t.Skip("sinktest: the concurrent search is skipped: " + h.f.SkipConcurrent)
 		}

@@ -68,6 +68,10 @@ type Features struct {
 	// each against a new sink. Default DefaultPropertyRuns; the environment
 	// variable PropertyRunsEnv overrides it.
 	PropertyRuns int
+	// Parallel: the Constructor may be called from several cases at once
+	// (each case's resources are its own, by Setup.Name). Run then runs
+	// the cases side by side, and the Properties case's two searches too.
+	Parallel bool
 	// SkipConcurrent, when set, skips the Properties case's Concurrent
 	// search and says why in the test output. Set it only with a reason a
 	// reader can act on: the search is what catches check-then-write.
@@ -155,6 +159,9 @@ func Run(t *testing.T, features Features, newSink Constructor) {
 			continue
 		}
 		t.Run(c.name, func(t *testing.T) {
+			if features.Parallel {
+				t.Parallel()
+			}
 			name := newName(t.Name())
 			h := &harness{t: t, f: features, rec: &recorder{}, newSink: newSink, name: name, scope: "jobs-" + name}
 			c.run(t, h)
