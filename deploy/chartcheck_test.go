@@ -25,6 +25,7 @@ func leaseholdSeries(t *testing.T) map[string]map[string]bool {
 }
 
 func TestChart(t *testing.T) {
+	t.Parallel()
 	c := loadChart(t, chartDir)
 	if c.meta.APIVersion != "v2" || c.meta.Type != "application" || c.meta.Name != "leasehold" {
 		t.Errorf("Chart.yaml: apiVersion %q type %q name %q, want v2 application leasehold", c.meta.APIVersion, c.meta.Type, c.meta.Name)
@@ -54,6 +55,7 @@ func TestChart(t *testing.T) {
 // TestChartChecksCatchMistakes breaks rendered output in ways that still
 // decode, and expects checkChart to notice each one.
 func TestChartChecksCatchMistakes(t *testing.T) {
+	t.Parallel()
 	c := loadChart(t, chartDir)
 	s := leaseholdSeries(t)
 	set := func(name string) (helmRelease, string) {
@@ -130,6 +132,7 @@ var chartRefusals = []struct{ name, values, says string }{
 }
 
 func TestChartRefuses(t *testing.T) {
+	t.Parallel()
 	c := loadChart(t, chartDir)
 	for _, r := range chartRefusals {
 		t.Run(r.name, func(t *testing.T) {
@@ -149,6 +152,7 @@ func TestChartRefuses(t *testing.T) {
 // a secret. Keys that name a Secret (existingSecret, imagePullSecrets) or
 // a key in one (...Key) are references, not secrets.
 func TestChartValuesHoldNoSecrets(t *testing.T) {
+	t.Parallel()
 	c := loadChart(t, chartDir)
 	secretish := regexp.MustCompile(`(?i)pass|token|seed|secret|creds|nkey|credential`)
 	var walk func(where string, v any)
@@ -179,6 +183,7 @@ func TestChartValuesHoldNoSecrets(t *testing.T) {
 // (every flag's effective value), environment, ports, probes, resources,
 // security and grace periods of the worker, the sink and init.
 func TestChartAgreesWithKustomize(t *testing.T) {
+	t.Parallel()
 	chart := renderChart(t, loadChart(t, chartDir), helmRelease{"leasehold", "leasehold"}, "")
 	byCommand := func(ms []manifest) map[string]leaseholdContainer {
 		out := map[string]leaseholdContainer{}

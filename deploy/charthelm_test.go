@@ -33,6 +33,7 @@ func helmBinary() string {
 // values the chart refuses, Helm must refuse too; and `helm lint --strict`
 // passes. It shows that the offline renderer renders what Helm does.
 func TestChartMatchesHelm(t *testing.T) {
+	t.Parallel()
 	helm := helmBinary()
 	if helm == "" {
 		testskip.Skip(t, helmNeed, "no helm on PATH or in $LEASEHOLD_HELM: the chart was rendered by this package's renderer only")

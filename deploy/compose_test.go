@@ -70,6 +70,7 @@ func loadCompose(t *testing.T) compose {
 }
 
 func TestComposeMisspeltKeyFails(t *testing.T) {
+	t.Parallel()
 	b := readFile(t, "docker-compose.yml")
 	for _, c := range []struct{ old, new string }{
 		{"stop_grace_period: 30s", "stop_grace_periods: 30s"},
@@ -249,6 +250,7 @@ func parseNATSURL(u string) (string, error) {
 // rely on: a static binary, a non-root user, the binary as entrypoint, and
 // a Go release no older than go.mod asks for.
 func TestDockerfile(t *testing.T) {
+	t.Parallel()
 	df := string(readFile(t, "../Dockerfile"))
 	var froms []string
 	for _, line := range strings.Split(df, "\n") {

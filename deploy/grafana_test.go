@@ -200,6 +200,7 @@ var (
 // refusals per scope), leases (take-overs, losses), stalls, sink gaps,
 // dead letters and lag.
 func TestGrafanaDashboard(t *testing.T) {
+	t.Parallel()
 	series := exportedSeries(t)
 	var names []string
 	for n := range series {
@@ -216,6 +217,7 @@ func TestGrafanaDashboard(t *testing.T) {
 // export, matches or groups by a label the metric lacks, or leaves out
 // what an operator must see.
 func TestGrafanaDashboardCheckCanFail(t *testing.T) {
+	t.Parallel()
 	series := exportedSeries(t)
 	b := readFile(t, "grafana/leasehold.json")
 	for _, c := range []struct{ old, new, want string }{

@@ -131,6 +131,7 @@ func loadHelmValues(t *testing.T) helmValues {
 }
 
 func TestHelmValues(t *testing.T) {
+	t.Parallel()
 	v := loadHelmValues(t)
 	c := v.Config
 	if !c.Cluster.Enabled || c.Cluster.Replicas != 3 {
@@ -182,6 +183,7 @@ func TestHelmValues(t *testing.T) {
 }
 
 func TestHelmValuesMisspeltKeyFails(t *testing.T) {
+	t.Parallel()
 	b := readFile(t, "helm/nats-values.yaml")
 	for _, c := range []struct{ old, new string }{
 		{"    fileStore:", "    fileStorage:"}, // the 0.x chart's key

@@ -52,6 +52,7 @@ var natsJetStreamMetadata = map[string]bool{
 }
 
 func TestScaledObject(t *testing.T) {
+	t.Parallel()
 	sos := objectsOf[scaledObject](loadManifests(t, "keda"))
 	if len(sos) != 1 {
 		t.Fatalf("%d ScaledObjects, want 1", len(sos))
@@ -62,6 +63,7 @@ func TestScaledObject(t *testing.T) {
 }
 
 func TestScaledObjectChecksCatchMistakes(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct{ name, old, new string }{
 		{"more workers than partitions", "maxReplicaCount: 16", "maxReplicaCount: 17"},
 		{"another stream", "stream: leasehold-jobs", "stream: jobs"},

@@ -116,6 +116,7 @@ func objectsOf[T any](ms []manifest) []T {
 }
 
 func TestManifestsDecodeStrictly(t *testing.T) {
+	t.Parallel()
 	ms := loadManifests(t, "kubernetes", "keda")
 	have := map[string]int{}
 	for _, m := range ms {
@@ -134,6 +135,7 @@ func TestManifestsDecodeStrictly(t *testing.T) {
 // TestMisspeltFieldFails shows that strict decoding catches what a lenient
 // decoder would silently drop.
 func TestMisspeltFieldFails(t *testing.T) {
+	t.Parallel()
 	cases := []struct{ file, old, new string }{
 		{"kubernetes/worker.yaml", "terminationGracePeriodSeconds: 40", "terminationGracePeriodSecond: 40"},
 		{"kubernetes/worker.yaml", "readinessProbe:", "readynessProbe:"},
@@ -162,6 +164,7 @@ func TestMisspeltFieldFails(t *testing.T) {
 }
 
 func TestKustomizationListsEveryManifest(t *testing.T) {
+	t.Parallel()
 	ms := loadManifests(t, "kubernetes")
 	ks := objectsOf[kustomization](ms)
 	if len(ks) != 1 {
@@ -260,6 +263,7 @@ func (p *problems) addf(format string, args ...any) { *p = append(*p, fmt.Sprint
 // period above the drain, credentials from Secrets, and a locked-down
 // security context.
 func TestContainersFollowTheContract(t *testing.T) {
+	t.Parallel()
 	commands := map[string]int{}
 	for _, lc := range leaseholdContainers(loadManifests(t, "kubernetes")) {
 		if inv, err := parseInvocation(lc.container.Args); err == nil {
@@ -279,6 +283,7 @@ func TestContainersFollowTheContract(t *testing.T) {
 // TestContainerChecksCatchMistakes breaks the worker manifest in ways that
 // still decode, and expects the contract checks to notice each one.
 func TestContainerChecksCatchMistakes(t *testing.T) {
+	t.Parallel()
 	cases := []struct{ name, old, new string }{
 		{"grace below drain", "terminationGracePeriodSeconds: 40", "terminationGracePeriodSeconds: 25"},
 		{"probe on another port", "containerPort: 8080", "containerPort: 9090"},
@@ -464,6 +469,7 @@ func resolvePort(c corev1.Container, p intstr.IntOrString) int {
 // pods, and that every PodDisruptionBudget and Service selects the pods of
 // exactly one workload.
 func TestSelectorsMatch(t *testing.T) {
+	t.Parallel()
 	ms := loadManifests(t, "kubernetes")
 	owners := podOwners(ms)
 	matching := func(sel labels.Selector) []string {
@@ -539,6 +545,7 @@ func partitionsOf(t *testing.T, ms []manifest) map[string]int {
 }
 
 func TestPartitionsAgree(t *testing.T) {
+	t.Parallel()
 	parts := partitionsOf(t, loadManifests(t, "kubernetes"))
 	if len(parts) < 2 {
 		t.Fatalf("partitions found in %v, want the workers and the init job", parts)

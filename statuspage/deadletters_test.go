@@ -14,6 +14,7 @@ import (
 // A worker's dead-letter stream also holds records of replays, purges and
 // removed ranges: the page neither counts nor lists them as dead letters.
 func TestRecordsAreNoDeadLetters(t *testing.T) {
+	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	js := natstest.Start(t).JetStream(t)

@@ -17,6 +17,7 @@ import (
 // out of the page. A write that cannot go out within a bound ends the
 // stream.
 func TestEventStreamClientThatNeverReads(t *testing.T) {
+	t.Parallel()
 	s := New(Config{Prefix: "leasehold"})
 	big := strings.Repeat("x", 1000)
 	s.mu.Lock()

@@ -32,6 +32,7 @@ func encode(t *testing.T, e Event) []byte {
 // Events come from anyone allowed to publish on the stream: each must be
 // one leasehold would write, on the subject of its kind.
 func TestDecodeEventRefusesWhatLeaseholdWouldNotWrite(t *testing.T) {
+	t.Parallel()
 	good := Event{Kind: KindRefused, Time: time.Now(), Source: "kv", Scope: "orders", Partition: 3, Worker: "w1", Epoch: 5, Max: 9, Outcome: "stale", Key: "k"}
 	refused := EventSubject("leasehold", KindRefused)
 	if _, err := decodeEvent("leasehold", refused, encode(t, good)); err != nil {
@@ -67,6 +68,7 @@ func TestDecodeEventRefusesWhatLeaseholdWouldNotWrite(t *testing.T) {
 // A partition taken from a holder that did not release it is a take-over;
 // from one that did, a hand-off; a first acquisition is neither.
 func TestHistoryTellsTakeOversFromHandOffs(t *testing.T) {
+	t.Parallel()
 	h := newHistory()
 	at := time.Now()
 	ev := func(kind, worker string, p uint32, e uint64) Event {
@@ -116,6 +118,7 @@ func TestHistoryTellsTakeOversFromHandOffs(t *testing.T) {
 // and a queue of one, every event is dropped and counted, and Publish
 // returns each time.
 func TestPublisherDropsRatherThanWaits(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	p := NewPublisher(PublisherConfig{JetStream: js, Prefix: "missing", Queue: 1})
 	const n = 1000
@@ -133,6 +136,7 @@ func TestPublisherDropsRatherThanWaits(t *testing.T) {
 // streams it as server-sent events with headers that keep the page to its
 // own script.
 func TestPublishedEventsReachTheEventStream(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -192,6 +196,7 @@ func TestPublishedEventsReachTheEventStream(t *testing.T) {
 // Every worker and sink serves the page; until someone opens it, it reads
 // nothing: no lease bucket, no consumer on the events stream.
 func TestIdlePageReadsNothing(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -243,6 +248,7 @@ func TestIdlePageReadsNothing(t *testing.T) {
 // A named lock passed from one coordinator to another shows as a hand-off
 // of the lock's scope, and the page lists the lock with its holder.
 func TestLockHandOffShows(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()

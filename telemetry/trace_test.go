@@ -24,6 +24,7 @@ import (
 // span, and all of them sit in the trace of the job's enqueue, with B's
 // handling of the same job.
 func TestRejectedWriteSpans(t *testing.T) {
+	t.Parallel()
 	forEachProvider(t, sdktrace.ParentBased(sdktrace.AlwaysSample()), testRejectedWriteSpans)
 }
 
@@ -294,6 +295,7 @@ func tree(ss []sdktrace.ReadOnlySpan, id trace.TraceID) string {
 // stream runner's to the span that sent the effect, or, since an attempt
 // that is not sampled starts no effect spans, to the attempt's).
 func TestRejectedWriteSpansUnsampled(t *testing.T) {
+	t.Parallel()
 	forEachProvider(t, telemetry.KeepRefusals(sdktrace.ParentBased(sdktrace.NeverSample())), testRejectedWriteSpansUnsampled)
 }
 

@@ -23,6 +23,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(testskip.Summarize(m)) }
 // its own; each time worker-a's late transaction was refused and the
 // tables, read here, hold each order paid once, o-2 by worker-b.
 func TestLateTransactionRefused(t *testing.T) {
+	t.Parallel()
 	dsn := pgtest.Start(t).CreateDatabase(t, "shop")
 	srv := natstest.Start(t, natstest.Listen())
 	for _, url := range []string{srv.URL(), ""} {
@@ -56,6 +57,7 @@ func TestLateTransactionRefused(t *testing.T) {
 
 // A schema the example did not create is never dropped.
 func TestForeignSchemaKept(t *testing.T) {
+	t.Parallel()
 	dsn := pgtest.Start(t).CreateDatabase(t, "shop")
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()

@@ -11,6 +11,7 @@ import (
 
 // The README's first program is this one, word for word.
 func TestREADMEShowsThisProgram(t *testing.T) {
+	t.Parallel()
 	readme, err := os.ReadFile("../../README.md")
 	if err != nil {
 		t.Fatal(err)

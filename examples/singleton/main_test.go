@@ -23,6 +23,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 // program's help, holds host-b's report, stamped in the lock's scope at an
 // epoch above the one host-a was refused at.
 func TestLateReportIsRefused(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t, natstest.Listen())
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -86,6 +87,7 @@ func TestLateReportIsRefused(t *testing.T) {
 // a run of main.go's lines (indentation aside), so the guide cannot drift
 // from the code its test runs.
 func TestGuideShowsThisProgram(t *testing.T) {
+	t.Parallel()
 	guide, err := os.ReadFile("../../docs/locks.md")
 	if err != nil {
 		t.Fatal(err)
@@ -115,6 +117,7 @@ func TestGuideShowsThisProgram(t *testing.T) {
 
 // With no URL the program starts a server of its own.
 func TestEmbedded(t *testing.T) {
+	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	var out bytes.Buffer

@@ -21,6 +21,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 // embedded one; each time the middleware dropped worker-a's message as
 // stale and the handler shipped each order once, o-2 from worker-b.
 func TestStaleMessageDropped(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t, natstest.Listen())
 	for _, url := range []string{srv.URL(), srv.URL(), ""} {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)

@@ -18,6 +18,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 // The walk-through runs to the end, and the server, read without the
 // program's help, holds worker-b's balance, not the zombie's.
 func TestZombieIsRefused(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t, natstest.Listen())
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -51,6 +52,7 @@ func TestZombieIsRefused(t *testing.T) {
 
 // With no URL the program starts a server of its own.
 func TestEmbedded(t *testing.T) {
+	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	var out bytes.Buffer

@@ -18,6 +18,7 @@ func TestMain(m *testing.M) {
 }
 
 func TestPauseResumeKillStop(t *testing.T) {
+	t.Parallel()
 	p, err := Start("child", []string{"-test.run=^$"}, Options{LogDir: t.TempDir()})
 	if err != nil {
 		t.Fatal(err)

@@ -7,6 +7,7 @@ import (
 )
 
 func TestRoundTripAndTornLine(t *testing.T) {
+	t.Parallel()
 	dir := t.TempDir()
 	w, err := Create(dir, "worker-1")
 	if err != nil {

@@ -31,6 +31,7 @@ func casMsgs(expect map[string]uint64, keys ...string) []*nats.Msg {
 // compare-and-set is refused with the server's API error and stores
 // nothing; a stream without atomic publish refuses every batch.
 func TestBatchStoresAllOrNothingAtConsecutiveSequences(t *testing.T) {
+	t.Parallel()
 	s := natstest.Start(t)
 	js := s.JetStream(t)
 	nc := s.Connect(t)

@@ -17,6 +17,7 @@ import (
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 func TestPublishReturnsTheAck(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -42,6 +43,7 @@ func TestPublishReturnsTheAck(t *testing.T) {
 // the client sees the connection drop. The subject has a subscriber that
 // never answers, so the test knows the request arrived.
 func TestAnswerLostInAServerRestart(t *testing.T) {
+	t.Parallel()
 	s := natstest.Start(t, natstest.Listen())
 	js := s.JetStream(t)
 	hole := make(chan *nats.Msg, 8)
@@ -73,6 +75,7 @@ func TestAnswerLostInAServerRestart(t *testing.T) {
 // When ctx ends first, the error says it timed out, as a synchronous
 // publish's does.
 func TestPublishStopsAtItsContext(t *testing.T) {
+	t.Parallel()
 	s := natstest.Start(t)
 	js := s.JetStream(t)
 	hole := make(chan *nats.Msg, 1)

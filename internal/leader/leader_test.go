@@ -16,6 +16,7 @@ import (
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 func TestLastAndNext(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -62,6 +63,7 @@ func TestLastAndNext(t *testing.T) {
 // a read 43 ms after a server restart and waited for its answer for good,
 // while the connection was healthy again: a sink that applied nothing more.
 func TestReadLostInARestartEnds(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t, natstest.Listen())
 	proxy := natstest.NewProxy(t, srv.URL())
 	nc, err := nats.Connect(proxy.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond), nats.Timeout(2*time.Second))

@@ -19,6 +19,7 @@ import (
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 func TestTransient(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct {
 		err  error
 		want bool
@@ -47,6 +48,7 @@ func TestTransient(t *testing.T) {
 // A transient answer that does not go away ends in a *GaveUpError that
 // wraps it; any other error ends the retry at once, as it is.
 func TestBound(t *testing.T) {
+	t.Parallel()
 	transient := &jetstream.APIError{Code: 503, ErrorCode: 10008, Description: "JetStream system temporarily unavailable"}
 	p := retry.Policy{For: 200 * time.Millisecond, First: time.Millisecond, Max: 10 * time.Millisecond}
 	attempts := 0
@@ -75,6 +77,7 @@ func TestBound(t *testing.T) {
 // being removed (seen with the race detector on a loaded machine; an idle
 // machine rarely shows it), and every create still succeeds through Do.
 func TestCreateRightAfterDelete(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
@@ -107,6 +110,7 @@ func TestCreateRightAfterDelete(t *testing.T) {
 // While the server is down, and while it is starting, a create gets no
 // responders, disconnection or timeouts; Do carries it over the restart.
 func TestCreateAcrossARestart(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t, natstest.Listen())
 	js := srv.JetStream(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)

@@ -26,6 +26,7 @@ var fence3 = leasehold.FenceID{Scope: "orders", Partition: 3}
 // of the destination without the effect, saw the two in an order no
 // sequence of calls explains.
 func TestFenceRaisesAfterApply(t *testing.T) {
+	t.Parallel()
 	f := arrivalFencer(t, nil)
 	ctx := context.Background()
 	if err := f.Fence(ctx, fenceMetadata(4, "first", false), func() error { return nil }); err != nil {
@@ -50,6 +51,7 @@ func TestFenceRaisesAfterApply(t *testing.T) {
 // transaction leaves its fence row: the epoch was not accepted, and an
 // effect of the epoch below is still admitted.
 func TestFailedApplyRaisesNothing(t *testing.T) {
+	t.Parallel()
 	var decisions []sink.Decision
 	f := arrivalFencer(t, sink.ObserverFunc(func(_ context.Context, d sink.Decision) { decisions = append(decisions, d) }))
 	ctx := context.Background()
@@ -80,6 +82,7 @@ func TestFailedApplyRaisesNothing(t *testing.T) {
 // critical section whether its acquisition is still the newest, with no
 // window between a check of State and the barrier.
 func TestLateBarrierIsStale(t *testing.T) {
+	t.Parallel()
 	var decisions []sink.Decision
 	f := arrivalFencer(t, sink.ObserverFunc(func(_ context.Context, d sink.Decision) { decisions = append(decisions, d) }))
 	ctx := context.Background()

@@ -79,6 +79,7 @@ func (x *fenced) Fence(ctx context.Context, id leasehold.FenceID) (leasehold.Fen
 func (x *fenced) Dropped(id leasehold.FenceID) uint64 { return x.f.Dropped(id) }
 
 func TestConformance(t *testing.T) {
+	t.Parallel()
 	features := sinktest.Features{VerifiedEpochs: true, Headers: true}
 	sinktest.Run(t, features, func(t *testing.T, st sinktest.Setup) sinktest.Instance {
 		f, err := wmsink.New(wmsink.Config{UnsafeArrivalOrder: true, Observer: st.Observer, Verifier: st.Verifier, Logger: quiet()})
@@ -110,6 +111,7 @@ func TestConformance(t *testing.T) {
 // the fence, and a message with bad metadata is reported and moved to the
 // poison topic with leasehold's headers and trace context only.
 func TestRouter(t *testing.T) {
+	t.Parallel()
 	for _, decorate := range []bool{false, true} {
 		name := "middleware"
 		if decorate {

@@ -15,6 +15,7 @@ import (
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 func TestServerRestartKeepsStore(t *testing.T) {
+	t.Parallel()
 	for _, name := range []string{"in-process", "listen"} {
 		t.Run(name, func(t *testing.T) {
 			var opts []natstest.Option
@@ -47,6 +48,7 @@ func TestServerRestartKeepsStore(t *testing.T) {
 }
 
 func TestClusterKillAndRestartLeader(t *testing.T) {
+	t.Parallel()
 	c := natstest.StartCluster(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -86,6 +88,7 @@ func TestClusterKillAndRestartLeader(t *testing.T) {
 // A frozen proxy holds bytes both ways without closing anything: a client
 // behind it times out, and recovers when it thaws.
 func TestProxyFreezeAndThaw(t *testing.T) {
+	t.Parallel()
 	s := natstest.Start(t, natstest.Listen())
 	px := natstest.NewProxy(t, s.URL())
 	nc, err := nats.Connect(px.URL())
@@ -118,6 +121,7 @@ func TestProxyFreezeAndThaw(t *testing.T) {
 // A restored snapshot forgets what was written after it was taken, and the
 // stream hands the same sequence out again.
 func TestSnapshotRestore(t *testing.T) {
+	t.Parallel()
 	s := natstest.Start(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()

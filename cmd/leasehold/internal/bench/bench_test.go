@@ -26,6 +26,7 @@ var (
 )
 
 func TestMedianAndPercentile(t *testing.T) {
+	t.Parallel()
 	if got := median([]float64{3, 1, 2}); got != 2 {
 		t.Errorf("median odd = %v", got)
 	}
@@ -51,6 +52,7 @@ func TestMedianAndPercentile(t *testing.T) {
 }
 
 func TestPairedTakesTheMedianOfPerRunRatios(t *testing.T) {
+	t.Parallel()
 	// Drift moves both sides together; the per-run ratios stay at 0.5.
 	r := paired("x", "ops/s", []float64{10, 50, 100}, []float64{20, 100, 200}, "")
 	if r.Value != 50 || *r.Baseline != 100 || *r.Ratio != 0.5 || r.Runs != 3 {
@@ -59,6 +61,7 @@ func TestPairedTakesTheMedianOfPerRunRatios(t *testing.T) {
 }
 
 func TestValidate(t *testing.T) {
+	t.Parallel()
 	err := Config{Runs: -1, Scenarios: []string{"e2e", "nope"}}.Validate()
 	if err == nil || !strings.Contains(err.Error(), "runs -1") || !strings.Contains(err.Error(), `scenario "nope"`) {
 		t.Fatalf("Validate = %v", err)
@@ -69,6 +72,7 @@ func TestValidate(t *testing.T) {
 }
 
 func TestConfiguration(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct {
 		cfg  Config
 		want string
@@ -85,6 +89,7 @@ func TestConfiguration(t *testing.T) {
 }
 
 func TestWriters(t *testing.T) {
+	t.Parallel()
 	b, r := 2.0, 0.5
 	rows := []Row{
 		{Name: "a", Value: 1, Unit: "s", Baseline: &b, Ratio: &r, Runs: 3, Note: "about a"},
@@ -115,6 +120,7 @@ func TestWriters(t *testing.T) {
 // TestInProcessScenarios runs the scenarios that need no worker processes,
 // at the quick sizes, and checks the rows they produce.
 func TestInProcessScenarios(t *testing.T) {
+	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	rows, err := Run(ctx, Config{Quick: true, Runs: 1, Scenarios: []string{"e2e", "tracing", "fence"}, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
@@ -140,6 +146,7 @@ func TestInProcessScenarios(t *testing.T) {
 // pipeline's and the raw baseline's, has three replicas, and the nodes sync
 // every write when asked to.
 func TestClusterEnvReplicates(t *testing.T) {
+	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	cfg := Config{Cluster: true, Sync: true, Runs: 1, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}

@@ -9,6 +9,7 @@ import (
 )
 
 func TestIOKeysSpreadEvenly(t *testing.T) {
+	t.Parallel()
 	keys := ioKeys(16, 960)
 	if len(keys) != 960 {
 		t.Fatalf("%d keys, want 960", len(keys))
@@ -26,6 +27,7 @@ func TestIOKeysSpreadEvenly(t *testing.T) {
 }
 
 func TestIOSetupInFlight(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct {
 		partitions, procs, perPartition, want int
 	}{
@@ -46,6 +48,7 @@ func TestIOSetupInFlight(t *testing.T) {
 }
 
 func TestIOSetupWorkerArgs(t *testing.T) {
+	t.Parallel()
 	s := newIOSetup(4, 1)
 	s.partitionConcurrency = 1
 	args := strings.Join(s.workerArgs(), " ")
@@ -59,6 +62,7 @@ func TestIOSetupWorkerArgs(t *testing.T) {
 }
 
 func TestIOJobs(t *testing.T) {
+	t.Parallel()
 	s := newIOSetup(4, 1)
 	s.partitionConcurrency = 1
 	if n := s.jobs(false); n != 400 {

@@ -13,6 +13,7 @@ import (
 // The receiver's span count walks the wire format: it must agree with a
 // full decode, whatever else the export carries around the spans.
 func TestCountSpans(t *testing.T) {
+	t.Parallel()
 	attr := []*commonpb.KeyValue{{Key: "k", Value: &commonpb.AnyValue{Value: &commonpb.AnyValue_StringValue{StringValue: "v"}}}}
 	req := &coltracepb.ExportTraceServiceRequest{}
 	want := 0
