@@ -3,6 +3,8 @@ package streamsink
 import (
 	"bytes"
 	"context"
+	"encoding/base64"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -20,8 +22,9 @@ import (
 // by shardOf, and the jobs applied since those were last written ride in
 // the position record (its "applied" list), which every batch writes
 // anyway: a batch of jobs costs no write more than a batch of standalone
-// effects. Once the list holds maxDelta chains, the shards it touches are
-// written first and the list starts over. Loading takes, per chain, the
+// effects. Once the list holds maxDelta chains, or maxDeltaAbove jobs
+// above their floors, the shards it touches are written first and the list
+// starts over. Loading takes, per chain, the
 // later of the two. They are written after the batch's effects were
 // delivered, so an entry names jobs whose effects the destination took, or
 // (its holes) sent to the dead-letter stream. Written ahead of the
@@ -31,9 +34,12 @@ import (
 
 const appliedShards = 256
 
-// maxDelta is how many chains the position record lists; a variable for
-// tests.
-var maxDelta = 256
+// maxDelta is how many chains the position record lists, and
+// maxDeltaAbove how many jobs above their floors; variables for tests.
+var (
+	maxDelta      = 256
+	maxDeltaAbove = 8192
+)
 
 // validate checks an entry read from the state bucket, which anyone with
 // access to it can write.
@@ -45,16 +51,24 @@ func (e appliedEntry) validate() error {
 		return fmt.Errorf("partition %d", e.Partition)
 	case e.Epoch == 0 || e.Epoch > leasehold.MaxEpoch:
 		return fmt.Errorf("epoch %d", e.Epoch)
-	case e.Job == 0 || e.Subject == "":
-		return fmt.Errorf("job %d on subject %q", e.Job, e.Subject)
+	case e.Subject == "":
+		return fmt.Errorf("subject %q", e.Subject)
 	case e.Acquisition != "" && leasehold.ValidateAcquisition(e.Acquisition) != nil:
 		return fmt.Errorf("acquisition %q", e.Acquisition)
 	case len(e.Holes) > maxHoles:
 		return fmt.Errorf("%d dead-lettered jobs, above %d", len(e.Holes), maxHoles)
 	}
+	above, err := decodeAbove(e.Job, e.Above)
+	if err != nil {
+		return fmt.Errorf("jobs above floor %d: %w", e.Job, err)
+	}
+	if e.Job == 0 && len(above) == 0 {
+		return errors.New("no job")
+	}
+	a := applied{Floor: e.Job, Above: above}
 	for _, h := range e.Holes {
-		if h == 0 || h > e.Job {
-			return fmt.Errorf("dead-lettered job %d beside job %d", h, e.Job)
+		if h == 0 || !a.done(h) {
+			return fmt.Errorf("dead-lettered job %d is not applied (floor %d, %d jobs above)", h, e.Job, len(above))
 		}
 	}
 	return nil
@@ -64,25 +78,79 @@ func (e appliedEntry) chain() chainKey {
 	return chainKey{fence: leasehold.FenceID{Scope: e.Scope, Partition: e.Partition}, subject: e.Subject}
 }
 
+// applied is the entry's chain state; the entry was validated.
 func (e appliedEntry) applied() applied {
-	return applied{Epoch: e.Epoch, Acquisition: e.Acquisition, Job: e.Job, Holes: e.Holes}
+	above, _ := decodeAbove(e.Job, e.Above)
+	return applied{Epoch: e.Epoch, Acquisition: e.Acquisition, Floor: e.Job, Above: above, Holes: e.Holes}
 }
 
 func entryOf(c chainKey, a applied) appliedEntry {
-	return appliedEntry{Scope: c.fence.Scope, Partition: c.fence.Partition, Subject: c.subject, Epoch: a.Epoch, Acquisition: a.Acquisition, Job: a.Job, Holes: a.Holes}
+	return appliedEntry{Scope: c.fence.Scope, Partition: c.fence.Partition, Subject: c.subject, Epoch: a.Epoch, Acquisition: a.Acquisition,
+		Job: a.Floor, Above: encodeAbove(a.Floor, a.Above), Holes: a.Holes}
 }
 
 // later reports whether a is later than b on one chain: a chain's epochs
-// only rise, and within a lease its jobs; a job's dead letters are
-// recorded after it.
+// only rise, and within a lease its floor; above the floor its set only
+// grows until the floor rises; a job's dead letters are recorded after it.
 func (a applied) later(b applied) bool {
 	if a.Epoch != b.Epoch {
 		return a.Epoch > b.Epoch
 	}
-	if a.Job != b.Job {
-		return a.Job > b.Job
+	if a.Floor != b.Floor {
+		return a.Floor > b.Floor
+	}
+	if len(a.Above) != len(b.Above) {
+		return len(a.Above) > len(b.Above)
 	}
 	return len(a.Holes) > len(b.Holes)
+}
+
+// encodeAbove writes the jobs above floor as the member holdings and the
+// fence records' done sets are written: ascending deltas (from floor, then
+// from the job before) as uvarints, in unpadded URL base64.
+func encodeAbove(floor uint64, above []uint64) string {
+	if len(above) == 0 {
+		return ""
+	}
+	buf := make([]byte, 0, 2*len(above))
+	prev := floor
+	for _, j := range above {
+		buf = binary.AppendUvarint(buf, j-prev)
+		prev = j
+	}
+	return base64.RawURLEncoding.EncodeToString(buf)
+}
+
+// decodeAbove reads what encodeAbove wrote, strictly: each delta at least
+// 1 in its shortest form, no job past 2^63, at most maxAbove jobs.
+func decodeAbove(floor uint64, s string) ([]uint64, error) {
+	if s == "" {
+		return nil, nil
+	}
+	if len(s) > 14*maxAbove {
+		return nil, fmt.Errorf("%d characters, more than %d jobs take", len(s), maxAbove)
+	}
+	b, err := base64.RawURLEncoding.Strict().DecodeString(s)
+	if err != nil {
+		return nil, err
+	}
+	var out []uint64
+	prev := floor
+	for len(b) > 0 {
+		d, n := binary.Uvarint(b)
+		if n <= 0 || n != len(binary.AppendUvarint(nil, d)) {
+			return nil, errors.New("a delta that is no shortest uvarint")
+		}
+		b = b[n:]
+		if d == 0 || d > 1<<63-prev {
+			return nil, fmt.Errorf("a delta of %d after job %d", d, prev)
+		}
+		prev += d
+		if out = append(out, prev); len(out) > maxAbove {
+			return nil, fmt.Errorf("more than %d jobs", maxAbove)
+		}
+	}
+	return out, nil
 }
 
 // deltaEntries lists the jobs applied since the shards were written, in a
@@ -111,22 +179,36 @@ func (gs *groups) deltaEntries() []appliedEntry {
 // adoptApplied makes the loaded shards and the position record's list the
 // runner's applied jobs.
 func (r *Runner) adoptApplied(ap loadedApplied, delta []appliedEntry) {
-	r.groups = newGroups()
-	r.groups.applied, r.appliedRev = ap.entries, ap.rev
+	gs := newGroups()
+	r.groups = gs
+	gs.applied, r.appliedRev = ap.entries, ap.rev
 	for _, e := range delta {
 		c, a := e.chain(), e.applied()
-		if cur, ok := r.groups.applied[c]; !ok || a.later(cur) {
-			r.groups.applied[c] = a
+		if cur, ok := gs.applied[c]; !ok || a.later(cur) {
+			gs.applied[c] = a
 		}
-		r.groups.delta[c] = r.groups.applied[c]
+		gs.delta[c] = gs.applied[c]
 	}
+	for _, a := range gs.applied {
+		gs.above += len(a.Above)
+	}
+}
+
+// deltaAbove counts the jobs above their floors the position record's
+// list would hold.
+func (gs *groups) deltaAbove() int {
+	n := 0
+	for _, a := range gs.delta {
+		n += len(a.Above)
+	}
+	return n
 }
 
 // checkpointApplied writes the shards of the chains in the position
 // record's list once it is long, so that the list can start over.
 func (r *Runner) checkpointApplied(ctx context.Context) error {
 	gs := r.groups
-	if len(gs.delta) < maxDelta && len(gs.dirty) == 0 {
+	if len(gs.delta) < maxDelta && len(gs.dirty) == 0 && gs.deltaAbove() < maxDeltaAbove {
 		return nil
 	}
 	for c := range gs.delta {
@@ -150,9 +232,15 @@ type appliedEntry struct {
 	Subject     string              `json:"sub"`
 	Epoch       leasehold.Epoch     `json:"e"`
 	Acquisition string              `json:"a,omitempty"`
-	Job         uint64              `json:"j"`
-	// Holes are the jobs up to Job whose delivery went to the
-	// dead-letter stream: not applied (see applied in groups.go).
+	// Job is the chain's floor: every job of the lease up to it is
+	// settled on the chain. A runner before floors wrote its last applied
+	// job here, which reads as the floor it is.
+	Job uint64 `json:"j"`
+	// Above is the jobs above the floor applied on the chain, written by
+	// encodeAbove.
+	Above string `json:"x,omitempty"`
+	// Holes are the jobs settled on the chain whose delivery went to the
+	// dead-letter stream: not applied (see applied in chains.go).
 	Holes []uint64 `json:"h,omitempty"`
 }
 
@@ -229,7 +317,7 @@ func (r *Runner) encodeApplied(k int) []byte {
 		}
 		if f, ok := r.fences.fences[c.fence]; ok && f.Epoch > a.Epoch && f.At <= r.saved {
 			if _, moving := r.fences.past[c.fence]; !moving {
-				delete(r.groups.applied, c)
+				r.groups.forgetChain(c)
 				continue
 			}
 		}

@@ -181,8 +181,8 @@ func (s *keySet) len() int {
 }
 
 // candidate returns the attempt group k applies from now, or nil while it
-// must wait: see the rules above. last is the chain's last applied job in
-// k's lease.
+// must wait: see the rules above. ch is where k's chain stands in k's
+// lease.
 //
 // An attempt that holds both its abort marker and its final is disputed:
 // one of the two is not the worker's. A worker sends a final and then an
@@ -191,7 +191,7 @@ func (s *keySet) len() int {
 // after an abort. So, with a progress reader, a disputed attempt waits
 // until the job is settled, and applies only if no complete attempt ranks
 // after it.
-func (r *Runner) candidate(k groupKey, g *group, last uint64) *attempt {
+func (r *Runner) candidate(k groupKey, g *group, ch applied) *attempt {
 	proven := r.proven(k.fence)
 	for i, a := range g.atts {
 		if !a.complete() {
@@ -208,10 +208,10 @@ func (r *Runner) candidate(k groupKey, g *group, last uint64) *attempt {
 				continue
 			}
 		}
-		if a.final.After <= last {
+		if ch.holds(a.final.After) {
 			return a
 		}
-		if proven && !r.hopeless(k, a.final.After, last) {
+		if proven && !r.hopeless(k, a.final.After, ch) {
 			return nil
 		}
 	}
@@ -227,14 +227,18 @@ func laterComplete(atts []*attempt) bool {
 	return false
 }
 
-// hopeless reports whether no job from after up to k's can be applied on
-// k's chain any more, so that an attempt of k whose final names after
-// never applies: the fence record shows that k's lease will commit no more
-// of k's job (and so of none before it), the runner has read everything
-// that lease could commit, and no job of the lease from after up to k's
-// holds a complete attempt.
-func (r *Runner) hopeless(k groupKey, after, last uint64) bool {
-	if last >= after || !r.settledJob(k) {
+// hopeless reports whether the job after can never be settled on k's
+// chain before k's job, so that an attempt of k whose final names it never
+// applies: the fence record shows that k's lease will commit no more of
+// k's job, the runner has read everything that lease could commit, and no
+// open job of the lease holds a complete attempt that could settle after
+// while k is open: after's own, or one whose floor would rise to after and
+// stay below k's job (one that passes k's job waits for it: applyReady).
+// A worker commits a job only once every job whose finals it sent before
+// the job's own is finished, the job its final names among them, so a
+// committed job's After is settled, or complete in the log.
+func (r *Runner) hopeless(k groupKey, after uint64, ch applied) bool {
+	if ch.holds(after) || !r.settledJob(k) {
 		return false
 	}
 	gs := r.groups
@@ -242,12 +246,15 @@ func (r *Runner) hopeless(k groupKey, after, last uint64) bool {
 	if l == nil {
 		return true
 	}
-	for _, job := range l.jobs[l.find(after):] {
-		if job >= k.job {
-			break
+	for _, job := range l.jobs {
+		if job == k.job {
+			continue
 		}
 		for _, a := range gs.open[k.withJob(job)].atts {
-			if a.complete() {
+			if !a.complete() {
+				continue
+			}
+			if f := ch.floorOf(job, a.final); job == after || f >= after && f < k.job {
 				return false
 			}
 		}
@@ -304,6 +311,19 @@ func (l *lane) insert(job uint64) {
 	l.jobs = append(l.jobs, 0)
 	copy(l.jobs[i+1:], l.jobs[i:])
 	l.jobs[i] = job
+}
+
+// openUpTo reports whether the lane holds a job up to f other than self.
+func (l *lane) openUpTo(f, self uint64) bool {
+	for _, job := range l.jobs {
+		if job > f {
+			return false
+		}
+		if job != self {
+			return true
+		}
+	}
+	return false
 }
 
 func (l *lane) remove(job uint64) {

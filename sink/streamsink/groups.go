@@ -21,18 +21,19 @@ import (
 // epoch, acquisition, job) and within it by attempt (attempts.go), and
 // applies one attempt of a group, all its effects in one call of the
 // handler or one republish round, once it holds the attempt's final and
-// every effect it counts, and the job its final names is the last it
-// applied for the fence and subject in that lease (or comes before it).
+// every effect it counts, and the job its final names is settled on the
+// fence and subject in that lease (chains.go).
 // The job's other attempts are then dropped, reported sink.Aborted, and so
 // is an attempt proven never to complete (proofs.go): effects of an
 // attempt that did not complete are never applied.
 //
-// A job counts as applied once its effects were delivered. The last job
-// applied per fence and subject is what later jobs' finals are judged
-// against (their After), and what takes a job's effects coming again for
-// duplicates; a job whose delivery went to the dead-letter stream is
-// remembered beside it (applied.Holes), so that its dead letters, replayed,
-// apply on their own instead.
+// A job counts as applied once its effects were delivered. Where each
+// fence and subject stands in a lease (its floor and the jobs applied above
+// it: chains.go) is what later jobs' finals are judged against (their
+// After), and what takes a job's effects coming again for duplicates; a
+// job whose delivery went to the dead-letter stream is remembered beside it
+// (applied.Holes), so that its dead letters, replayed, apply on their own
+// instead.
 //
 // The saved position never passes the first log position of a group still
 // open: a runner that restarts reads the log again from there and finds
@@ -47,12 +48,6 @@ import (
 // partition nobody takes over) are the likely cause.
 var ErrGroupLimit = errors.New("streamsink: open job effects limit reached")
 
-// chainKey names the effects of one fence on one subject.
-type chainKey struct {
-	fence   leasehold.FenceID
-	subject string
-}
-
 // groupKey names one job's effects on one subject under one lease.
 type groupKey struct {
 	chainKey
@@ -61,38 +56,12 @@ type groupKey struct {
 	job         uint64
 }
 
-// applied is where a chain stands: the last job decided applied in a lease
-// (what a later job's After is judged against) and, of the jobs up to it,
-// those whose delivery went to the dead-letter stream, the latest
-// maxHoles: they were not applied, and their effects apply on their own
-// when they come again (a dead letter replayed).
-type applied struct {
-	Epoch       leasehold.Epoch
-	Acquisition string
-	Job         uint64
-	Holes       []uint64
-	top         uint64 // the highest attempt seen applied in the lease; not saved
-}
-
-// maxHoles bounds the dead-lettered jobs a chain remembers.
-const maxHoles = 16
-
 // A few emptied lanes are kept for the next groups, so that a job of a
 // few effects costs no lane of its own.
 const (
 	maxSpareLanes = 64
 	maxSpareJobs  = 64
 )
-
-// hole reports whether job's delivery went to the dead-letter stream.
-func (a applied) hole(job uint64) bool {
-	for _, h := range a.Holes {
-		if h == job {
-			return true
-		}
-	}
-	return false
-}
 
 // groups is the runner's open job groups and what it applied, as of the
 // position it has decided.
@@ -106,6 +75,10 @@ type groups struct {
 	dirty   map[int]bool         // applied shards being written
 	held    int                  // effects held in open groups
 	bytes   int                  // their data
+	above   int                  // jobs the chains hold applied above their floors
+	// overflow is the error of a chain that holds more jobs above its
+	// floor than maxAbove: the batch is not delivered (see settle).
+	overflow error
 }
 
 func newGroups() *groups {
@@ -123,48 +96,6 @@ func (gs *groups) firstOpen() uint64 {
 		}
 	}
 	return first
-}
-
-// last is the chain's last applied job in k's lease, 0 when none.
-func (gs *groups) last(k groupKey) (applied, uint64) {
-	a, ok := gs.applied[k.chainKey]
-	if ok && a.Epoch == k.epoch && a.Acquisition == k.acquisition {
-		return a, a.Job
-	}
-	return a, 0
-}
-
-// advance records job k applied from an attempt numbered up to top.
-func (gs *groups) advance(k groupKey, top uint64) {
-	a, _ := gs.last(k)
-	gs.advanceFrom(k, a, top)
-}
-
-// advanceFrom is advance from a, where the chain stood.
-func (gs *groups) advanceFrom(k groupKey, a applied, top uint64) {
-	if a.Epoch != k.epoch || a.Acquisition != k.acquisition {
-		a = applied{Epoch: k.epoch, Acquisition: k.acquisition}
-	}
-	a.Job, a.top = k.job, max(a.top, top)
-	gs.applied[k.chainKey], gs.delta[k.chainKey] = a, a
-}
-
-// addHole records that job k's delivery went to the dead-letter stream.
-// It returns the job it forgot to make room, or 0.
-func (gs *groups) addHole(k groupKey) uint64 {
-	a, last := gs.last(k)
-	if last < k.job || a.hole(k.job) {
-		return 0 // a later lease's, or known
-	}
-	var forgot uint64
-	holes := make([]uint64, 0, len(a.Holes)+1)
-	holes = append(holes, a.Holes...)
-	if len(holes) == maxHoles {
-		forgot, holes = holes[0], holes[1:]
-	}
-	a.Holes = append(holes, k.job)
-	gs.applied[k.chainKey], gs.delta[k.chainKey] = a, a
-	return forgot
 }
 
 // heldCopy is the outcome of o held, or handed on, for delivery as an
@@ -193,8 +124,8 @@ func (r *Runner) decideJob(o *outcome, mark leasehold.JobMark, outs *[]outcome) 
 	chain := chainKey{fence: st.Fence(), subject: o.m.subject}
 	k := groupKey{chainKey: chain, epoch: st.Epoch, acquisition: st.Acquisition, job: mark.Job}
 	o.deliver, o.report = false, false
-	a, last := gs.last(k)
-	if mark.Job <= last {
+	a := gs.chain(k)
+	if a.done(mark.Job) {
 		switch {
 		case mark.Abort:
 		case a.hole(mark.Job):
@@ -227,7 +158,7 @@ func (r *Runner) decideJob(o *outcome, mark leasehold.JobMark, outs *[]outcome) 
 		}
 		return nil
 	}
-	if !busy && r.applyAlone(o, k, mark, a, last, outs) {
+	if !busy && r.applyAlone(o, k, mark, a, outs) {
 		return nil
 	}
 	if mark.Abort {
@@ -339,11 +270,7 @@ func (r *Runner) onAbort(o *outcome, k groupKey, g *group, at *attempt, mark lea
 // on k's chain.
 func (r *Runner) topAttempt(k groupKey) uint64 {
 	gs := r.groups
-	a, _ := gs.last(k)
-	top := uint64(0)
-	if a.Epoch == k.epoch && a.Acquisition == k.acquisition {
-		top = a.top
-	}
+	top := gs.chain(k).top
 	if l := gs.lanes[k.laneKey()]; l != nil {
 		for _, job := range l.jobs {
 			top = max(top, gs.open[k.withJob(job)].top())
@@ -356,186 +283,20 @@ func (r *Runner) topAttempt(k groupKey) uint64 {
 // chain with no open group, and reports whether it did: what the group
 // would do, placed, completed and applied in one step, without building
 // it. That is the effect of nearly every job, so it is worth the shortcut.
-// Anything else (more effects, an open group on the chain, a job before it
-// not applied yet, a runner at its held-effects limit) takes the way of
+// Anything else (more effects, an open group on the chain, the job its
+// final names not settled yet, a runner at its held-effects limit) takes the way of
 // groups. It is called only for a chain with no open group: no other
 // attempt of the job is open, none can rank before this one, and no job
-// before it is open.
-func (r *Runner) applyAlone(o *outcome, k groupKey, mark leasehold.JobMark, a applied, last uint64, outs *[]outcome) bool {
+// is open whose fate its floor could decide.
+func (r *Runner) applyAlone(o *outcome, k groupKey, mark leasehold.JobMark, a applied, outs *[]outcome) bool {
 	gs := r.groups
-	if mark.Effects != 1 || mark.Abort || mark.Attempt == 0 || mark.After > last ||
+	if mark.Effects != 1 || mark.Abort || mark.Attempt == 0 || !a.holds(mark.After) ||
 		gs.held >= r.cfg.MaxHeldEffects || gs.bytes+len(o.m.data) > r.cfg.MaxHeldBytes {
 		return false
 	}
 	*outs = append(*outs, heldCopy(o, k.job))
-	gs.advanceFrom(k, a, mark.Attempt)
+	gs.advance(k, a, mark, mark.Attempt)
 	return true
-}
-
-// keepGroup records g under k, or forgets it when it holds nothing worth
-// keeping.
-func (r *Runner) keepGroup(k groupKey, g *group) {
-	gs := r.groups
-	if len(g.atts) == 0 && len(g.closed) == 0 {
-		r.forgetGroup(k)
-		return
-	}
-	if _, ok := gs.open[k]; ok {
-		return
-	}
-	gs.open[k] = g
-	lk := k.laneKey()
-	l := gs.lanes[lk]
-	if l == nil {
-		if n := len(gs.spare); n > 0 {
-			l, gs.spare = gs.spare[n-1], gs.spare[:n-1]
-		} else {
-			l = &lane{}
-		}
-		gs.lanes[lk] = l
-	}
-	l.insert(k.job)
-	gs.busy[k.chainKey]++
-}
-
-// forgetGroup removes group k.
-func (r *Runner) forgetGroup(k groupKey) {
-	gs := r.groups
-	if _, ok := gs.open[k]; !ok {
-		return
-	}
-	delete(gs.open, k)
-	lk := k.laneKey()
-	if l := gs.lanes[lk]; l != nil {
-		l.remove(k.job)
-		if len(l.jobs) == 0 {
-			delete(gs.lanes, lk)
-			if len(gs.spare) < maxSpareLanes && cap(l.jobs) <= maxSpareJobs {
-				l.jobs = l.jobs[:0:cap(l.jobs)]
-				gs.spare = append(gs.spare, l)
-			}
-		}
-	}
-	if gs.busy[k.chainKey]--; gs.busy[k.chainKey] <= 0 {
-		delete(gs.busy, k.chainKey)
-	}
-}
-
-// dropAttempt drops attempt a of g, reporting its effects sink.Aborted.
-func (r *Runner) dropAttempt(g *group, a *attempt, outs *[]outcome) {
-	for _, o := range a.held {
-		o.deliver = false
-		o.d.Outcome = sink.Aborted
-		*outs = append(*outs, o)
-	}
-	r.groups.held -= len(a.held)
-	r.groups.bytes -= a.bytes
-	g.remove(a)
-}
-
-// dropGroup drops every attempt of group k and forgets it.
-func (r *Runner) dropGroup(k groupKey, g *group, outs *[]outcome) {
-	for len(g.atts) > 0 {
-		r.dropAttempt(g, g.atts[0], outs)
-	}
-	r.forgetGroup(k)
-}
-
-// applyReady applies the groups of k's chain and lease that are ready, in
-// job order: k's, when it comes next, and every one that then comes next.
-// With a progress reader, an open job holds back every later job of its
-// lease on the chain, until it applies or is proven never to: a later
-// job's final names in After the job before it, and a final a forger made
-// up could name one below a job still in flight. Without one, the worker's
-// After is trusted: a ready job applies, and the open jobs of its lease up
-// to it are dropped (aborted, dead-lettered, superseded, as the worker's
-// After says).
-func (r *Runner) applyReady(k groupKey, outs *[]outcome) {
-	gs := r.groups
-	lk := k.laneKey()
-	proven := r.proven(k.fence)
-	for {
-		l := gs.lanes[lk]
-		if l == nil {
-			return
-		}
-		_, last := gs.last(k)
-		progressed := false
-		for _, job := range l.jobs {
-			gk := lk.group(job)
-			g := gs.open[gk]
-			if job <= last {
-				r.dropGroup(gk, g, outs)
-				progressed = true
-				break
-			}
-			if a := r.candidate(gk, g, last); a != nil {
-				r.apply(gk, g, a, outs)
-				progressed = true
-				break
-			}
-			if proven {
-				return
-			}
-		}
-		if !progressed {
-			return
-		}
-	}
-}
-
-// apply applies group k from attempt a and drops its other attempts.
-func (r *Runner) apply(k groupKey, g *group, a *attempt, outs *[]outcome) {
-	gs := r.groups
-	*outs = append(*outs, a.held...)
-	gs.held -= len(a.held)
-	gs.bytes -= a.bytes
-	g.remove(a)
-	top := max(a.n, g.top())
-	r.dropGroup(k, g, outs)
-	gs.advance(k, top)
-}
-
-// abandon settles the open groups of fence id below epoch e, whose stamp
-// of acquisition acq the runner admitted at log position at: a holder of a
-// later lease fenced the partition before it wrote anything, so an earlier
-// lease commits nothing more, and every final it committed is in the log
-// before here. What the earlier leases completed applies now (in job
-// order, as it would have), an attempt still incomplete never completes,
-// and what cannot apply (a job whose After can no longer hold) never will.
-func (r *Runner) abandon(id leasehold.FenceID, e leasehold.Epoch, acq string, at uint64, outs *[]outcome) {
-	gs := r.groups
-	if r.proofs != nil {
-		if pr, ok := r.proofs.known[id]; !ok || pr.p.Epoch < e {
-			r.proofs.known[id] = proof{p: sink.Progress{Epoch: e, Acquisition: acq}, at: at}
-		}
-	}
-	var lanes []laneKey
-	for lk := range gs.lanes {
-		if lk.fence == id && lk.epoch < e {
-			lanes = append(lanes, lk)
-		}
-	}
-	for _, lk := range lanes {
-		for _, job := range append([]uint64(nil), gs.lanes[lk].jobs...) {
-			k := lk.group(job)
-			g := gs.open[k]
-			for i := 0; i < len(g.atts); {
-				if a := g.atts[i]; !a.complete() {
-					r.dropAttempt(g, a, outs)
-					continue
-				}
-				i++
-			}
-			r.keepGroup(k, g)
-		}
-		r.applyReady(lk.group(0), outs)
-		if l := gs.lanes[lk]; l != nil {
-			for _, job := range append([]uint64(nil), l.jobs...) {
-				r.dropGroup(lk.group(job), gs.open[lk.group(job)], outs)
-			}
-		}
-	}
 }
 
 // resetGroups forgets the open groups: the runner reads the log again from
@@ -543,14 +304,15 @@ func (r *Runner) abandon(id leasehold.FenceID, e leasehold.Epoch, acq string, at
 func (r *Runner) resetGroups() {
 	old := r.groups
 	r.groups = newGroups()
-	r.groups.applied, r.groups.delta, r.groups.dirty = old.applied, old.delta, old.dirty
+	r.groups.applied, r.groups.delta, r.groups.dirty, r.groups.above = old.applied, old.delta, old.dirty, old.above
 }
 
-// heldEffects returns how many effects the open groups hold.
-func (r *Runner) heldEffects() int {
+// heldEffects returns how many effects the open groups hold, and how many
+// jobs the chains hold above their floors.
+func (r *Runner) heldEffects() (int, int) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return r.heldCount
+	return r.heldCount, r.aboveCount
 }
 
 // reload makes the saved state the runner's again, after a batch that
@@ -568,7 +330,7 @@ func (r *Runner) reload(ctx context.Context) error {
 	r.mu.Lock()
 	r.seq, r.saved, r.rev, r.fences, r.skips = st.seq, st.seq, st.rev, st.fences, st.skips
 	r.adoptApplied(ap, st.delta)
-	r.heldCount = 0
+	r.heldCount, r.aboveCount = 0, r.groups.above
 	r.mu.Unlock()
 	if r.proofs != nil {
 		// Learned again as the log is read again.
@@ -579,8 +341,9 @@ func (r *Runner) reload(ctx context.Context) error {
 	return nil
 }
 
-// registerGauges reports the effects held in open groups:
-// leasehold_sink_job_effects_held{leasehold_sink}.
+// registerGauges reports the effects held in open groups,
+// leasehold_sink_job_effects_held{leasehold_sink}, and the jobs the chains
+// hold above their floors, leasehold_sink_jobs_above_floor.
 func (r *Runner) registerGauges() error {
 	mp := r.cfg.Telemetry.MeterProvider
 	if mp == nil {
@@ -591,11 +354,22 @@ func (r *Runner) registerGauges() error {
 	_, err := meter.Int64ObservableGauge("leasehold.sink.job_effects_held",
 		metric.WithDescription("Effects of jobs a stream sink holds until the rest of their job is in the log; it stops at Config.MaxHeldEffects."),
 		metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
-			o.Observe(int64(r.heldEffects()), attrs)
+			held, _ := r.heldEffects()
+			o.Observe(int64(held), attrs)
 			return nil
 		}))
 	if err != nil {
 		return fmt.Errorf("streamsink: register the held effects gauge: %w", err)
+	}
+	_, err = meter.Int64ObservableGauge("leasehold.sink.jobs_above_floor",
+		metric.WithDescription("Jobs a stream sink remembers applied above their chain's floor, having completed out of stream order; a chain that holds more than 4096 stops the runner."),
+		metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
+			_, above := r.heldEffects()
+			o.Observe(int64(above), attrs)
+			return nil
+		}))
+	if err != nil {
+		return fmt.Errorf("streamsink: register the jobs above floor gauge: %w", err)
 	}
 	return nil
 }

@@ -149,17 +149,18 @@ type Runner struct {
 	// looks to Run like a quiet log.
 	lastPull atomic.Int64
 
-	mu        sync.Mutex
-	heldCount int           // effects held in open groups, for the gauge
-	seq       uint64        // the position decided and saved (see saved)
-	rev       uint64        // the position record's revision; only Run's goroutine uses it
-	fences    *fenceTable   // as of seq
-	progress  chan struct{} // closed and replaced when seq advances
-	running   bool
-	lastOK    time.Time     // when Run last finished a step without error
-	lastErr   error         // the error of the last failed step, nil after a good one
-	gap       *GapError     // the gap Run stopped at, until resumed
-	resumed   chan struct{} // closed and replaced on a resume past a gap
+	mu         sync.Mutex
+	heldCount  int           // effects held in open groups, for the gauge
+	aboveCount int           // jobs the chains hold above their floors, for the gauge
+	seq        uint64        // the position decided and saved (see saved)
+	rev        uint64        // the position record's revision; only Run's goroutine uses it
+	fences     *fenceTable   // as of seq
+	progress   chan struct{} // closed and replaced when seq advances
+	running    bool
+	lastOK     time.Time     // when Run last finished a step without error
+	lastErr    error         // the error of the last failed step, nil after a good one
+	gap        *GapError     // the gap Run stopped at, until resumed
+	resumed    chan struct{} // closed and replaced on a resume past a gap
 }
 
 // New prepares a runner: it finds the effect log (or creates it, with
@@ -201,6 +202,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Runner, erro
 		return nil, err
 	}
 	r.adoptApplied(ap, st.delta)
+	r.aboveCount = r.groups.above
 	if err := r.registerGauges(); err != nil {
 		return nil, err
 	}

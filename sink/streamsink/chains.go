@@ -1,0 +1,172 @@
+package streamsink
+
+import (
+	"fmt"
+	"slices"
+
+	"github.com/leasehold/leasehold"
+)
+
+// Where a chain (a fence's effects on one subject) stands in a lease: its
+// floor and the jobs applied above it.
+//
+// A runner with one job of a partition in flight completes its jobs in
+// stream order, so the last job applied on a chain was all the chain needed:
+// every job at or below it was finished. A runner with several jobs in flight
+// completes them out of order, and says how far its jobs are all finished
+// with the floor its finals carry (leasehold.HeaderFloor): every job of the
+// lease up to the floor is finished, its finals (if any) in the log before
+// the final that carries it, and none publishes anything more under the
+// lease. So a chain keeps its floor F, the highest floor of the finals it
+// applied, and the set A of jobs above F it applied:
+//
+//   - the effects of job J are duplicates when J <= F or J is in A;
+//   - a complete attempt of J whose final names After applies when After is
+//     0, at or below F, or in A (and the rules of attempts.go let it);
+//   - applying J adds it to A, and raises F to the final's floor, or, for a
+//     final without one, to J itself: a sequential runner's final says that
+//     every job up to its own is finished, which is the rule the chain kept
+//     before floors, and keeps for it. What A holds at or below F leaves it.
+//
+// Applying a job whose floor passes an open job of the lease on the chain
+// says that job finished without completing here (aborted, dead-lettered,
+// superseded by a re-run). Markers prove nothing with a progress reader,
+// though: there the job waits until the open one applies or the fence
+// record settles it (applyReady, proofs.go); without one the floor is
+// trusted, and the open job dropped.
+//
+// A is bounded by the worker's window (the jobs it runs past its watermark,
+// about a thousand): a chain holding more than maxAbove stops the runner
+// with ErrGroupLimit before it delivers anything more, and Ready says so.
+// The gauge leasehold_sink_jobs_above_floor counts the jobs the chains hold
+// above their floors.
+
+// maxAbove bounds a chain's jobs applied above its floor; a variable for
+// tests.
+var maxAbove = 4096
+
+// chainKey names the effects of one fence on one subject.
+type chainKey struct {
+	fence   leasehold.FenceID
+	subject string
+}
+
+// applied is where a chain stands in a lease (see above). Holes are, of the
+// jobs it applied, those whose delivery went to the dead-letter stream, the
+// latest maxHoles: they were not applied, and their effects apply on their
+// own when they come again (a dead letter replayed).
+type applied struct {
+	Epoch       leasehold.Epoch
+	Acquisition string
+	Floor       uint64
+	Above       []uint64 // ascending, each above Floor
+	Holes       []uint64
+	top         uint64 // the highest attempt seen applied in the lease; not saved
+}
+
+// done reports whether job's effects on the chain are settled: applied, or
+// finished without completing here.
+func (a applied) done(job uint64) bool {
+	if job <= a.Floor {
+		return true
+	}
+	if len(a.Above) == 0 {
+		return false
+	}
+	_, found := slices.BinarySearch(a.Above, job)
+	return found
+}
+
+// holds reports whether a final naming after may apply on the chain.
+func (a applied) holds(after uint64) bool { return after == 0 || a.done(after) }
+
+// high is the highest job the chain settled.
+func (a applied) high() uint64 {
+	if n := len(a.Above); n > 0 {
+		return a.Above[n-1]
+	}
+	return a.Floor
+}
+
+// floorOf is the floor a chain at a rises to by applying job with final.
+func (a applied) floorOf(job uint64, final leasehold.JobMark) uint64 {
+	f := job
+	if final.Floors() {
+		f = final.Floor
+	}
+	return max(a.Floor, f)
+}
+
+// hole reports whether job's delivery went to the dead-letter stream.
+func (a applied) hole(job uint64) bool {
+	return slices.Contains(a.Holes, job)
+}
+
+// maxHoles bounds the dead-lettered jobs a chain remembers.
+const maxHoles = 16
+
+// chain returns where k's chain stands in k's lease: nothing applied, when
+// it stands in another.
+func (gs *groups) chain(k groupKey) applied {
+	a, ok := gs.applied[k.chainKey]
+	if ok && a.Epoch == k.epoch && a.Acquisition == k.acquisition {
+		return a
+	}
+	return applied{Epoch: k.epoch, Acquisition: k.acquisition}
+}
+
+// store makes a the chain's state.
+func (gs *groups) store(c chainKey, a applied) {
+	gs.above += len(a.Above) - len(gs.applied[c].Above)
+	gs.applied[c], gs.delta[c] = a, a
+	if len(a.Above) > maxAbove && gs.overflow == nil {
+		gs.overflow = fmt.Errorf("%w: %d jobs of lease %d/%s are applied out of order on subject %s of %s, above its floor %d (at most %d): a worker ran more jobs of the partition past its watermark than it may; lower its MaxInFlight and PartitionConcurrency, or see that its finals carry Leasehold-Floor",
+			ErrGroupLimit, len(a.Above), a.Epoch, a.Acquisition, c.subject, c.fence, a.Floor, maxAbove)
+	}
+}
+
+// forgetChain drops chain c.
+func (gs *groups) forgetChain(c chainKey) {
+	gs.above -= len(gs.applied[c].Above)
+	delete(gs.applied, c)
+}
+
+// advance records job k applied, in a chain that stood at a in k's lease,
+// from an attempt numbered up to top whose final is final.
+func (gs *groups) advance(k groupKey, a applied, final leasehold.JobMark, top uint64) {
+	if f := a.floorOf(k.job, final); f > a.Floor {
+		a.Floor = f
+		if n := len(a.Above); n > 0 {
+			// What the floor passed leaves the set; the rest moves to the
+			// front, so that the set keeps its room.
+			i, _ := slices.BinarySearch(a.Above, f+1)
+			a.Above = a.Above[:copy(a.Above, a.Above[i:])]
+		}
+	}
+	if k.job > a.Floor {
+		i, found := slices.BinarySearch(a.Above, k.job)
+		if !found {
+			a.Above = slices.Insert(a.Above, i, k.job)
+		}
+	}
+	a.top = max(a.top, top)
+	gs.store(k.chainKey, a)
+}
+
+// addHole records that job k's delivery went to the dead-letter stream.
+// It returns the job it forgot to make room, or 0.
+func (gs *groups) addHole(k groupKey) uint64 {
+	a := gs.chain(k)
+	if !a.done(k.job) || a.hole(k.job) {
+		return 0 // a later lease's, or known
+	}
+	var forgot uint64
+	holes := make([]uint64, 0, len(a.Holes)+1)
+	holes = append(holes, a.Holes...)
+	if len(holes) == maxHoles {
+		forgot, holes = holes[0], holes[1:]
+	}
+	a.Holes = append(holes, k.job)
+	gs.store(k.chainKey, a)
+	return forgot
+}

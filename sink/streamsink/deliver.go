@@ -1,0 +1,252 @@
+package streamsink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/retry"
+	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/telemetry"
+)
+
+// Accepted effects are delivered in log order: republished into the
+// downstream stream, or handed to the Handler or the BatchHandler, each
+// retried until it is delivered, moved to the dead-letter stream
+// (deadletter.go) or the runner stops.
+
+// deliver republishes, or hands over, the accepted effects in log order,
+// retrying each until it is delivered, it is moved to the dead-letter
+// stream (see Config.MaxDeliveries), or ctx ends.
+func (r *Runner) deliver(ctx context.Context, outs []outcome) error {
+	for i := range outs {
+		if o := &outs[i]; o.deliver && r.tries[o.m.seq] == deadLettered {
+			// Moved by an earlier try of this batch, whose progress was
+			// not saved: marked so, not moved again.
+			if err := r.deadLetter(ctx, o, r.cfg.MaxDeliveries, errors.New("dead-lettered before the progress was saved")); err != nil {
+				return err
+			}
+		}
+	}
+	switch {
+	case r.cfg.BatchHandler != nil:
+		return r.deliverBatch(ctx, outs)
+	case r.cfg.Handler != nil:
+		return r.deliverEach(ctx, outs, "handler", func(o *outcome) error { return r.cfg.Handler(o.ctx, effectOf(o)) })
+	}
+	return r.republish(ctx, outs)
+}
+
+// natsAway reports whether a delivery failed because NATS could not serve
+// it for now (the connection is down, no responders, a timeout, JetStream
+// not ready): a failure of NATS, not of the effect, so it does not count
+// towards dead-lettering it. A NATS restart must not move effects to the
+// dead-letter stream; a runner held up for long shows in Ready.
+func (r *Runner) natsAway(err error) bool {
+	return !r.js.Conn().IsConnected() || retry.Transient(err)
+}
+
+func effectOf(o *outcome) sink.Effect {
+	return sink.Effect{Stamp: o.d.Stamp, Subject: o.m.subject, Data: o.m.data, Header: o.m.header}
+}
+
+// deliverBatch hands the accepted effects to the BatchHandler in one call.
+// Its error fails the whole batch without saying which effect failed, so
+// after one failure the effects are handed over one by one, each call a
+// batch of one: the handler's errors are then each effect's own, and only
+// an effect that fails MaxDeliveries times is dead-lettered. A failure
+// that is NATS's own blames no effect: the batch is tried again whole.
+func (r *Runner) deliverBatch(ctx context.Context, outs []outcome) error {
+	var effects []sink.Effect
+	for i := range outs {
+		if o := &outs[i]; o.deliver {
+			effects = append(effects, effectOf(o))
+		}
+	}
+	if len(effects) == 0 {
+		return nil
+	}
+	for attempt := 0; ; attempt++ {
+		err := r.cfg.BatchHandler(ctx, effects)
+		if err == nil {
+			for i := range outs {
+				if outs[i].deliver {
+					r.delivered(outs[i].m.seq)
+				}
+			}
+			return nil
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if len(effects) == 1 || !r.natsAway(err) {
+			if len(effects) > 1 {
+				r.log.LogAttrs(ctx, slog.LevelWarn, "streamsink: the batch handler failed; handing the batch's effects over one by one to find the one that fails",
+					slog.String("sink", r.cfg.Name), slog.Int("effects", len(effects)), slog.Any("error", err))
+			}
+			break
+		}
+		// NATS is away: no effect is to blame, and the batch is tried
+		// again whole.
+		if err := r.backoff(ctx, attempt, "batch handler", err); err != nil {
+			return err
+		}
+	}
+	return r.deliverEach(ctx, outs, "batch handler", func(o *outcome) error {
+		return r.cfg.BatchHandler(o.ctx, []sink.Effect{effectOf(o)})
+	})
+}
+
+// deliverEach hands the accepted effects over one at a time with apply,
+// in log order.
+func (r *Runner) deliverEach(ctx context.Context, outs []outcome, what string, apply func(*outcome) error) error {
+	for i := range outs {
+		o := &outs[i]
+		if !o.deliver {
+			continue
+		}
+		for attempt := 0; ; attempt++ {
+			err := apply(o)
+			if err == nil {
+				r.delivered(o.m.seq)
+				break
+			}
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			n := r.tries[o.m.seq]
+			if !r.natsAway(err) {
+				n = r.failed(o.m.seq)
+			}
+			if n >= r.cfg.MaxDeliveries || errors.Is(err, ErrPoison) {
+				if err := r.deadLetter(ctx, o, n, err); err != nil {
+					return err
+				}
+				break
+			}
+			if err := r.backoff(ctx, attempt, what, err); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// republish publishes the accepted effects into the downstream stream, all
+// at once, and retries those that fail.
+func (r *Runner) republish(ctx context.Context, outs []outcome) error {
+	todo := make([]int, 0, len(outs))
+	for i := range outs {
+		if outs[i].deliver {
+			todo = append(todo, i)
+		}
+	}
+	for attempt := 0; len(todo) > 0; attempt++ {
+		futures := make([]jetstream.PubAckFuture, len(todo))
+		errs := make(map[int]error)
+		for j, i := range todo {
+			f, err := r.js.PublishMsgAsync(r.republished(outs[i].ctx, outs[i].m, outs[i].d.Stamp))
+			if err != nil {
+				errs[i] = err
+				continue
+			}
+			futures[j] = f
+		}
+		timeout := time.After(r.cfg.RequestTimeout)
+	wait:
+		for j, i := range todo {
+			f := futures[j]
+			if f == nil {
+				continue
+			}
+			select {
+			case ack := <-f.Ok():
+				if ack.Duplicate {
+					outs[i].d.Outcome = sink.Duplicate
+				}
+			case err := <-f.Err():
+				errs[i] = err
+			case <-timeout:
+				for _, k := range todo[j:] {
+					errs[k] = fmt.Errorf("no acknowledgement from the downstream stream within %v: %w", r.cfg.RequestTimeout, nats.ErrTimeout)
+				}
+				break wait
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		var retry []int
+		var lastErr error
+		for _, i := range todo {
+			o := &outs[i]
+			err, failed := errs[i]
+			if !failed {
+				r.delivered(o.m.seq)
+				continue
+			}
+			if errors.Is(err, nats.ErrMaxPayload) {
+				// The sink's headers took the effect over the server's
+				// max payload: no retry can make it fit.
+				if err := r.deadLetter(ctx, o, r.failed(o.m.seq), err); err != nil {
+					return err
+				}
+				continue
+			}
+			if !r.natsAway(err) {
+				if n := r.failed(o.m.seq); n >= r.cfg.MaxDeliveries {
+					if err := r.deadLetter(ctx, o, n, err); err != nil {
+						return err
+					}
+					continue
+				}
+			}
+			retry, lastErr = append(retry, i), err
+		}
+		todo = retry
+		if len(todo) > 0 {
+			if err := r.backoff(ctx, attempt, "republish", lastErr); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// republished builds the downstream message for an accepted effect:
+// leasehold's headers and W3C trace context (see keepHeader), the trace
+// context of the span that decided it, and the scope and idempotency key
+// as Nats-Msg-Id so that the server drops a repeat.
+func (r *Runner) republished(ctx context.Context, m *logMsg, st leasehold.Stamp) *nats.Msg {
+	out := nats.NewMsg(r.cfg.Subject(m.subject))
+	canonical := true
+	for k, vs := range m.header {
+		switch {
+		case isCanonicalStampHeader(k):
+			out.Header[k] = vs
+		case isStampHeader(k):
+			canonical = false // written below, from the stamp
+		case keepHeader(k):
+			out.Header[k] = vs
+		}
+	}
+	if !canonical {
+		// The stamp was read, so every spelling of a header agrees; it is
+		// written back under the names readers look up.
+		st.SetHeader(out.Header)
+	}
+	r.rep.Telemetry().Propagator.Inject(ctx, telemetry.HeaderCarrier(out.Header))
+	out.Header[jetstream.MsgIDHeader] = []string{MessageID(st)}
+	out.Data = m.data
+	return out
+}
+
+// MessageID is the Nats-Msg-Id of an effect stamped with s in the
+// downstream stream: "<scope> <key>". Dedupe is per scope and key, and a
+// scope holds no space.
+func MessageID(s leasehold.Stamp) string { return s.Scope + " " + s.Key }
