@@ -37,6 +37,17 @@ func (b *Bucket) Progress(ctx context.Context, p leasehold.Partition) (uint64, e
 	return r.Seq, nil
 }
 
+// PartitionCommitted is what partition p's fence record says of its
+// committed progress: the watermark and the jobs done beyond it (see
+// Committed).
+func (b *Bucket) PartitionCommitted(ctx context.Context, p leasehold.Partition) (Committed, error) {
+	r, _, err := b.readFence(ctx, partitionKey(p))
+	if err != nil {
+		return Committed{}, fmt.Errorf("coordinator: read the fence record of partition %d: %w", p, err)
+	}
+	return Committed{Epoch: leasehold.Epoch(r.Epoch), Acquisition: r.Acquisition, Seq: r.Seq, Done: r.done}, nil
+}
+
 // fence rewrites the lease's fence record under its epoch and acquisition,
 // so that no earlier holder can commit progress any more, and learns the
 // sequence to resume after. A record fenced at a later epoch loses the

@@ -50,6 +50,10 @@ type Metrics struct {
 	// ended, whose partition the worker gave up:
 	// leasehold_jobs_hung_total{leasehold_partition, leasehold_worker}.
 	JobsHung metric.Int64Counter
+	// JobsInFlight is the jobs whose attempts run now in the workers of
+	// this process, over all the partitions they hold:
+	// leasehold_jobs_in_flight.
+	JobsInFlight metric.Int64UpDownCounter
 
 	meter metric.Meter
 	once  sync.Once // registers the gauges' callback on first use
@@ -97,6 +101,7 @@ func newMetrics(m metric.Meter) *Metrics {
 	ms.JobsProcessed, _ = m.Int64Counter("leasehold.jobs.processed", metric.WithDescription("Handler attempts that succeeded."), metric.WithUnit("{job}"))
 	ms.JobsFailed, _ = m.Int64Counter("leasehold.jobs.failed", metric.WithDescription("Handler attempts that failed (errors, panics, effects not stored)."), metric.WithUnit("{job}"))
 	ms.JobsDeadLettered, _ = m.Int64Counter("leasehold.jobs.dead_lettered", metric.WithDescription("Jobs sent to the dead-letter subject."), metric.WithUnit("{job}"))
+	ms.JobsInFlight, _ = m.Int64UpDownCounter("leasehold.jobs.in_flight", metric.WithDescription("Jobs whose attempts run now (handler, backoff, dead letter), over every partition held by a worker of this process."), metric.WithUnit("{job}"))
 	ms.JobsHung, _ = m.Int64Counter("leasehold.jobs.hung", metric.WithDescription("Handlers that did not return after their context ended (HandleTimeout, a lost lease); their partition was released."), metric.WithUnit("{job}"))
 	ms.EffectsNoStream, _ = m.Int64Counter("leasehold.effects.no_stream", metric.WithDescription("Effects refused at once because no stream stores their subject; the worker's log names it."), metric.WithUnit("{effect}"))
 	ms.HandlerDuration, _ = m.Float64Histogram("leasehold.handler.duration", metric.WithDescription("Time a handler took for one attempt."), metric.WithUnit("s"),

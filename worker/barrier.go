@@ -48,7 +48,7 @@ func (r *runner) writeBarriers() outcome {
 		}
 		wait := min(50*time.Millisecond<<min(attempt-1, 6), 2*time.Second)
 		r.log.Warn("writing the partition's barriers failed; retrying before handling any job", "attempt", attempt, "backoff", wait, "err", err)
-		if out := r.sleep(wait); out != 0 {
+		if out := r.sleep(wait, nil); out != 0 {
 			endSpan(span, err)
 			return out
 		}

@@ -42,11 +42,12 @@ func DeadLetterKey(scope string, p leasehold.Partition, seq uint64) string {
 // waits for the server to store it (at most EffectTimeout) before the
 // partition goes on: dead letters are rare, and EventJobDeadLettered, the
 // metric and the log line say that it is stored, before the next job's
-// events. Its outcome is handed on like an effect's, so progress moves past
+// events. It runs in the job's goroutine, and stops retrying once halt is
+// closed. Its outcome is handed on like an effect's, so progress moves past
 // the job only once the dead letter is stored; one the server refuses, or
 // does not acknowledge in time, sends the partition back to the job, which
 // is dead-lettered again.
-func (r *runner) deadLetter(m jetstream.Msg, md *jetstream.MsgMetadata, st retryState) ([]jetstream.PubAckFuture, outcome) {
+func (r *runner) deadLetter(m jetstream.Msg, md *jetstream.MsgMetadata, st retryState, halt <-chan struct{}) ([]jetstream.PubAckFuture, outcome) {
 	msg := &nats.Msg{Subject: DLQSubject(r.w.cfg.Prefix, r.p), Data: m.Data(), Header: nats.Header{}}
 	jobID := jobIDOf(m.Headers())
 	for k, vs := range m.Headers() {
@@ -108,7 +109,7 @@ func (r *runner) deadLetter(m jetstream.Msg, md *jetstream.MsgMetadata, st retry
 		}
 		wait := min(50*time.Millisecond<<min(attempt-1, 6), 2*time.Second)
 		r.log.Warn("dead-lettering a job failed; retrying", "seq", md.Sequence.Stream, "err", err)
-		if out := r.sleep(wait); out != 0 {
+		if out := r.sleep(wait, halt); out != 0 {
 			endSpan(span, err)
 			return nil, out
 		}

@@ -11,10 +11,17 @@
 //     "<prefix>.jobs.<p>" (see ProvisionJobs). A Producer picks the
 //     partition from a key the way Kafka does (leasehold.PartitionFor), and
 //     sends every job with a Nats-Msg-Id, so its retries store a job once.
-//   - A partition's jobs run one at a time, in stream order, on the worker
-//     holding its lease. Before the first job, every Config.Fences sink is
-//     advanced to the new epoch and a barrier is published to every barrier
-//     subject, so the previous holder's later writes are refused.
+//   - A partition's jobs run on the worker holding its lease, up to
+//     Config.PartitionConcurrency of them at once, all under the lease's one
+//     epoch: the jobs of one order key (the key Producer.Enqueue
+//     partitioned them by, leasehold.HeaderOrderKey) one after another in
+//     stream order, and jobs of other keys beside them (Config.Order; a
+//     job with no order key waits for every earlier job of its partition).
+//     Each held partition may always run one job; further jobs at once take
+//     slots of the worker's pool of Config.MaxConcurrency. Before the first
+//     job, every Config.Fences sink is advanced to the new epoch and a
+//     barrier is published to every barrier subject, so the previous
+//     holder's later writes are refused.
 //   - Effects (Job.Publish, Job.Emit, Job.Apply, Job.NextStamp) carry the
 //     headers Leasehold-Partition, Leasehold-Epoch and Leasehold-Key, an
 //     idempotency key derived from the job's origin (the prefix, partition
@@ -25,10 +32,12 @@
 //     from its dead letter, emits the same keys; the sinks, not the stream,
 //     dedupe them.
 //   - Progress is not the consumer's acks: it is a compare-and-set on the
-//     lease bucket (coordinator.Lease.Commit), and it moves past a job only
-//     once all of the job's effects (or its dead letter) are acknowledged.
-//     A worker that lost its lease cannot commit, so its successor resumes
-//     after the last job whose effects were stored under a live epoch.
+//     lease bucket (coordinator.Lease.Commit) of a watermark and the jobs
+//     done beyond it, and it counts a job only once all of the job's
+//     effects (or its dead letter) are acknowledged, and those of every job
+//     the runner completed before it. A worker that lost its lease cannot
+//     commit, so its successor resumes after the watermark, skipping the
+//     jobs done beyond it, and runs the rest again.
 //     Processing is at least once; effects are exactly once where the
 //     destination dedupes by key.
 //   - A failed attempt is retried with backoff up to Config.MaxAttempts,

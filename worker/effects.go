@@ -82,7 +82,7 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 	leasehold.JobMark{Job: j.Seq, Attempt: j.wire}.SetHeader(msg.Header)
 	// Sized as the final it may become: the final's headers are the
 	// largest.
-	if err := j.r.checkEffect(msg, finalRoom(j.Seq)); err != nil {
+	if err := j.r.checkEffect(msg, j.r.finalRoom(j.Seq)); err != nil {
 		err = &EffectError{Subject: subject, Key: stamp.Key, Err: err}
 		endSpan(span, err)
 		j.fail(err)

@@ -16,8 +16,8 @@ import (
 )
 
 // Enqueue jobs, then run a worker whose handler emits one stamped effect
-// per job. With one partition the jobs run in the order they were
-// enqueued.
+// per job. The jobs of one key run one after another, in the order they
+// were enqueued; jobs of other keys would run beside them.
 func Example() {
 	js, stop := exampleNATS() // in production: nats.Connect(url), then jetstream.New(nc)
 	defer stop()
@@ -38,8 +38,9 @@ func Example() {
 		panic(err)
 	}
 	for _, id := range []string{"o-1", "o-2", "o-3"} {
-		// The key picks the partition; the job ID makes retries safe.
-		if _, err := producer.Enqueue(ctx, []byte(id), []byte(id), worker.JobID(id)); err != nil {
+		// The key picks the partition and orders the customer's jobs; the
+		// job ID makes retries safe.
+		if _, err := producer.Enqueue(ctx, []byte("customer-7"), []byte(id), worker.JobID(id)); err != nil {
 			panic(err)
 		}
 	}

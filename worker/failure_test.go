@@ -33,6 +33,7 @@ func TestPanicCountsAsFailedAttempt(t *testing.T) {
 		return j.Emit(ctx, j.Data)
 	}))
 	cfg.Observer = rec
+	cfg.Order = worker.OrderPartition // the runs' order is asserted
 	start(t, cfg)
 	rec.waitFor(t, 30*time.Second, "every job", func() bool { return rec.count(kind(worker.EventJobFinished)) == len(enq) })
 
@@ -284,6 +285,7 @@ func TestStaleEpochStopsThePartition(t *testing.T) {
 	cfg.Coordinator.RenewEvery = 250 * time.Millisecond
 	cfg.Coordinator.RequestTimeout = time.Second
 	cfg.Observer = rec
+	cfg.Order = worker.OrderPartition // the runs' order is asserted
 	start(t, cfg)
 	rec.waitFor(t, 30*time.Second, "the partition to resume and finish", func() bool {
 		return rec.count(kind(worker.EventPartitionStopped)) == 1 && rec.count(kind(worker.EventJobFinished)) >= 4

@@ -62,10 +62,12 @@ func TestMiddlewareOrderAndJobFromContext(t *testing.T) {
 	}
 }
 
-// MaxConcurrency bounds the handlers running at once across partitions.
+// MaxConcurrency bounds the handlers running at once beyond one per held
+// partition: each partition's first is its own, and every further one
+// takes a slot of the worker's pool.
 func TestMaxConcurrency(t *testing.T) {
 	e := newEnv(t, 4)
-	e.enqueue(t, 0, 40)
+	e.enqueue(t, 0, 200)
 	var running, peak atomic.Int64
 	rec := newRecorder()
 	cfg := e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
@@ -80,12 +82,52 @@ func TestMaxConcurrency(t *testing.T) {
 		running.Add(-1)
 		return nil
 	}))
+	cfg.PartitionConcurrency = 8
 	cfg.MaxConcurrency = 2
 	cfg.Observer = rec
 	start(t, cfg)
-	rec.waitFor(t, 30*time.Second, "every job", func() bool { return rec.count(kind(worker.EventJobFinished)) == 40 })
-	if p := peak.Load(); p > 2 {
-		t.Fatalf("%d handlers ran at once; the bound is 2", p)
+	rec.waitFor(t, 30*time.Second, "every job", func() bool { return rec.count(kind(worker.EventJobFinished)) == 200 })
+	if p := peak.Load(); p > 4+2 {
+		t.Fatalf("%d handlers ran at once; the bound is one per partition (4) and 2 more", p)
+	}
+}
+
+// A partition always may run one job, however many jobs of other
+// partitions hold the pool: here partition 0's jobs hang on to the one
+// pool slot and their own, and the other partitions still run every job.
+func TestEveryPartitionRunsWhenThePoolIsTaken(t *testing.T) {
+	e := newEnv(t, 4)
+	release := make(chan struct{})
+	var blocked atomic.Int64
+	rec := newRecorder()
+	cfg := e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
+		if j.Partition == 0 {
+			blocked.Add(1)
+			select {
+			case <-release:
+			case <-ctx.Done():
+			}
+		}
+		return nil
+	}))
+	cfg.PartitionConcurrency = 8
+	cfg.MaxConcurrency = 1
+	cfg.Observer = rec
+	start(t, cfg)
+	t.Cleanup(func() { close(release) }) // before the worker stops
+	enq := e.enqueue(t, 0, 200)
+	others := 0
+	for _, q := range enq {
+		if q.Partition != 0 {
+			others++
+		}
+	}
+	rec.waitFor(t, 30*time.Second, "every job of the other partitions", func() bool {
+		return rec.count(func(ev worker.Event) bool { return ev.Kind == worker.EventJobFinished && ev.Lease.Partition != 0 }) == others
+	})
+	rec.waitFor(t, 30*time.Second, "partition 0 to run two jobs", func() bool { return blocked.Load() == 2 })
+	if n := blocked.Load(); n > 2 {
+		t.Fatalf("partition 0 runs %d jobs at once: its own slot and the pool's one, at most", n)
 	}
 }
 

@@ -40,6 +40,7 @@ func TestJobConsumerDeletedUnderTheWorker(t *testing.T) {
 			cfg.Observer = rec
 			cfg.FetchWait = wait
 			cfg.FetchBatch = 10
+			cfg.Order = worker.OrderPartition // the runs' order is asserted
 			start(t, cfg)
 			rec.waitFor(t, 60*time.Second, "all jobs to run", func() bool { return runs.n.Load() >= total })
 			for i, r := range runs.all() {

@@ -13,8 +13,7 @@ import (
 	"github.com/leasehold/leasehold/telemetry"
 )
 
-// A partition runs one job at a time, and its lease is renewed whatever
-// the handler does: without a bound on handling, a handler stuck in a
+// A partition's lease is renewed whatever its handlers do: without a bound on handling, a handler stuck in a
 // deadlock or an endless call would hold its partition for good. So, as
 // Kafka's max.poll.interval.ms bounds the time between two polls, an
 // attempt is bounded by Config.HandleTimeout: past it the handler's
@@ -25,9 +24,12 @@ import (
 // that ran out of time — has hung: the worker logs it, counts it
 // (leasehold_jobs_hung_total), reports EventJobHung, refuses the job's
 // further emits, and gives the partition up: it stops renewing and
-// releases the lease, so that another worker can take the partition. What
-// the hung handler still writes carries an epoch the sinks then refuse.
-// Its goroutine cannot be stopped; the worker stops waiting for it.
+// releases the lease, so that another worker can take the partition: the
+// whole partition, with the jobs that ran beside the hung one, whose
+// handlers are cancelled (the lease's context ends) and which the next
+// holder runs again. What the hung handler still writes carries an epoch
+// the sinks then refuse. Its goroutine cannot be stopped; the worker stops
+// waiting for it.
 //
 // The failed attempt is remembered by the worker: should it take the
 // partition again, the job resumes its count of failures, so a job that
@@ -60,9 +62,10 @@ type watchdog struct {
 	hung    bool
 }
 
-// watch arms the watchdog of the attempt running job under ctx; st is the
-// job's state before the attempt.
-func (r *runner) watch(ctx context.Context, job *Job, st retryState, start time.Time) *watchdog {
+// watch arms the watchdog of the attempt of run j running job under ctx;
+// st is the job's state before the attempt. Should the handler hang, the
+// partition is given up and the runner told.
+func (r *runner) watch(ctx context.Context, j *jobRun, job *Job, st retryState, start time.Time) *watchdog {
 	d := &watchdog{}
 	d.stopCtx = context.AfterFunc(ctx, func() {
 		d.mu.Lock()
@@ -79,6 +82,7 @@ func (r *runner) watch(ctx context.Context, job *Job, st retryState, start time.
 			d.hung = true
 			d.mu.Unlock()
 			r.abandon(job, st, start, context.Cause(ctx))
+			r.tell(report{run: j, kind: reportHung, st: st})
 		})
 	})
 	return d
@@ -110,8 +114,8 @@ func attemptError(ctx context.Context, err error) error {
 	return fmt.Errorf("%w (the handler returned: %w)", cause, err)
 }
 
-// abandon gives the partition up after its handler hung. It runs on the
-// watchdog's goroutine while the runner's is stuck in the handler.
+// abandon gives the partition up after a handler hung. It runs on the
+// watchdog's goroutine while the job's is stuck in the handler.
 func (r *runner) abandon(job *Job, st retryState, start time.Time, cause error) {
 	r.abandonOnce.Do(func() { r.giveUp(job, st, start, cause) })
 }
@@ -127,7 +131,6 @@ func (r *runner) giveUp(job *Job, st retryState, start time.Time, cause error) {
 	r.event(ctx, Event{Kind: EventJobHung, Job: job, Seq: job.Seq, Attempt: st.runs, Duration: time.Since(start), Err: err})
 	_, _ = job.close() // its later emits are refused
 	r.cancel(err)
-	r.releaseSlot()
 	r.untrack()
 	close(r.abandoned)
 	// Release bounds its own requests; this bounds its retries.

@@ -50,12 +50,18 @@ func headerSize(h nats.Header) int {
 // finalRoom is what marking an effect of the job at seq as its attempt's
 // final adds to the headers the plain mark wrote, at the most: the count
 // of effects (up to leasehold.MaxJobEffects) and the job before it (below
-// seq). An effect is sized as the final it may become without writing
-// the final's headers only to take them off again.
-func finalRoom(seq uint64) int {
+// seq, or with several jobs in flight any job, and then the floor, below
+// seq). An effect is sized as the final it may become without writing the
+// final's headers only to take them off again.
+func (r *runner) finalRoom(seq uint64) int { return finalRoom(seq, r.policy.floored()) }
+
+func finalRoom(seq uint64, floored bool) int {
 	const line = len(": \r\n")
-	return len(leasehold.HeaderEffects) + line + decimalLen(leasehold.MaxJobEffects) +
-		len(leasehold.HeaderAfter) + line + decimalLen(seq-1)
+	room := len(leasehold.HeaderEffects) + line + decimalLen(leasehold.MaxJobEffects) + len(leasehold.HeaderAfter) + line
+	if !floored {
+		return room + decimalLen(seq-1)
+	}
+	return room + decimalLen(1<<63) + len(leasehold.HeaderFloor) + line + decimalLen(seq-1)
 }
 
 // decimalLen is the number of decimal digits of n.

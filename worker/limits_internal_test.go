@@ -11,16 +11,23 @@ import (
 )
 
 // An effect is sized before it is marked final: finalRoom must be exactly
-// what the largest final mark adds.
+// what the largest final mark adds, with a floor and an After naming any
+// job when several jobs are in flight.
 func TestFinalRoomIsWhatTheFinalMarkAdds(t *testing.T) {
 	for _, seq := range []uint64{1, 2, 9, 10, 11, 99, 100, 101, 123456789, math.MaxUint64} {
 		for _, attempt := range []uint64{1, 10, leasehold.MaxAttempt} {
-			h := nats.Header{leasehold.HeaderKey: {"k"}}
-			leasehold.JobMark{Job: seq, Attempt: attempt}.SetHeader(h)
-			plain := headerSize(h)
-			leasehold.JobMark{Job: seq, Attempt: attempt, Effects: leasehold.MaxJobEffects, After: seq - 1}.SetHeader(h)
-			if got, want := plain+finalRoom(seq), headerSize(h); got != want {
-				t.Errorf("job %d attempt %d: plain mark %d + finalRoom %d = %d bytes, the final's headers are %d", seq, attempt, plain, finalRoom(seq), got, want)
+			for _, floored := range []bool{false, true} {
+				h := nats.Header{leasehold.HeaderKey: {"k"}}
+				leasehold.JobMark{Job: seq, Attempt: attempt}.SetHeader(h)
+				plain := headerSize(h)
+				final := leasehold.JobMark{Job: seq, Attempt: attempt, Effects: leasehold.MaxJobEffects, After: seq - 1}
+				if floored {
+					final.After, final.Floor, final.Floored = 1<<63, seq-1, true
+				}
+				final.SetHeader(h)
+				if got, want := plain+finalRoom(seq, floored), headerSize(h); got != want {
+					t.Errorf("job %d attempt %d floored %v: plain mark %d + finalRoom %d = %d bytes, the final's headers are %d", seq, attempt, floored, plain, finalRoom(seq, floored), got, want)
+				}
 			}
 		}
 	}

@@ -6,6 +6,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -125,16 +126,26 @@ func (e *env) tryEnqueue(from, count int) ([]worker.Enqueued, error) {
 
 func (e *env) config(name string, h worker.Handler) worker.Config {
 	return worker.Config{
-		JetStream:   e.js,
-		Prefix:      e.prefix,
-		Partitions:  e.n,
-		Handler:     h,
-		Bucket:      e.bucket,
-		Coordinator: coordinator.Config{Worker: name, TTL: 2 * time.Second, RebalanceDelay: 100 * time.Millisecond},
-		Backoff:     func(int) time.Duration { return 10 * time.Millisecond },
-		Logger:      testLogger().With("test", name),
+		JetStream:            e.js,
+		Prefix:               e.prefix,
+		Partitions:           e.n,
+		Handler:              h,
+		Bucket:               e.bucket,
+		Coordinator:          coordinator.Config{Worker: name, TTL: 2 * time.Second, RebalanceDelay: 100 * time.Millisecond},
+		Backoff:              func(int) time.Duration { return 10 * time.Millisecond },
+		Logger:               testLogger().With("test", name),
+		PartitionConcurrency: testPartitionConcurrency,
 	}
 }
+
+// testPartitionConcurrency is the workers' PartitionConcurrency, unless a
+// test sets its own: the default (0), or LEASEHOLD_TEST_PARTITION_CONCURRENCY
+// (1 runs every test with one job of a partition at a time, as leasehold did
+// before).
+var testPartitionConcurrency = func() int {
+	n, _ := strconv.Atoi(os.Getenv("LEASEHOLD_TEST_PARTITION_CONCURRENCY"))
+	return n
+}()
 
 // running is a worker whose Run runs in a goroutine until the test ends.
 type running struct {

@@ -59,10 +59,14 @@ func (k EventKind) String() string {
 // Event describes one thing that happened in a worker. Fields that do not
 // apply to the kind are zero.
 type Event struct {
-	Kind    EventKind
-	Lease   leasehold.Lease // the partition's lease
-	Job     *Job            // job and effect events
-	Seq     uint64          // the job's sequence; for partition and commit events, the progress
+	Kind  EventKind
+	Lease leasehold.Lease // the partition's lease
+	Job   *Job            // job and effect events
+	Seq   uint64          // the job's sequence; for partition and commit events, the progress
+	// Done is, for ProgressCommitted, the jobs committed as done beyond
+	// Seq, ascending: a partition that runs several jobs at once finishes
+	// them out of order.
+	Done    []uint64
 	Attempt int
 	// WireAttempt is, for job events, the attempt's number on the wire
 	// (the Leasehold-Attempt header of its effects), which rises with

@@ -102,15 +102,21 @@ func (j *Job) hold(msg *nats.Msg) (*nats.Msg, error) {
 // effect marked as the attempt's final, and returns the publishes to wait
 // for. after holds, per subject, the last job of this lease that completed
 // with effects there; finish records j in it and remembers what it
-// replaced, for a rewind to restore.
-func (j *Job) finish(ctx context.Context, after map[string]uint64) ([]jetstream.PubAckFuture, []afterUndo, error) {
+// replaced, for a rewind to restore. A runner with several jobs in flight
+// marks each final with its watermark floor (leasehold.HeaderFloor). The
+// runner's goroutine alone calls it.
+func (j *Job) finish(ctx context.Context, after map[string]uint64, floored bool, floor uint64) ([]jetstream.PubAckFuture, []afterUndo, error) {
 	var undo []afterUndo
 	// The attempt is closed: no subject is added while this runs.
 	for i := range j.outs {
 		o := &j.outs[i]
 		subject, msg := o.subject, o.held
 		o.held = nil
-		leasehold.JobMark{Job: j.Seq, Attempt: j.wire, Effects: o.count, After: after[subject]}.SetHeader(msg.Header)
+		mark := leasehold.JobMark{Job: j.Seq, Attempt: j.wire, Effects: o.count, After: after[subject]}
+		if floored {
+			mark.Floor, mark.Floored = floor, true
+		}
+		mark.SetHeader(msg.Header)
 		if err := j.send(ctx, msg); err != nil {
 			j.fail(err)
 			return nil, undo, err
@@ -177,17 +183,22 @@ func (r *runner) abort(job *Job, subjects []string) {
 	}
 }
 
-// unwind forgets, on a rewind, what the jobs of the window did to the
-// runner's after map. Their attempts need no abort marker: each is run
-// again under a higher attempt number, which supersedes it at the sinks,
-// and should the lease end first, the successor's barrier does.
+// unwind forgets, on a rewind, what the finals of the jobs in the window
+// (completed, not done) did to the runner's after map, in the reverse of
+// the order they were sent, and empties the window. Their attempts need no
+// abort marker: each is run again under a higher attempt number, which
+// supersedes it at the sinks, and should the lease end first, the
+// successor's barrier does. The finals of jobs done above the watermark
+// stay: those jobs are not run again.
 func (r *runner) unwind() {
 	for i := len(r.window) - 1; i >= 0; i-- {
-		e := &r.window[i]
-		for k := len(e.undo) - 1; k >= 0; k-- {
-			r.after[e.undo[k].subject] = e.undo[k].prev
+		j := r.window[i]
+		for k := len(j.undo) - 1; k >= 0; k-- {
+			r.after[j.undo[k].subject] = j.undo[k].prev
 		}
+		r.window[i] = nil
 	}
+	r.window = nil
 }
 
 // isJobHeader reports whether name is one of the job headers, which the

@@ -45,6 +45,7 @@ func TestJobEffectsOnTheWire(t *testing.T) {
 	})
 	cfg := e.config("w", h)
 	cfg.Observer = rec
+	cfg.Order = worker.OrderPartition // the wire of a runner that runs one job at a time
 	start(t, cfg)
 	enq := e.enqueue(t, 0, 4)
 	rec.waitFor(t, time.Minute, "every job", func() bool { return rec.count(kind(worker.EventJobFinished)) == 4 })
@@ -107,6 +108,7 @@ func TestRewindKeepsTheChainOfFinals(t *testing.T) {
 	}))
 	cfg.Observer = rec
 	cfg.MaxAttempts = 1_000_000
+	cfg.Order = worker.OrderPartition // the chain of a runner that runs one job at a time
 	start(t, cfg)
 	enq := e.enqueue(t, 0, 3)
 	rec.waitFor(t, 30*time.Second, "a refused publish, run again", func() bool {

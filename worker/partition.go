@@ -1,11 +1,11 @@
 package worker
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -15,7 +15,6 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
-	"github.com/leasehold/leasehold/telemetry"
 )
 
 // runner handles one partition under one lease: it writes the barriers,
@@ -53,18 +52,46 @@ type runner struct {
 	drainOnce sync.Once
 
 	// Owned by the runner's goroutine.
-	committed  uint64 // progress committed through the lease
-	finished   uint64 // every job up to here is done: handled, effects acknowledged
-	handled    uint64 // the last job handled (its effects may be outstanding)
-	window     []inflight
+	policy        policy   // the order it keeps and how many jobs run at once
+	span          int      // jobs tracked from the watermark at most (Config.span)
+	committed     uint64   // progress committed through the lease
+	committedDone []uint64 // the done set committed with it
+	// watermark: every job up to here is done (progress.go); doneSet:
+	// the jobs done above it, ascending.
+	watermark  uint64
+	doneSet    []uint64
+	fetched    uint64    // the furthest job read this round
+	track      []*jobRun // the jobs read from the watermark on, in stream order
+	window     []*jobRun // completed jobs not done yet, in completion order
+	lanes      *lanes    // jobs waiting to start (lanes.go)
+	live       int       // jobs whose goroutine runs
+	badKeys    int       // jobs read whose order key did not parse
+	ownBusy    bool      // the partition's own slot is taken
+	spare      int       // pool slots handed over and not taken up yet
 	retries    map[uint64]retryState
 	lastCommit time.Time
 	fetch      *fetcher
-	pending    uint64 // jobs after the last one handled, as the consumer saw them
-	attempts   uint64 // attempts run under the lease: the next one's number on the wire
+	pending    uint64 // jobs after the last one read, as the consumer saw them
+	// halt is closed when the round stops taking jobs, and stopping says
+	// why (0 while it takes them).
+	halt     chan struct{}
+	stopping outcome
+	// rewindAt is the job whose effect failed, and why, for a rewind.
+	rewindAt struct {
+		seq uint64
+		err error
+	}
 	// after is, per subject, the last job of this lease that completed
 	// with effects there: its next job's final names it (output.go).
 	after map[string]uint64
+
+	// Shared with the jobs' goroutines.
+	reports chan report   // their reports
+	gone    chan struct{} // closed when run returns
+	wake    chan struct{} // a pool slot handed over (slots.go)
+	// wire numbers the attempts run under the lease: an attempt's number
+	// on the wire.
+	wire atomic.Uint64
 
 	// Read by the stall watch while the runner's goroutine works.
 	progressAt   atomic.Int64  // unix nanoseconds of the last progress, or of being caught up
@@ -112,8 +139,13 @@ func newRunner(w *Worker, l *coordinator.Lease, prev *runner) *runner {
 		prev:     prev,
 		done:     make(chan struct{}),
 		draining: make(chan struct{}),
+		policy:   w.cfg.partitionPolicy(),
+		span:     w.cfg.span(),
 		retries:  map[uint64]retryState{},
 		after:    map[string]uint64{},
+		reports:  make(chan report),
+		gone:     make(chan struct{}),
+		wake:     make(chan struct{}, 1),
 	}
 	r.spans = newSpans(r)
 	r.abandoned = make(chan struct{})
@@ -158,6 +190,8 @@ func (r *runner) drainContext() (context.Context, time.Time) {
 
 func (r *runner) run() {
 	defer close(r.done)
+	defer close(r.gone)
+	defer r.w.pool.leave(r.wake)
 	defer r.cancel(errRunnerDone)
 	if r.prev != nil {
 		// The previous lease on this partition is gone; its runner only
@@ -177,9 +211,10 @@ func (r *runner) run() {
 		}
 	})
 	defer stop()
-	r.committed = r.lease.Progress()
+	c := r.lease.Committed()
+	r.committed, r.committedDone = c.Seq, c.Done
 	r.committedSeq.Store(r.committed)
-	r.finished, r.handled = r.committed, r.committed
+	r.watermark, r.doneSet = c.Seq, slices.Clone(c.Done)
 	if h, ok := r.w.recallHang(r.p, r.committed); ok {
 		// The job hung here before: its failures count on.
 		r.retries[h.seq] = retryState{runs: h.failures, failures: h.failures, err: h.err, dead: h.failures >= r.w.cfg.MaxAttempts}
@@ -196,13 +231,15 @@ func (r *runner) run() {
 		r.end(out)
 		return
 	}
-	r.event(r.ctx, Event{Kind: EventPartitionReady, Seq: r.committed})
-	r.log.Debug("partition ready", "progress", r.committed)
+	r.event(r.ctx, Event{Kind: EventPartitionReady, Seq: r.committed, Done: r.committedDone})
+	r.log.Debug("partition ready", "progress", r.committed, "done", len(r.committedDone))
 	for {
 		out := r.consume()
 		switch out {
 		case outRewind:
-			continue
+			if out = r.rewind(r.rewindAt.seq, r.rewindAt.err); out == outRewind {
+				continue
+			}
 		case outStale:
 			if out = r.stopped(); out == outRewind {
 				continue
@@ -213,47 +250,10 @@ func (r *runner) run() {
 	}
 }
 
-// consume handles jobs from the first one not done until the runner must
-// stop or read again.
-func (r *runner) consume() outcome {
-	r.fetch = r.startFetch(r.finished + 1)
-	defer func() {
-		r.fetch.stop()
-		r.fetch = nil
-	}()
-	r.handled = r.finished
-	tick := time.NewTicker(r.w.cfg.CommitEvery)
-	defer tick.Stop()
-	for {
-		select {
-		case <-r.ctx.Done():
-			return outLost
-		case <-r.draining:
-			return outDrain
-		default:
-		}
-		select {
-		case <-r.ctx.Done():
-			return outLost
-		case <-r.draining:
-			return outDrain
-		case <-tick.C:
-			r.w.tel.Metrics.SetLag(r.info.Holder, r.p, r.pending)
-			if out := r.progress(); out != 0 {
-				return out
-			}
-		case m := <-r.fetch.out:
-			if out := r.handle(m); out != 0 {
-				return out
-			}
-		}
-	}
-}
-
 // progress reaps acknowledged effects and commits when it is time.
 func (r *runner) progress() outcome {
 	if seq, err := r.reap(r.ctx, false); err != nil {
-		return r.rewind(seq, err)
+		return r.failed(seq, err)
 	}
 	if time.Since(r.lastCommit) >= r.w.cfg.CommitEvery {
 		if err := r.commit(r.ctx); errors.Is(err, leasehold.ErrLeaseLost) {
@@ -263,137 +263,14 @@ func (r *runner) progress() outcome {
 	return 0
 }
 
-// handle runs one job; a zero outcome means: carry on.
-func (r *runner) handle(m jetstream.Msg) outcome {
-	md, err := m.Metadata()
-	if err != nil {
-		r.log.Error("job without JetStream metadata; skipping it", "subject", m.Subject(), "err", err)
-		return 0
+// failed notes the job whose effect failed, for the rewind once the round
+// has stopped.
+func (r *runner) failed(seq uint64, err error) outcome {
+	if r.ctx.Err() != nil {
+		return outLost
 	}
-	seq := md.Sequence.Stream
-	if seq <= r.handled {
-		return 0
-	}
-	r.pending = md.NumPending
-	futs, done, out := r.runJob(m, md)
-	if out != 0 {
-		return out
-	}
-	r.handled = seq
-	if len(futs) == 0 && len(r.window) == 0 {
-		r.finished = seq
-		if len(r.retries) > 0 {
-			delete(r.retries, seq)
-		}
-	} else {
-		r.window = append(r.window, inflight{seq: seq, runs: done.runs, futs: futs, sent: time.Now(), undo: done.undo})
-	}
-	if seq, err := r.reap(r.ctx, len(r.window) >= r.w.cfg.MaxInFlight); err != nil {
-		if r.ctx.Err() != nil {
-			return outLost
-		}
-		return r.rewind(seq, err)
-	}
-	return r.progress()
-}
-
-// completed is how a job's last attempt ended, for the window.
-type completed struct {
-	runs int         // attempts run
-	undo []afterUndo // what its finals changed in the after map
-}
-
-// runJob runs the attempts of one job until it succeeds or is
-// dead-lettered, and returns the publishes to wait for and how it ended.
-func (r *runner) runJob(m jetstream.Msg, md *jetstream.MsgMetadata) ([]jetstream.PubAckFuture, completed, outcome) {
-	seq := md.Sequence.Stream
-	st := r.retries[seq]
-	for !st.dead {
-		if out := r.acquireSlot(); out != 0 {
-			return nil, completed{}, out
-		}
-		st.runs++
-		r.attempts++
-		job := r.newJob(m, md, st.runs)
-		job.wire = r.attempts
-		ctx := context.WithValue(r.ctx, jobKey{}, job)
-		ctx = r.w.tel.Propagator.Extract(ctx, telemetry.HeaderCarrier(job.Header))
-		ctx, span := r.startProcess(ctx, job)
-		ctx, cancel := context.WithTimeoutCause(ctx, r.w.cfg.HandleTimeout, ErrHandleTimeout)
-		r.event(ctx, Event{Kind: EventJobStarted, Job: job, Seq: seq, Attempt: st.runs})
-		start := time.Now()
-		dog := r.watch(ctx, job, st, start)
-		// An unreadable origin, or a roll-up that purged jobs before it:
-		// whatever the handler, say so.
-		err := beforeHandle(job)
-		if err == nil {
-			err = call(ctx, r.w.handler, job)
-		}
-		took := time.Since(start)
-		hung := dog.done()
-		err = attemptError(ctx, err)
-		cancel()
-		if hung {
-			// Given up on: the partition is released, and the slot.
-			r.measure(ctx, span, took, err)
-			return nil, completed{}, outLost
-		}
-		r.releaseSlot()
-		futs, effErr := job.close()
-		if r.ctx.Err() != nil {
-			// The lease is gone (or the drain ran out of time): the job is
-			// not done, whatever the handler returned, and its held
-			// effects never leave.
-			r.measure(ctx, span, took, cmp.Or(err, effErr))
-			return nil, completed{}, outLost
-		}
-		if err == nil {
-			err = effErr
-		}
-		var undo []afterUndo
-		if err == nil {
-			futs, undo, err = job.finish(ctx, r.after)
-		}
-		r.measure(ctx, span, took, err)
-		if err == nil {
-			// The job's failure count stays until its effects are
-			// acknowledged: an effect can still fail it.
-			r.event(ctx, Event{Kind: EventJobFinished, Job: job, Seq: seq, Attempt: st.runs, Duration: took})
-			return futs, completed{runs: st.runs, undo: undo}, 0
-		}
-		for i := len(undo) - 1; i >= 0; i-- {
-			r.after[undo[i].subject] = undo[i].prev
-		}
-		r.abort(job, job.sentSubjects())
-		if errors.Is(err, leasehold.ErrStaleEpoch) || errors.Is(err, leasehold.ErrLeaseLost) {
-			r.event(ctx, Event{Kind: EventJobFailed, Job: job, Seq: seq, Attempt: st.runs, Err: err, Duration: took})
-			r.log.Error("a sink refused this worker's epoch: another worker has taken the partition over; stopping it", "seq", seq, "err", err)
-			return nil, completed{}, outStale
-		}
-		if r.counts(&st, err) {
-			st.failures++
-		}
-		st.err = err
-		st.dead = IsPermanent(err) || st.failures >= r.w.cfg.MaxAttempts
-		var wait time.Duration
-		if !st.dead {
-			wait = r.w.cfg.Backoff(st.runs)
-		}
-		r.retries[seq] = st
-		r.event(ctx, Event{Kind: EventJobFailed, Job: job, Seq: seq, Attempt: st.runs, Err: err, Duration: took, Backoff: wait})
-		if !st.dead {
-			r.log.Warn("job failed; retrying", "seq", seq, "attempt", st.runs, "backoff", wait, "err", err)
-			if out := r.sleep(wait); out != 0 {
-				return nil, completed{}, out
-			}
-		}
-	}
-	if st.dlqNonce == "" {
-		st.dlqNonce = newNonce()
-		r.retries[seq] = st
-	}
-	futs, out := r.deadLetter(m, md, st)
-	return futs, completed{runs: st.runs}, out
+	r.rewindAt.seq, r.rewindAt.err = seq, err
+	return outRewind
 }
 
 // measure records one attempt's outcome on its span, which it ends, and in
@@ -431,28 +308,9 @@ func (r *runner) newJob(m jetstream.Msg, md *jetstream.MsgMetadata, attempt int)
 	}
 }
 
-func (r *runner) acquireSlot() outcome {
-	if r.w.sem == nil {
-		return 0
-	}
-	select {
-	case r.w.sem <- struct{}{}:
-		return 0
-	case <-r.ctx.Done():
-		return outLost
-	case <-r.draining:
-		return outDrain
-	}
-}
-
-func (r *runner) releaseSlot() {
-	if r.w.sem != nil {
-		<-r.w.sem
-	}
-}
-
-// sleep waits d, unless the runner must stop first.
-func (r *runner) sleep(d time.Duration) outcome {
+// sleep waits d, unless the runner must stop first, or halt (nil: never)
+// is closed.
+func (r *runner) sleep(d time.Duration, halt <-chan struct{}) outcome {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
@@ -462,6 +320,8 @@ func (r *runner) sleep(d time.Duration) outcome {
 		return outLost
 	case <-r.draining:
 		return outDrain
+	case <-halt:
+		return outStale
 	}
 }
 
@@ -469,9 +329,8 @@ func (r *runner) sleep(d time.Duration) outcome {
 // end. Should it outlive two TTLs (the refusal came from something other
 // than a successor), the partition is read again from its progress.
 func (r *runner) stopped() outcome {
-	r.event(r.ctx, Event{Kind: EventPartitionStopped, Seq: r.handled})
+	r.event(r.ctx, Event{Kind: EventPartitionStopped, Seq: r.watermark})
 	r.unwind()
-	r.window = nil
 	t := time.NewTimer(2 * r.w.ttl)
 	defer t.Stop()
 	select {
@@ -482,7 +341,9 @@ func (r *runner) stopped() outcome {
 	case <-t.C:
 	}
 	r.log.Warn("partition refused as stale but its lease is still held; reading it again from its progress", "progress", r.committed)
-	r.finished = r.committed
+	// A sink may have refused effects of jobs finished since the last
+	// commit: they run again.
+	r.watermark, r.doneSet = r.committed, slices.Clone(r.committedDone)
 	clear(r.retries)
 	return outRewind
 }

@@ -150,6 +150,21 @@ type enqueueOpts struct {
 	key    []byte    // the typed Enqueue's partition key
 	codec  Codec     // the typed Enqueue's codec
 	at     time.Time // a delayed job's due time (EnqueueAt, EnqueueIn)
+	// order is the job's leasehold.HeaderOrderKey: the digest of the key
+	// Enqueue partitioned it by; "" for EnqueueTo's jobs.
+	order string
+}
+
+// WithOrderKey gives the job the order key of key (see
+// leasehold.HeaderOrderKey): where a partition runs several jobs at once,
+// the jobs of one order key run one after another, in the order they were
+// stored. Enqueue gives every job the order key of its partition key; this
+// is for EnqueueTo, whose jobs otherwise have none, and for an Enqueue
+// that orders its jobs by another key than the one that picks their
+// partition (jobs of one order key on different partitions are not kept
+// in order with each other).
+func WithOrderKey(key []byte) EnqueueOption {
+	return func(o *enqueueOpts) { o.order = leasehold.OrderKey(key) }
 }
 
 // enqueueOptions applies opts, giving the job a random ID unless one is
@@ -177,12 +192,18 @@ func JobID(id string) EnqueueOption { return func(o *enqueueOpts) { o.id = id } 
 func WithHeader(h nats.Header) EnqueueOption { return func(o *enqueueOpts) { o.header = h } }
 
 // Enqueue stores a job on the partition its key hashes to (Kafka's key
-// partitioner: leasehold.PartitionFor) and waits for the stream's ack.
+// partitioner: leasehold.PartitionFor) and waits for the stream's ack. The
+// job carries the key's digest (leasehold.HeaderOrderKey): the jobs of one
+// key run one after another, in the order they were stored, even where a
+// partition runs several jobs at once.
 func (p *Producer) Enqueue(ctx context.Context, key, data []byte, opts ...EnqueueOption) (Enqueued, error) {
-	return p.EnqueueTo(ctx, leasehold.PartitionFor(key, p.cfg.Partitions), data, opts...)
+	return p.EnqueueTo(ctx, leasehold.PartitionFor(key, p.cfg.Partitions), data, append([]EnqueueOption{WithOrderKey(key)}, opts...)...)
 }
 
 // EnqueueTo stores a job on partition part and waits for the stream's ack.
+// Without WithOrderKey the job has no order key: it is ordered by
+// partition, waiting for every job stored before it on part, and no job
+// stored after it starts before it.
 func (p *Producer) EnqueueTo(ctx context.Context, part leasehold.Partition, data []byte, opts ...EnqueueOption) (e Enqueued, err error) {
 	o := enqueueOptions(opts)
 	ctx, span := p.startSend(ctx, part, o.id)
@@ -270,6 +291,9 @@ func (p *Producer) message(ctx context.Context, part leasehold.Partition, data [
 	}
 	p.tel.Propagator.Inject(ctx, telemetry.HeaderCarrier(msg.Header))
 	msg.Header[jetstream.MsgIDHeader] = []string{o.id}
+	if o.order != "" {
+		msg.Header[leasehold.HeaderOrderKey] = []string{o.order}
+	}
 	if o.kind != "" {
 		for k := range msg.Header {
 			if strings.EqualFold(k, HeaderKind) {
@@ -383,13 +407,15 @@ type pendingJob struct {
 // Batch starts a batch of asynchronous enqueues.
 func (p *Producer) Batch() *Batch { return &Batch{p: p} }
 
-// Enqueue sends a job to the partition its key hashes to.
+// Enqueue sends a job to the partition its key hashes to, carrying the
+// key's order key, as Producer.Enqueue does.
 func (b *Batch) Enqueue(ctx context.Context, key, data []byte, opts ...EnqueueOption) error {
-	return b.EnqueueTo(ctx, leasehold.PartitionFor(key, b.p.cfg.Partitions), data, opts...)
+	return b.EnqueueTo(ctx, leasehold.PartitionFor(key, b.p.cfg.Partitions), data, append([]EnqueueOption{WithOrderKey(key)}, opts...)...)
 }
 
-// EnqueueTo sends a job to partition part. An error means the job could not
-// be sent and is not part of the batch.
+// EnqueueTo sends a job to partition part, with no order key unless
+// WithOrderKey gives it one (see Producer.EnqueueTo). An error means the
+// job could not be sent and is not part of the batch.
 func (b *Batch) EnqueueTo(ctx context.Context, part leasehold.Partition, data []byte, opts ...EnqueueOption) error {
 	// The span covers the send; Wait collects the ack.
 	o := enqueueOptions(opts)

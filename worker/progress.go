@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -11,65 +12,177 @@ import (
 	"github.com/leasehold/leasehold"
 )
 
-// A partition's progress moves in two steps. A job is handled when its
-// handler returned and its effects were sent; it is finished when every
-// one of those effects (or its dead letter) is acknowledged, and only
-// finished jobs are committed. Handled jobs wait in a window, in order,
-// so the next job need not wait for the previous job's acknowledgements;
-// an effect that fails sends the partition back to its job.
+// A partition's progress moves in steps. A job is completed when its
+// handler returned and the runner sent its finals (or its dead letter is
+// stored); it is finished when every one of its effects (or its dead
+// letter) is acknowledged. Completed jobs wait in a window, in the order
+// the runner completed them, so the next job need not wait for the
+// previous job's acknowledgements, and an effect that fails sends the
+// partition back to its job.
+//
+// A job is done once it and every job completed before it in this lease
+// are finished: done follows completion order, not stream order. A final
+// names in leasehold.HeaderAfter the job that completed before it on its
+// subject, whatever its key, so a sink applies it only after that one; a
+// job committed while one completed before it was lost would be re-run
+// by a successor in its own lease, and the sink could never apply the
+// later one. The watermark is the highest sequence up to which every job
+// is done, and the done set holds the jobs done above it: progress commits
+// both (coordinator.Lease.Commit), and a successor resumes after the
+// watermark, skipping the done set.
 
-// inflight is a handled job whose effects are not all acknowledged.
-type inflight struct {
+// jobRun is a job the runner fetched, from then until the watermark passes
+// it.
+type jobRun struct {
 	seq   uint64
+	m     jetstream.Msg
+	md    *jetstream.MsgMetadata
+	lane  laneKey
+	phase jobPhase
+	slot  slotKind // what it runs in, while it runs
+
+	// Once completed, for the window.
 	runs  int // attempts run, for a re-run after a failed effect
 	futs  []jetstream.PubAckFuture
 	acked int // futs[:acked] are acknowledged
 	sent  time.Time
-
-	// For a rewind: what it changed in the runner's after map (see
-	// output.go).
+	// What its finals changed in the runner's after map (see output.go),
+	// for a rewind.
 	undo []afterUndo
 }
 
-// reap moves the finished mark past jobs whose effects are all
-// acknowledged. With block, it waits until the oldest outstanding job is
-// settled. It returns the first job with a failed effect.
+type jobPhase uint8
+
+const (
+	phaseQueued    jobPhase = iota // waiting in its lane
+	phaseRunning                   // its attempts run in a goroutine of their own
+	phaseCompleted                 // in the window: its effects are awaited
+	phaseDone                      // finished, and so is every job completed before it
+)
+
+type slotKind uint8
+
+const (
+	slotNone slotKind = iota
+	slotOwn           // the partition's own slot
+	slotPool          // a slot of the worker's pool
+)
+
+// complete puts j, whose finals were sent (or whose dead letter is stored),
+// in the window.
+func (r *runner) complete(j *jobRun, runs int, futs []jetstream.PubAckFuture, undo []afterUndo) {
+	j.phase, j.runs, j.futs, j.acked, j.sent, j.undo = phaseCompleted, runs, futs, 0, time.Now(), undo
+	j.m, j.md = nil, nil
+	r.window = append(r.window, j)
+}
+
+// reap marks done the jobs at the head of the window whose effects are all
+// acknowledged, and moves the watermark. With block, it waits until the
+// oldest outstanding job is settled. It returns the first job with a
+// failed effect.
 func (r *runner) reap(ctx context.Context, block bool) (uint64, error) {
+	defer r.advance()
 	for len(r.window) > 0 {
-		e := &r.window[0]
-		for e.acked < len(e.futs) {
-			err, settled := r.await(ctx, e, block)
+		j := r.window[0]
+		for j.acked < len(j.futs) {
+			err, settled := r.await(ctx, j, block)
 			if !settled {
 				return 0, nil
 			}
 			if err != nil {
-				return e.seq, err
+				return j.seq, err
 			}
-			e.acked++
+			j.acked++
 		}
-		r.finished = e.seq
-		if len(r.retries) > 0 {
-			delete(r.retries, e.seq)
-		}
-		r.window[0] = inflight{}
+		r.markDone(j)
+		r.window[0] = nil
 		r.window = r.window[1:]
 		block = false
 	}
 	return 0, nil
 }
 
-// await checks the next unacknowledged publish of e; with block it waits
+// acked handles the outcome of the window head's next publish, received
+// by the runner's loop: one of ack and err is set.
+func (r *runner) acked(ack *jetstream.PubAck, err error) (uint64, error) {
+	j := r.window[0]
+	fut := j.futs[j.acked]
+	if err != nil {
+		return j.seq, effectError(fut, err)
+	}
+	if err := r.stored(r.ctx, fut, ack); err != nil {
+		return j.seq, err
+	}
+	j.acked++
+	return r.reap(r.ctx, false)
+}
+
+// head is what the runner's loop waits on for the window's head: its next
+// publish's outcome, or nil channels.
+func (r *runner) head() (<-chan *jetstream.PubAck, <-chan error) {
+	if len(r.window) == 0 {
+		return nil, nil
+	}
+	j := r.window[0]
+	if j.acked >= len(j.futs) {
+		return nil, nil
+	}
+	return j.futs[j.acked].Ok(), j.futs[j.acked].Err()
+}
+
+// markDone marks j done: it joins the done set until the watermark passes it.
+func (r *runner) markDone(j *jobRun) {
+	j.phase, j.futs, j.undo = phaseDone, nil, nil
+	if len(r.retries) > 0 {
+		delete(r.retries, j.seq)
+	}
+	if i, found := slices.BinarySearch(r.doneSet, j.seq); !found {
+		r.doneSet = slices.Insert(r.doneSet, i, j.seq)
+	}
+}
+
+// advance moves the watermark over the done jobs at the head of the
+// tracked ones, and drops them from the done set.
+func (r *runner) advance() {
+	n := 0
+	for n < len(r.track) && r.track[n].phase == phaseDone {
+		r.watermark = r.track[n].seq
+		r.track[n] = nil
+		n++
+	}
+	if n == 0 {
+		return
+	}
+	r.track = r.track[n:]
+	i, found := slices.BinarySearch(r.doneSet, r.watermark)
+	if found {
+		i++
+	}
+	r.doneSet = r.doneSet[i:]
+}
+
+// isDone reports whether the job at seq is done: at or below the
+// watermark, or in the done set.
+func (r *runner) isDone(seq uint64) bool {
+	if seq <= r.watermark {
+		return true
+	}
+	_, found := slices.BinarySearch(r.doneSet, seq)
+	return found
+}
+
+// await checks the next unacknowledged publish of j; with block it waits
 // for it, at most until the effect timeout.
-func (r *runner) await(ctx context.Context, e *inflight, block bool) (error, bool) {
-	fut := e.futs[e.acked]
+func (r *runner) await(ctx context.Context, j *jobRun, block bool) (error, bool) {
+	fut := j.futs[j.acked]
 	select {
 	case ack := <-fut.Ok():
 		return r.stored(ctx, fut, ack), true
 	case err := <-fut.Err():
-		return &EffectError{Subject: fut.Msg().Subject, Key: fut.Msg().Header.Get(jetstream.MsgIDHeader), Err: err}, true
+		return effectError(fut, err), true
 	default:
 	}
-	left := r.w.cfg.EffectTimeout - time.Since(e.sent)
+	left := r.w.cfg.EffectTimeout - time.Since(j.sent)
 	if left > 0 && !block {
 		return nil, false
 	}
@@ -80,14 +193,17 @@ func (r *runner) await(ctx context.Context, e *inflight, block bool) (error, boo
 		case ack := <-fut.Ok():
 			return r.stored(ctx, fut, ack), true
 		case err := <-fut.Err():
-			return &EffectError{Subject: fut.Msg().Subject, Key: fut.Msg().Header.Get(jetstream.MsgIDHeader), Err: err}, true
+			return effectError(fut, err), true
 		case <-ctx.Done():
 			return context.Cause(ctx), true
 		case <-t.C:
 		}
 	}
-	return &EffectError{Subject: fut.Msg().Subject, Key: fut.Msg().Header.Get(jetstream.MsgIDHeader),
-		Err: fmt.Errorf("no acknowledgement within %v: %w", r.w.cfg.EffectTimeout, jetstream.ErrAsyncPublishTimeout)}, true
+	return effectError(fut, fmt.Errorf("no acknowledgement within %v: %w", r.w.cfg.EffectTimeout, jetstream.ErrAsyncPublishTimeout)), true
+}
+
+func effectError(fut jetstream.PubAckFuture, err error) error {
+	return &EffectError{Subject: fut.Msg().Subject, Key: fut.Msg().Header.Get(jetstream.MsgIDHeader), Err: err}
 }
 
 // stored confirms an acknowledged effect (see confirm.go); one that is
@@ -100,14 +216,15 @@ func (r *runner) stored(ctx context.Context, fut jetstream.PubAckFuture, ack *je
 	return err
 }
 
-// rewind handles a failed effect of job seq: every job from seq on is read
-// and run again (their effects keep their idempotency keys, so what was
-// stored is not stored twice).
+// rewind handles a failed effect of job seq, once the jobs that were
+// running have returned: every job above the watermark that is not done is
+// read and run again, in stream order per lane, under higher attempt
+// numbers (their effects keep their idempotency keys, so what was stored
+// is not stored twice).
 func (r *runner) rewind(seq uint64, err error) outcome {
-	r.fetch.stop()
 	st := r.retries[seq]
-	if len(r.window) > 0 && r.window[0].seq == seq {
-		st.runs = max(st.runs, r.window[0].runs)
+	if i := slices.IndexFunc(r.window, func(j *jobRun) bool { return j.seq == seq }); i >= 0 {
+		st.runs = max(st.runs, r.window[i].runs)
 	}
 	if r.counts(&st, err) {
 		st.failures++
@@ -116,16 +233,16 @@ func (r *runner) rewind(seq uint64, err error) outcome {
 	st.err = err
 	r.retries[seq] = st
 	// Let the other publishes settle, so the re-run starts from a quiet
-	// state; their outcome no longer matters.
-	// The failed publish is the head's next one; those before it were
-	// acknowledged (and their outcome consumed).
+	// state; their outcome no longer matters. The failed publish is its
+	// job's next one; those before it were acknowledged (and their
+	// outcome consumed).
 	ctx, cancel := context.WithTimeout(r.ctx, r.w.cfg.EffectTimeout)
-	for i := range r.window {
-		from := r.window[i].acked
-		if i == 0 {
+	for _, j := range r.window {
+		from := j.acked
+		if j.seq == seq {
 			from++
 		}
-		for _, f := range r.window[i].futs[min(from, len(r.window[i].futs)):] {
+		for _, f := range j.futs[min(from, len(j.futs)):] {
 			select {
 			case <-f.Ok():
 			case <-f.Err():
@@ -135,26 +252,26 @@ func (r *runner) rewind(seq uint64, err error) outcome {
 	}
 	cancel()
 	r.unwind()
-	r.window = nil
 	r.w.tel.Metrics.JobsFailed.Add(r.ctx, 1)
 	wait := r.w.cfg.Backoff(max(st.runs, 1))
 	r.event(r.ctx, Event{Kind: EventJobFailed, Seq: seq, Attempt: st.runs, Err: err, Backoff: wait})
 	r.log.Warn("an effect was not stored; running the partition again from its job", "seq", seq, "backoff", wait, "err", err)
-	if out := r.sleep(wait); out != 0 {
+	if out := r.sleep(wait, nil); out != 0 {
 		return out
 	}
 	return outRewind
 }
 
-// commit records progress through the lease when jobs finished since the
-// last commit.
+// commit records progress through the lease when the watermark or the
+// done set changed since the last commit.
 func (r *runner) commit(ctx context.Context) error {
 	r.lastCommit = time.Now()
-	seq := r.finished
-	if seq <= r.committed {
+	seq := r.watermark
+	if seq < r.committed || seq == r.committed && slices.Equal(r.doneSet, r.committedDone) {
 		return nil
 	}
-	if err := r.lease.Commit(ctx, seq); err != nil {
+	done := slices.Clone(r.doneSet)
+	if err := r.lease.Commit(ctx, seq, done...); err != nil {
 		r.event(ctx, Event{Kind: EventCommitFailed, Seq: seq, Err: err})
 		if errors.Is(err, leasehold.ErrLeaseLost) {
 			r.log.Warn("progress commit refused: another worker has fenced the partition", "seq", seq, "err", err)
@@ -163,11 +280,12 @@ func (r *runner) commit(ctx context.Context) error {
 		}
 		return err
 	}
-	r.committed = seq
+	moved := seq > r.committed
+	r.committed, r.committedDone = seq, done
 	r.committedSeq.Store(seq)
 	r.touch()
-	r.event(ctx, Event{Kind: EventProgressCommitted, Seq: seq})
-	if r.w.cfg.TrimCommitted && r.w.jobs != nil {
+	r.event(ctx, Event{Kind: EventProgressCommitted, Seq: seq, Done: done})
+	if moved && r.w.cfg.TrimCommitted && r.w.jobs != nil {
 		if err := r.w.jobs.Purge(ctx, jetstream.WithPurgeSubject(r.subject), jetstream.WithPurgeSequence(seq+1)); err != nil {
 			r.log.Debug("trimming committed jobs failed", "seq", seq, "err", err)
 		}

@@ -119,11 +119,14 @@ func TestTenThousandJobsWhileWorkersComeAndGo(t *testing.T) {
 		if got := holder[r.P][r.Epoch]; got != r.Worker {
 			t.Fatalf("job %d of partition %d ran on %s under epoch %d, which was handed to %q", r.Seq, r.P, r.Worker, r.Epoch, got)
 		}
+		// Every job has a key of its own: only a partition that runs one
+		// job at a time runs them in stream order (see TestKeyOrder for
+		// the order of keys).
 		k := pe{r.P, r.Epoch}
-		if r.Seq <= last[k] {
+		if r.Seq <= last[k] && testPartitionConcurrency == 1 {
 			t.Fatalf("partition %d epoch %d: job %d ran after job %d", r.P, r.Epoch, r.Seq, last[k])
 		}
-		last[k] = r.Seq
+		last[k] = max(last[k], r.Seq)
 		j := job{r.P, r.Seq}
 		if ranUnder[j] == nil {
 			ranUnder[j] = map[leasehold.Epoch]bool{}

@@ -354,6 +354,7 @@ func (p *Producer) register(ctx context.Context, pj Periodic) error {
 		msg.Header.Set(HeaderEvery, pj.Every.String())
 	}
 	msg.Header.Set(hdrScheduleTarget, JobSubject(p.cfg.Prefix, part))
+	msg.Header.Set(leasehold.HeaderOrderKey, leasehold.OrderKey(pj.Key))
 	msg.Header.Set(HeaderKind, pj.Kind)
 	msg.Header.Set(HeaderPeriodic, pj.Name)
 	msg.Header.Set(HeaderJobID, "periodic/"+pj.Name)
@@ -401,7 +402,7 @@ func sameSchedule(stored *jetstream.RawStreamMsg, msg *nats.Msg) bool {
 	if !bytes.Equal(stored.Data, msg.Data) {
 		return false
 	}
-	for _, k := range []string{hdrSchedule, hdrScheduleTZ, hdrScheduleTarget, HeaderKind, HeaderPeriodic, HeaderEvery, HeaderJobID, hdrTTL} {
+	for _, k := range []string{hdrSchedule, hdrScheduleTZ, hdrScheduleTarget, HeaderKind, HeaderPeriodic, HeaderEvery, HeaderJobID, hdrTTL, leasehold.HeaderOrderKey} {
 		if stored.Header.Get(k) != msg.Header.Get(k) {
 			return false
 		}

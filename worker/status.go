@@ -23,7 +23,8 @@ type JobState int
 // Job states. A job is Scheduled until its due time (delayed jobs), then
 // Pending until the partition's holder reaches it, Running while it is the
 // partition's first job not committed, and Done or DeadLettered once the
-// partition's committed progress has passed it. A job's handler may have
+// partition's committed progress has passed it or counts it among the jobs
+// done beyond it. A job's handler may have
 // returned a little before its status says Done: progress is committed
 // every Config.CommitEvery.
 //
@@ -163,10 +164,12 @@ func (p *Producer) Status(ctx context.Context, ref Enqueued) (JobStatus, error) 
 	if err != nil || st.State != JobUnknown || st.Detail != "" {
 		return st, err
 	}
-	if st.Progress, err = b.Progress(ctx, st.Partition); err != nil {
+	c, err := b.PartitionCommitted(ctx, st.Partition)
+	if err != nil {
 		return st, err
 	}
-	if st.Progress >= st.Seq {
+	st.Progress = c.Seq
+	if c.Includes(st.Seq) {
 		err := p.finished(ctx, &st)
 		return st, err
 	}
@@ -188,7 +191,8 @@ func (p *Producer) Status(ctx context.Context, ref Enqueued) (JobStatus, error) 
 		return st, nil
 	}
 	// Running when it is the partition's first job after the committed
-	// progress.
+	// progress. (A partition that runs several jobs at once runs later ones
+	// too, and says nothing of which: they are pending until done.)
 	s, err := p.jobs(ctx)
 	if err != nil {
 		return st, err
@@ -486,7 +490,7 @@ func (p *Producer) Wait(ctx context.Context, refs ...Enqueued) ([]JobStatus, err
 	var finished []*JobStatus
 	for {
 		left := 0
-		progress := map[leasehold.Partition]uint64{}
+		progress := map[leasehold.Partition]coordinator.Committed{}
 		for i, r := range refs {
 			if done[i] {
 				continue
@@ -509,18 +513,18 @@ func (p *Producer) Wait(ctx context.Context, refs ...Enqueued) ([]JobStatus, err
 			}
 			pr, ok := progress[r.Partition]
 			if !ok {
-				if pr, err = b.Progress(ctx, r.Partition); err != nil {
+				if pr, err = b.PartitionCommitted(ctx, r.Partition); err != nil {
 					return out, err
 				}
 				progress[r.Partition] = pr
 			}
-			out[i].Progress = pr
-			if out[i].goneUnrun() {
+			out[i].Progress = pr.Seq
+			if !pr.Includes(out[i].Seq) && out[i].goneUnrun() {
 				out[i].State, out[i].Detail = JobRemovedUnrun, goneDetail
 				done[i] = true
 				continue
 			}
-			if pr < out[i].Seq {
+			if !pr.Includes(out[i].Seq) {
 				out[i].State = JobPending
 				left++
 				continue

@@ -24,7 +24,7 @@ type Worker struct {
 	cfg     Config
 	tel     *telemetry.Telemetry
 	handler Handler
-	sem     chan struct{} // bounds running handlers; nil when unbounded
+	pool    *pool // slots for the jobs beyond each partition's first (slots.go)
 	log     *slog.Logger
 	ttl     time.Duration
 	jobs    jetstream.Stream // set by Run, for trimming
@@ -69,9 +69,7 @@ func New(cfg Config) (*Worker, error) {
 		runners: map[leasehold.Partition]*runner{},
 		stopped: make(chan struct{}),
 	}
-	if cfg.MaxConcurrency > 0 {
-		w.sem = make(chan struct{}, cfg.MaxConcurrency)
-	}
+	w.pool = newPool(cfg.MaxConcurrency)
 	return w, nil
 }
 

@@ -19,6 +19,7 @@ func TestWorkerHandlesEveryJobInOrder(t *testing.T) {
 		return j.Emit(ctx, j.Data)
 	}))
 	cfg.Observer = rec
+	cfg.Order = worker.OrderPartition // the runs' order is asserted
 	start(t, cfg)
 	enq := e.enqueue(t, 0, 500)
 	rec.waitFor(t, 30*time.Second, "500 jobs", func() bool { return runs.n.Load() >= 500 })
