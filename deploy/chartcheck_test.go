@@ -82,14 +82,14 @@ func TestChartChecksCatchMistakes(t *testing.T) {
 		{"password inline", "defaults", "worker.yaml", secretPassword, "            - name: NATS_PASSWORD\n              value: hunter2\n"},
 		{"password in the URL", "defaults", "worker.yaml", `value: "nats://nats.nats`, `value: "nats://worker:hunter2@nats.nats`},
 		{"a sink reading the admin's Secret", "defaults", "sink.yaml", `name: "leasehold-nats-sink"`, `name: "leasehold-nats-admin"`},
-		{"KEDA above the partitions", "keda", "scaledobject.yaml", "maxReplicaCount: 16", "maxReplicaCount: 17"},
-		{"KEDA below the partitions", "keda", "scaledobject.yaml", "maxReplicaCount: 16", "maxReplicaCount: 8"},
+		{"KEDA above the partitions", "keda", "scaledobject.yaml", "maxReplicaCount: 64", "maxReplicaCount: 65"},
+		{"KEDA below the partitions", "keda", "scaledobject.yaml", "maxReplicaCount: 64", "maxReplicaCount: 8"},
 		{"KEDA at zero", "keda", "scaledobject.yaml", "minReplicaCount: 2", "minReplicaCount: 0"},
 		{"replicas beside KEDA", "keda", "worker.yaml", "  revisionHistoryLimit: 5\n", "  replicas: 3\n  revisionHistoryLimit: 5\n"},
 		{"a metric nobody exports", "keda", "scaledobject.yaml", "leasehold_consumer_lag{", "leasehold_consumer_lags{"},
 		{"ServiceMonitor selecting nothing", "keda", "servicemonitor.yaml", "      app.kubernetes.io/component: worker\n  namespaceSelector", "      app.kubernetes.io/component: workers\n  namespaceSelector"},
 		{"ServiceMonitor on another port", "keda", "servicemonitor.yaml", "- port: http", "- port: metrics"},
-		{"partitions disagree", "defaults", "init-job.yaml", `"--partitions=16"`, `"--partitions=32"`},
+		{"partitions disagree", "defaults", "init-job.yaml", `"--partitions=64"`, `"--partitions=32"`},
 		{"PDB selecting nothing", "defaults", "worker.yaml", "      app.kubernetes.io/component: worker\n---\n# /metrics", "      app.kubernetes.io/component: workerz\n---\n# /metrics"},
 	} {
 		t.Run(m.name, func(t *testing.T) {
@@ -117,7 +117,7 @@ func TestChartChecksCatchMistakes(t *testing.T) {
 // refusal must say.
 var chartRefusals = []struct{ name, values, says string }{
 	{"grace not above the drain", "worker: {terminationGracePeriodSeconds: 25}", "is not above worker.drainTimeoutSeconds 25"},
-	{"KEDA above the partitions", "serviceMonitor: {enabled: true}\nkeda: {enabled: true, maxReplicaCount: 17, prometheus: {serverAddress: http://p:9090}}", "above the 16 partitions"},
+	{"KEDA above the partitions", "serviceMonitor: {enabled: true}\nkeda: {enabled: true, maxReplicaCount: 65, prometheus: {serverAddress: http://p:9090}}", "above the 64 partitions"},
 	{"KEDA min above max", "partitions: 4\nserviceMonitor: {enabled: true}\nkeda: {enabled: true, minReplicaCount: 5, prometheus: {serverAddress: http://p:9090}}", "minReplicaCount 5 is above keda.maxReplicaCount 4"},
 	{"KEDA at zero", "keda: {minReplicaCount: 0}", "below the minimum"},
 	{"KEDA without Prometheus", "serviceMonitor: {enabled: true}\nkeda: {enabled: true}", "keda.prometheus.serverAddress"},

@@ -65,7 +65,7 @@ func TestScaledObject(t *testing.T) {
 func TestScaledObjectChecksCatchMistakes(t *testing.T) {
 	t.Parallel()
 	for _, c := range []struct{ name, old, new string }{
-		{"more workers than partitions", "maxReplicaCount: 16", "maxReplicaCount: 17"},
+		{"more workers than partitions", "maxReplicaCount: 64", "maxReplicaCount: 65"},
 		{"another stream", "stream: leasehold-jobs", "stream: jobs"},
 		{"misspelt metadata key", `lagThreshold: "1000"`, `lagTreshold: "1000"`},
 		{"another target", "    name: leasehold-worker\n  pollingInterval", "    name: leasehold-sink\n  pollingInterval"},

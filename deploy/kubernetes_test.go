@@ -143,7 +143,7 @@ func TestMisspeltFieldFails(t *testing.T) {
 		{"kubernetes/sink.yaml", "readOnlyRootFilesystem: true", "readOnlyRootFileSystem: true"},
 		{"kubernetes/init-job.yaml", "ttlSecondsAfterFinished", "ttlSecondAfterFinished"},
 		{"kubernetes/kustomization.yaml", "resources:", "resource:"},
-		{"keda/scaledobject.yaml", "maxReplicaCount: 16", "maxReplicasCount: 16"},
+		{"keda/scaledobject.yaml", "maxReplicaCount: 64", "maxReplicasCount: 64"},
 		{"keda/scaledobject.yaml", "stabilizationWindowSeconds: 300", "stabilisationWindowSeconds: 300"},
 		// A key given twice is an error too, not "the last one wins".
 		{"kubernetes/worker.yaml", "  revisionHistoryLimit: 5\n", "  revisionHistoryLimit: 5\n  revisionHistoryLimit: 6\n"},
