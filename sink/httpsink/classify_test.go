@@ -1,0 +1,228 @@
+package httpsink_test
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/sink/httpsink"
+)
+
+// script answers each effect key's requests from a list of answers, the
+// last repeated; it counts the requests.
+type script struct {
+	mu      sync.Mutex
+	answers map[string][]func(w http.ResponseWriter, r *http.Request)
+	tries   map[string]int
+	auth    map[string]string
+}
+
+func (s *script) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	k := r.Header.Get(leasehold.HeaderKey)
+	s.mu.Lock()
+	s.tries[k]++
+	n := s.tries[k]
+	s.auth[k] = r.Header.Get("Authorization")
+	as := s.answers[k]
+	s.mu.Unlock()
+	if len(as) == 0 {
+		w.WriteHeader(http.StatusOK)
+		return
+	}
+	as[min(n, len(as))-1](w, r)
+}
+
+func (s *script) count(k string) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.tries[k]
+}
+
+func status(code int, body string, header ...string) func(w http.ResponseWriter, r *http.Request) {
+	return func(w http.ResponseWriter, r *http.Request) {
+		for i := 0; i+1 < len(header); i += 2 {
+			w.Header().Set(header[i], header[i+1])
+		}
+		w.WriteHeader(code)
+		_, _ = w.Write([]byte(body))
+	}
+}
+
+// hang answers nothing until the client gives up.
+func hang(w http.ResponseWriter, r *http.Request) {
+	// The server notices a closed connection once the body is read.
+	_, _ = io.Copy(io.Discard, r.Body)
+	<-r.Context().Done()
+}
+
+// Each answer is classified: 5xx, 408, 429 (with its Retry-After), a
+// Verifier's in-progress 409 and a timeout are retried and delivered
+// when the receiver takes them; a 5xx for ever, and a timeout for ever,
+// are dead-lettered after MaxDeliveries tries with the status and a
+// bounded excerpt of the body; other 4xx, a 409 that is not a Verifier's
+// and a 3xx are dead-lettered at once.
+func TestClassification(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, "classify")
+	other := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		t.Errorf("a redirect was followed to %s", r.URL)
+	}))
+	defer other.Close()
+	inProgress := `{"error":"in_progress","partition":0,"key":"k409busy","message":"a request with this Idempotency-Key is being handled; try again"}`
+	long := strings.Repeat("x", 10000) + "THE-END"
+	sc := &script{tries: map[string]int{}, auth: map[string]string{}, answers: map[string][]func(http.ResponseWriter, *http.Request){
+		"k500":      {status(500, long)},
+		"k503":      {status(503, "busy"), status(503, "busy"), status(200, "")},
+		"k408":      {status(408, ""), status(200, "")},
+		"k429":      {status(429, "slow down", "Retry-After", "1"), status(200, "")},
+		"k409busy":  {status(409, inProgress, "Content-Type", "application/json"), status(200, "")},
+		"k409plain": {status(409, "already exists")},
+		"k400":      {status(400, "bad payload")},
+		"k404":      {status(404, "no such hook")},
+		"k301":      {status(301, "", "Location", other.URL+"/elsewhere")},
+		"kslow":     {hang, status(200, "")},
+		"kslowever": {hang},
+	}}
+	srv := httptest.NewServer(sc)
+	defer srv.Close()
+	retried := map[string]int{"k503": 3, "k408": 2, "k429": 2, "k409busy": 2, "kslow": 2}
+	atOnce := []string{"k409plain", "k400", "k404", "k301"}
+	exhausted := []string{"k500", "kslowever"}
+	e.barrier(1)
+	var last uint64
+	for _, k := range []string{"k500", "k503", "k408", "k429", "k409busy", "k409plain", "k400", "k404", "k301", "kslow", "kslowever"} {
+		last = e.publish("hook", e.stamp(1, k), []byte(`{}`), nil)
+	}
+	rcfg := e.runnerConfig()
+	rcfg.MaxDeliveries = 4
+	r := e.startRelay(httpsink.Config{URL: srv.URL, Coordinator: e.coord("relay-a"), Timeout: 300 * time.Millisecond}, rcfg)
+	r.waitPosition(t, last)
+	for k, n := range retried {
+		if got := sc.count(k); got != n {
+			t.Errorf("%s: %d requests, want %d", k, got, n)
+		}
+	}
+	dead := map[string]http.Header{}
+	for _, m := range e.deadLetters() {
+		dead[m.Header.Get(leasehold.HeaderKey)] = http.Header(m.Header)
+	}
+	for k := range retried {
+		if _, ok := dead[k]; ok {
+			t.Errorf("%s was dead-lettered, want delivered", k)
+		}
+	}
+	for _, k := range atOnce {
+		h, ok := dead[k]
+		switch {
+		case !ok:
+			t.Errorf("%s was not dead-lettered", k)
+		case h.Get("Leasehold-Sink-Tries") != "1" || sc.count(k) > 2:
+			// A request in the batch call, and one alone: the runner hands
+			// a failed batch's effects over one by one.
+			t.Errorf("%s: dead-lettered after %s tries (%d requests), want at once", k, h.Get("Leasehold-Sink-Tries"), sc.count(k))
+		}
+	}
+	for _, k := range exhausted {
+		h, ok := dead[k]
+		switch {
+		case !ok:
+			t.Errorf("%s was not dead-lettered", k)
+		case h.Get("Leasehold-Sink-Tries") != "4" || sc.count(k) < 4 || sc.count(k) > 5:
+			t.Errorf("%s: dead-lettered after %s tries (%d requests), want MaxDeliveries (4)", k, h.Get("Leasehold-Sink-Tries"), sc.count(k))
+		}
+	}
+	msg := dead["k500"].Get("Leasehold-Sink-Error")
+	if !strings.Contains(msg, "500 Internal Server Error") || !strings.Contains(msg, "body: xxxx") || strings.Contains(msg, "THE-END") || len(msg) > 512 {
+		t.Errorf("the 500's dead letter says %q: want the status and a bounded excerpt of the body", msg)
+	}
+	if msg := dead["k301"].Get("Leasehold-Sink-Error"); !strings.Contains(msg, "301") || !strings.Contains(msg, "redirect") {
+		t.Errorf("the 301's dead letter says %q", msg)
+	}
+	if msg := dead["kslowever"].Get("Leasehold-Sink-Error"); !strings.Contains(msg, "Timeout") {
+		t.Errorf("the timeout's dead letter says %q", msg)
+	}
+}
+
+// Credentials in configuration never show: not in logs, errors, dead
+// letters or Ready, though requests fail every way they can; the header
+// is sent all the same.
+func TestCredentialsNeverShown(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, "secrets")
+	sc := &script{tries: map[string]int{}, auth: map[string]string{}, answers: map[string][]func(http.ResponseWriter, *http.Request){
+		"k500": {status(500, "oops")},
+		"k401": {status(401, "who are you")},
+		"kcut": {func(w http.ResponseWriter, r *http.Request) {
+			conn, _, err := http.NewResponseController(w).Hijack()
+			if err == nil {
+				conn.Close()
+			}
+		}},
+	}}
+	srv := httptest.NewServer(sc)
+	defer srv.Close()
+	u, _ := url.Parse(srv.URL)
+	secrets := []string{"s3cr3t-bearer", "pa55word", "T0KENPATH", "QSECRET"}
+	endpoint := "http://hook-user:pa55word@" + u.Host + "/hooks/T0KENPATH?sig=QSECRET"
+	logs := &syncWriter{w: &bytes.Buffer{}}
+	log := slog.New(slog.NewJSONHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	e.barrier(1)
+	var last uint64
+	for _, k := range []string{"k500", "k401", "kcut", "kok"} {
+		last = e.publish("hook", e.stamp(1, k), []byte(`{}`), nil)
+	}
+	rcfg := e.runnerConfig()
+	rcfg.MaxDeliveries = 3
+	rcfg.Logger = log
+	r := e.startRelay(httpsink.Config{URL: endpoint, Coordinator: e.coord("relay-a"), Logger: log,
+		Header: http.Header{"Authorization": {"Bearer s3cr3t-bearer"}}}, rcfg)
+	r.waitPosition(t, last)
+	var ready string
+	if err := r.Ready(context.Background()); err != nil {
+		ready = err.Error()
+	}
+	shown := logs.String() + ready
+	for _, m := range e.deadLetters() {
+		for k, vs := range m.Header {
+			shown += k + ": " + strings.Join(vs, ",") + "\n"
+		}
+		shown += string(m.Data)
+	}
+	for _, s := range secrets {
+		if strings.Contains(shown, s) {
+			t.Errorf("the secret %q shows in logs, errors or dead letters", s)
+		}
+	}
+	if !strings.Contains(shown, "500") || !strings.Contains(shown, u.Host) {
+		t.Errorf("the failures were not reported at all: %s", shown)
+	}
+	if got := sc.auth["kok"]; got != "Bearer s3cr3t-bearer" {
+		t.Errorf("the configured Authorization header was sent as %q", got)
+	}
+}
+
+type syncWriter struct {
+	mu sync.Mutex
+	w  *bytes.Buffer
+}
+
+func (s *syncWriter) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.w.Write(p)
+}
+
+func (s *syncWriter) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.w.String()
+}
