@@ -23,8 +23,18 @@ type PartitionStatus struct {
 	Holder   string          `json:"holder,omitempty"`
 	Epoch    leasehold.Epoch `json:"epoch,omitempty"`
 	Acquired time.Time       `json:"acquired,omitzero"`
-	Renewed  time.Time       `json:"renewed,omitzero"` // server time of the last write
-	TTL      time.Duration   `json:"ttl,omitempty"`
+	// Renewed is the server time of the lease's last renewal: of the
+	// partition record for a lease that renews itself, of its holder's
+	// registration for one held by a session.
+	Renewed time.Time     `json:"renewed,omitzero"`
+	TTL     time.Duration `json:"ttl,omitempty"`
+	// Session, for a lease held by its holder's member session, is the
+	// revision that acquired the registration it lives by (0 for a lease
+	// that renews itself); SessionEnded says that registration is gone or
+	// replaced, so that the lease has ended and any worker may take the
+	// partition.
+	Session      uint64 `json:"session,omitempty"`
+	SessionEnded bool   `json:"session_ended,omitempty"`
 	// FencedEpoch and Progress come from the fence record: the newest
 	// epoch that started work on the partition and the last input sequence
 	// committed.
@@ -59,7 +69,7 @@ type Status struct {
 // each (see Findings). It reads both buckets through consumers their
 // stream leaders serve; records written meanwhile may or may not show.
 func (b *Bucket) Snapshot(ctx context.Context) (Status, error) {
-	sn := snapshotter{b: b, parts: map[leasehold.Partition]*PartitionStatus{}, locks: map[string]*LockStatus{}, written: map[string]time.Time{}}
+	sn := snapshotter{b: b, parts: map[leasehold.Partition]*PartitionStatus{}, locks: map[string]*LockStatus{}, written: map[string]time.Time{}, members: map[string]session{}}
 	if err := sn.context(ctx); err != nil {
 		return Status{}, err
 	}
@@ -70,6 +80,7 @@ func (b *Bucket) Snapshot(ctx context.Context) (Status, error) {
 		return Status{}, err
 	}
 	sn.checkLists()
+	sn.sessions()
 	st := sn.st
 	for _, ps := range sn.parts {
 		st.Partitions = append(st.Partitions, *ps)
@@ -101,6 +112,13 @@ type snapshotter struct {
 	lists   []listed             // the member registrations that list their holdings
 	written map[string]time.Time // the server's time of each key's last write, markers included
 	latest  time.Time            // the latest of them
+	members map[string]session   // each live registration: the session partitions name
+}
+
+// session is a member registration as Snapshot found it.
+type session struct {
+	rev     uint64    // the revision that acquired it
+	renewed time.Time // the server time of its last write
 }
 
 // listed is one registration's list, as Snapshot found it.
@@ -171,6 +189,7 @@ func (sn *snapshotter) lease(m scanned) error {
 			return nil
 		}
 		sn.st.Members = append(sn.st.Members, id)
+		sn.members[id] = session{rev: uint64(epochOf(r, m.seq)), renewed: m.time}
 		if r.Holds != nil {
 			sn.lists = append(sn.lists, listed{at: at, id: id, holds: *r.Holds, ttl: time.Duration(r.TTLMilli) * time.Millisecond})
 		}
@@ -201,7 +220,7 @@ func (sn *snapshotter) lease(m scanned) error {
 		ps.Holder, ps.Epoch, ps.Acquired = r.Holder, epochOf(r, m.seq), r.Acquired
 		ps.TTL = time.Duration(r.TTLMilli) * time.Millisecond
 		if r.Session != 0 {
-			ps.TTL = 0 // lives as long as the holder's registration
+			ps.TTL, ps.Session = 0, r.Session // lives as long as the holder's registration
 		}
 	case strings.HasPrefix(key, lockKeyPrefix):
 		name, err := decodeLockName(key[len(lockKeyPrefix):])
@@ -233,6 +252,24 @@ func (sn *snapshotter) lease(m scanned) error {
 		sn.find(at.unknownKey())
 	}
 	return nil
+}
+
+// sessions dates the renewal of each partition held by a session: the
+// partition record is written only to acquire, and the lease is renewed
+// with its holder's registration. A registration that is gone, or is
+// another session, ended the lease.
+func (sn *snapshotter) sessions() {
+	for _, ps := range sn.parts {
+		if ps.Session == 0 {
+			continue
+		}
+		m, ok := sn.members[ps.Holder]
+		if !ok || m.rev != ps.Session {
+			ps.SessionEnded = true
+			continue
+		}
+		ps.Renewed = m.renewed
+	}
 }
 
 // checkLists finds the registrations whose lists have disagreed with the
