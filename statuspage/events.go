@@ -32,6 +32,8 @@ import (
 	"unicode/utf8"
 
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold/internal/statusevents"
 )
 
 // Kinds of events, each published on its own subject so that NATS
@@ -48,21 +50,21 @@ const (
 const (
 	// EventsMaxAge is how long events are kept: the page shows the last
 	// hour.
-	EventsMaxAge = time.Hour
+	EventsMaxAge = statusevents.MaxAge
 	// EventsMaxMsgs and EventsMaxBytes bound the stream whatever publishes
 	// to it; the oldest events go first.
-	EventsMaxMsgs  = 50_000
-	EventsMaxBytes = 64 << 20
+	EventsMaxMsgs  = statusevents.MaxMsgs
+	EventsMaxBytes = statusevents.MaxBytes
 	// MaxEventSize bounds one event; a larger one is neither stored nor
 	// read.
-	MaxEventSize = 2048
+	MaxEventSize = statusevents.MaxEventSize
 	// maxText bounds every string field of an event.
 	maxText = 256
 )
 
 // EventsStream is the name of the events stream of the job streams under
 // prefix.
-func EventsStream(prefix string) string { return prefix + "-events" }
+func EventsStream(prefix string) string { return statusevents.Stream(prefix) }
 
 // EventSubject is the subject events of kind are published on.
 func EventSubject(prefix, kind string) string {
@@ -180,25 +182,11 @@ func truncate(s string) string {
 
 // ProvisionEvents creates or updates the events stream of the job streams
 // under prefix, with replicas replicas (the lease bucket's).
+// worker.ProvisionJobs and `leasehold init` create it too.
 func ProvisionEvents(ctx context.Context, js jetstream.JetStream, prefix string, replicas int) (jetstream.Stream, error) {
-	s, err := js.CreateOrUpdateStream(ctx, eventsConfig(prefix, replicas))
+	s, err := statusevents.Provision(ctx, js, prefix, replicas)
 	if err != nil {
-		return nil, fmt.Errorf("statuspage: create events stream %s: %w", EventsStream(prefix), err)
+		return nil, fmt.Errorf("statuspage: %w", err)
 	}
 	return s, nil
-}
-
-func eventsConfig(prefix string, replicas int) jetstream.StreamConfig {
-	return jetstream.StreamConfig{
-		Name:        EventsStream(prefix),
-		Description: "leasehold take-overs, lease losses and refused writes, for the status page",
-		Subjects:    []string{prefix + ".events.>"},
-		Storage:     jetstream.FileStorage,
-		Replicas:    max(replicas, 1),
-		MaxAge:      EventsMaxAge,
-		MaxMsgs:     EventsMaxMsgs,
-		MaxBytes:    EventsMaxBytes,
-		MaxMsgSize:  MaxEventSize,
-		Discard:     jetstream.DiscardOld,
-	}
 }

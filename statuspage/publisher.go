@@ -1,9 +1,12 @@
 package statuspage
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
+	"errors"
 	"log/slog"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -112,7 +115,7 @@ func (p *Publisher) drop(why string) {
 	if time.Since(p.lastWarn) > time.Minute {
 		p.lastWarn = time.Now()
 		p.cfg.Logger.Warn("status-page events are not published", "stream", EventsStream(p.cfg.Prefix), "why", why,
-			"hint", "`leasehold init` creates the stream; the status page misses these events")
+			"hint", "`leasehold init`, worker.ProvisionJobs or statuspage.ProvisionEvents creates the stream; the status page misses these events")
 	}
 }
 
@@ -166,9 +169,7 @@ func (p *Publisher) WorkerObserver(next worker.Observer) worker.Observer {
 			ev.Kind = KindReleased
 		case worker.EventPartitionLost:
 			ev.Kind = KindLost
-			if e.Err != nil {
-				ev.Reason = e.Err.Error()
-			}
+			ev.Reason = LossReason("", "", e.Err)
 		default:
 			return
 		}
@@ -203,10 +204,7 @@ func (o lockObserver) LeaseEvent(ctx context.Context, e coordinator.Event) {
 	case coordinator.EventReleased:
 		ev.Kind = KindReleased
 	case coordinator.EventLost:
-		ev.Kind, ev.Reason = KindLost, string(e.Reason)
-		if e.Err != nil {
-			ev.Reason += ": " + e.Err.Error()
-		}
+		ev.Kind, ev.Reason = KindLost, LossReason(e.Reason, e.Holder, e.Err)
 	default:
 		return
 	}
@@ -231,6 +229,52 @@ func (p *Publisher) SinkObserver() sink.Observer {
 			Outcome: d.Outcome.String(), Key: d.Stamp.Key,
 		})
 	})
+}
+
+// LossReason says in one line why a lease was lost, for the page: the
+// reason (deadline, refused, session), who holds it now when known, and
+// what ended a session. The whole error, with every cause it wraps, is in
+// the worker's log. reason and holder may be empty when err (a
+// *coordinator.LostError) carries them.
+func LossReason(reason coordinator.LostReason, holder string, err error) string {
+	var lost *coordinator.LostError
+	if errors.As(err, &lost) {
+		reason, holder, err = cmp.Or(reason, lost.Reason), cmp.Or(holder, lost.Holder), lost.Err
+	}
+	var s string
+	switch reason {
+	case coordinator.LostDeadline:
+		s = "deadline: no renewal succeeded before the lease's local deadline"
+	case coordinator.LostRefused:
+		s = "refused: another write replaced the lease (a take-over, or `leasehold fence`)"
+	case coordinator.LostSession:
+		s = "session: the worker's member registration ended"
+		var member *coordinator.LostError
+		if errors.As(err, &member) && member.Reason == coordinator.LostDeadline {
+			s += " (no renewal in time)"
+		}
+	case "":
+		if err == nil {
+			return ""
+		}
+		return oneLine(err.Error())
+	default:
+		s = string(reason)
+	}
+	if holder != "" {
+		s += "; now held by " + holder
+	}
+	return s
+}
+
+// oneLine is an error message as one short line: its first line, at most
+// 160 characters.
+func oneLine(s string) string {
+	s, _, _ = strings.Cut(s, "\n")
+	if r := []rune(s); len(r) > 160 {
+		s = string(r[:159]) + "…"
+	}
+	return s
 }
 
 // fenceOf names an event's fence, for folding.

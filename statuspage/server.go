@@ -1,6 +1,7 @@
 package statuspage
 
 import (
+	"bytes"
 	"context"
 	"embed"
 	"encoding/json"
@@ -160,7 +161,7 @@ func (s *Server) touch(delta int) {
 // /status/events the state as server-sent events, sent again on every
 // change.
 func (s *Server) Register(mux *http.ServeMux) {
-	mux.HandleFunc("GET /{$}", s.asset("assets/index.html", "text/html; charset=utf-8"))
+	mux.HandleFunc("GET /{$}", s.index)
 	mux.HandleFunc("GET /status.js", s.asset("assets/page.js", "text/javascript; charset=utf-8"))
 	mux.HandleFunc("GET /status.css", s.asset("assets/page.css", "text/css; charset=utf-8"))
 	mux.HandleFunc("GET /status.json", func(w http.ResponseWriter, r *http.Request) {
@@ -170,6 +171,29 @@ func (s *Server) Register(mux *http.ServeMux) {
 		_ = json.NewEncoder(w).Encode(s.State())
 	})
 	mux.HandleFunc("GET /status/events", s.serveEvents)
+}
+
+// statePlaceholder is where the page's HTML takes the state it starts
+// with.
+const statePlaceholder = "{{STATE}}"
+
+// index serves the page with the state as of now inside it, as a JSON
+// block the script renders before the event stream sends the next: a
+// page captured as soon as it has loaded (chromium --screenshot, a
+// crawler) shows the partitions, not "connecting…". It waits, as
+// /status.json does, for a fresh read of the lease bucket. The JSON
+// cannot end the block early: encoding/json writes <, > and & as \u
+// escapes.
+func (s *Server) index(w http.ResponseWriter, r *http.Request) {
+	s.touch(0)
+	s.waitFresh(r.Context())
+	state, err := json.Marshal(s.State())
+	if err != nil {
+		state = nil
+	}
+	page, _ := assets.ReadFile("assets/index.html")
+	secure(w, "text/html; charset=utf-8")
+	_, _ = w.Write(bytes.Replace(page, []byte(statePlaceholder), state, 1))
 }
 
 // secure sets the headers of every response: the page runs only its own
@@ -478,7 +502,7 @@ func (s *Server) followEvents(ctx context.Context) {
 		}
 		s.mu.Lock()
 		if errors.Is(err, jetstream.ErrStreamNotFound) {
-			s.evErr = fmt.Sprintf("events stream %s: not found; `leasehold init` creates it (take-overs and refusals show once it exists)", EventsStream(s.cfg.Prefix))
+			s.evErr = fmt.Sprintf("events stream %s: not found: `leasehold init` creates it, and so do worker.ProvisionJobs and statuspage.ProvisionEvents in a program of your own; take-overs and refusals show once it exists", EventsStream(s.cfg.Prefix))
 		} else {
 			s.evErr = fmt.Sprintf("events stream %s: %v", EventsStream(s.cfg.Prefix), err)
 		}

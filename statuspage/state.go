@@ -3,6 +3,7 @@ package statuspage
 import (
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/leasehold/leasehold"
@@ -32,7 +33,8 @@ type State struct {
 }
 
 // Row is one partition or lock of the status table, as `leasehold status`
-// prints it and the page shows it.
+// prints it and the page shows it. Epochs are whole: ShortEpoch shortens
+// them where people read them.
 type Row struct {
 	Name     string `json:"name"` // the partition's number or the lock's name
 	Holder   string `json:"holder"`
@@ -45,10 +47,21 @@ type Row struct {
 }
 
 // Rows builds the status table's rows of a snapshot: its partitions, then
-// its locks. Empty cells are "-".
+// its locks. Empty cells are "-". A partition held by its holder's member
+// session is renewed with the registration, not in its own record, so its
+// Renewed says when the session last was: "1.2s ago (session)", or
+// "session ended" once the registration is gone and the partition free to
+// take.
 func Rows(st coordinator.Status, now time.Time) (partitions, locks []Row) {
 	for _, p := range st.Partitions {
 		r := row(strconv.FormatUint(uint64(p.Partition), 10), p.Holder, p.Epoch, p.Acquired, p.Renewed, p.FencedEpoch, now)
+		switch {
+		case p.Holder == "" || p.Session == 0:
+		case p.SessionEnded:
+			r.Renewed = "session ended"
+		default:
+			r.Renewed += " (session)"
+		}
 		r.Progress = strconv.FormatUint(p.Progress, 10)
 		partitions = append(partitions, r)
 	}
@@ -68,6 +81,23 @@ func row(name, holder string, epoch leasehold.Epoch, acquired, renewed time.Time
 		r.Fenced = fenced.String()
 	}
 	return r
+}
+
+// EpochDigits is how many of an epoch's last digits ShortEpoch keeps.
+// Epochs are revisions of the lease bucket, started above a floor, so they
+// run to sixteen digits; the epochs of one deployment differ in the last
+// few, and six tell apart a million acquisitions.
+const EpochDigits = 6
+
+// ShortEpoch is an epoch as people read it, its last EpochDigits digits
+// after a "…": "…447291" for 1796529141447291. It leaves shorter
+// strings, and anything that is not a number, as they are. JSON and
+// structured log fields carry the whole epoch.
+func ShortEpoch(epoch string) string {
+	if len(epoch) <= EpochDigits+1 || strings.Trim(epoch, "0123456789") != "" {
+		return epoch
+	}
+	return "…" + epoch[len(epoch)-EpochDigits:]
 }
 
 // Ago says how long before now t was, to a tenth of a second; "-" for no

@@ -5,9 +5,24 @@
 (function () {
   const $ = (id) => document.getElementById(id);
 
-  function cell(tr, text, cls) {
+  // Epochs run to sixteen digits, and those of one deployment differ in
+  // the last few: a cell shows its last six after a "…", and the whole
+  // epoch as its title (and in data-epoch).
+  const epochDigits = 6;
+  const epochCols = new Set(["epoch", "max", "from_epoch", "fenced"]);
+
+  function shortEpoch(s) {
+    return /^[0-9]+$/.test(s) && s.length > epochDigits + 1 ? "…" + s.slice(-epochDigits) : s;
+  }
+
+  function cell(tr, text, cls, epoch) {
     const td = document.createElement("td");
-    td.textContent = text === undefined || text === null || text === "" ? "-" : String(text);
+    const s = text === undefined || text === null || text === "" ? "-" : String(text);
+    td.textContent = epoch ? shortEpoch(s) : s;
+    if (epoch && td.textContent !== s) {
+      td.title = s;
+      td.dataset.epoch = s;
+    }
     if (cls) td.className = cls;
     tr.appendChild(td);
   }
@@ -20,8 +35,9 @@
       if (c) tr.className = c;
       for (const col of columns) {
         const v = typeof col === "function" ? col(r) : r[col];
-        cell(tr, v, col === "epoch" || col === "max" || col === "from_epoch" || col === "fenced" ? "epoch"
-          : col === "reason" || col === "error" || col === "key" || col === "worker" ? "wrap" : "");
+        const epoch = epochCols.has(col);
+        cell(tr, v, epoch ? "epoch"
+          : col === "reason" || col === "error" || col === "key" || col === "worker" ? "wrap" : "", epoch);
       }
       trs.push(tr);
     }
@@ -95,6 +111,22 @@
       : st.invalid === 1 ? "1 event in the stream was not valid and is not shown"
       : st.invalid + " events in the stream were not valid and are not shown";
     document.body.dataset.updates = String(Number(document.body.dataset.updates) + 1);
+    // For whatever waits for the page to show a state (a screenshot, a
+    // test): an event, not a guess at how long it takes.
+    document.dispatchEvent(new CustomEvent("leasehold:state"));
+  }
+
+  // The state the server read when it sent the page, so that the page
+  // shows it from the start (a screenshot taken at load, say), before the
+  // event stream delivers the next.
+  const initial = $("initial-state");
+  if (initial && initial.textContent.trim()) {
+    try {
+      render(JSON.parse(initial.textContent));
+      $("conn").textContent = "connecting…";
+    } catch (e) {
+      // The event stream brings a state soon enough.
+    }
   }
 
   const es = new EventSource("status/events");
