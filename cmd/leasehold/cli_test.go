@@ -28,19 +28,26 @@ func freeAddr(t *testing.T) string {
 }
 
 // background runs a command line until the test ends and returns its
-// error channel.
+// error channel. What the command printed is logged if the test failed.
 func background(t *testing.T, args ...string) (context.CancelFunc, <-chan error) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
+	finished := make(chan struct{})
+	var out string
 	go func() {
-		_, err := run(t, ctx, args...)
+		defer close(finished)
+		var err error
+		out, err = run(t, ctx, args...)
 		done <- err
 	}()
 	t.Cleanup(func() {
 		cancel()
 		select {
-		case <-done:
+		case <-finished:
+			if t.Failed() {
+				t.Logf("%v printed:\n%s", args, out)
+			}
 		case <-time.After(30 * time.Second):
 			t.Errorf("%v did not stop", args)
 		}

@@ -2,34 +2,22 @@ package main
 
 import (
 	"context"
-	"log/slog"
-	"net/http"
-
-	"github.com/nats-io/nats.go/jetstream"
+	"fmt"
 
 	"github.com/leasehold/leasehold/statuspage"
-	"github.com/leasehold/leasehold/telemetry"
 )
 
-// newEvents starts the publisher of this process's take-overs, lease
-// losses or refusals to the events stream the status page reads. It never
-// blocks the worker or sink: what it cannot publish it drops and counts.
-func newEvents(js jetstream.JetStream, prefix, source string, tel telemetry.Config, log *slog.Logger) *statuspage.Publisher {
-	return statuspage.NewPublisher(statuspage.PublisherConfig{
-		JetStream: js, Prefix: prefix, Source: source, MeterProvider: tel.MeterProvider, Logger: log,
-	})
-}
-
-// withPage mounts the status page on mux and feeds it until ctx ends (the
-// HTTP server's context: open event streams end with it). With no address
-// to serve on it does nothing. wait waits for the page to stop.
-func withPage(ctx context.Context, addr string, mux *http.ServeMux, cfg statuspage.Config) (_ *http.ServeMux, wait func()) {
-	if addr == "" {
-		return mux, func() {}
+// startPage starts, through statuspage.Serve as a program of one's own
+// does, what every long-running command serves: the publisher of this
+// process's take-overs, lease losses or refusals to the events stream
+// (it never blocks the worker or sink: what it cannot publish it drops and
+// counts), and, on --http, the status page, /metrics, /livez and /readyz.
+// Close the page after the worker or sink has stopped: it keeps serving
+// until then.
+func startPage(ctx context.Context, cfg statuspage.ServeConfig) (*statuspage.Page, error) {
+	p, err := statuspage.Serve(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("--http %s: %w, or --http '' to serve nothing", cfg.Addr, err)
 	}
-	srv := statuspage.New(cfg)
-	srv.Register(mux)
-	done := make(chan struct{})
-	go func() { defer close(done); srv.Run(ctx) }()
-	return mux, func() { <-done }
+	return p, nil
 }

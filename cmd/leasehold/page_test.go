@@ -12,6 +12,7 @@ import (
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/fleet"
+	"github.com/leasehold/leasehold/internal/headless"
 	"github.com/leasehold/leasehold/statuspage"
 	"github.com/leasehold/leasehold/worker"
 )
@@ -47,7 +48,7 @@ func TestStatusPageInChromium(t *testing.T) {
 	if testing.Short() {
 		t.Skip("runs worker processes and a browser")
 	}
-	chromiumPath(t) // skip early, before starting anything
+	headless.Path(t) // skip early, before starting anything
 	s, ctx := listening(t, 4*time.Minute)
 	const partitions = 4
 	mustRun(t, ctx, "init", "--nats", s.URL(), "--partitions", fmt.Sprint(partitions))
@@ -111,15 +112,17 @@ func TestStatusPageInChromium(t *testing.T) {
 
 	page := "http://" + statusAddr + "/"
 	waitHTTP(t, ctx, page)
-	browser := startChromium(t, ctx, page)
-	browser.waitFor(t, ctx, "the first state", `Number(document.body.dataset.updates) >= 1 && document.getElementById("partitions").rows.length === `+fmt.Sprint(partitions))
-	// The table: each partition held by one of the workers, at an epoch,
-	// with its lag read.
-	browser.waitFor(t, ctx, "holders, epochs and lag", `Array.from(document.querySelectorAll("#partitions tr")).every(tr => {
-		const c = tr.cells; return c.length === 8 && /^worker-[12]$/.test(c[1].textContent) && /^[0-9]+$/.test(c[2].textContent) && /^[0-9]+$/.test(c[7].textContent)
+	browser := headless.Start(t, ctx, page)
+	browser.WaitFor(t, ctx, "the first state", `Number(document.body.dataset.updates) >= 1 && document.getElementById("partitions").rows.length === `+fmt.Sprint(partitions))
+	// The table: each partition held by one of the workers, at an epoch
+	// shown by its last digits (whole in its title), renewed with its
+	// holder's session a moment ago, with its lag read.
+	browser.WaitFor(t, ctx, "holders, epochs, renewals and lag", `Array.from(document.querySelectorAll("#partitions tr")).every(tr => {
+		const c = tr.cells; return c.length === 8 && /^worker-[12]$/.test(c[1].textContent) && /^…[0-9]{6}$/.test(c[2].textContent) && /^[0-9]{16}$/.test(c[2].title) &&
+			c[2].title.endsWith(c[2].textContent.slice(1)) && /^[0-9.]+m?s ago \(session\)$/.test(c[4].textContent) && /^[0-9]+$/.test(c[7].textContent)
 	})`)
 	var refusedBefore string
-	if err := browser.eval(ctx, `document.getElementById("refusals").innerText`, &refusedBefore); err != nil {
+	if err := browser.Eval(ctx, `document.getElementById("refusals").innerText`, &refusedBefore); err != nil {
 		t.Fatal(err)
 	}
 	if strings.Contains(refusedBefore, "worker-") {
@@ -127,7 +130,7 @@ func TestStatusPageInChromium(t *testing.T) {
 	}
 	// A mark that a reload would wipe out.
 	var ok bool
-	if err := browser.eval(ctx, `window.loadedOnce = "yes"; true`, &ok); err != nil {
+	if err := browser.Eval(ctx, `window.loadedOnce = "yes"; true`, &ok); err != nil {
 		t.Fatal(err)
 	}
 
@@ -138,14 +141,14 @@ func TestStatusPageInChromium(t *testing.T) {
 
 	// Its refusal: the zombie's name in the writer column of a row whose
 	// epoch is below the one it was judged against.
-	browser.waitFor(t, ctx, "the frozen worker's refused write", fmt.Sprintf(`Array.from(document.querySelectorAll("#refusals tr.refused")).some(tr => {
-		const c = tr.cells; return c.length === 10 && c[1].textContent === %q && BigInt(c[4].textContent) < BigInt(c[5].textContent) && c[7].textContent === "stale"
+	browser.WaitFor(t, ctx, "the frozen worker's refused write", fmt.Sprintf(`Array.from(document.querySelectorAll("#refusals tr.refused")).some(tr => {
+		const c = tr.cells; return c.length === 10 && c[1].textContent === %q && BigInt(c[4].dataset.epoch) < BigInt(c[5].dataset.epoch) && c[7].textContent === "stale"
 	})`, zombie))
-	browser.waitFor(t, ctx, "the take-over of the frozen worker's partitions", fmt.Sprintf(`Array.from(document.querySelectorAll("#moves tr")).some(tr => {
+	browser.WaitFor(t, ctx, "the take-over of the frozen worker's partitions", fmt.Sprintf(`Array.from(document.querySelectorAll("#moves tr")).some(tr => {
 		const c = tr.cells; return c.length === 8 && c[1].textContent === "take-over" && c[4].textContent === %q && c[6].textContent !== %q
 	})`, zombie, zombie))
 	var loaded string
-	if err := browser.eval(ctx, `window.loadedOnce || "reloaded"`, &loaded); err != nil || loaded != "yes" {
+	if err := browser.Eval(ctx, `window.loadedOnce || "reloaded"`, &loaded); err != nil || loaded != "yes" {
 		t.Fatalf("the page was reloaded (%q, %v): the refusal must arrive by server-sent events", loaded, err)
 	}
 
@@ -161,9 +164,9 @@ func TestStatusPageInChromium(t *testing.T) {
 	if _, err := js.Publish(ctx, statuspage.EventSubject("leasehold", statuspage.KindRefused), []byte(`{"kind":"bogus"}`)); err != nil {
 		t.Fatal(err)
 	}
-	browser.waitFor(t, ctx, "the forged event as text", fmt.Sprintf(`Array.from(document.querySelectorAll("#refusals td")).some(td => td.textContent === %q) && document.getElementById("invalid").textContent.startsWith("1 event ")`, forged))
+	browser.WaitFor(t, ctx, "the forged event as text", fmt.Sprintf(`Array.from(document.querySelectorAll("#refusals td")).some(td => td.textContent === %q) && document.getElementById("invalid").textContent.startsWith("1 event ")`, forged))
 	var injected bool
-	if err := browser.eval(ctx, `document.getElementById("forged") !== null || document.title === "owned"`, &injected); err != nil || injected {
+	if err := browser.Eval(ctx, `document.getElementById("forged") !== null || document.title === "owned"`, &injected); err != nil || injected {
 		t.Fatalf("the forged event's markup became part of the page (%v, %v)", injected, err)
 	}
 

@@ -24,8 +24,8 @@ func TestPostgresSinkSurvivesARestart(t *testing.T) {
 	pg := pgtest.Start(t)
 	s, ctx := listening(t, 3*time.Minute)
 	mustRun(t, ctx, "init", "--nats", s.URL(), "--partitions", "2")
-	background(t, "worker", "--nats", s.URL(), "--partitions", "2", "--worker-id", "pw", "--ttl", "2s", "--http", "", "--log-level", "error")
-	background(t, "sink", "--nats", s.URL(), "--kind", "postgres", "--postgres-url", pg.DSN(), "--verify-epochs", "--http", "", "--log-level", "error")
+	background(t, "worker", "--nats", s.URL(), "--partitions", "2", "--worker-id", "pw", "--ttl", "2s", "--http", "", "--log-level", "warn")
+	background(t, "sink", "--nats", s.URL(), "--kind", "postgres", "--postgres-url", pg.DSN(), "--verify-epochs", "--http", "", "--log-level", "warn")
 
 	db, err := pgxpool.New(ctx, pg.DSN())
 	if err != nil {
@@ -52,6 +52,16 @@ func TestPostgresSinkSurvivesARestart(t *testing.T) {
 		err = db.QueryRow(qctx, "SELECT count(*), count(DISTINCT key) FROM leasehold_effects").Scan(&n, &distinct)
 		return
 	}
+	missing := func(keys []string) []string {
+		var out []string
+		for _, k := range keys {
+			var one int
+			if err := db.QueryRow(context.Background(), "SELECT 1 FROM leasehold_effects WHERE key = $1", k).Scan(&one); err != nil {
+				out = append(out, k)
+			}
+		}
+		return out
+	}
 	waitRows := func(want int) {
 		for {
 			n, d, err := rows()
@@ -63,7 +73,7 @@ func TestPostgresSinkSurvivesARestart(t *testing.T) {
 			}
 			select {
 			case <-ctx.Done():
-				t.Fatalf("%d of %d effects applied (%v)", n, want, err)
+				t.Fatalf("%d of %d effects applied (%v); missing: %v", n, want, err, missing(keys[:want]))
 			case <-time.After(50 * time.Millisecond):
 			}
 		}

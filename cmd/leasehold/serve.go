@@ -10,15 +10,11 @@ import (
 	"time"
 )
 
-// serveHTTP serves handler on addr until ctx ends. It returns once the
-// listener is open, so a taken port fails the command at start, and a
-// function that waits for the server to stop.
-func serveHTTP(ctx context.Context, addr string, handler http.Handler, log *slog.Logger) (wait func(), err error) {
-	return serve(ctx, "--http", addr, "--http '' to serve nothing", handler, "/metrics, /livez and /readyz", log)
-}
-
-// serve is serveHTTP for the listener that flag names: unset says how to
-// leave it unset, what what it serves.
+// serve serves handler on addr until ctx ends, for the listener that flag
+// names: unset says how to leave it unset, what what it serves. It
+// returns once the listener is open, so a taken port fails the command at
+// start, and a function that waits for the server to stop. (The status
+// page, /metrics, /livez and /readyz are served by startPage.)
 func serve(ctx context.Context, flag, addr, unset string, handler http.Handler, what string, log *slog.Logger) (wait func(), err error) {
 	if addr == "" {
 		return func() {}, nil

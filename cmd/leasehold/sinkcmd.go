@@ -16,6 +16,7 @@ import (
 	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/history"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/kvsink"
@@ -132,9 +133,26 @@ func runSink(ctx context.Context, f sinkFlags) error {
 		log.Warn("sink starting WITHOUT FENCING: stale effects will be applied", "name", f.name)
 		return runUnfenced(ctx, js, f, hist, log)
 	}
-	events := newEvents(js, f.conn.prefix, f.name, f.tel, log)
-	defer events.Close()
-	observers := sink.Observers{events.SinkObserver()}
+	pageCfg := statuspage.ServeConfig{JetStream: js, Prefix: f.conn.prefix, Name: f.name, ServedBy: "sink " + f.name, Addr: f.httpAddr,
+		Metrics: metrics, Telemetry: f.tel, DeadLetters: statuspage.DefaultDeadLetters(f.conn.prefix, false, true), Logger: log}
+	var verifier *coordinator.Bucket
+	if f.verifyEpochs {
+		b, err := f.conn.openLeaseBucket(ctx, js)
+		if err != nil {
+			if _, serr := js.Stream(ctx, "KV_"+f.conn.leaseBucket()); errors.Is(serr, jetstream.ErrStreamNotFound) {
+				return fmt.Errorf("run `leasehold init --prefix %s` first: there is no lease bucket %s, which the sink checks every new epoch against%s",
+					f.conn.prefix, f.conn.leaseBucket(), f.conn.knownPrefixes(ctx, js))
+			}
+			return fmt.Errorf("the sink checks every new epoch against the lease bucket (--verify-epochs): %w", err)
+		}
+		verifier, pageCfg.Bucket = b, b
+	}
+	page, err := startPage(ctx, pageCfg)
+	if err != nil {
+		return err
+	}
+	defer page.Close()
+	observers := sink.Observers{page.SinkObserver()}
 	var applied sink.Observer
 	if hist != nil {
 		observers = append(observers, historyDecisions(hist, ""))
@@ -150,20 +168,9 @@ func runSink(ctx context.Context, f sinkFlags) error {
 		// Progress saved before fence scopes is converted with this set.
 		LegacyScope: f.legacyScope,
 	}
-	page := statuspage.Config{JetStream: js, Prefix: f.conn.prefix, ServedBy: "sink " + f.name,
-		DeadLetters: statuspage.DefaultDeadLetters(f.conn.prefix, false, true), Logger: log}
-	if f.verifyEpochs {
-		b, err := f.conn.openLeaseBucket(ctx, js)
-		if err != nil {
-			if _, serr := js.Stream(ctx, "KV_"+f.conn.leaseBucket()); errors.Is(serr, jetstream.ErrStreamNotFound) {
-				return fmt.Errorf("run `leasehold init --prefix %s` first: there is no lease bucket %s, which the sink checks every new epoch against%s",
-					f.conn.prefix, f.conn.leaseBucket(), f.conn.knownPrefixes(ctx, js))
-			}
-			return fmt.Errorf("the sink checks every new epoch against the lease bucket (--verify-epochs): %w", err)
-		}
-		cfg.Verifier, page.Bucket = b, b
+	if verifier != nil {
+		cfg.Verifier = verifier
 	}
-	checks := []telemetry.ReadyFunc{telemetry.NATSReady(nc, js)}
 	switch f.kind {
 	case "stream":
 		cfg.Downstream = f.downstream
@@ -175,7 +182,7 @@ func runSink(ctx context.Context, f sinkFlags) error {
 		defer a.close()
 		cfg.BatchHandler = a.applyBatch
 		if a.ready != nil {
-			checks = append(checks, a.ready)
+			page.Ready(a.ready)
 		}
 	default:
 		return fmt.Errorf("--kind %q: use kv, postgres or stream", f.kind)
@@ -190,17 +197,7 @@ func runSink(ctx context.Context, f sinkFlags) error {
 		}
 	}
 	// A gap in the log, or a runner that stopped advancing, fails /readyz.
-	checks = append(checks, r.Ready)
-	httpCtx, stopHTTP := context.WithCancel(context.Background())
-	mux, pageDone := withPage(httpCtx, f.httpAddr, telemetry.Mux(metrics, checks...), page)
-	defer pageDone()
-	wait, err := serveHTTP(httpCtx, f.httpAddr, mux, log)
-	if err != nil {
-		stopHTTP()
-		return err
-	}
-	defer wait()
-	defer stopHTTP()
+	page.Ready(r.Ready)
 	log.Info("sink starting", "kind", f.kind, "name", f.name, "prefix", f.conn.prefix, "verify_epochs", f.verifyEpochs)
 	if err := r.Run(ctx); err != nil && ctx.Err() == nil {
 		return fmt.Errorf("sink %s: %w", f.name, err)

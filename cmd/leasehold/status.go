@@ -9,13 +9,11 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/statuspage"
-	"github.com/leasehold/leasehold/telemetry"
 )
 
 func newStatus() *cobra.Command {
@@ -28,10 +26,12 @@ func newStatus() *cobra.Command {
 		Use:   "status",
 		Short: "Print the partition table from the lease bucket",
 		Long: `status reads the lease bucket and prints, for every partition, who holds it, at
-which epoch, how long ago it was acquired and renewed, the epoch its progress
-was last fenced under, and the last input sequence committed; then every lock
+which epoch, how long ago it was acquired and renewed (a partition held by its
+worker's member session is renewed with the session: "(session)"), the epoch
+its progress was last fenced under, and the last input sequence committed; then every lock
 the same way, and records in either bucket that leasehold did not write, with
-what to do about each (` + "`leasehold fence --repair`" + ` repairs them).
+what to do about each (` + "`leasehold fence --repair`" + ` repairs them). Epochs
+show their last digits ("…447291"); --json gives them whole.
 
 With --http it serves the same as a live web page until interrupted, with
 each partition's lag, the take-overs, lease losses and refused writes of the
@@ -51,7 +51,7 @@ to) and the dead letters. Workers and sinks serve the page on their own
 				return err
 			}
 			if httpAddr != "" {
-				return servePage(ctx, cmd.OutOrStdout(), nc, js, b, conn.prefix, httpAddr)
+				return servePage(ctx, cmd.OutOrStdout(), js, b, conn.prefix, httpAddr)
 			}
 			st, err := b.Snapshot(ctx)
 			if err != nil {
@@ -77,7 +77,7 @@ func printStatus(out io.Writer, st coordinator.Status, now time.Time) {
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "PARTITION\tHOLDER\tEPOCH\tLEASE AGE\tRENEWED\tFENCED EPOCH\tPROGRESS")
 	for _, r := range parts {
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.Name, r.Holder, r.Epoch, r.Age, r.Renewed, r.Fenced, r.Progress)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.Name, r.Holder, statuspage.ShortEpoch(r.Epoch), r.Age, r.Renewed, statuspage.ShortEpoch(r.Fenced), r.Progress)
 	}
 	tw.Flush()
 	if len(locks) > 0 {
@@ -85,7 +85,7 @@ func printStatus(out io.Writer, st coordinator.Status, now time.Time) {
 		tw = tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 		fmt.Fprintln(tw, "LOCK\tHOLDER\tEPOCH\tLEASE AGE\tRENEWED\tFENCED EPOCH")
 		for _, r := range locks {
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", r.Name, r.Holder, r.Epoch, r.Age, r.Renewed, r.Fenced)
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", r.Name, r.Holder, statuspage.ShortEpoch(r.Epoch), r.Age, r.Renewed, statuspage.ShortEpoch(r.Fenced))
 		}
 		tw.Flush()
 	}
@@ -96,24 +96,17 @@ func printStatus(out io.Writer, st coordinator.Status, now time.Time) {
 }
 
 // servePage serves the live status page on addr until ctx ends, with
-// /livez and /readyz (NATS reachable).
-func servePage(ctx context.Context, out io.Writer, nc *nats.Conn, js jetstream.JetStream, b *coordinator.Bucket, prefix, addr string) error {
-	log := slog.New(slog.NewTextHandler(out, nil))
-	httpCtx, stop := context.WithCancel(ctx)
-	defer stop()
-	mux, pageDone := withPage(httpCtx, addr, telemetry.Mux(nil, telemetry.NATSReady(nc, js)), statuspage.Config{
-		JetStream: js, Bucket: b, Prefix: prefix, ServedBy: "leasehold status", Lag: true,
-		DeadLetters: statuspage.DefaultDeadLetters(prefix, true, true), Logger: log,
+// /livez and /readyz (NATS reachable), and logs where it is.
+func servePage(ctx context.Context, out io.Writer, js jetstream.JetStream, b *coordinator.Bucket, prefix, addr string) error {
+	p, err := startPage(ctx, statuspage.ServeConfig{
+		JetStream: js, Bucket: b, Prefix: prefix, Name: "leasehold status", Addr: addr, Lag: true,
+		DeadLetters: statuspage.DefaultDeadLetters(prefix, true, true), Logger: slog.New(slog.NewTextHandler(out, nil)),
 	})
-	defer pageDone()
-	wait, err := serveHTTP(httpCtx, addr, mux, log)
 	if err != nil {
-		stop() // before pageDone waits for the page to stop
 		return err
 	}
 	<-ctx.Done()
-	stop()
-	wait()
+	p.Close()
 	return nil
 }
 

@@ -130,9 +130,13 @@ func runWorker(ctx context.Context, f workerFlags) error {
 	if hist != nil {
 		observer = historyObserver(hist)
 	}
-	events := newEvents(js, f.conn.prefix, f.id, tel.Config(), log)
-	defer events.Close()
-	observer = events.WorkerObserver(observer)
+	page, err := startPage(ctx, statuspage.ServeConfig{JetStream: js, Bucket: bucket, Prefix: f.conn.prefix, Name: f.id, ServedBy: "worker " + f.id,
+		Addr: f.httpAddr, Metrics: metrics, Telemetry: tel.Config(), Lag: true, DeadLetters: statuspage.DefaultDeadLetters(f.conn.prefix, true, false), Logger: log})
+	if err != nil {
+		return err
+	}
+	defer page.Close()
+	observer = page.WorkerObserver(observer)
 	w, err := worker.New(worker.Config{
 		JetStream:  js,
 		Prefix:     f.conn.prefix,
@@ -155,24 +159,15 @@ func runWorker(ctx context.Context, f workerFlags) error {
 	if err != nil {
 		return err
 	}
-	httpCtx, stopHTTP := context.WithCancel(context.Background())
-	page := statuspage.Config{JetStream: js, Bucket: bucket, Prefix: f.conn.prefix, ServedBy: "worker " + f.id, Lag: true,
-		DeadLetters: statuspage.DefaultDeadLetters(f.conn.prefix, true, false), Logger: log}
-	mux, pageDone := withPage(httpCtx, f.httpAddr, telemetry.Mux(metrics, telemetry.NATSReady(nc, js), w.Ready), page)
-	defer pageDone()
-	wait, err := serveHTTP(httpCtx, f.httpAddr, mux, log)
+	page.Ready(w.Ready)
+	pprofCtx, stopPprof := context.WithCancel(context.Background())
+	waitPprof, err := servePprof(pprofCtx, f.pprofAddr, log)
 	if err != nil {
-		stopHTTP()
-		return err
-	}
-	defer wait()
-	waitPprof, err := servePprof(httpCtx, f.pprofAddr, log)
-	if err != nil {
-		stopHTTP()
+		stopPprof()
 		return err
 	}
 	defer waitPprof()
-	defer stopHTTP()
+	defer stopPprof()
 	// The worker logs its start and stop itself.
 	if err := w.Run(ctx); err != nil {
 		return fmt.Errorf("worker %s: %w", f.id, err)

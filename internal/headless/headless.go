@@ -1,12 +1,17 @@
-package main
+// Package headless drives a headless Chromium over the DevTools protocol,
+// for the tests of the status page: load it, evaluate script in it, wait
+// for what it shows, and take a screenshot. Import it from tests only.
+package headless
 
 import (
 	"bufio"
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -14,11 +19,11 @@ import (
 	"github.com/leasehold/leasehold/internal/testskip"
 )
 
-// chromium is a headless Chromium driven over the DevTools protocol on a
+// Browser is a headless Chromium driven over the DevTools protocol on a
 // pipe (--remote-debugging-pipe: commands on fd 3, answers on fd 4, each
 // message ending in a NUL byte), as Playwright drives it. No websocket and
 // no module beyond the standard library.
-type chromium struct {
+type Browser struct {
 	cmd     *exec.Cmd
 	toPipe  *os.File
 	mu      sync.Mutex
@@ -36,9 +41,9 @@ type cdpReply struct {
 	} `json:"error"`
 }
 
-// chromiumPath finds Chromium, or skips the test with the reason; with
+// Path finds Chromium, or skips the test with the reason; with
 // LEASEHOLD_REQUIRE_CHROMIUM=1 (as CI sets it) a missing Chromium fails it.
-func chromiumPath(t *testing.T) string {
+func Path(t *testing.T) string {
 	t.Helper()
 	for _, name := range []string{os.Getenv("LEASEHOLD_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"} {
 		if name == "" {
@@ -55,10 +60,10 @@ func chromiumPath(t *testing.T) string {
 	return ""
 }
 
-// startChromium starts a headless Chromium with one page showing url.
-func startChromium(t *testing.T, ctx context.Context, url string) *chromium {
+// Start starts a headless Chromium with one page showing url.
+func Start(t *testing.T, ctx context.Context, url string) *Browser {
 	t.Helper()
-	path := chromiumPath(t)
+	path := Path(t)
 	cmdR, cmdW, err := os.Pipe()
 	if err != nil {
 		t.Fatal(err)
@@ -78,7 +83,7 @@ func startChromium(t *testing.T, ctx context.Context, url string) *chromium {
 	}
 	cmdR.Close()
 	outW.Close()
-	c := &chromium{cmd: cmd, toPipe: cmdW, waiting: map[int]chan cdpReply{}, done: make(chan struct{})}
+	c := &Browser{cmd: cmd, toPipe: cmdW, waiting: map[int]chan cdpReply{}, done: make(chan struct{})}
 	go c.read(outR)
 	t.Cleanup(func() {
 		if t.Failed() {
@@ -108,7 +113,7 @@ func startChromium(t *testing.T, ctx context.Context, url string) *chromium {
 	return c
 }
 
-func (c *chromium) read(r *os.File) {
+func (c *Browser) read(r *os.File) {
 	defer close(c.done)
 	defer r.Close()
 	br := bufio.NewReader(r)
@@ -137,7 +142,7 @@ func (c *chromium) read(r *os.File) {
 	}
 }
 
-func (c *chromium) call(ctx context.Context, session, method string, params any) (json.RawMessage, error) {
+func (c *Browser) call(ctx context.Context, session, method string, params any) (json.RawMessage, error) {
 	c.mu.Lock()
 	c.next++
 	id := c.next
@@ -172,7 +177,7 @@ func (c *chromium) call(ctx context.Context, session, method string, params any)
 	}
 }
 
-func (c *chromium) mustCall(t *testing.T, ctx context.Context, session, method string, params, result any) {
+func (c *Browser) mustCall(t *testing.T, ctx context.Context, session, method string, params, result any) {
 	t.Helper()
 	raw, err := c.call(ctx, session, method, params)
 	if err != nil {
@@ -185,10 +190,33 @@ func (c *chromium) mustCall(t *testing.T, ctx context.Context, session, method s
 	}
 }
 
-// eval evaluates a JavaScript expression in the page and decodes its
+// Eval evaluates a JavaScript expression in the page and decodes its
 // value into v.
-func (c *chromium) eval(ctx context.Context, expr string, v any) error {
-	raw, err := c.call(ctx, c.session, "Runtime.evaluate", map[string]any{"expression": expr, "returnByValue": true})
+func (c *Browser) Eval(ctx context.Context, expr string, v any) error {
+	return c.evaluate(ctx, expr, false, v)
+}
+
+// Await evaluates expr, an expression whose value is a promise, and
+// waits for it to settle: for a page to dispatch an event, say, rather
+// than polling what it shows. It decodes the promise's value into v.
+func (c *Browser) Await(ctx context.Context, expr string, v any) error {
+	for {
+		err := c.evaluate(ctx, expr, true, v)
+		// A page still loading replaces the context it is evaluated in:
+		// evaluate again in the new one.
+		if err == nil || !strings.Contains(err.Error(), "context was destroyed") && !strings.Contains(err.Error(), "Cannot find context") {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+func (c *Browser) evaluate(ctx context.Context, expr string, await bool, v any) error {
+	raw, err := c.call(ctx, c.session, "Runtime.evaluate", map[string]any{"expression": expr, "returnByValue": true, "awaitPromise": await})
 	if err != nil {
 		return err
 	}
@@ -212,21 +240,21 @@ func (c *chromium) eval(ctx context.Context, expr string, v any) error {
 	return json.Unmarshal(res.Result.Value, v)
 }
 
-// waitFor evaluates expr (which must return a boolean) until it is true,
+// WaitFor evaluates expr (which must return a boolean) until it is true,
 // polling every 250ms until ctx ends.
-func (c *chromium) waitFor(t *testing.T, ctx context.Context, what, expr string) {
+func (c *Browser) WaitFor(t *testing.T, ctx context.Context, what, expr string) {
 	t.Helper()
 	var lastErr error
 	for {
 		var ok bool
-		if lastErr = c.eval(ctx, expr, &ok); lastErr == nil && ok {
+		if lastErr = c.Eval(ctx, expr, &ok); lastErr == nil && ok {
 			return
 		}
 		select {
 		case <-ctx.Done():
 			var body string
 			bctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-			_ = c.eval(bctx, "document.body.innerText", &body)
+			_ = c.Eval(bctx, "document.body.innerText", &body)
 			cancel()
 			t.Fatalf("the page never showed %s (last error: %v); it shows:\n%s", what, lastErr, body)
 		case <-time.After(250 * time.Millisecond):
@@ -254,4 +282,19 @@ func (b *tailBuffer) String() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return string(b.buf)
+}
+
+// Screenshot returns a PNG of the page as it is shown now.
+func (c *Browser) Screenshot(ctx context.Context) ([]byte, error) {
+	raw, err := c.call(ctx, c.session, "Page.captureScreenshot", map[string]any{"format": "png", "captureBeyondViewport": true})
+	if err != nil {
+		return nil, err
+	}
+	var shot struct {
+		Data string `json:"data"`
+	}
+	if err := json.Unmarshal(raw, &shot); err != nil {
+		return nil, err
+	}
+	return base64.StdEncoding.DecodeString(shot.Data)
 }
