@@ -97,7 +97,7 @@ func (r *runner) attempts(j *jobRun, st retryState, halt <-chan struct{}) {
 		ctx := context.WithValue(r.ctx, jobKey{}, job)
 		ctx = r.w.tel.Propagator.Extract(ctx, telemetry.HeaderCarrier(job.Header))
 		ctx, span := r.startProcess(ctx, job)
-		ctx, cancel := context.WithTimeoutCause(ctx, r.w.cfg.HandleTimeout, ErrHandleTimeout)
+		ctx, cancel := context.WithTimeoutCause(ctx, r.timeout(job), ErrHandleTimeout)
 		r.event(ctx, Event{Kind: EventJobStarted, Job: job, Seq: seq, Attempt: st.runs})
 		start := time.Now()
 		dog := r.watch(ctx, j, job, st, start)
@@ -155,16 +155,9 @@ func (r *runner) attempts(j *jobRun, st retryState, halt <-chan struct{}) {
 			r.tell(report{run: j, kind: reportStale, st: st})
 			return
 		}
-		if r.counts(&st, err) {
-			st.failures++
-		}
-		st.err = err
-		st.dead = IsPermanent(err) || st.failures >= r.w.cfg.MaxAttempts
-		var wait time.Duration
-		if !st.dead {
-			wait = r.w.cfg.Backoff(st.runs)
-		}
-		r.event(ctx, Event{Kind: EventJobFailed, Job: job, Seq: seq, Attempt: st.runs, Err: err, Duration: took, Backoff: wait})
+		v := r.judge(&st, job, err)
+		wait := v.wait
+		r.event(ctx, v.event(job, seq, st, took))
 		if !st.dead {
 			r.log.Warn("job failed; retrying", "seq", seq, "attempt", st.runs, "backoff", wait, "err", err)
 			if r.sleep(wait, halt) != 0 {

@@ -121,11 +121,14 @@ func (j *Job) sendable() error {
 // sendable reports why the runner's lease may no longer be written under
 // (see Job.sendable).
 func (r *runner) sendable() error {
-	if err := r.lease.Err(); err != nil {
-		return err
-	}
-	if d := r.lease.Deadline(); !time.Now().Before(d) {
-		return fmt.Errorf("the lease's local deadline passed %v ago", time.Since(d).Round(time.Millisecond))
+	// An InMemory runner has no lease: its context says when it is lost.
+	if r.lease != nil {
+		if err := r.lease.Err(); err != nil {
+			return err
+		}
+		if d := r.lease.Deadline(); !time.Now().Before(d) {
+			return fmt.Errorf("the lease's local deadline passed %v ago", time.Since(d).Round(time.Millisecond))
+		}
 	}
 	if err := r.ctx.Err(); err != nil {
 		return context.Cause(r.ctx)

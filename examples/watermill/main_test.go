@@ -3,16 +3,22 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"go.uber.org/goleak"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/testing/natstest"
+	"github.com/leasehold/leasehold/worker"
+	"github.com/leasehold/leasehold/worker/wmstamp"
+	"github.com/leasehold/leasehold/worker/workertest"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -44,5 +50,37 @@ func TestStaleMessageDropped(t *testing.T) {
 				t.Errorf("the output lacks %q", want)
 			}
 		}
+	}
+}
+
+// A handler tested without NATS: the program's ship handler publishes
+// through the stamping Watermill publisher, which takes its stamp from the
+// job in the handler's context; in memory the message carries the lease
+// the test set and the job's first idempotency key.
+func TestShipHandlerWithoutNATS(t *testing.T) {
+	var sent []*message.Message
+	network := publishFunc(func(topic string, msgs ...*message.Message) error {
+		sent = append(sent, msgs...)
+		return nil
+	})
+	pub := wmstamp.NewPublisher(network, wmstamp.Config{})
+	mux := worker.NewMux()
+	worker.Handle(mux, "ship", func(ctx context.Context, _ *worker.Job, o Order) error {
+		payload, _ := json.Marshal(o)
+		return pub.Publish("shipments", message.NewMessageWithContext(ctx, watermill.NewUUID(), payload))
+	})
+	h := workertest.New(t, workertest.Config{Handler: mux, Worker: worker.Config{Prefix: "shipping", Partitions: 1},
+		Lease: leasehold.Lease{Epoch: 9, Acquisition: "a9", Holder: "worker-b"}})
+	res := workertest.Work(t.Context(), h, "ship", Order{ID: "o-2"})
+	res.RequireDone()
+	if len(sent) != 1 || string(sent[0].Payload) != `{"ID":"o-2"}` {
+		t.Fatalf("shipped %d messages", len(sent))
+	}
+	st, err := leasehold.StampFromMetadata(sent[0].Metadata)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := h.Lease(0).Stamp(res.Key(0)); st != want {
+		t.Errorf("stamped %+v, want %+v", st, want)
 	}
 }

@@ -1,0 +1,37 @@
+package worker
+
+import "time"
+
+// verdict is what becomes of a job after a failed attempt: whether the
+// failure counts towards its attempts, and the wait before the next one
+// (the job's retry state says whether there is one).
+type verdict struct {
+	counted bool
+	wait    time.Duration
+}
+
+// judge accounts for the failed attempt err of job, whose state st it
+// updates: a failure that counts uses up an attempt, and a permanent one,
+// or the last attempt's, marks the job to be dead-lettered. The worker's
+// runner and InMemory both judge through it.
+func (r *runner) judge(st *retryState, job *Job, err error) verdict {
+	var v verdict
+	if r.counts(st, err) {
+		st.failures++
+		v.counted = true
+	}
+	st.err = err
+	st.dead = IsPermanent(err) || st.failures >= r.w.cfg.MaxAttempts
+	if !st.dead {
+		v.wait = r.w.cfg.Backoff(st.runs)
+	}
+	return v
+}
+
+// event is the event of the failed attempt v judged.
+func (v verdict) event(job *Job, seq uint64, st retryState, took time.Duration) Event {
+	return Event{Kind: EventJobFailed, Job: job, Seq: seq, Attempt: st.runs, Err: st.err, Duration: took, Backoff: v.wait}
+}
+
+// timeout bounds an attempt at job.
+func (r *runner) timeout(job *Job) time.Duration { return r.w.cfg.HandleTimeout }
