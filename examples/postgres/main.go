@@ -1,10 +1,14 @@
 // Command postgres: a job handler whose SQL commits in one transaction with
 // the fence check and the job's idempotency key (pgsink.ApplyTx). worker-a
 // freezes in the middle of a job; worker-b takes over and pays the order;
-// worker-a wakes up, and its late transaction is refused whole.
+// worker-a wakes up, and its late transaction is refused whole. The
+// program serves leasehold's status page, /metrics, /livez and /readyz
+// with one call, statuspage.Serve; with -http it keeps serving them at the
+// end, the refusal on the page, until interrupted.
 //
 //	go run ./examples/postgres -postgres postgres://user:password@127.0.0.1:5432/shop
 //	go run ./examples/postgres -postgres ... -nats nats://127.0.0.1:4222
+//	go run ./examples/postgres -postgres ... -http :8080
 package main
 
 import (
@@ -15,6 +19,8 @@ import (
 	"io"
 	"log"
 	"os"
+	"os/signal"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -26,6 +32,7 @@ import (
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink/pgsink"
+	"github.com/leasehold/leasehold/statuspage"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -44,19 +51,36 @@ INSERT INTO leasehold_example.orders (id, cents) VALUES ('o-1', 1000), ('o-2', 2
 INSERT INTO leasehold_example.accounts VALUES ('merchant', 0);`
 
 func main() {
-	natsURL := flag.String("nats", os.Getenv("NATS_URL"), "NATS server `URL` (empty: an embedded server)")
-	pgURL := flag.String("postgres", os.Getenv("DATABASE_URL"), "PostgreSQL connection `string`")
+	var o options
+	flag.StringVar(&o.nats, "nats", os.Getenv("NATS_URL"), "NATS server `URL` (empty: an embedded server)")
+	flag.StringVar(&o.postgres, "postgres", os.Getenv("DATABASE_URL"), "PostgreSQL connection `string`")
+	flag.StringVar(&o.http, "http", "", "`address` to serve the status page, /metrics, /livez and /readyz on, and keep serving at the end until interrupted")
 	flag.Parse()
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	stop, cancelStop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer cancelStop()
+	o.hold = func(ctx context.Context, url string) error {
+		fmt.Printf("the status page at %s shows the refusal; Ctrl-C to stop\n", url)
+		<-stop.Done()
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(stop, time.Minute)
 	defer cancel()
-	if _, err := run(ctx, os.Stdout, *natsURL, *pgURL); err != nil {
+	if _, err := run(ctx, os.Stdout, o); err != nil {
 		log.Fatal(err)
 	}
 }
 
+// options are the example's: where NATS and PostgreSQL are, where to
+// serve the page, and what to do, the story told, before the page stops.
+type options struct {
+	nats, postgres, http string
+	hold                 func(ctx context.Context, url string) error
+}
+
 // run plays the example and returns the error that refused worker-a's late
 // transaction.
-func run(ctx context.Context, out io.Writer, natsURL, pgURL string) (*leasehold.StaleEpochError, error) {
+func run(ctx context.Context, out io.Writer, o options) (*leasehold.StaleEpochError, error) {
+	natsURL, pgURL := o.nats, o.postgres
 	say := func(format string, args ...any) { fmt.Fprintf(out, format+"\n", args...) }
 	db, err := pgxpool.New(ctx, pgURL)
 	if err != nil {
@@ -111,6 +135,19 @@ func run(ctx context.Context, out io.Writer, natsURL, pgURL string) (*leasehold.
 	if err != nil {
 		return nil, err
 	}
+	// The status page's events stream; `leasehold init` creates it too.
+	if _, err := statuspage.ProvisionEvents(ctx, js, "orders", 1); err != nil {
+		return nil, err
+	}
+	// One call: this program's take-overs, lease losses and refused writes
+	// go to the events stream, and the page, /metrics, /livez and /readyz
+	// are served on o.http. Its observers and telemetry go into the
+	// workers' and the sink's configurations below.
+	page, err := statuspage.Serve(ctx, statuspage.ServeConfig{JetStream: js, Bucket: leases, Prefix: "orders", Name: "shop", Addr: o.http})
+	if err != nil {
+		return nil, err
+	}
+	defer page.Close()
 
 	// The handler pays an order: both UPDATEs run inside ApplyTx, after the
 	// check of the job's stamp against the partition's fence and the insert
@@ -145,17 +182,19 @@ func run(ctx context.Context, out io.Writer, natsURL, pgURL string) (*leasehold.
 		})
 	}
 	start := func(name string) (context.CancelFunc, chan error, error) {
-		sink, err := pgsink.New(pgsink.Config{DB: db, Schema: "leasehold_example"})
+		sink, err := pgsink.New(pgsink.Config{DB: db, Schema: "leasehold_example", Observer: page.SinkObserver(), Telemetry: page.Telemetry()})
 		if err != nil {
 			return nil, nil, err
 		}
 		w, err := worker.New(worker.Config{JetStream: js, Prefix: "orders", Partitions: 1, Bucket: leases, Handler: handler(sink),
 			Fences:          []worker.Fence{sink}, // raised in PostgreSQL on acquiring a partition, before its first job
 			BarrierSubjects: func(leasehold.Partition) []string { return nil },
-			Coordinator:     coordinator.Config{Worker: name, ShutdownTimeout: time.Second, RebalanceDelay: 100 * time.Millisecond}})
+			Coordinator:     coordinator.Config{Worker: name, ShutdownTimeout: time.Second, RebalanceDelay: 100 * time.Millisecond},
+			Observer:        page.WorkerObserver(nil), Telemetry: page.Telemetry()})
 		wctx, stop := context.WithCancel(ctx)
 		done := make(chan error, 1)
 		if err == nil {
+			page.Ready(w.Ready)
 			go func() { done <- w.Run(wctx) }()
 		}
 		return stop, done, err
@@ -231,6 +270,11 @@ func run(ctx context.Context, out io.Writer, natsURL, pgURL string) (*leasehold.
 	}
 	if err := <-doneA; err != nil {
 		return nil, fmt.Errorf("worker-a: %w", err)
+	}
+	if o.http != "" && o.hold != nil {
+		if err := o.hold(ctx, page.URL()); err != nil {
+			return nil, err
+		}
 	}
 	stopB()
 	return refused, <-doneB

@@ -30,7 +30,7 @@ func TestLateTransactionRefused(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
 		var out bytes.Buffer
-		refused, err := run(ctx, &out, url, dsn)
+		refused, err := run(ctx, &out, options{nats: url, postgres: dsn})
 		if err != nil {
 			t.Fatalf("run: %v\n%s", err, out.String())
 		}
@@ -69,7 +69,7 @@ func TestForeignSchemaKept(t *testing.T) {
 	if _, err := conn.Exec(ctx, `CREATE SCHEMA leasehold_example; CREATE TABLE leasehold_example.precious (x int)`); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := run(ctx, &bytes.Buffer{}, "", dsn); err == nil {
+	if _, err := run(ctx, &bytes.Buffer{}, options{postgres: dsn}); err == nil {
 		t.Fatal("run over a foreign schema: no error")
 	}
 	if _, err := conn.Exec(ctx, `SELECT * FROM leasehold_example.precious`); err != nil {
