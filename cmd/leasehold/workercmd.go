@@ -28,6 +28,8 @@ type workerFlags struct {
 	ttl          time.Duration
 	drainTimeout time.Duration
 	concurrency  int
+	partConc     int
+	order        string
 	httpAddr     string
 	workTime     time.Duration
 	writeBehind  bool
@@ -64,7 +66,9 @@ what it has, commits progress and releases its partitions within
 	fs.StringVar(&f.id, "worker-id", "", "this worker's ID, unique among live workers: a second process under a live ID stops at start (default: the host name and a random suffix, new for each process); in Kubernetes pass the pod name")
 	fs.DurationVar(&f.ttl, "ttl", 10*time.Second, "lease TTL: how long a crashed worker's partitions wait before others take them (whole seconds)")
 	fs.DurationVar(&f.drainTimeout, "drain-timeout", 20*time.Second, "how long a shutdown may take to finish in-flight jobs and release partitions")
-	fs.IntVar(&f.concurrency, "concurrency", 0, "handlers running at once across partitions (0: one per held partition)")
+	fs.IntVar(&f.concurrency, "concurrency", 100, "handlers this worker runs at once beyond one per held partition: each held partition always runs one job, and every further job running at once takes one of these (0: none, one job per held partition)")
+	fs.IntVar(&f.partConc, "partition-concurrency", 16, fmt.Sprintf("jobs of one partition running at once under its lease, in the order --order keeps (1: one at a time, in stream order; at most %d)", worker.MaxPartitionConcurrency))
+	fs.StringVar(&f.order, "order", "key", "order among a partition's jobs running at once: key (the jobs of one order key one after another, in stream order; a job without an order key waits for every earlier job), partition (one job of the partition at a time) or none")
 	fs.StringVar(&f.httpAddr, "http", ":8080", "address for the status page (/), /metrics, /livez and /readyz ('' to serve nothing)")
 	fs.DurationVar(&f.workTime, "work-time", 0, "time the example handler spends on each job")
 	fs.BoolVar(&f.writeBehind, "write-behind", false, "example handler takes its stamp before the work and publishes afterwards (makes zombie writes when paused)")
@@ -85,6 +89,21 @@ func runWorker(ctx context.Context, f workerFlags) error {
 	log, err := newLogger(f.logLevel)
 	if err != nil {
 		return err
+	}
+	order, err := worker.ParseOrder(f.order)
+	if err != nil {
+		return fmt.Errorf("--order: %w", err)
+	}
+	if f.partConc < 1 || f.partConc > worker.MaxPartitionConcurrency {
+		return fmt.Errorf("--partition-concurrency %d: use 1 to %d", f.partConc, worker.MaxPartitionConcurrency)
+	}
+	switch {
+	case f.concurrency < 0:
+		return fmt.Errorf("--concurrency %d: use 0 or more (0: one job per held partition, none beside it)", f.concurrency)
+	case f.concurrency == 0:
+		// No slots beside each partition's own: one job of a partition at
+		// a time, as the flag meant before partitions ran several.
+		f.partConc = 1
 	}
 	if f.id == "" {
 		f.id = defaultWorkerID()
@@ -149,12 +168,14 @@ func runWorker(ctx context.Context, f workerFlags) error {
 			ShutdownTimeout: f.drainTimeout,
 			Logger:          log,
 		},
-		Telemetry:      tel.Config(),
-		MaxConcurrency: f.concurrency,
-		StallAfter:     f.stallAfter,
-		HandleTimeout:  f.handleTO,
-		Logger:         log,
-		Observer:       observer,
+		Telemetry:            tel.Config(),
+		MaxConcurrency:       f.concurrency,
+		PartitionConcurrency: f.partConc,
+		Order:                order,
+		StallAfter:           f.stallAfter,
+		HandleTimeout:        f.handleTO,
+		Logger:               log,
+		Observer:             observer,
 	})
 	if err != nil {
 		return err
