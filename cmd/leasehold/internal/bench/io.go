@@ -26,11 +26,8 @@ import (
 const (
 	ioWork = 50 * time.Millisecond
 	// ioPartitionConcurrency is how many jobs of one partition run at
-	// once, in leasehold and in the pool alike. `leasehold worker` runs
-	// one job of a partition at a time and takes no setting for more:
-	// once it takes --partition-concurrency and --order, set this to the
-	// worker's default (16), and workerArgs passes both flags.
-	ioPartitionConcurrency = 1
+	// once, in leasehold and in the pool alike: the worker's default.
+	ioPartitionConcurrency = 16
 	// ioOrder is the order leasehold keeps among a partition's jobs when
 	// more than one runs at once. Every job has a key of its own, so
 	// under "key" any two may run side by side.
@@ -62,10 +59,13 @@ func (s ioSetup) name() string { return fmt.Sprintf("io_p%d_w%d", s.partitions, 
 func (s ioSetup) held() int { return s.partitions / s.procs }
 
 // inFlightPerProc is how many handlers one process runs at once while
-// every partition it holds has jobs waiting: each held partition runs at
-// least one, and up to partitionConcurrency, within the process's bound.
+// every partition it holds has jobs waiting, as worker.Config.MaxConcurrency
+// says: each held partition runs one on a slot of its own, and up to
+// partitionConcurrency − 1 more on slots of the process's pool of
+// maxConcurrency.
 func (s ioSetup) inFlightPerProc() int {
-	return max(s.held(), min(s.held()*s.partitionConcurrency, s.maxConcurrency))
+	h := s.held()
+	return h + min(h*(s.partitionConcurrency-1), s.maxConcurrency)
 }
 
 func (s ioSetup) inFlight() int { return s.procs * s.inFlightPerProc() }

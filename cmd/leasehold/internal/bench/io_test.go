@@ -33,11 +33,11 @@ func TestIOSetupInFlight(t *testing.T) {
 	}{
 		{4, 1, 1, 4},      // one job a partition: as many as held
 		{16, 4, 1, 16},    // ... across processes
-		{4, 1, 16, 64},    // 4 × 16, below the process's bound
-		{16, 1, 16, 100},  // 256, bounded by the process's 100
+		{4, 1, 16, 64},    // 4 own slots and 4 × 15 of the pool's 100
+		{16, 1, 16, 116},  // 16 own slots and 16 × 15 = 240 bounded by the pool's 100
 		{16, 4, 16, 256},  // 4 × 16 in each of 4 processes
-		{16, 2, 16, 200},  // 8 × 16 = 128, bounded to 100 in each of 2
-		{256, 1, 16, 256}, // every held partition runs one, whatever the bound
+		{16, 2, 16, 216},  // 8 own slots and 8 × 15 = 120 bounded to 100, in each of 2
+		{256, 1, 16, 356}, // every held partition runs one, whatever the bound
 	} {
 		s := newIOSetup(c.partitions, c.procs)
 		s.partitionConcurrency = c.perPartition
@@ -50,6 +50,12 @@ func TestIOSetupInFlight(t *testing.T) {
 func TestIOSetupWorkerArgs(t *testing.T) {
 	t.Parallel()
 	s := newIOSetup(4, 1)
+	if s.partitionConcurrency != 16 || s.order != "key" {
+		t.Errorf("the rows run %d jobs a partition, order %q; want the worker's defaults, 16 and key", s.partitionConcurrency, s.order)
+	}
+	if a := strings.Join(s.workerArgs(), " "); !strings.Contains(a, "--partition-concurrency 16 --order key") {
+		t.Errorf("the default rows' worker arguments: %s", a)
+	}
 	s.partitionConcurrency = 1
 	args := strings.Join(s.workerArgs(), " ")
 	if !strings.Contains(args, "--work-time 50ms") || !strings.Contains(args, "--concurrency 100") || strings.Contains(args, "--partition-concurrency") {
