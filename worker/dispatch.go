@@ -113,7 +113,7 @@ func (r *runner) admit(m *jobMsg) {
 		return
 	}
 	j.m, j.md = m, md
-	j.lane = laneOf(r.policy.order, seq, m.Headers(), r.badOrderKey)
+	j.lane = r.laneOf(seq, m.Headers())
 	r.lanes.push(j)
 }
 

@@ -40,7 +40,8 @@
 //     jobs done beyond it, and runs the rest again.
 //     Processing is at least once; effects are exactly once where the
 //     destination dedupes by key.
-//   - A failed attempt is retried with backoff up to Config.MaxAttempts,
+//   - A failed attempt is retried with backoff up to Config.MaxAttempts
+//     (or its kind's: Handle's MaxAttempts, Backoff and Timeout options),
 //     then the job is dead-lettered to "<prefix>.dlq.<p>" with its data,
 //     headers and the error. Permanent errors and payloads that do not
 //     decode are dead-lettered at once; a panic counts as a failure.

@@ -73,13 +73,18 @@ func (jsonCodec) Unmarshal(data []byte, v any) error { return json.Unmarshal(dat
 
 // Handle registers a typed handler for jobs of kind on mux, decoding
 // payloads as JSON. A payload that does not decode as T is dead-lettered at
-// once. It panics on an invalid or duplicate kind (see Mux.HandleKind).
-func Handle[T any](mux *Mux, kind string, h func(ctx context.Context, job *Job, v T) error) {
-	HandleWith(mux, kind, JSONCodec, h)
+// once. opts are the kind's own settings (MaxAttempts, Backoff, Timeout,
+// KindOrder; the worker's where unset):
+//
+//	worker.Handle(mux, "email", send, worker.MaxAttempts(10), worker.Timeout(time.Minute))
+//
+// It panics on an invalid or duplicate kind (see Mux.HandleKind).
+func Handle[T any](mux *Mux, kind string, h func(ctx context.Context, job *Job, v T) error, opts ...KindOption) {
+	HandleWith(mux, kind, JSONCodec, h, opts...)
 }
 
 // HandleWith is Handle with the codec c.
-func HandleWith[T any](mux *Mux, kind string, c Codec, h func(ctx context.Context, job *Job, v T) error) {
+func HandleWith[T any](mux *Mux, kind string, c Codec, h func(ctx context.Context, job *Job, v T) error, opts ...KindOption) {
 	if c == nil || h == nil {
 		panic(fmt.Sprintf("worker: HandleWith(%q): nil codec or handler", kind))
 	}
@@ -89,7 +94,7 @@ func HandleWith[T any](mux *Mux, kind string, c Codec, h func(ctx context.Contex
 			return Permanent(fmt.Errorf("job %d of partition %d (kind %q) does not decode as %T: %w", job.Seq, job.Partition, kind, v, err))
 		}
 		return h(ctx, job, v)
-	}))
+	}), opts...)
 }
 
 // Enqueue encodes v (as JSON unless WithCodec says otherwise) and enqueues

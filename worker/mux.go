@@ -25,17 +25,19 @@ import (
 type Mux struct {
 	mu       sync.RWMutex
 	handlers map[string]Handler
+	options  map[string]kindOptions // kinds registered with options (kindopts.go)
 	fallback Handler
 }
 
 // NewMux returns an empty Mux.
-func NewMux() *Mux { return &Mux{handlers: map[string]Handler{}} }
+func NewMux() *Mux { return &Mux{handlers: map[string]Handler{}, options: map[string]kindOptions{}} }
 
-// HandleKind registers h for jobs of kind; the typed Handle and
-// HandleWith register through it. Like http.ServeMux, it panics on an
-// invalid kind or a kind registered twice: both are programming errors
-// found at start.
-func (m *Mux) HandleKind(kind string, h Handler) {
+// HandleKind registers h for jobs of kind, with the kind's own settings
+// in opts (MaxAttempts, Backoff, Timeout, KindOrder; the worker's where
+// unset); the typed Handle and HandleWith register through it. Like
+// http.ServeMux, it panics on an invalid kind or a kind registered twice:
+// both are programming errors found at start.
+func (m *Mux) HandleKind(kind string, h Handler, opts ...KindOption) {
 	if err := ValidKind(kind); err != nil {
 		panic(err)
 	}
@@ -48,6 +50,9 @@ func (m *Mux) HandleKind(kind string, h Handler) {
 		panic(fmt.Sprintf("worker: Mux.HandleKind(%q): the kind has a handler already", kind))
 	}
 	m.handlers[kind] = h
+	if len(opts) > 0 {
+		m.options[kind] = newKindOptions(opts)
+	}
 }
 
 // HandleUnkinded registers h for jobs without a kind header: jobs enqueued

@@ -12,7 +12,9 @@ type verdict struct {
 
 // judge accounts for the failed attempt err of job, whose state st it
 // updates: a failure that counts uses up an attempt, and a permanent one,
-// or the last attempt's, marks the job to be dead-lettered. The worker's
+// or the last attempt's, marks the job to be dead-lettered; its kind's
+// options (kindopts.go) say how many attempts it has and how long it
+// waits between them. The worker's
 // runner and InMemory both judge through it.
 func (r *runner) judge(st *retryState, job *Job, err error) verdict {
 	var v verdict
@@ -21,9 +23,9 @@ func (r *runner) judge(st *retryState, job *Job, err error) verdict {
 		v.counted = true
 	}
 	st.err = err
-	st.dead = IsPermanent(err) || st.failures >= r.w.cfg.MaxAttempts
+	st.dead = IsPermanent(err) || st.failures >= r.maxAttempts(job)
 	if !st.dead {
-		v.wait = r.w.cfg.Backoff(st.runs)
+		v.wait = r.backoff(job, st.runs)
 	}
 	return v
 }
@@ -32,6 +34,3 @@ func (r *runner) judge(st *retryState, job *Job, err error) verdict {
 func (v verdict) event(job *Job, seq uint64, st retryState, took time.Duration) Event {
 	return Event{Kind: EventJobFailed, Job: job, Seq: seq, Attempt: st.runs, Err: st.err, Duration: took, Backoff: v.wait}
 }
-
-// timeout bounds an attempt at job.
-func (r *runner) timeout(job *Job) time.Duration { return r.w.cfg.HandleTimeout }

@@ -16,7 +16,7 @@
 //   - An attempt's error is classified as the worker classifies it: a
 //     Permanent error, a payload that does not decode or a job of a kind
 //     the Mux does not serve is dead-lettered at once; any other error is
-//     retried up to MaxAttempts, recording
+//     retried up to MaxAttempts (the kind's, then the worker's), recording
 //     the backoff the worker would wait without waiting it; a panic is a
 //     failed attempt; a handler that outlives HandleTimeout fails with
 //     worker.ErrHandleTimeout; an error matching leasehold.ErrStaleEpoch or

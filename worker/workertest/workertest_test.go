@@ -274,3 +274,23 @@ func TestStaleEpochAndLostLeaseStopThePartition(t *testing.T) {
 		t.Errorf("published after the lease was lost: %+v", h.Effects())
 	}
 }
+
+func TestKindOptionsApply(t *testing.T) {
+	mux := worker.NewMux()
+	worker.Handle(mux, "charge", func(ctx context.Context, job *worker.Job, o order) error {
+		return errors.New("card declined")
+	}, worker.MaxAttempts(2), worker.Backoff(func(n int) time.Duration { return time.Hour }))
+	worker.Handle(mux, "quick", func(ctx context.Context, job *worker.Job, o order) error {
+		<-ctx.Done()
+		return ctx.Err()
+	}, worker.Timeout(time.Millisecond), worker.MaxAttempts(1))
+	h := workertest.New(t, workertest.Config{Handler: mux, Worker: worker.Config{MaxAttempts: 9, HandleTimeout: time.Hour}})
+	res := workertest.Work(t.Context(), h, "charge", order{ID: "o1"})
+	if dl := res.RequireDeadLettered(); dl.Attempts != 2 || res.Attempts[0].Wait != time.Hour {
+		t.Errorf("charge: %s", res)
+	}
+	res = workertest.Work(t.Context(), h, "quick", order{ID: "o2"})
+	if res.RequireDeadLettered(); !errors.Is(res.Err(), worker.ErrHandleTimeout) {
+		t.Errorf("quick: %s", res)
+	}
+}
