@@ -265,10 +265,14 @@ func (r *Relay) holding(ctx context.Context) (*coordinator.Lease, error) {
 // until the term ends. Only the lock's holder consumes the effect log, so
 // two relays never split its messages between them, and a relay that
 // takes over starts from the progress its predecessor saved.
-func (r *Relay) RunSink(ctx context.Context, js jetstream.JetStream, cfg streamsink.Config) error {
+func (r *Relay) RunSink(ctx context.Context, js jetstream.JetStream, cfg streamsink.Config, opts ...SinkOption) error {
 	cfg.Handler, cfg.BatchHandler = nil, r.DeliverBatch
 	if err := cfg.Validate(); err != nil {
 		return fmt.Errorf("httpsink: invalid runner config: %w", err)
+	}
+	var o sinkOpts
+	for _, opt := range opts {
+		opt(&o)
 	}
 	return r.Run(ctx, func(ctx context.Context) error {
 		for conflicts := 0; ; conflicts++ {
@@ -278,6 +282,11 @@ func (r *Relay) RunSink(ctx context.Context, js jetstream.JetStream, cfg streams
 					return nil
 				}
 				return err
+			}
+			if o.resumeGap > 0 {
+				if err := rn.ResumeAfterGap(ctx, o.resumeGap); err != nil {
+					return fmt.Errorf("httpsink: resume after the gap up to %d: %w", o.resumeGap, err)
+				}
 			}
 			r.mu.Lock()
 			r.runner = rn
@@ -295,6 +304,19 @@ func (r *Relay) RunSink(ctx context.Context, js jetstream.JetStream, cfg streams
 		}
 	})
 }
+
+// SinkOption adjusts RunSink.
+type SinkOption func(*sinkOpts)
+
+type sinkOpts struct {
+	resumeGap uint64
+}
+
+// ResumeAfterGap has each term's runner go past a gap in the effect log
+// up to log position seq before it runs (streamsink.Runner.
+// ResumeAfterGap): whatever the log lost there is given up. Harmless once
+// the runner has passed seq.
+func ResumeAfterGap(seq uint64) SinkOption { return func(o *sinkOpts) { o.resumeGap = seq } }
 
 // Ready returns nil while the relay holds its lock, its runner (under
 // RunSink) is ready, and no endpoint has failed every request since its
