@@ -42,6 +42,7 @@ type sinkFlags struct {
 	noFence      bool
 	otlp         string
 	resumeGap    uint64
+	http         httpFlags
 	tel          telemetry.Config // set by runSink
 }
 
@@ -53,8 +54,10 @@ func newSinkCmd() *cobra.Command {
 		Long: `sink consumes the effect log (<prefix>-effects, on <prefix>.out.>) in order with a
 durable consumer, refuses every effect whose epoch is below its partition's
 recorded maximum (barriers raise it at the moment of take-over), and applies the
-rest to a KV bucket (--kind kv), a PostgreSQL database (--kind postgres) or a
-downstream stream (--kind stream). Refused effects are terminated, counted,
+rest to a KV bucket (--kind kv), a PostgreSQL database (--kind postgres), a
+downstream stream (--kind stream) or an HTTP endpoint (--kind http --url URL:
+one request per effect, with its Idempotency-Key, sent only while this relay
+holds its lock). Refused effects are terminated, counted,
 logged and traced. Its progress is crash-safe: a runner killed at any point
 resumes with nothing applied twice or lost. Run one runner per effect log.
 
@@ -71,7 +74,7 @@ sink holds, with the stamp each value was written under.`,
 	cmd.AddCommand(newSinkLs(), newSinkGet())
 	fs := cmd.Flags()
 	f.conn.register(fs)
-	fs.StringVar(&f.kind, "kind", "kv", "where accepted effects go: kv, postgres or stream")
+	fs.StringVar(&f.kind, "kind", "kv", "where accepted effects go: kv, postgres, stream or http")
 	fs.StringVar(&f.postgresURL, "postgres-url", "", "PostgreSQL connection URL for --kind postgres (env DATABASE_URL too)")
 	fs.StringVar(&f.kvBucket, "kv-bucket", "leasehold-sink", "KV bucket for --kind kv")
 	fs.StringVar(&f.downstream, "downstream", "", "stream accepted effects are republished into, for --kind stream (default <prefix>-fenced)")
@@ -84,6 +87,7 @@ sink holds, with the stamp each value was written under.`,
 	fs.BoolVar(&f.noFence, "unsafe-no-fence", false, "apply every effect without fencing (--kind kv only): shows what the fence prevents; never use it for real")
 	fs.Uint64Var(&f.resumeGap, "resume-gap", 0, "resume past a gap in the effect log up to this log position, on purpose: whatever the log lost there is given up (the runner stops at a gap and its ERROR line names the position); harmless once passed")
 	fs.StringVar(&f.otlp, "otlp", "", "OTLP/HTTP endpoint to send traces to, such as http://127.0.0.1:4318 (default $OTEL_EXPORTER_OTLP_ENDPOINT; none: no traces)")
+	f.http.register(fs)
 	_ = fs.MarkHidden("history")
 	_ = fs.MarkHidden("unsafe-no-fence")
 	return cmd
@@ -172,6 +176,8 @@ func runSink(ctx context.Context, f sinkFlags) error {
 		cfg.Verifier = verifier
 	}
 	switch f.kind {
+	case "http":
+		return runHTTPSink(ctx, js, f, cfg, page, log)
 	case "stream":
 		cfg.Downstream = f.downstream
 	case "kv", "postgres":
@@ -185,7 +191,7 @@ func runSink(ctx context.Context, f sinkFlags) error {
 			page.Ready(a.ready)
 		}
 	default:
-		return fmt.Errorf("--kind %q: use kv, postgres or stream", f.kind)
+		return fmt.Errorf("--kind %q: use kv, postgres, stream or http", f.kind)
 	}
 	r, err := streamsink.New(ctx, js, cfg)
 	if err != nil {

@@ -1,0 +1,160 @@
+package main
+
+import (
+	"context"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/leasehold/leasehold/sink/httpsink"
+	"github.com/leasehold/leasehold/testing/natstest"
+)
+
+// hookReceiver counts the requests a Verifier passed, by effect key.
+type hookReceiver struct {
+	mu      sync.Mutex
+	calls   map[string]int
+	changed chan struct{}
+	v       *httpsink.Verifier
+}
+
+func newHookReceiver(t *testing.T) *hookReceiver {
+	v, err := httpsink.NewVerifier(httpsink.VerifierConfig{RequireRelay: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &hookReceiver{calls: map[string]int{}, changed: make(chan struct{}), v: v}
+}
+
+func (h *hookReceiver) handler() http.Handler {
+	return h.v.Wrap(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		st, _ := httpsink.StampFrom(r.Context())
+		h.mu.Lock()
+		h.calls[st.Key]++
+		close(h.changed)
+		h.changed = make(chan struct{})
+		h.mu.Unlock()
+	}))
+}
+
+// wait waits until n keys were delivered, and returns the calls by key.
+func (h *hookReceiver) wait(t *testing.T, ctx context.Context, n int) map[string]int {
+	t.Helper()
+	for {
+		h.mu.Lock()
+		got, ch := len(h.calls), h.changed
+		calls := make(map[string]int, got)
+		for k, c := range h.calls {
+			calls[k] = c
+		}
+		h.mu.Unlock()
+		if got >= n {
+			return calls
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			t.Fatalf("the receiver got %d of %d effects", got, n)
+		}
+	}
+}
+
+// `leasehold sink --kind http` delivers every job's effect to the
+// receiver through its verifier, once each. While the receiver is down,
+// /readyz fails and names the endpoint by its origin, never its path or
+// the --header value; once it is up, everything arrives and /readyz
+// passes.
+func TestSinkHTTPDelivers(t *testing.T) {
+	t.Parallel()
+	s := natstest.Start(t, natstest.Listen())
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	if out, err := run(t, ctx, "init", "--nats", s.URL(), "--partitions", "2"); err != nil {
+		t.Fatalf("init: %v\n%s", err, out)
+	}
+	recvAddr, sinkAddr := freeAddr(t), freeAddr(t)
+	url := "http://" + recvAddr + "/hooks/secret-path"
+	background(t, "worker", "--nats", s.URL(), "--partitions", "2", "--worker-id", "w1", "--ttl", "2s", "--http", "", "--log-level", "warn")
+	background(t, "sink", "--nats", s.URL(), "--kind", "http", "--url", url, "--header", "Authorization: Bearer s3cr3t",
+		"--lock-ttl", "2s", "--max-deliveries", "1000", "--max-backoff", "100ms", "--http", sinkAddr, "--log-level", "warn")
+	if out, err := run(t, ctx, "enqueue", "--nats", s.URL(), "--partitions", "2", "-n", "20"); err != nil {
+		t.Fatalf("enqueue: %v\n%s", err, out)
+	}
+	var body string
+	for {
+		var code int
+		code, body = httpGet("http://" + sinkAddr + "/readyz")
+		if code == http.StatusServiceUnavailable && strings.Contains(body, "has failed every request") {
+			break
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("/readyz did not report the receiver down: %d %s", code, body)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Logf("/readyz while the receiver is down: %s", body)
+	if !strings.Contains(body, "http://"+recvAddr) || strings.Contains(body, "secret-path") || strings.Contains(body, "s3cr3t") {
+		t.Errorf("/readyz should name the origin only: %s", body)
+	}
+	ln, err := net.Listen("tcp", recvAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := newHookReceiver(t)
+	srv := &http.Server{Handler: h.handler(), ReadHeaderTimeout: 5 * time.Second}
+	go func() { _ = srv.Serve(ln) }()
+	defer srv.Close()
+	calls := h.wait(t, ctx, 20)
+	for k, n := range calls {
+		if n != 1 {
+			t.Errorf("effect %s reached the handler %d times", k, n)
+		}
+	}
+	for {
+		code, body := httpGet("http://" + sinkAddr + "/readyz")
+		if code == http.StatusOK {
+			break
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("/readyz once the receiver is up: %d %s", code, body)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if code, body := httpGet("http://" + sinkAddr + "/metrics"); code != 200 || !strings.Contains(body, `leasehold_http_requests_total`) {
+		t.Errorf("/metrics: %d\n%s", code, grepLines(body, "leasehold_http"))
+	}
+}
+
+// The sink refuses flags it cannot run, before it connects to anything
+// but NATS, and an error never shows a --header value.
+func TestSinkHTTPFlags(t *testing.T) {
+	t.Parallel()
+	s := natstest.Start(t, natstest.Listen())
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if out, err := run(t, ctx, "init", "--nats", s.URL(), "--partitions", "1"); err != nil {
+		t.Fatalf("init: %v\n%s", err, out)
+	}
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{nil, "needs --url"},
+		{[]string{"--url", "ftp://example.com/x"}, `scheme "ftp"`},
+		{[]string{"--url", "http://127.0.0.1:1/x", "--header", "Authorization s3cr3t"}, "'Name: value'"},
+		{[]string{"--url", "http://127.0.0.1:1/x", "--header", "Idempotency-Key: mine"}, "the relay sets it itself"},
+		{[]string{"--url", "http://127.0.0.1:1/x", "--route", "leasehold.out.*=billing"}, `endpoint "billing" is not configured`},
+	} {
+		args := append([]string{"sink", "--nats", s.URL(), "--kind", "http", "--http", ""}, c.args...)
+		out, err := run(t, ctx, args...)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%v: %v, want an error saying %q\n%s", c.args, err, c.want, out)
+		}
+		if err != nil && strings.Contains(err.Error()+out, "s3cr3t") {
+			t.Errorf("%v: the error shows the header's value: %v", c.args, err)
+		}
+	}
+}
