@@ -78,6 +78,7 @@ apart). It exits non-zero when the checker finds a violation.`,
 	fs.IntVar(&cfg.Workers, "workers", 3, "worker processes (one more runs in a network namespace when partitions are possible)")
 	fs.IntVar(&cfg.Partitions, "partitions", 8, "partitions of the job stream")
 	fs.DurationVar(&cfg.TTL, "ttl", 2*time.Second, "lease TTL of the workers")
+	fs.IntVar(&cfg.PartitionConcurrency, "partition-concurrency", 8, "jobs of one partition each worker runs at once, in order per key (1: one at a time)")
 	fs.DurationVar(&cfg.WorkTime, "work-time", 50*time.Millisecond, "time each job takes between its stamp and its effect")
 	fs.IntVar(&cfg.Rate, "rate", 25, "jobs enqueued per second")
 	fs.DurationVar(&cfg.FaultGap, "fault-gap", 2*time.Second, "mean quiet time between faults")

@@ -40,7 +40,7 @@ func TestChaosCommand(t *testing.T) {
 			testskip.Partial(t, testskip.NetNS, s)
 		}
 	}
-	for _, k := range []string{"faults", "zombie_attempted", "zombie_rejected", "zombie_applied", "jobs_enqueued", "jobs_lost", "jobs_duplicated", "failover_p50_ms", "failover_p99_ms", "liveness_max_stall_ms", "liveness_stall_ms", "jobs_not_yet_applied"} {
+	for _, k := range []string{"faults", "partition_concurrency", "zombie_attempted", "zombie_rejected", "zombie_applied", "jobs_enqueued", "jobs_lost", "jobs_duplicated", "failover_p50_ms", "failover_p99_ms", "liveness_max_stall_ms", "liveness_stall_ms", "jobs_not_yet_applied"} {
 		if _, ok := rep[k]; !ok {
 			t.Errorf("the JSON report lacks %q", k)
 		}

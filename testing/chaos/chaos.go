@@ -75,6 +75,13 @@ type Config struct {
 	Partitions int
 	// TTL is the lease TTL, whole seconds. Default 2s.
 	TTL time.Duration
+	// PartitionConcurrency is how many jobs of one partition each worker
+	// runs at once (`leasehold worker --partition-concurrency`), in order
+	// per key. Default 8: jobs complete out of stream order within a lease,
+	// so the checks cover the worker's watermark and done set, the finals'
+	// floors and the sink's applied sets. 1 runs one job of a partition at
+	// a time.
+	PartitionConcurrency int
 	// WorkTime is what each job takes, between taking its stamp and
 	// publishing its effect. Default 50ms.
 	WorkTime time.Duration
@@ -129,6 +136,9 @@ func (c *Config) setDefaults() {
 	if c.TTL == 0 {
 		c.TTL = 2 * time.Second
 	}
+	if c.PartitionConcurrency == 0 {
+		c.PartitionConcurrency = 8
+	}
 	if c.WorkTime == 0 {
 		c.WorkTime = 50 * time.Millisecond
 	}
@@ -155,6 +165,9 @@ func (c Config) Validate() error {
 	var errs []error
 	if c.Duration < 0 || c.Settle < 0 || c.WorkTime < 0 || c.FaultGap < 0 {
 		errs = append(errs, errors.New("durations must not be negative"))
+	}
+	if c.PartitionConcurrency < 0 || c.PartitionConcurrency > worker.MaxPartitionConcurrency {
+		errs = append(errs, fmt.Errorf("partition concurrency %d: use 1 to %d (0: the default, 8)", c.PartitionConcurrency, worker.MaxPartitionConcurrency))
 	}
 	if c.Workers < 2 {
 		errs = append(errs, fmt.Errorf("workers %d: use at least 2, so that partitions have somewhere to fail over to", c.Workers))
@@ -440,7 +453,15 @@ func (h *harness) produce(ctx context.Context) error {
 		}
 		id := fmt.Sprintf("job-%d", i)
 		part := leasehold.Partition(i % h.cfg.Partitions)
-		e, err := p.EnqueueTo(ctx, part, []byte(fmt.Sprintf(`{"n":%d}`, i)), worker.JobID(id))
+		opts := []worker.EnqueueOption{worker.JobID(id)}
+		if i%10 != 9 {
+			// Three order keys a partition, their jobs interleaved, so
+			// that a partition runs jobs side by side; one job in ten
+			// has no order key, as an earlier release's producer sends
+			// it, and runs in partition order.
+			opts = append(opts, worker.WithOrderKey(fmt.Appendf(nil, "key-%d", i%(3*h.cfg.Partitions))))
+		}
+		e, err := p.EnqueueTo(ctx, part, []byte(fmt.Sprintf(`{"n":%d}`, i)), opts...)
 		if err != nil {
 			if ctx.Err() == nil {
 				h.log.Warn("chaos: enqueue failed; the job stream will say whether it was stored", "job", id, "err", err)

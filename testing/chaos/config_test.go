@@ -10,8 +10,8 @@ import (
 )
 
 func TestConfigSaysWhatToFix(t *testing.T) {
-	err := Config{Workers: 1, TTL: 1500 * time.Millisecond, Faults: []string{"meteor"}, Rate: -1}.Validate()
-	for _, want := range []string{"workers 1", "whole seconds", `fault "meteor"`, "rate -1"} {
+	err := Config{Workers: 1, TTL: 1500 * time.Millisecond, Faults: []string{"meteor"}, Rate: -1, PartitionConcurrency: 300}.Validate()
+	for _, want := range []string{"workers 1", "whole seconds", `fault "meteor"`, "rate -1", "partition concurrency 300"} {
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("error %v does not mention %q", err, want)
 		}

@@ -68,6 +68,7 @@ func (h *harness) startWorker(w *proc) error {
 		"--ttl", h.cfg.TTL.String(),
 		"--drain-timeout", "5s",
 		"--work-time", h.cfg.WorkTime.String(),
+		"--partition-concurrency", fmt.Sprint(h.cfg.PartitionConcurrency),
 		"--history", h.histDir,
 		"--http", "",
 		"--log-level", "warn",

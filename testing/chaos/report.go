@@ -14,15 +14,18 @@ import (
 // prints it: the figures, and what the run was.
 type Report struct {
 	Figures
-	OK          bool     `json:"ok"`
-	Settled     bool     `json:"settled"`
-	Cluster     bool     `json:"cluster"`
-	DurationSec float64  `json:"duration_s"`
-	ElapsedSec  float64  `json:"elapsed_s"`
-	Seed        uint64   `json:"seed"`
-	Skipped     []string `json:"skipped,omitempty"`
-	Violations  []string `json:"violation_list,omitempty"`
-	Dir         string   `json:"dir,omitempty"`
+	OK      bool `json:"ok"`
+	Settled bool `json:"settled"`
+	Cluster bool `json:"cluster"`
+	// PartitionConcurrency is the jobs of a partition each worker ran at
+	// once.
+	PartitionConcurrency int      `json:"partition_concurrency"`
+	DurationSec          float64  `json:"duration_s"`
+	ElapsedSec           float64  `json:"elapsed_s"`
+	Seed                 uint64   `json:"seed"`
+	Skipped              []string `json:"skipped,omitempty"`
+	Violations           []string `json:"violation_list,omitempty"`
+	Dir                  string   `json:"dir,omitempty"`
 }
 
 // Report returns the result's JSON form. cluster and duration describe the
@@ -33,6 +36,8 @@ func (r *Result) Report(cfg Config) Report {
 		DurationSec: cfg.Duration.Seconds(), ElapsedSec: r.Elapsed.Round(time.Millisecond).Seconds(),
 		Seed: r.Seed, Skipped: r.Skipped,
 	}
+	cfg.setDefaults()
+	rep.PartitionConcurrency = cfg.PartitionConcurrency
 	for i, v := range r.Violations {
 		if i == 50 {
 			rep.Violations = append(rep.Violations, fmt.Sprintf("... and %d more", len(r.Violations)-i))
@@ -61,7 +66,7 @@ func (rep Report) WriteTable(w io.Writer) error {
 	if rep.Cluster {
 		kind = "3-node cluster"
 	}
-	fmt.Fprintf(tw, "chaos run\t%s, faults for %.0fs, %.0fs in all, seed %d\n", kind, rep.DurationSec, rep.ElapsedSec, rep.Seed)
+	fmt.Fprintf(tw, "chaos run\t%s, %d jobs of a partition at once, faults for %.0fs, %.0fs in all, seed %d\n", kind, rep.PartitionConcurrency, rep.DurationSec, rep.ElapsedSec, rep.Seed)
 	fmt.Fprintln(tw, "\t")
 	fmt.Fprintln(tw, "FAULTS INJECTED\tCOUNT")
 	kinds := make([]string, 0, len(rep.Faults))
