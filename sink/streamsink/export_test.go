@@ -15,3 +15,11 @@ func SetMaxDelta(n int) func() {
 	maxDelta = n
 	return func() { maxDelta = old }
 }
+
+// SetMaxAbove sets how many jobs a chain may hold applied above its floor,
+// until the returned func restores it.
+func SetMaxAbove(n int) func() {
+	old := maxAbove
+	maxAbove = n
+	return func() { maxAbove = old }
+}

@@ -1,0 +1,322 @@
+package streamsink_test
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/sink/streamsink"
+	"github.com/leasehold/leasehold/testing/natstest"
+	"github.com/leasehold/leasehold/worker"
+)
+
+// proofLog is a job stream of one partition whose leases the test takes
+// through a coordinator, as workers do, and whose effects it publishes by
+// hand under them, in the orders a worker with several jobs in flight
+// completes jobs; the runner verifies epochs and reads committed progress
+// from the lease bucket, as `leasehold sink` does.
+type proofLog struct {
+	t      *testing.T
+	js     jetstream.JetStream
+	scope  string
+	bucket *coordinator.Bucket
+	runner *running
+	rec    *positions
+
+	mu        sync.Mutex
+	keys      []string          // applied, in order
+	data      map[string]string // key -> data applied
+	applies   chan struct{}
+	decisions chan struct{} // signalled after each decision reported
+}
+
+func newProofLog(t *testing.T, scope string) *proofLog {
+	t.Helper()
+	js := natstest.Start(t).JetStream(t)
+	ctx := ctxFor(t, time.Minute)
+	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: scope, Partitions: 1}); err != nil {
+		t.Fatal(err)
+	}
+	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: scope + "-leases", MarkerTTL: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pl := &proofLog{t: t, js: js, scope: scope, bucket: bucket, rec: &positions{}, data: map[string]string{},
+		applies: make(chan struct{}, 1), decisions: make(chan struct{}, 1)}
+	notify := sink.ObserverFunc(func(context.Context, sink.Decision) {
+		select {
+		case pl.decisions <- struct{}{}:
+		default:
+		}
+	})
+	pl.runner = start(t, js, streamsink.Config{Prefix: scope, Verifier: bucket, Observer: sink.Observers{pl.rec, notify}, MaxBackoff: 10 * time.Millisecond,
+		Handler: func(_ context.Context, e sink.Effect) error {
+			pl.mu.Lock()
+			pl.keys = append(pl.keys, e.Stamp.Key)
+			pl.data[e.Stamp.Key] = string(e.Data)
+			pl.mu.Unlock()
+			select {
+			case pl.applies <- struct{}{}:
+			default:
+			}
+			return nil
+		}})
+	return pl
+}
+
+// acquire takes partition 0 for worker id and writes the lease's barrier.
+func (pl *proofLog) acquire(id string) *coordinator.Lease {
+	pl.t.Helper()
+	c, err := coordinator.New(pl.bucket, coordinator.Config{Worker: id, TTL: 10 * time.Second, Partitions: 1, Logger: quiet()})
+	if err != nil {
+		pl.t.Fatal(err)
+	}
+	l, err := c.Acquire(ctxFor(pl.t, 30*time.Second), 0)
+	if err != nil {
+		pl.t.Fatal(err)
+	}
+	pl.t.Cleanup(func() { _ = l.Release(context.Background()) })
+	info := l.Info()
+	h := nats.Header{leasehold.HeaderBarrier: []string{"1"}}
+	info.Stamp(leasehold.BarrierKey(pl.scope, 0, info.Epoch)).SetHeader(h)
+	pl.publish(h, nil)
+	return l
+}
+
+func (pl *proofLog) publish(h nats.Header, data []byte) uint64 {
+	pl.t.Helper()
+	ack, err := pl.js.PublishMsg(ctxFor(pl.t, 30*time.Second), &nats.Msg{Subject: pl.scope + ".out.0", Header: h, Data: data})
+	if err != nil {
+		pl.t.Fatal(err)
+	}
+	return ack.Sequence
+}
+
+// pub publishes a message of job mark.Job under lease l: effect i, or an
+// abort marker.
+func (pl *proofLog) pub(l *coordinator.Lease, mark leasehold.JobMark, i int) uint64 {
+	pl.t.Helper()
+	key := pl.key(mark.Job, i)
+	if mark.Abort {
+		key = worker.AbortKey(pl.scope, 0, mark.Job, mark.Attempt)
+	}
+	h := nats.Header{}
+	l.Info().Stamp(key).SetHeader(h)
+	mark.SetHeader(h)
+	var data []byte
+	if !mark.Abort {
+		data = fmt.Appendf(nil, "%s attempt %d", key, mark.Attempt)
+	}
+	return pl.publish(h, data)
+}
+
+func (pl *proofLog) key(job uint64, i int) string { return leasehold.EffectKey(pl.scope, 0, job, i) }
+
+func (pl *proofLog) effect(l *coordinator.Lease, job, attempt uint64, i int) uint64 {
+	return pl.pub(l, leasehold.JobMark{Job: job, Attempt: attempt}, i)
+}
+
+func (pl *proofLog) final(l *coordinator.Lease, job, attempt uint64, i int, after, floor uint64) uint64 {
+	return pl.pub(l, leasehold.JobMark{Job: job, Attempt: attempt, Effects: i + 1, After: after, Floor: floor, Floored: true}, i)
+}
+
+func (pl *proofLog) abort(l *coordinator.Lease, job, attempt uint64) uint64 {
+	return pl.pub(l, leasehold.JobMark{Job: job, Attempt: attempt, Abort: true}, 0)
+}
+
+// decided waits until the runner has decided log position seq.
+func (pl *proofLog) decided(seq uint64) {
+	pl.t.Helper()
+	if err := pl.runner.WaitPosition(ctxFor(pl.t, time.Minute), seq); err != nil {
+		pl.t.Fatal(err)
+	}
+}
+
+func (pl *proofLog) applied() []string {
+	pl.mu.Lock()
+	defer pl.mu.Unlock()
+	return slices.Clone(pl.keys)
+}
+
+// awaitApplied waits until the runner applied key (it may wait for its
+// next read of the fence records).
+func (pl *proofLog) awaitApplied(key string) {
+	pl.t.Helper()
+	ctx := ctxFor(pl.t, time.Minute)
+	for !slices.Contains(pl.applied(), key) {
+		select {
+		case <-pl.applies:
+		case <-ctx.Done():
+			pl.t.Fatalf("%s was not applied within a minute; applied %v", key, pl.applied())
+		}
+	}
+}
+
+// outcome checks the decision on log position seq, once it is reported: a
+// job's decisions are reported after its effects are handed over, and an
+// attempt a record settles is decided in a batch of its own.
+func (pl *proofLog) outcome(seq uint64, want sink.Outcome) {
+	pl.t.Helper()
+	ctx := ctxFor(pl.t, time.Minute)
+	for {
+		if _, ok := pl.rec.at(seq); ok {
+			break
+		}
+		select {
+		case <-pl.decisions:
+		case <-ctx.Done():
+		}
+		if ctx.Err() != nil {
+			break
+		}
+	}
+	if d, ok := pl.rec.at(seq); !ok || d.Outcome != want {
+		pl.t.Errorf("log position %d: outcome %v (reported %v, %s), want %v", seq, d.Outcome, ok, d.Suspect, want)
+	}
+}
+
+// With the fence record to read, a floor proves nothing by itself: a job
+// whose floor would pass another open job of its lease waits until that
+// job is settled (here: committed, so its attempt never completes), while
+// a job whose floor stays below every open job applies beside them.
+func TestOutOfOrderFloorWaitsForProof(t *testing.T) {
+	pl := newProofLog(t, "oproof")
+	l := pl.acquire("w1")
+	e3 := pl.effect(l, 3, 3, 0)      // job 3 runs
+	f5 := pl.final(l, 5, 5, 0, 0, 2) // job 5 completes first, jobs 1 and 2 finished
+	pl.decided(f5)
+	if got := pl.applied(); !slices.Equal(got, []string{pl.key(5, 0)}) {
+		t.Fatalf("applied %v, want job 5 beside job 3 still running", got)
+	}
+	f3 := pl.final(l, 3, 3, 1, 5, 2) // job 3 completes after it
+	pl.decided(f3)
+	dead := pl.effect(l, 4, 6, 0)    // job 4 goes to the dead-letter stream after this effect
+	f6 := pl.final(l, 6, 7, 0, 3, 5) // watermark 5: job 4 finished
+	pl.decided(f6)
+	want := []string{pl.key(5, 0), pl.key(3, 0), pl.key(3, 1)}
+	if got := pl.applied(); !slices.Equal(got, want) {
+		t.Fatalf("applied %v, want %v: job 6's floor passes job 4, open, before the record settles it", got, want)
+	}
+	if _, ok := pl.rec.at(dead); ok {
+		t.Fatal("job 4's attempt was settled by a floor alone")
+	}
+	// The worker commits its watermark 5 and job 6 done above it.
+	if err := l.Commit(ctxFor(t, 30*time.Second), 5, 6); err != nil {
+		t.Fatal(err)
+	}
+	pl.awaitApplied(pl.key(6, 0))
+	pl.outcome(dead, sink.Aborted)
+	pl.outcome(e3, sink.Accepted)
+	if got := pl.applied(); !slices.Equal(got, append(want, pl.key(6, 0))) {
+		t.Errorf("applied %v", got)
+	}
+}
+
+// A job that a lease committed beyond its watermark (in the fence record's
+// done set) is settled by the record: an attempt of it still incomplete is
+// dropped, and one that first appears after the runner read the record is
+// not the worker's.
+func TestOutOfOrderDoneSetSettles(t *testing.T) {
+	pl := newProofLog(t, "odone")
+	l := pl.acquire("w1")
+	pl.effect(l, 1, 1, 0) // job 1 runs all along
+	failed := pl.effect(l, 2, 2, 0)
+	pl.abort(l, 2, 2) // a hint: the attempt waits for the record
+	pl.effect(l, 2, 3, 0)
+	f2 := pl.final(l, 2, 3, 1, 0, 0)
+	pl.decided(f2)
+	if got := pl.applied(); len(got) != 0 {
+		t.Fatalf("applied %v before the record settled job 2's first attempt", got)
+	}
+	// Job 1 still runs: the watermark stays 0, and jobs 2 and 7 (which had
+	// nothing to publish here) are done above it.
+	if err := l.Commit(ctxFor(t, 30*time.Second), 0, 2, 7); err != nil {
+		t.Fatal(err)
+	}
+	pl.awaitApplied(pl.key(2, 1))
+	pl.outcome(failed, sink.Aborted)
+	late := pl.effect(l, 7, 9, 0)
+	pl.decided(late)
+	if d, _ := pl.rec.at(late); d.Outcome != sink.Aborted || d.Suspect != streamsink.SuspectAfterCommit {
+		t.Errorf("an attempt of job 7, done, that came after the record was read: %v %q, want aborted as %q", d.Outcome, d.Suspect, streamsink.SuspectAfterCommit)
+	}
+	f1 := pl.final(l, 1, 1, 1, 2, 0)
+	pl.awaitApplied(pl.key(1, 1))
+	pl.outcome(f1, sink.Accepted)
+}
+
+// A successor's barrier settles the earlier lease: what it completed out
+// of order and whose After holds applies, in the order it completed, and
+// what cannot apply is dropped.
+func TestOutOfOrderSuccessorSettles(t *testing.T) {
+	pl := newProofLog(t, "osucc")
+	l1 := pl.acquire("w1")
+	pl.final(l1, 3, 1, 0, 0, 0)      // job 3 completes first
+	failed := pl.effect(l1, 1, 2, 0) // job 1's first attempt fails
+	pl.abort(l1, 1, 2)
+	pl.effect(l1, 1, 4, 0)
+	f1 := pl.final(l1, 1, 4, 1, 3, 0) // its retry completes, after job 3
+	f2 := pl.final(l1, 2, 5, 0, 1, 0) // job 2 after job 1
+	open := pl.effect(l1, 4, 6, 0)    // job 4 runs when the lease ends
+	pl.decided(open)
+	if got := pl.applied(); !slices.Equal(got, []string{pl.key(3, 0)}) {
+		t.Fatalf("applied %v, want job 3 alone: job 1 waits for the record, and job 2 for job 1", got)
+	}
+	if err := l1.Release(ctxFor(t, 30*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	l2 := pl.acquire("w2")
+	next := pl.final(l2, 4, 1, 0, 0, 0)
+	pl.decided(next)
+	want := []string{pl.key(3, 0), pl.key(1, 0), pl.key(1, 1), pl.key(2, 0), pl.key(4, 0)}
+	if got := pl.applied(); !slices.Equal(got, want) {
+		t.Errorf("applied %v, want %v", got, want)
+	}
+	pl.outcome(failed, sink.Aborted)
+	pl.outcome(open, sink.Aborted)
+	pl.outcome(f1, sink.Accepted)
+	pl.outcome(f2, sink.Accepted)
+	late := pl.final(l1, 4, 6, 1, 2, 3)
+	pl.decided(late)
+	pl.outcome(late, sink.Stale)
+}
+
+// An attempt whose After names a later job, one that completed before it
+// on the subject, is not passed over as hopeless once its job is committed
+// while that later job may still apply: a copy a forger made of it, with
+// After 0, ranked after it, must not apply instead.
+func TestOutOfOrderAfterALaterJobWaits(t *testing.T) {
+	pl := newProofLog(t, "olater")
+	l := pl.acquire("w1")
+	pl.effect(l, 5, 1, 0) // job 5's first attempt fails: it waits for the record
+	pl.abort(l, 5, 1)
+	pl.final(l, 5, 2, 0, 0, 0) // its retry completes
+	pl.final(l, 2, 3, 0, 5, 0) // job 2 completes after job 5
+	forged := pl.final(l, 2, 4, 0, 0, 0)
+	pl.decided(forged)
+	if got := pl.applied(); len(got) != 0 {
+		t.Fatalf("applied %v before the record settled job 5's first attempt", got)
+	}
+	if err := l.Commit(ctxFor(t, 30*time.Second), 0, 2, 5); err != nil {
+		t.Fatal(err)
+	}
+	pl.awaitApplied(pl.key(2, 0))
+	want := []string{pl.key(5, 0), pl.key(2, 0)}
+	if got := pl.applied(); !slices.Equal(got, want) {
+		t.Errorf("applied %v, want %v", got, want)
+	}
+	pl.mu.Lock()
+	defer pl.mu.Unlock()
+	if got, want := pl.data[pl.key(2, 0)], pl.key(2, 0)+" attempt 3"; got != want {
+		t.Errorf("job 2 applied as %q, want %q: the worker's attempt, not the copy ranked after it", got, want)
+	}
+}
