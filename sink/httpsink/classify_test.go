@@ -64,12 +64,12 @@ func hang(w http.ResponseWriter, r *http.Request) {
 	<-r.Context().Done()
 }
 
-// Each answer is classified: 5xx, 408, 429 (with its Retry-After), a
-// Verifier's in-progress 409 and a timeout are retried and delivered
-// when the receiver takes them; a 5xx for ever, and a timeout for ever,
-// are dead-lettered after MaxDeliveries tries with the status and a
-// bounded excerpt of the body; other 4xx, a 409 that is not a Verifier's
-// and a 3xx are dead-lettered at once.
+// Each answer is classified: 5xx, 408, 429 (with its Retry-After), 409
+// (a Verifier's in-progress answer, or a receiver's own) and a timeout
+// are retried and delivered when the receiver takes them; a 5xx for
+// ever, a 409 for ever and a timeout for ever are dead-lettered after
+// MaxDeliveries tries with the status and a bounded excerpt of the body;
+// other 4xx and a 3xx are dead-lettered at once.
 func TestClassification(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, "classify")
@@ -85,7 +85,8 @@ func TestClassification(t *testing.T) {
 		"k408":      {status(408, ""), status(200, "")},
 		"k429":      {status(429, "slow down", "Retry-After", "1"), status(200, "")},
 		"k409busy":  {status(409, inProgress, "Content-Type", "application/json"), status(200, "")},
-		"k409plain": {status(409, "already exists")},
+		"k409plain": {status(409, "busy", "Retry-After", "1"), status(200, "")},
+		"k409ever":  {status(409, "conflict")},
 		"k400":      {status(400, "bad payload")},
 		"k404":      {status(404, "no such hook")},
 		"k301":      {status(301, "", "Location", other.URL+"/elsewhere")},
@@ -94,12 +95,12 @@ func TestClassification(t *testing.T) {
 	}}
 	srv := httptest.NewServer(sc)
 	defer srv.Close()
-	retried := map[string]int{"k503": 3, "k408": 2, "k429": 2, "k409busy": 2, "kslow": 2}
-	atOnce := []string{"k409plain", "k400", "k404", "k301"}
-	exhausted := []string{"k500", "kslowever"}
+	retried := map[string]int{"k503": 3, "k408": 2, "k429": 2, "k409busy": 2, "k409plain": 2, "kslow": 2}
+	atOnce := []string{"k400", "k404", "k301"}
+	exhausted := []string{"k500", "k409ever", "kslowever"}
 	e.barrier(1)
 	var last uint64
-	for _, k := range []string{"k500", "k503", "k408", "k429", "k409busy", "k409plain", "k400", "k404", "k301", "kslow", "kslowever"} {
+	for _, k := range []string{"k500", "k503", "k408", "k429", "k409busy", "k409plain", "k409ever", "k400", "k404", "k301", "kslow", "kslowever"} {
 		last = e.publish("hook", e.stamp(1, k), []byte(`{}`), nil)
 	}
 	rcfg := e.runnerConfig()

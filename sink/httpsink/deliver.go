@@ -317,10 +317,19 @@ func (r *Relay) send(ctx context.Context, e sink.Effect, relay leasehold.Lease) 
 			span.SetStatus(codes.Error, "in progress")
 			return r.waitRetry(ctx, de)
 		}
-		de.Permanent = true
+		// Any other conflict is retried within MaxDeliveries, as the
+		// Idempotency-Key draft answers a key in use: a receiver of
+		// Stripe's kind says so with a plain 409.
 		if ok {
 			de.Err = "the receiver's verifier refused the effect: " + ref.String()
 		}
+		de.RetryAfter = min(parseRetryAfter(resp.Header.Get("Retry-After"), time.Now()), r.cfg.MaxRetryAfter)
+		r.counted(ctx, ep, "retry")
+		span.SetStatus(codes.Error, de.Error())
+		if de.RetryAfter > 0 {
+			return r.waitRetry(ctx, de)
+		}
+		return de
 	case code == http.StatusTooManyRequests:
 		ep.health.answered()
 		de.RetryAfter = min(max(parseRetryAfter(resp.Header.Get("Retry-After"), time.Now()), time.Second), r.cfg.MaxRetryAfter)

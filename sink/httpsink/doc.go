@@ -40,16 +40,17 @@
 // dropped, with its dead letters to replay (`leasehold dlq replay`).
 //
 // Failures are classified (see DeliveryError): 2xx delivers; a 5xx, a
-// timeout, a refused or reset connection, 408 and 429 are retried with the
-// runner's backoff for at most streamsink.Config.MaxDeliveries tries, a
-// 429 (and a 503) waiting what its Retry-After asks, up to
-// Config.MaxRetryAfter; then the effect goes to the runner's dead-letter
-// stream with the status and the start of the body. Another 4xx, a 3xx
-// and an effect no endpoint takes or too large for Config.MaxBodyBytes are
-// permanent (streamsink.ErrPoison): dead-lettered at once. A 409 whose
-// body is a Verifier's refusal of the relay's epoch stops the relay (see
-// above); one that says the key's first request is in progress is
-// retried. A receiver that fails every request fails Ready, which says
+// timeout, a refused or reset connection, 408, 409 and 429 are retried
+// with the runner's backoff for at most streamsink.Config.MaxDeliveries
+// tries, a 429 (and a 503 or 409 that says so) waiting what its
+// Retry-After asks, up to Config.MaxRetryAfter; then the effect goes to
+// the runner's dead-letter stream with the status and the start of the
+// body. Another 4xx, a 3xx and an effect no endpoint takes or too large
+// for Config.MaxBodyBytes are permanent (streamsink.ErrPoison):
+// dead-lettered at once. A 409 whose body is a Verifier's refusal of the
+// relay's epoch stops the relay (see above); any other 409 (the key's
+// first request still in progress, as the Idempotency-Key draft answers
+// it) is retried. A receiver that fails every request fails Ready, which says
 // since when and why, until it answers again; nothing is lost meanwhile,
 // since the runner moves on only once an effect is delivered or
 // dead-lettered.

@@ -25,11 +25,10 @@ var ErrRelaySuperseded = errors.New("httpsink: a receiver recorded a newer relay
 //
 // A permanent one matches streamsink.ErrPoison (the runner moves the
 // effect to its dead-letter stream at once): a 4xx other than 408, 409
-// from something else than a Verifier's in-progress answer, and 429, a
-// 3xx (redirects are off, or led elsewhere), an effect too large, or one
-// no endpoint takes. Any other (5xx, 408, 429, a timeout, a refused or
-// reset connection) is retried by the runner with its backoff, up to
-// streamsink.Config.MaxDeliveries tries.
+// and 429, a 3xx (redirects are off, or led elsewhere), an effect too
+// large, or one no endpoint takes. Any other (5xx, 408, 409, 429, a
+// timeout, a refused or reset connection) is retried by the runner with
+// its backoff, up to streamsink.Config.MaxDeliveries tries.
 type DeliveryError struct {
 	Endpoint string // the endpoint's name
 	Origin   string // scheme://host:port of the endpoint
