@@ -80,6 +80,11 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 	sctx, span := j.r.startEffect(ctx, subject, stamp)
 	j.r.stampHeader(sctx, msg.Header, stamp, j.nonce)
 	leasehold.JobMark{Job: j.Seq, Attempt: j.wire}.SetHeader(msg.Header)
+	if org := j.Origin(); org != leasehold.OriginOf(j.Lease.Scope, j.Partition, j.Seq) {
+		// A job stored again (a replay) emits its origin's keys: the
+		// origin tells a sink whose keys they are.
+		org.SetHeader(msg.Header)
+	}
 	// Sized as the final it may become: the final's headers are the
 	// largest.
 	if err := j.r.checkEffect(msg, j.r.finalRoom(j.Seq)); err != nil {

@@ -267,7 +267,6 @@ func (rw *replayWorld) sinkDeadLetters(t *testing.T, ctx context.Context, n uint
 // it succeeds, and the worker commits it. The stream sink runner must
 // apply that effect once: the replayed job is committed.
 func TestAttackJobReplayEffectReachesStreamSink(t *testing.T) {
-	openAttack(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	rw := newReplayWorld(t, ctx, "rj")

@@ -360,6 +360,22 @@ func keyNamesJob(st leasehold.Stamp, job uint64) bool {
 	return true
 }
 
+// keyNamesOrigin reports whether an effect of job carries the keys of
+// the job's origin (leasehold.HeaderOrigin, which a worker writes on the
+// effects of a job stored again, by a replay): the origin must read
+// strictly, come before the job where both are in the same partition of
+// the same scope, and the key be one a worker gives an effect there.
+func keyNamesOrigin(h map[string][]string, st leasehold.Stamp, job uint64) bool {
+	org, ok, err := leasehold.OriginFromHeader(h)
+	if !ok || err != nil {
+		return false
+	}
+	if org.Scope == st.Scope && org.Partition == st.Partition && org.Seq >= job {
+		return false
+	}
+	return keyNamesJob(leasehold.Stamp{Scope: org.Scope, Partition: org.Partition, Key: st.Key}, org.Seq)
+}
+
 // cutNumber cuts the canonical decimal of n from the front of s.
 func cutNumber(s string, n uint64) (string, bool) {
 	var buf [20]byte

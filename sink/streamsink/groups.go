@@ -139,7 +139,7 @@ func (r *Runner) decideJob(o *outcome, mark leasehold.JobMark, outs *[]outcome) 
 		}
 		return nil
 	}
-	if !mark.Abort && !keyNamesJob(st, mark.Job) {
+	if !mark.Abort && !keyNamesJob(st, mark.Job) && !keyNamesOrigin(o.m.header, st, mark.Job) {
 		setAside(o, SuspectJobKey, fmt.Errorf("streamsink: the effect at log position %d names job %d, and its key %q another: a worker's keys name their job", o.m.seq, mark.Job, st.Key))
 		return nil
 	}
