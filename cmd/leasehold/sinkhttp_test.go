@@ -65,8 +65,8 @@ func (h *hookReceiver) wait(t *testing.T, ctx context.Context, n int) map[string
 // `leasehold sink --kind http` delivers every job's effect to the
 // receiver through its verifier, once each. While the receiver is down,
 // /readyz fails and names the endpoint by its origin, never its path or
-// the --header value; once it is up, everything arrives and /readyz
-// passes.
+// the --header value, and leasehold_http_endpoint_down is 1; once it is
+// up, everything arrives, /readyz passes and the gauge is 0.
 func TestSinkHTTPDelivers(t *testing.T) {
 	t.Parallel()
 	s := natstest.Start(t, natstest.Listen())
@@ -99,6 +99,9 @@ func TestSinkHTTPDelivers(t *testing.T) {
 	if !strings.Contains(body, "http://"+recvAddr) || strings.Contains(body, "secret-path") || strings.Contains(body, "s3cr3t") {
 		t.Errorf("/readyz should name the origin only: %s", body)
 	}
+	if _, m := httpGet("http://" + sinkAddr + "/metrics"); !strings.HasSuffix(grepLines(m, "leasehold_http_endpoint_down{"), " 1") {
+		t.Errorf("/metrics while the receiver is down: %s", grepLines(m, "leasehold_http"))
+	}
 	ln, err := net.Listen("tcp", recvAddr)
 	if err != nil {
 		t.Fatal(err)
@@ -123,7 +126,8 @@ func TestSinkHTTPDelivers(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	if code, body := httpGet("http://" + sinkAddr + "/metrics"); code != 200 || !strings.Contains(body, `leasehold_http_requests_total`) {
+	if code, body := httpGet("http://" + sinkAddr + "/metrics"); code != 200 || !strings.Contains(body, `leasehold_http_requests_total`) ||
+		!strings.HasSuffix(grepLines(body, "leasehold_http_endpoint_down{"), " 0") {
 		t.Errorf("/metrics: %d\n%s", code, grepLines(body, "leasehold_http"))
 	}
 }

@@ -11,6 +11,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
@@ -85,9 +86,27 @@ func New(cfg Config) (*Relay, error) {
 	if prop == nil {
 		prop = otel.GetTextMapPropagator()
 	}
-	count, err := mp.Meter(telemetry.ScopeName).Int64Counter("leasehold_http_requests_total",
+	meter := mp.Meter(telemetry.ScopeName)
+	count, err := meter.Int64Counter("leasehold.http.requests", metric.WithUnit("{request}"),
 		metric.WithDescription("Requests a relay sent, by sink, endpoint and outcome: delivered, retry, permanent, superseded, in_progress."))
 	if err != nil {
+		return nil, fmt.Errorf("httpsink: metrics: %w", err)
+	}
+	down, err := meter.Int64ObservableGauge("leasehold.http.endpoint.down",
+		metric.WithDescription("1 for each endpoint of a relay that has failed every request since its last answer (no response, or a 5xx); Ready says since when and why."))
+	if err != nil {
+		return nil, fmt.Errorf("httpsink: metrics: %w", err)
+	}
+	if _, err := meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		for name, ep := range eps {
+			v := int64(0)
+			if ep.health.down() {
+				v = 1
+			}
+			o.ObserveInt64(down, v, metric.WithAttributes(telemetry.AttrSink.String(cfg.Name), attribute.String("leasehold.endpoint", name)))
+		}
+		return nil
+	}, down); err != nil {
 		return nil, fmt.Errorf("httpsink: metrics: %w", err)
 	}
 	h := make(http.Header, len(cfg.Header))
@@ -379,6 +398,13 @@ func (h *health) answered() (back bool) {
 	back = h.failing
 	h.failing, h.fails, h.last = false, 0, ""
 	return back
+}
+
+// down reports whether every request since the last answer failed.
+func (h *health) down() bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.failing
 }
 
 func (h *health) ready(name, origin string) error {
