@@ -16,6 +16,7 @@ import (
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/testing/natstest"
+	"github.com/leasehold/leasehold/worker"
 )
 
 func get(t *testing.T, url string) (int, string) {
@@ -177,5 +178,52 @@ func TestLossReasonIsOneLine(t *testing.T) {
 	}
 	if got := LossReason(coordinator.LostRefused, "b", errors.New("x: y: z")); !strings.HasPrefix(got, "refused: ") || strings.Contains(got, "x: y") {
 		t.Errorf("a lock's loss: %q", got)
+	}
+}
+
+// A program that provisions its job streams with worker.ProvisionJobs, as
+// the quickstart does, and serves the page has the events stream too: a
+// write its sink refuses reaches the page, which does not say the stream
+// is missing.
+func TestProvisionJobsCreatesTheEventsStream(t *testing.T) {
+	t.Parallel()
+	js := natstest.Start(t).JetStream(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: "mine", Partitions: 2}); err != nil {
+		t.Fatal(err)
+	}
+	p, err := Serve(ctx, ServeConfig{JetStream: js, Prefix: "mine", Name: "mine-1", Addr: "127.0.0.1:0"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	mem := sink.NewMemory(sink.MemoryConfig{Observer: p.SinkObserver()})
+	stamp := func(e leasehold.Epoch, w string) leasehold.Stamp {
+		return leasehold.Stamp{Scope: "mine", Partition: 1, Epoch: e, Acquisition: fmt.Sprint("a", e), Key: fmt.Sprint("k", e), Worker: w}
+	}
+	if err := mem.Apply(ctx, sink.Effect{Subject: "x", Stamp: stamp(20, "w2"), Data: []byte("new")}); err != nil {
+		t.Fatal(err)
+	}
+	if err := mem.Apply(ctx, sink.Effect{Subject: "x", Stamp: stamp(10, "zombie"), Data: []byte("old")}); !errors.Is(err, leasehold.ErrStaleEpoch) {
+		t.Fatalf("the zombie's write: %v, want refused", err)
+	}
+	for {
+		_, body := get(t, p.URL()+"status.json")
+		var st State
+		if err := json.Unmarshal([]byte(body), &st); err != nil {
+			t.Fatal(err)
+		}
+		if len(st.Refusals) == 1 && st.Refusals[0].Worker == "zombie" {
+			if len(st.Errors) != 0 {
+				t.Errorf("the page says: %q", st.Errors)
+			}
+			return
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("the refusal never reached the page: %s", body)
+		case <-time.After(100 * time.Millisecond):
+		}
 	}
 }

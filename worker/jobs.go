@@ -13,6 +13,7 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/internal/retry"
+	"github.com/leasehold/leasehold/internal/statusevents"
 )
 
 // Stream metadata keys that leasehold writes and checks.
@@ -166,7 +167,9 @@ var ErrStreamConfig = errors.New("worker: stream does not match the job stream c
 // ProvisionJobs creates the job stream "<prefix>-jobs" on subjects
 // "<prefix>.jobs.<p>", the dead-letter stream "<prefix>-dlq" and, unless
 // NoEffects is set, the output stream "<prefix>-effects" on
-// "<prefix>.out.>". Streams that exist already are checked, and a stream
+// "<prefix>.out.>", and the status page's events stream "<prefix>-events"
+// (so that a program's take-overs, lease losses and refused writes reach
+// its page). Streams that exist already are checked, and a stream
 // that cannot work as configured (another partition count, other
 // subjects, memory storage, work-queue retention) is refused with an error
 // matching ErrStreamConfig that says what differs. Streams are limit-based
@@ -238,6 +241,9 @@ func ProvisionJobs(ctx context.Context, js jetstream.JetStream, cfg JobsConfig) 
 				return err
 			}
 		}
+	}
+	if _, err := statusevents.Provision(ctx, js, cfg.Prefix, cfg.Replicas); err != nil {
+		return fmt.Errorf("worker: %w", err)
 	}
 	return nil
 }
