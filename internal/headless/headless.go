@@ -110,6 +110,18 @@ func Start(t *testing.T, ctx context.Context, url string) *Browser {
 	}
 	c.mustCall(t, ctx, "", "Target.attachToTarget", map[string]any{"targetId": target.TargetID, "flatten": true}, &attached)
 	c.session = attached.SessionID
+	// The target starts on an empty document and the page's server may
+	// take a moment to answer: wait for the page's own load event, so that
+	// what the test evaluates next runs in the page, not before it.
+	var loaded bool
+	// (An evaluation in the empty document ends with it, and Await
+	// evaluates again in the page.)
+	if err := c.Await(ctx, `new Promise(loaded => {
+		const check = () => location.protocol.startsWith("http") && document.readyState === "complete" && loaded(true);
+		check(); addEventListener("load", check);
+	})`, &loaded); err != nil || !loaded {
+		t.Fatalf("loading %s: %v", url, err)
+	}
 	return c
 }
 
