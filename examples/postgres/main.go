@@ -135,14 +135,10 @@ func run(ctx context.Context, out io.Writer, o options) (*leasehold.StaleEpochEr
 	if err != nil {
 		return nil, err
 	}
-	// The status page's events stream; `leasehold init` creates it too.
-	if _, err := statuspage.ProvisionEvents(ctx, js, "orders", 1); err != nil {
-		return nil, err
-	}
 	// One call: this program's take-overs, lease losses and refused writes
-	// go to the events stream, and the page, /metrics, /livez and /readyz
-	// are served on o.http. Its observers and telemetry go into the
-	// workers' and the sink's configurations below.
+	// go to the events stream (ProvisionJobs created it), and the page,
+	// /metrics, /livez and /readyz are served on o.http. Its observers and
+	// telemetry go into the workers' and the sink's configurations below.
 	page, err := statuspage.Serve(ctx, statuspage.ServeConfig{JetStream: js, Bucket: leases, Prefix: "orders", Name: "shop", Addr: o.http})
 	if err != nil {
 		return nil, err

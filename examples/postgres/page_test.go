@@ -57,6 +57,12 @@ func TestRefusalOnThePage(t *testing.T) {
 			const c = tr.cells; return c.length === 10 && c[1].textContent === "worker-a" && c[2].textContent === "orders" &&
 				BigInt(c[4].dataset.epoch) < BigInt(c[5].dataset.epoch) && c[7].textContent === "stale" && c[9].textContent === "shop"
 		})`)
+		// The page found its events stream (ProvisionJobs made it), and
+		// has nothing to complain of.
+		var errs string
+		if err := b.Eval(ctx, `document.getElementById("errors-section").hidden ? "" : document.getElementById("errors").innerText`, &errs); err != nil || errs != "" {
+			return fmt.Errorf("the page shows errors: %q (%v)", errs, err)
+		}
 		// worker-a's drain gave up on its frozen handler: a move, but no
 		// clean hand-off.
 		b.WaitFor(t, ctx, "the partition's move to worker-b", `Array.from(document.querySelectorAll("#moves tr")).some(tr => {
