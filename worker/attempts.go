@@ -159,7 +159,7 @@ func (r *runner) attempts(j *jobRun, st retryState, halt <-chan struct{}) {
 		wait := v.wait
 		r.event(ctx, v.event(job, seq, st, took))
 		if !st.dead {
-			r.log.Warn("job failed; retrying", "seq", seq, "attempt", st.runs, "backoff", wait, "err", err)
+			v.log(r.log, seq, st.runs, err)
 			if r.sleep(wait, halt) != 0 {
 				r.tell(report{run: j, kind: reportEnded, st: st})
 				return

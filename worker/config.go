@@ -92,6 +92,10 @@ type Config struct {
 	// next. The partition waits with it: order is kept. Default:
 	// exponential from 100ms, doubling up to 30s, with jitter.
 	Backoff func(attempt int) time.Duration
+	// MaxSnoozes is how many times a job's handler may snooze it (Snooze)
+	// before a snooze counts as a failed attempt. Default 100; negative:
+	// none may.
+	MaxSnoozes int
 	// HandleTimeout bounds one attempt, as Kafka's max.poll.interval.ms
 	// bounds the time between polls: past it the handler's context is
 	// cancelled (its cause matches ErrHandleTimeout) and the attempt counts
@@ -195,6 +199,11 @@ func (c *Config) setDefaults() {
 	}
 	if c.Backoff == nil {
 		c.Backoff = DefaultBackoff
+	}
+	if c.MaxSnoozes == 0 {
+		c.MaxSnoozes = 100
+	} else if c.MaxSnoozes < 0 {
+		c.MaxSnoozes = 0
 	}
 	if c.HandleTimeout == 0 {
 		c.HandleTimeout = 5 * time.Minute

@@ -44,7 +44,9 @@
 //     (or its kind's: Handle's MaxAttempts, Backoff and Timeout options),
 //     then the job is dead-lettered to "<prefix>.dlq.<p>" with its data,
 //     headers and the error. Permanent errors and payloads that do not
-//     decode are dead-lettered at once; a panic counts as a failure.
+//     decode are dead-lettered at once; a panic counts as a failure. A
+//     handler that returns Snooze(d) runs again after d, in its place,
+//     without using an attempt, up to Config.MaxSnoozes times.
 //   - Kinds: a Mux routes each job by its Leasehold-Kind header to a typed
 //     handler (Handle, HandleWith); Enqueue encodes a typed payload. A job
 //     of a kind no handler serves is dead-lettered at once. Kinds do not

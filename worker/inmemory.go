@@ -23,12 +23,13 @@ import (
 // It runs jobs through the worker's own code: the Job a handler gets, its
 // stamps, idempotency keys and message IDs, the finals and abort markers
 // of the effects protocol, the classification of an attempt's error
-// (timeouts, panics, Permanent, retries up to MaxAttempts after
-// Backoff), the dead letter and the events. Jobs are enqueued with a real Producer (Producer) into a job
+// (timeouts, panics, Permanent, retries up to MaxAttempts after Backoff,
+// the options of the job's kind, snoozes), the dead letter and the
+// events. Jobs are enqueued with a real Producer (Producer) into a job
 // stream kept in memory. What needs a server is left out: every publish
 // is stored at once and acknowledged, nothing is fenced or committed,
 // no barrier is written, effects are not checked against the server's
-// max payload, and waits (backoffs) are recorded, not slept.
+// max payload, and waits (backoffs, snoozes) are recorded, not slept.
 // Jobs run one at a time, in stream order.
 type InMemory struct {
 	w        *Worker
@@ -53,8 +54,10 @@ type InMemoryAttempt struct {
 	Err error
 	// Counted says that the failure counts towards the job's attempts.
 	Counted bool
+	// Snoozed says that the handler snoozed the job (see Snooze).
+	Snoozed bool
 	// Wait is how long the worker would wait before the next attempt: the
-	// backoff after a failure.
+	// backoff after a failure, or the snooze.
 	Wait time.Duration
 	// Published is what the attempt sent, in order: effects, their finals,
 	// abort markers.
@@ -265,7 +268,10 @@ func (m *InMemory) run(ctx context.Context, r *runner, msg *jobMsg) InMemoryResu
 			return res
 		}
 		v := r.judge(&st, job, err)
-		at.Counted, at.Wait = v.counted, v.wait
+		at.Counted, at.Snoozed, at.Wait = v.counted, v.snoozed, v.wait
+		if !v.snoozed {
+			at.Err = st.err // a snooze past its bound is ErrSnoozeLimit
+		}
 		r.event(hctx, v.event(job, seq, st, took))
 		at.Published = m.since(from)
 		res.Attempts = append(res.Attempts, at)

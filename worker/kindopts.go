@@ -31,6 +31,8 @@ type kindOptions struct {
 	timeout     time.Duration
 	order       Order
 	ordered     bool // order is set
+	maxSnoozes  int  // see MaxSnoozes (snooze.go)
+	snoozesSet  bool
 }
 
 // MaxAttempts sets how many failed attempts a job of the kind gets before

@@ -29,6 +29,7 @@ const (
 	EventProgressCommitted                      // progress through Seq was committed
 	EventCommitFailed                           // a commit failed (Err; matches leasehold.ErrLeaseLost when refused)
 	EventJobHung                                // the handler did not return after its context ended; the partition is released (Err, Duration)
+	EventJobSnoozed                             // the handler snoozed the job: it runs again after Backoff, no attempt counted (Duration)
 )
 
 var kindNames = [...]string{
@@ -47,6 +48,7 @@ var kindNames = [...]string{
 	EventProgressCommitted: "progress_committed",
 	EventCommitFailed:      "commit_failed",
 	EventJobHung:           "job_hung",
+	EventJobSnoozed:        "job_snoozed",
 }
 
 func (k EventKind) String() string {

@@ -104,6 +104,7 @@ type retryState struct {
 	failures int   // attempts that count towards MaxAttempts
 	err      error // the last failure
 	dead     bool  // the job is to be dead-lettered
+	snoozes  int   // times its handler snoozed it (snooze.go)
 	// transientSince is when the job's effects first failed for the
 	// transport's reasons; such failures use up no attempt until they
 	// have gone on for Config.TransientFor, and then only as counts

@@ -19,7 +19,9 @@
 //     retried up to MaxAttempts (the kind's, then the worker's), recording
 //     the backoff the worker would wait without waiting it; a panic is a
 //     failed attempt; a handler that outlives HandleTimeout fails with
-//     worker.ErrHandleTimeout; an error matching leasehold.ErrStaleEpoch or
+//     worker.ErrHandleTimeout; worker.Snooze runs the job again without
+//     counting an attempt, up to MaxSnoozes; an error matching
+//     leasehold.ErrStaleEpoch or
 //     leasehold.ErrLeaseLost stops the partition (Result.Stopped). The dead
 //     letter is the message the worker would store.
 //   - Every publish is stored and acknowledged at once. Nothing is fenced,

@@ -294,3 +294,39 @@ func TestKindOptionsApply(t *testing.T) {
 		t.Errorf("quick: %s", res)
 	}
 }
+
+func TestSnoozesAreNotAttempts(t *testing.T) {
+	runs := 0
+	h := workertest.New(t, workertest.Config{
+		Handler: worker.HandlerFunc(func(ctx context.Context, job *worker.Job) error {
+			if runs++; runs <= 2 {
+				return worker.Snooze(time.Minute)
+			}
+			return job.Emit(ctx, []byte("ready"))
+		}),
+		Worker: worker.Config{MaxAttempts: 1, MaxSnoozes: 2},
+	})
+	res := h.Run(t.Context(), []byte("k"), []byte("job"))
+	res.RequireDone()
+	if len(res.Attempts) != 3 || !res.Attempts[0].Snoozed || res.Attempts[0].Counted || res.Attempts[1].Wait != time.Minute {
+		t.Fatalf("want two snoozes of a minute, then success: %s", res)
+	}
+	runs = 0
+	h2 := workertest.New(t, workertest.Config{
+		Handler: worker.HandlerFunc(func(ctx context.Context, job *worker.Job) error { return worker.Snooze(time.Second) }),
+		Worker:  worker.Config{MaxAttempts: 1, MaxSnoozes: 2},
+	})
+	res = h2.Run(t.Context(), []byte("k"), []byte("job"))
+	if res.RequireDeadLettered(); !errors.Is(res.Err(), worker.ErrSnoozeLimit) || len(res.Attempts) != 3 {
+		t.Errorf("past the snooze limit: %s", res)
+	}
+	var snoozed int
+	for _, ev := range h2.Events() {
+		if ev.Kind == worker.EventJobSnoozed {
+			snoozed++
+		}
+	}
+	if snoozed != 2 {
+		t.Errorf("%d snoozed events, want 2", snoozed)
+	}
+}
