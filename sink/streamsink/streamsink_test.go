@@ -196,9 +196,13 @@ func downstream(ctx context.Context, js jetstream.JetStream, name string) ([]sin
 	return out, nil
 }
 
+// Each case's streams, consumers and buckets are named after it
+// (Setup.Name), on one server: the cases run side by side, and beside the
+// package's other tests once those, which run one at a time, are done.
 func TestConformance(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
-	sinktest.Run(t, sinktest.Features{Durable: true, Dedupe: true, VerifiedEpochs: true, Headers: true},
+	sinktest.Run(t, sinktest.Features{Durable: true, Dedupe: true, VerifiedEpochs: true, Headers: true, Parallel: true},
 		func(t *testing.T, st sinktest.Setup) sinktest.Instance {
 			rec := &positions{}
 			js := srv.JetStream(t)
