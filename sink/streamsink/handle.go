@@ -27,6 +27,7 @@ type outcome struct {
 	deliver bool
 	term    bool
 	job     uint64 // the job of an effect handed on as part of its job (see groups.go)
+	refile  error  // the refusal of a replayed dead letter, which goes back (see refile.go)
 
 	ctx  context.Context // carries the message's span, when it has one
 	span trace.Span
@@ -128,6 +129,9 @@ func (r *Runner) settle(ctx context.Context, outs []outcome, w *work) error {
 		// Nothing of the batch is delivered: it is decided again from the
 		// saved position, and stops here again, until the worker's window
 		// is within the bound.
+		return err
+	}
+	if err := r.refileAll(ctx, outs); err != nil {
 		return err
 	}
 	if err := r.deliver(ctx, outs); err != nil {
@@ -312,6 +316,9 @@ func (r *Runner) decide(ctx context.Context, w *work, m *logMsg, outs *[]outcome
 		o.term = true
 		o.d.Outcome = sink.Refused(v)
 		o.d.Err = leasehold.Refusal(f, st, v)
+		if !barrier && replayed(m.header) {
+			o.refile = o.d.Err
+		}
 		return o, nil
 	}
 	if raise {
