@@ -29,7 +29,8 @@ import (
 // stream kept in memory. What needs a server is left out: every publish
 // is stored at once and acknowledged, nothing is fenced or committed,
 // no barrier is written, effects are not checked against the server's
-// max payload, and waits (backoffs, snoozes) are recorded, not slept.
+// max payload, a handler that does not return is not given up on
+// (HangGrace), and waits (backoffs, snoozes) are recorded, not slept.
 // Jobs run one at a time, in stream order.
 type InMemory struct {
 	w        *Worker
@@ -242,11 +243,21 @@ func (m *InMemory) run(ctx context.Context, r *runner, msg *jobMsg) InMemoryResu
 		unhook()
 		stop(nil)
 		_, effErr := job.close()
+		if cause := cmpErr(r.ctx.Err(), ctx.Err()); cause != nil {
+			// The lease is gone, or the test's context ended: the job is
+			// not done, whatever the handler returned.
+			stopped := context.Cause(ctx)
+			if r.ctx.Err() != nil {
+				stopped = job.leaseLost(context.Cause(r.ctx))
+			}
+			r.measure(hctx, span, took, cmpErr(err, stopped))
+			r.abort(job, job.sentSubjects())
+			res.Attempts = append(res.Attempts, InMemoryAttempt{Job: job, Err: cmpErr(err, stopped), Published: m.since(from)})
+			res.Stopped = stopped
+			return res
+		}
 		if err == nil {
 			err = effErr
-		}
-		if err == nil && r.ctx.Err() != nil {
-			err = job.leaseLost(context.Cause(r.ctx))
 		}
 		if err == nil {
 			_, _, err = job.finish(hctx, r.after, r.policy.floored(), r.watermark)

@@ -273,6 +273,11 @@ func TestStaleEpochAndLostLeaseStopThePartition(t *testing.T) {
 	if len(h.Effects()) != 0 {
 		t.Errorf("published after the lease was lost: %+v", h.Effects())
 	}
+	// The partition's later jobs stop at once: the lease is gone.
+	workertest.Work(ctx, h, "apply", order{ID: "o4"}).RequireStopped(leasehold.ErrLeaseLost)
+	if got := fences.Applied(); len(got) != 1 {
+		t.Errorf("the sink holds %d effects, want the first job's alone", len(got))
+	}
 }
 
 func TestKindOptionsApply(t *testing.T) {
