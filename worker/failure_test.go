@@ -261,6 +261,7 @@ func TestDeadLetterEventWaitsUntilItIsStored(t *testing.T) {
 // refusal (here nobody took over), the partition is read again from its
 // progress.
 func TestStaleEpochStopsThePartition(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, 1)
 	enq := e.enqueue(t, 0, 3)
 	var refused atomic.Bool

@@ -13,8 +13,10 @@ import (
 // repeats nothing: the fetcher makes a new consumer at the job it needs
 // next, and the handler sees every job once, in order.
 func TestJobConsumerDeletedUnderTheWorker(t *testing.T) {
+	t.Parallel()
 	for _, wait := range []time.Duration{200 * time.Millisecond, time.Second, 5 * time.Second} {
 		t.Run(wait.String(), func(t *testing.T) {
+			t.Parallel()
 			e := newEnv(t, 1)
 			const total = 400
 			e.enqueue(t, 0, total)

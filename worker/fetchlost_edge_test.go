@@ -20,8 +20,10 @@ import (
 // server says nothing about the partition being caught up, and must not
 // hide the stall again.
 func TestLostPullRequestsShowAsAStall(t *testing.T) {
+	t.Parallel()
 	for _, wait := range []time.Duration{200 * time.Millisecond, time.Second} {
 		t.Run(wait.String(), func(t *testing.T) {
+			t.Parallel()
 			e := newEnv(t, 1, natstest.Listen())
 			proxy := natstest.NewProxy(t, e.srv.URL())
 			nc, err := nats.Connect(proxy.URL())

@@ -45,6 +45,7 @@ func TestProvisionJobs(t *testing.T) {
 // Beyond 1000 partitions the job stream must say how many consumers it
 // takes: the server caps a stream that says "unlimited" at 1000.
 func TestProvisionJobsAllowsAConsumerPerPartition(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	ctx := ctxFor(t, time.Minute)
 	const partitions = 1001 // one more consumer than the server's default cap

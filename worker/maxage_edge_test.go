@@ -15,6 +15,7 @@ import (
 // would be dropped by the server without a trace, the delayed job lost
 // and the periodic one silent until some process registers it again.
 func TestSchedulesOutliveMaxAge(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	e := &env{srv: srv, prefix: "jobs", n: 1}
 	e.js = srv.JetStream(t)

@@ -163,6 +163,7 @@ func TestDelayedJobNeedsSchedules(t *testing.T) {
 // take the partition over, and the ticks go on: each tick is stored once,
 // with a deterministic ID, and handled by a live holder.
 func TestPeriodicJobFiresOncePerTick(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, 2, natstestListen()...)
 	ctx := ctxFor(t, 2*time.Minute)
 	tick := worker.Periodic{Name: "sweep", Kind: "sweep", Every: time.Second, Payload: map[string]int{"batch": 10}}
