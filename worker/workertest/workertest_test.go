@@ -335,3 +335,13 @@ func TestSnoozesAreNotAttempts(t *testing.T) {
 		t.Errorf("%d snoozed events, want 2", snoozed)
 	}
 }
+
+func TestDelayedJobsNeedAServer(t *testing.T) {
+	h := workertest.New(t, workertest.Config{Handler: worker.HandlerFunc(func(context.Context, *worker.Job) error { return nil })})
+	if _, err := h.Producer().Enqueue(t.Context(), []byte("k"), []byte("later"), worker.EnqueueIn(time.Minute)); !errors.Is(err, worker.ErrNoSchedules) {
+		t.Fatalf("a delayed job in memory: %v, want ErrNoSchedules", err)
+	}
+	if h.Pending() != 0 {
+		t.Fatalf("%d jobs pending", h.Pending())
+	}
+}
