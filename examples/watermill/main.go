@@ -153,10 +153,8 @@ func run(ctx context.Context, out io.Writer, url string) (sink.Decision, error) 
 		return pub.Publish("shipments", message.NewMessageWithContext(ctx, watermill.NewUUID(), payload)) // ctx: the job's stamp
 	})
 	start := func(name string) (context.CancelFunc, chan error, error) {
-		// The story follows the stream's order: one job of the partition at
-		// a time, so o-3 waits behind the o-2 the network holds.
 		w, err := worker.New(worker.Config{JetStream: js, Prefix: "shipping", Partitions: 1, Bucket: leases, Handler: mux,
-			Order:           worker.OrderPartition,
+			Order:           worker.OrderPartition, // one job at a time: o-3 waits behind the o-2 the network holds
 			BarrierSubjects: func(leasehold.Partition) []string { return []string{"shipments"} },
 			Coordinator:     coordinator.Config{Worker: name, ShutdownTimeout: time.Second, RebalanceDelay: 100 * time.Millisecond}})
 		wctx, stop := context.WithCancel(ctx)
