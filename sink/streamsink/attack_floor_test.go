@@ -70,7 +70,11 @@ type floorWorld struct {
 
 const floorPrefix = "atkfloor"
 
-func newFloorWorld(t *testing.T) *floorWorld {
+func newFloorWorld(t *testing.T) *floorWorld { return newFloorWorldWith(t, 4) }
+
+// newFloorWorldWith runs the worker with concurrency jobs of the
+// partition at once (1: one at a time, whose finals carry no floor).
+func newFloorWorldWith(t *testing.T, concurrency int) *floorWorld {
 	t.Helper()
 	js := natstest.Start(t).JetStream(t)
 	ctx := ctxFor(t, time.Minute)
@@ -116,7 +120,7 @@ func newFloorWorld(t *testing.T) *floorWorld {
 	w, err := worker.New(worker.Config{
 		JetStream: js, Prefix: floorPrefix, Partitions: 1, Bucket: bucket,
 		Handler:              worker.HandlerFunc(fw.handle),
-		PartitionConcurrency: 4,
+		PartitionConcurrency: concurrency,
 		Coordinator:          coordinator.Config{Worker: "w1", TTL: 2 * time.Second, RebalanceDelay: 100 * time.Millisecond, Logger: quiet()},
 		Backoff:              func(int) time.Duration { return 10 * time.Millisecond },
 		Observer: worker.ObserverFunc(func(_ context.Context, e worker.Event) {
@@ -269,6 +273,21 @@ func (fw *floorWorld) store(t *testing.T, subject string, h nats.Header, data []
 	return ack.Sequence
 }
 
+// forgeFinalNoFloor publishes a final of job with one effect and After 0
+// and no floor, as a sequential runner writes its finals, under m's stamp
+// and the job's own key, and waits until the runner decided the log up
+// to it.
+func (fw *floorWorld) forgeFinalNoFloor(t *testing.T, m logMsg, job uint64) {
+	t.Helper()
+	pos := fw.publish(t, m, leasehold.EffectKey(fw.prefix, 0, job, 0), map[string]string{
+		leasehold.HeaderJob: fmt.Sprint(job), leasehold.HeaderAttempt: "1", leasehold.HeaderEffects: "1",
+		leasehold.HeaderAfter: "0",
+	}, []byte("forged"))
+	if err := fw.sink.WaitPosition(ctxFor(t, 10*time.Second), pos); err != nil {
+		t.Fatalf("the runner did not reach the forged final at %d: %v", pos, err)
+	}
+}
+
 // forgeFinal publishes a final of job with one effect, After 0, and floor,
 // under m's stamp and the job's own key, and waits until the runner
 // decided the log up to it.
@@ -374,24 +393,42 @@ func (fw *floorWorld) wantApplied(t *testing.T, seq uint64, n int, why string) {
 // After 0 and a floor above the running job, reaches a chain with no open
 // group. The running job then completes and the worker commits it: its
 // effect must be applied, not dropped as a duplicate below the forged
-// floor, and so must a job enqueued after it.
+// floor, and so must a job enqueued after it. It does not matter whether
+// the worker runs several jobs at once or one (the runner reads a floor on
+// any final), nor whether the forged final carries a floor: one without
+// raises the chain's floor to its own job, the sequential runners' rule.
 func TestAttackForgedFloorPassesJobNotInLog(t *testing.T) {
 	openAttacks(t)
-	fw := newFloorWorld(t)
-	first := fw.enqueue(t, "a", "one")
-	m := fw.stampOf(t, first, true)
-	fw.settle(t, first)
-	held := fw.enqueue(t, "b", "hold")
-	fw.waitPaused(t, held)
-	far := held + 1000
-	fw.forgeFinal(t, m, far, far-1)
-	fw.release(held)
-	fw.settle(t, held)
-	next := fw.enqueue(t, "c", "one")
-	fw.settle(t, next)
-	fw.wantApplied(t, first, 1, "applied before the forgery")
-	fw.wantApplied(t, held, 1, fmt.Sprintf("a forged final of job %d raised the chain's floor to %d while it ran", far, far-1))
-	fw.wantApplied(t, next, 1, fmt.Sprintf("enqueued after a forged final of job %d raised the chain's floor to %d", far, far-1))
+	// The worker's own finals carry a floor with several jobs in flight,
+	// and none with one; the forged one carries it either way.
+	for _, tc := range []struct {
+		concurrency int
+		floor       bool
+	}{{4, true}, {1, true}, {1, false}} {
+		t.Run(fmt.Sprintf("concurrency=%d,floor=%v", tc.concurrency, tc.floor), func(t *testing.T) {
+			fw := newFloorWorldWith(t, tc.concurrency)
+			first := fw.enqueue(t, "a", "one")
+			m := fw.stampOf(t, first, true)
+			fw.settle(t, first)
+			held := fw.enqueue(t, "b", "hold")
+			fw.waitPaused(t, held)
+			far := held + 1000
+			how := fmt.Sprintf("a forged final of job %d without a floor raised the chain's floor to the job", far)
+			if tc.floor {
+				fw.forgeFinal(t, m, far, far-1)
+				how = fmt.Sprintf("a forged final of job %d raised the chain's floor to %d", far, far-1)
+			} else {
+				fw.forgeFinalNoFloor(t, m, far)
+			}
+			fw.release(held)
+			fw.settle(t, held)
+			next := fw.enqueue(t, "c", "one")
+			fw.settle(t, next)
+			fw.wantApplied(t, first, 1, "applied before the forgery")
+			fw.wantApplied(t, held, 1, how+" while it ran")
+			fw.wantApplied(t, next, 1, "enqueued after "+how)
+		})
+	}
 }
 
 // The same forgery while the running job has its first effect in the log
