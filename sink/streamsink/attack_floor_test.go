@@ -431,6 +431,30 @@ func TestAttackForgedFloorPassesJobNotInLog(t *testing.T) {
 	}
 }
 
+// The forged final need not name a job far ahead: one of the next job,
+// with a floor of the running job, which any reader of the job stream can
+// write, loses the running job all the same. (The next job's own effect,
+// under the key the forgery took, is the documented residual of a forged
+// copy of the holder's stamp, and is not checked here.)
+func TestAttackForgedFloorOfTheNextJob(t *testing.T) {
+	openAttacks(t)
+	fw := newFloorWorld(t)
+	first := fw.enqueue(t, "a", "one")
+	m := fw.stampOf(t, first, true)
+	fw.settle(t, first)
+	held := fw.enqueue(t, "b", "hold")
+	fw.waitPaused(t, held)
+	fw.forgeFinal(t, m, held+1, held)
+	fw.release(held)
+	fw.settle(t, held)
+	if got := fw.enqueue(t, "c", "one"); got != held+1 {
+		t.Fatalf("the next job is %d, want %d", got, held+1)
+	}
+	fw.settle(t, held+1)
+	fw.wantApplied(t, first, 1, "applied before the forgery")
+	fw.wantApplied(t, held, 1, fmt.Sprintf("a forged final of the next job %d carried the floor %d while it ran", held+1, held))
+}
+
 // The same forgery while the running job has its first effect in the log
 // (an open group on the chain): the runner holds the forged final back
 // while its floor would pass the open job, so the job applies. The forged
