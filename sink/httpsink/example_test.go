@@ -9,7 +9,6 @@ import (
 	"strings"
 
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/httpsink"
 )
 
@@ -19,8 +18,9 @@ import (
 // 409 and a body naming epoch 8 and its holder.
 func ExampleVerifier() {
 	quiet := slog.New(slog.DiscardHandler)
-	v, err := httpsink.NewVerifier(httpsink.VerifierConfig{RequireRelay: true, Logger: quiet,
-		Fences: sink.NewMemory(sink.MemoryConfig{Logger: quiet})}) // memory stores; kvsink or pgsink for real
+	// Memory stores by default: kvsink or pgsink fences and KVKeys or
+	// PostgresKeys for a receiver of many processes.
+	v, err := httpsink.NewVerifier(httpsink.VerifierConfig{RequireRelay: true, Logger: quiet})
 	if err != nil {
 		panic(err)
 	}

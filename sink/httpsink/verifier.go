@@ -71,6 +71,9 @@ type VerifierConfig struct {
 }
 
 func (c *VerifierConfig) setDefaults() {
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
 	if c.Fences == nil {
 		c.Fences = sink.NewMemory(sink.MemoryConfig{Name: "http-verifier", Logger: c.Logger})
 	}
@@ -88,9 +91,6 @@ func (c *VerifierConfig) setDefaults() {
 	}
 	if c.MaxHeaders == 0 {
 		c.MaxHeaders = 128
-	}
-	if c.Logger == nil {
-		c.Logger = slog.Default()
 	}
 }
 
