@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -340,12 +339,13 @@ func TestAttackHungJobThenMoveWithJobsDoneOutOfOrder(t *testing.T) {
 	var hangOnce sync.Once
 	var mu sync.Mutex
 	ran := map[uint64][]string{}
+	var hungData string // effect 0 of the attempt that hung
 	handler := func(name string) worker.HandlerFunc {
 		return func(ctx context.Context, j *worker.Job) error {
 			mu.Lock()
 			ran[j.Seq] = append(ran[j.Seq], name)
 			mu.Unlock()
-			if err := j.Emit(ctx, []byte(fmt.Sprintf("%s job %d effect 0", name, j.Seq))); err != nil {
+			if err := j.Emit(ctx, []byte(fmt.Sprintf("%s job %d attempt %d effect 0", name, j.Seq, j.Attempt))); err != nil {
 				return err
 			}
 			if string(j.Data) != "key-0" || name != "a" {
@@ -356,9 +356,12 @@ func TestAttackHungJobThenMoveWithJobsDoneOutOfOrder(t *testing.T) {
 			if !first {
 				return nil
 			}
-			if err := j.Emit(ctx, []byte(fmt.Sprintf("%s job %d effect 1", name, j.Seq))); err != nil {
+			if err := j.Emit(ctx, []byte(fmt.Sprintf("%s job %d attempt %d effect 1", name, j.Seq, j.Attempt))); err != nil {
 				return err
 			}
+			mu.Lock()
+			hungData = fmt.Sprintf("%s job %d attempt %d effect 0", name, j.Seq, j.Attempt)
+			mu.Unlock()
 			close(hung)
 			<-release // ignores ctx
 			return nil
@@ -407,8 +410,11 @@ func TestAttackHungJobThenMoveWithJobsDoneOutOfOrder(t *testing.T) {
 	if v, ok := dest.get(key1); ok {
 		t.Errorf("the hung attempt's effect 1 was applied (%q): its attempt never completed", v)
 	}
-	if v, _ := dest.get(key0); strings.Contains(v, "effect 1") || v == "" {
-		t.Errorf("the hung job's effect 0 is %q", v)
+	mu.Lock()
+	hungV := hungData
+	mu.Unlock()
+	if v, _ := dest.get(key0); v == hungV || v == "" {
+		t.Errorf("the hung job's effect 0 is %q: the hung attempt's (%q) never completed, and a later run's is due", v, hungV)
 	}
 	mu.Lock()
 	defer mu.Unlock()
