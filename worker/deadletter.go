@@ -26,7 +26,14 @@ const (
 	HeaderSubject  = "Leasehold-Subject"  // the job's subject
 	HeaderSeq      = "Leasehold-Seq"      // the job's sequence in the job stream
 	HeaderJobID    = "Leasehold-Job-Id"   // the job's Nats-Msg-Id
+	// HeaderStack is the stack of a handler's panic (PanicError.Stack),
+	// quoted as a Go string on one line (strconv.Unquote gives it back);
+	// HeaderError says "panic: <value> at <file:line>".
+	HeaderStack = "Leasehold-Stack"
 )
+
+// maxStackHeader bounds the stack a dead letter carries, before quoting.
+const maxStackHeader = 8 << 10
 
 // maxErrorHeader bounds the error text a dead letter carries.
 const maxErrorHeader = 2048
@@ -67,6 +74,10 @@ func (r *runner) deadLetter(m jetstream.Msg, md *jetstream.MsgMetadata, st retry
 		errText = oneLine(st.err.Error(), maxErrorHeader)
 	}
 	msg.Header.Set(HeaderError, errText)
+	var pe *PanicError
+	if errors.As(st.err, &pe) && len(pe.Stack) > 0 {
+		msg.Header.Set(HeaderStack, strconv.Quote(string(pe.Stack[:min(len(pe.Stack), maxStackHeader)])))
+	}
 	msg.Header.Set(HeaderAttempts, strconv.Itoa(st.runs))
 	msg.Header.Set(HeaderSubject, m.Subject())
 	msg.Header.Set(HeaderSeq, strconv.FormatUint(md.Sequence.Stream, 10))

@@ -5,7 +5,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"path"
+	"runtime"
 	"runtime/debug"
+	"strconv"
+	"strings"
 )
 
 // Handler handles one job. It runs with a context that ends when the
@@ -78,14 +82,29 @@ func IsPermanent(err error) bool {
 
 // PanicError is the error of a handler that panicked. It counts as a failed
 // attempt.
+//
+// Its message is one line, "panic: <value> at <dir/file.go:line>", as it
+// appears in logs, events and a dead letter's Leasehold-Error. The whole
+// stack is kept once: in the attempt's span (exception.stacktrace) and in
+// the dead letter's Leasehold-Stack, which `leasehold dlq show` prints.
 type PanicError struct {
 	Value any    // what the handler panicked with
 	Stack []byte // the stack at the panic
+	// At is where the handler panicked, as "dir/file.go:line" (its
+	// directory and file only); "" when the stack did not say.
+	At string
 }
 
 func (e *PanicError) Error() string {
-	return fmt.Sprintf("handler panicked: %v\n%s", e.Value, e.Stack)
+	s := "panic: " + oneLine(fmt.Sprint(e.Value), maxPanicValue)
+	if e.At != "" {
+		s += " at " + e.At
+	}
+	return s
 }
+
+// maxPanicValue bounds the panic's value in PanicError's message.
+const maxPanicValue = 256
 
 // Unwrap returns the panic value when it is an error.
 func (e *PanicError) Unwrap() error {
@@ -97,8 +116,28 @@ func (e *PanicError) Unwrap() error {
 func call(ctx context.Context, h Handler, job *Job) (err error) {
 	defer func() {
 		if v := recover(); v != nil {
-			err = &PanicError{Value: v, Stack: debug.Stack()}
+			err = &PanicError{Value: v, Stack: debug.Stack(), At: panicSite()}
 		}
 	}()
 	return h.Handle(ctx, job)
+}
+
+// panicSite is where the panic being recovered was raised: the first
+// frame below the runtime's panic machinery, as "dir/file.go:line". It
+// is called from the deferred function that recovers.
+func panicSite() string {
+	var pcs [32]uintptr
+	frames := runtime.CallersFrames(pcs[:runtime.Callers(2, pcs[:])])
+	inRuntime := false
+	for {
+		f, more := frames.Next()
+		if strings.HasPrefix(f.Function, "runtime.") {
+			inRuntime = true
+		} else if inRuntime {
+			return path.Base(path.Dir(f.File)) + "/" + path.Base(f.File) + ":" + strconv.Itoa(f.Line)
+		}
+		if !more {
+			return ""
+		}
+	}
 }

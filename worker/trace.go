@@ -7,6 +7,7 @@ import (
 	"sync"
 
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
 	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
@@ -126,15 +127,19 @@ func (r *runner) startProcess(ctx context.Context, job *Job) (context.Context, t
 	return ctx, span
 }
 
-// endSpan records err on span, if any, and ends it.
+// endSpan records err on span, if any, and ends it. A handler's panic
+// keeps its stack here (exception.stacktrace), not in the error's
+// one-line message.
 func endSpan(span trace.Span, err error) {
 	if err != nil && span.IsRecording() {
-		typ := ""
 		var pe *PanicError
 		if errors.As(err, &pe) {
-			typ = telemetry.ErrorTypePanic
+			span.SetAttributes(semconv.ErrorTypeKey.String(telemetry.ErrorTypePanic))
+			span.RecordError(err, trace.WithAttributes(semconv.ExceptionStacktrace(string(pe.Stack))))
+			span.SetStatus(codes.Error, err.Error())
+		} else {
+			telemetry.RecordError(span, "", err)
 		}
-		telemetry.RecordError(span, typ, err)
 	}
 	span.End()
 }
