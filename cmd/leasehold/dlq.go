@@ -320,7 +320,9 @@ func newDLQShow() *cobra.Command {
 		Use:   "show SEQ",
 		Short: "Print one dead letter: its headers and payload",
 		Long: `show prints the dead letter at sequence SEQ (from list): its subject, when it
-was stored, where a replay would send it, every header, and the payload. The
+was stored, where a replay would send it, every header, the stack of a
+handler's panic (its Leasehold-Error says "panic: <value> at <file:line>";
+the stack, Leasehold-Stack, is printed whole), and the payload. The
 payload is printed as text when it is printable UTF-8; otherwise as base64,
 said so, which ` + "`base64 -d`" + ` turns back into the bytes. --raw writes only the
 payload's bytes, for a file: ` + "`leasehold dlq show 7 --raw > job-7.bin`" + `.
@@ -373,9 +375,25 @@ func (d *dlq) show(ctx context.Context, out io.Writer, m *jetstream.RawStreamMsg
 		names = append(names, k)
 	}
 	slices.Sort(names)
+	stack := ""
 	for _, k := range names {
 		for _, v := range m.Header[k] {
+			if strings.EqualFold(k, worker.HeaderStack) && stack == "" {
+				// A handler's panic: its stack, quoted on one line, is
+				// printed whole below.
+				if s, err := strconv.Unquote(v); err == nil && s != "" {
+					stack = s
+					fmt.Fprintf(out, "  %s: (the stack of the handler's panic, below)\n", clean(k))
+					continue
+				}
+			}
 			fmt.Fprintf(out, "  %s: %s\n", clean(k), clean(v))
+		}
+	}
+	if stack != "" {
+		fmt.Fprintln(out, "stack of the handler's panic:")
+		for line := range strings.SplitSeq(strings.TrimRight(stack, "\n"), "\n") {
+			fmt.Fprintf(out, "  %s\n", clean(strings.ReplaceAll(line, "\t", "    ")))
 		}
 	}
 	if isText(m.Data) {
