@@ -11,10 +11,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/httpsink"
+	"github.com/leasehold/leasehold/sink/streamsink"
 	"github.com/leasehold/leasehold/testing/natstest"
 )
 
@@ -129,4 +133,75 @@ func BenchmarkRelayDeliverBatch(b *testing.B) {
 			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "req/s")
 		})
 	}
+}
+
+// BenchmarkRelayRunSink is the whole path: b.N effects in the effect log
+// (16 partitions, 256-byte bodies) delivered by a relay that holds its
+// lock and runs the stream sink runner, until the runner has saved the
+// last position. Publishing is not timed.
+func BenchmarkRelayRunSink(b *testing.B) {
+	srv := okServer(b, false)
+	srvNATS := natstest.Start(b)
+	js := srvNATS.JetStream(b)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: "bench-leases"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "bench-effects", Subjects: []string{"bench.out.>"},
+		Storage: jetstream.FileStorage, DenyDelete: true, DenyPurge: true}); err != nil {
+		b.Fatal(err)
+	}
+	body := bytes.Repeat([]byte("x"), 256)
+	var last uint64
+	for p := range leasehold.Partition(16) {
+		h := nats.Header{}
+		leasehold.Stamp{Scope: "bench", Partition: p, Epoch: 1, Acquisition: "a1", Key: leasehold.BarrierKey("bench", p, 1), Worker: "w"}.SetHeader(h)
+		h.Set(leasehold.HeaderBarrier, "1")
+		if _, err := js.PublishMsg(ctx, &nats.Msg{Subject: "bench.out.barrier", Header: h}); err != nil {
+			b.Fatal(err)
+		}
+	}
+	var futs []jetstream.PubAckFuture
+	for i := range b.N {
+		p := leasehold.Partition(i % 16)
+		h := nats.Header{}
+		leasehold.Stamp{Scope: "bench", Partition: p, Epoch: 1, Acquisition: "a1", Key: fmt.Sprintf("bench.%d.%d", p, i), Worker: "w"}.SetHeader(h)
+		f, err := js.PublishMsgAsync(&nats.Msg{Subject: "bench.out." + p.String(), Header: h, Data: body})
+		if err != nil {
+			b.Fatal(err)
+		}
+		futs = append(futs, f)
+	}
+	for _, f := range futs {
+		select {
+		case a := <-f.Ok():
+			last = max(last, a.Sequence)
+		case err := <-f.Err():
+			b.Fatal(err)
+		}
+	}
+	c, err := coordinator.New(bucket, coordinator.Config{Worker: "relay", Logger: quiet()})
+	if err != nil {
+		b.Fatal(err)
+	}
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	tr.MaxIdleConnsPerHost = benchConcurrency
+	defer tr.CloseIdleConnections()
+	r, err := httpsink.New(httpsink.Config{URL: srv.URL, Coordinator: c, Concurrency: benchConcurrency, Transport: tr, Logger: quiet()})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.ResetTimer()
+	rctx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() {
+		done <- r.RunSink(rctx, js, streamsink.Config{Prefix: "bench", Consumer: "bench-relay", Name: "relay", Logger: quiet()})
+	}()
+	rr := &relay{Relay: r, cancel: stop, done: done}
+	rr.waitPosition(b, last)
+	b.StopTimer()
+	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "req/s")
+	_ = rr.stop()
 }
