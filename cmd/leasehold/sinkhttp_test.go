@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -13,8 +14,12 @@ import (
 	"github.com/leasehold/leasehold/testing/natstest"
 )
 
-// hookReceiver counts the requests a Verifier passed, by effect key.
+// hookReceiver counts the requests a Verifier passed and its handler
+// took, by effect key; while failing is set, the handler answers 503.
 type hookReceiver struct {
+	failing atomic.Bool
+	tried   atomic.Int64
+
 	mu      sync.Mutex
 	calls   map[string]int
 	changed chan struct{}
@@ -32,6 +37,10 @@ func newHookReceiver(t *testing.T) *hookReceiver {
 func (h *hookReceiver) handler() http.Handler {
 	return h.v.Wrap(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		st, _ := httpsink.StampFrom(r.Context())
+		if h.tried.Add(1); h.failing.Load() {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			return
+		}
 		h.mu.Lock()
 		h.calls[st.Key]++
 		close(h.changed)
@@ -159,6 +168,54 @@ func TestSinkHTTPFlags(t *testing.T) {
 		}
 		if err != nil && strings.Contains(err.Error()+out, "s3cr3t") {
 			t.Errorf("%v: the error shows the header's value: %v", c.args, err)
+		}
+	}
+}
+
+// Effects a receiver keeps failing go to the sink's dead-letter stream
+// after --max-deliveries tries, and are lost to nobody: once the
+// receiver is fixed, `leasehold dlq replay --sink --all` sends them back
+// into the effect log and the relay delivers each once, with its key.
+func TestSinkHTTPDeadLettersReplayed(t *testing.T) {
+	t.Parallel()
+	s := natstest.Start(t, natstest.Listen())
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	mustRun(t, ctx, "init", "--nats", s.URL(), "--partitions", "2")
+	h := newHookReceiver(t)
+	h.failing.Store(true)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: h.handler(), ReadHeaderTimeout: 5 * time.Second}
+	go func() { _ = srv.Serve(ln) }()
+	defer srv.Close()
+	background(t, "worker", "--nats", s.URL(), "--partitions", "2", "--worker-id", "w1", "--ttl", "2s", "--http", "", "--log-level", "warn")
+	background(t, "sink", "--nats", s.URL(), "--kind", "http", "--url", "http://"+ln.Addr().String()+"/hooks",
+		"--max-deliveries", "3", "--max-backoff", "20ms", "--http", "", "--log-level", "error")
+	mustRun(t, ctx, "enqueue", "--nats", s.URL(), "--partitions", "2", "-n", "5")
+	js := s.JetStream(t)
+	for {
+		if st, err := js.Stream(ctx, "leasehold-sink-dlq"); err == nil {
+			if info, err := st.Info(ctx); err == nil && info.State.Msgs == 5 {
+				break
+			}
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("the 5 effects were not dead-lettered (%d requests)", h.tried.Load())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if n := h.tried.Load(); n < 15 {
+		t.Errorf("%d requests before the dead letters, want at least 3 tries of each of 5", n)
+	}
+	h.failing.Store(false)
+	out := mustRun(t, ctx, "dlq", "replay", "--all", "--sink", "--nats", s.URL())
+	t.Logf("dlq replay --sink --all:\n%s", out)
+	for k, n := range h.wait(t, ctx, 5) {
+		if n != 1 {
+			t.Errorf("effect %s reached the handler %d times", k, n)
 		}
 	}
 }
