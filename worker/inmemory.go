@@ -108,6 +108,9 @@ func NewInMemory(cfg Config, lease leasehold.Lease) (*InMemory, error) {
 	if cfg.Handler == nil {
 		errs = append(errs, errors.New("Handler is nil"))
 	}
+	if cfg.MaxAttempts < 0 || cfg.HandleTimeout < 0 || cfg.PartitionConcurrency < 0 || cfg.Order < OrderKey || cfg.Order > OrderNone {
+		errs = append(errs, errors.New("MaxAttempts, HandleTimeout and PartitionConcurrency must not be negative, and Order must be OrderKey, OrderPartition or OrderNone"))
+	}
 	if err := lease.Stamp("k").Validate(); err != nil {
 		errs = append(errs, fmt.Errorf("lease: %w", err))
 	}
