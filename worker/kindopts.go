@@ -107,6 +107,25 @@ func (w *Worker) kindOptions(h nats.Header) (kindOptions, bool) {
 	return o, ok
 }
 
+// checkPlace says once, as a warning, that the kinds' options of m are
+// not applied: m runs job, and the worker's Config.Handler is not m (a
+// handler wrapped it by hand, where Config.Middleware would have kept it
+// in view).
+func (m *Mux) checkPlace(job *Job) {
+	if job.r == nil || job.r.w.cfg.Handler == Handler(m) {
+		return
+	}
+	m.mu.RLock()
+	n := len(m.options)
+	m.mu.RUnlock()
+	if n == 0 {
+		return
+	}
+	m.misplaced.Do(func() {
+		job.r.w.log.Warn("a Mux whose kinds have options (MaxAttempts, Backoff, Timeout, KindOrder, MaxSnoozes) is not the worker's Config.Handler: those options are not applied, and the worker's settings are; pass the Mux as Config.Handler and its wrappers as Config.Middleware")
+	})
+}
+
 // maxAttempts is the attempts a job gets.
 func (r *runner) maxAttempts(job *Job) int {
 	if o, ok := r.w.kindOptions(job.Header); ok && o.maxAttempts > 0 {

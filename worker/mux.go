@@ -23,10 +23,11 @@ import (
 // before the producers that enqueue it, or replay its dead letters
 // afterwards (`leasehold dlq replay`).
 type Mux struct {
-	mu       sync.RWMutex
-	handlers map[string]Handler
-	options  map[string]kindOptions // kinds registered with options (kindopts.go)
-	fallback Handler
+	mu        sync.RWMutex
+	handlers  map[string]Handler
+	options   map[string]kindOptions // kinds registered with options (kindopts.go)
+	fallback  Handler
+	misplaced sync.Once // said that its kinds' options are not applied
 }
 
 // NewMux returns an empty Mux.
@@ -82,6 +83,7 @@ func (m *Mux) Handle(ctx context.Context, job *Job) error {
 	if err != nil {
 		return err
 	}
+	m.checkPlace(job)
 	return h.Handle(ctx, job)
 }
 

@@ -1,11 +1,13 @@
 package workertest_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -343,5 +345,24 @@ func TestDelayedJobsNeedAServer(t *testing.T) {
 	}
 	if h.Pending() != 0 {
 		t.Fatalf("%d jobs pending", h.Pending())
+	}
+}
+
+// A Mux wrapped by hand is not in the worker's view: its kinds' options
+// are not applied, and the worker says so.
+func TestWrappedMuxSaysItsOptionsAreNotApplied(t *testing.T) {
+	var logs bytes.Buffer
+	mux := worker.NewMux()
+	worker.Handle(mux, "charge", func(ctx context.Context, job *worker.Job, o order) error {
+		return errors.New("declined")
+	}, worker.MaxAttempts(1))
+	wrapped := worker.HandlerFunc(func(ctx context.Context, job *worker.Job) error { return mux.Handle(ctx, job) })
+	h := workertest.New(t, workertest.Config{Handler: wrapped, Worker: worker.Config{MaxAttempts: 3, Logger: slog.New(slog.NewTextHandler(&logs, nil))}})
+	res := workertest.Work(t.Context(), h, "charge", order{ID: "o1"})
+	if dl := res.RequireDeadLettered(); dl.Attempts != 3 {
+		t.Errorf("%d attempts, want the worker's 3", dl.Attempts)
+	}
+	if n := strings.Count(logs.String(), "is not the worker's Config.Handler"); n != 1 {
+		t.Errorf("the warning was logged %d times, want once:\n%s", n, logs.String())
 	}
 }
