@@ -11,9 +11,11 @@ import (
 // take ten attempts an hour apart, a job that charges a card one attempt
 // of ten seconds, on the same worker. Options given to Handle, HandleWith
 // or Mux.HandleKind apply to the jobs of that kind; what they leave unset
-// is the worker's (Config.MaxAttempts, Backoff, HandleTimeout, Order).
-// They take effect where the Mux is Config.Handler, the middleware in
-// Config.Middleware: the worker finds the kind's options there. Jobs the
+// is the worker's (Config.MaxAttempts, Backoff, HandleTimeout, Order,
+// MaxSnoozes). They take effect where the Mux is Config.Handler, the
+// middleware in Config.Middleware: the worker finds the kind's options
+// there. A Mux wrapped by hand is out of its view: it logs a warning, once,
+// and its kinds run under the worker's settings. Jobs the
 // Mux dead-letters at once (an unknown kind, a payload that does not
 // decode) do so whatever the options.
 //
