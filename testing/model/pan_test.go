@@ -36,6 +36,7 @@ func needTools(t *testing.T) {
 // verifier is one configuration of the model compiled into a SPIN
 // verifier: spin -a with the defines, gcc with the flags, pan with the args.
 type verifier struct {
+	model   string   // the model's main file; default leasehold.pml
 	defines []string // sizes and switches (leasehold.pml)
 	cflags  []string // -DSAFETY, -DMEMLIM=..., -DNFAIR=...
 	args    []string // pan: -m depth, -a -f for the progress claim
@@ -92,7 +93,11 @@ func (v verifier) run(t *testing.T) result {
 	for _, d := range v.defines {
 		defs = append(defs, "-D"+d)
 	}
-	v.cmd(t, dir, "spin", append(append([]string{"-a"}, defs...), "leasehold.pml")...)
+	model := v.model
+	if model == "" {
+		model = "leasehold.pml"
+	}
+	v.cmd(t, dir, "spin", append(append([]string{"-a"}, defs...), model)...)
 	v.cmd(t, dir, "gcc", append(append([]string{}, v.cflags...), "-o", "pan", "pan.c")...)
 
 	// pan exits non-zero when it finds an error: that is read from its
@@ -106,9 +111,9 @@ func (v verifier) run(t *testing.T) result {
 		t.Fatalf("pan: %v", err)
 	}
 	r := parse(t, out)
-	if trail := filepath.Join(dir, "leasehold.pml.trail"); fileExists(trail) {
+	if trail := filepath.Join(dir, model+".trail"); fileExists(trail) {
 		r.trail = trailSteps(t, trail)
-		replay := v.cmd(t, dir, "spin", append(append([]string{"-t"}, defs...), "leasehold.pml")...)
+		replay := v.cmd(t, dir, "spin", append(append([]string{"-t"}, defs...), model)...)
 		for _, line := range strings.Split(replay, "\n") {
 			if s := strings.TrimSpace(line); strings.HasPrefix(s, "MSC:") || strings.Contains(s, "violated") || strings.Contains(s, "START OF CYCLE") {
 				r.msc = append(r.msc, s)
