@@ -72,7 +72,10 @@ func TestStaleHolder(t *testing.T) {
 	t.Parallel()
 	onEachTopology(t, func(t *testing.T, js jetstream.JetStream, replicas int) {
 		b := provision(t, js, replicas)
-		a, bw := newCoord(t, b, "a", time.Second), newCoord(t, b, "b", time.Second)
+		// A's TTL is the wait the test is about, so it is the shortest the
+		// server takes. B only has to keep its lease while it commits: a
+		// 1 s TTL on a loaded machine lapsed before its renewals landed.
+		a, bw := newCoord(t, b, "a", time.Second), newCoord(t, b, "b", 10*time.Second)
 		ctx := ctxFor(t, 30*time.Second)
 
 		la, err := a.Acquire(ctx, 0, coordinator.ManualRenew())

@@ -359,7 +359,9 @@ func TestMixedFleet(t *testing.T) {
 	b := provision(t, s.JetStream(t), 1)
 	ctx := ctxFor(t, 90*time.Second)
 
-	own := newCoord(t, b, "self-renewing", time.Second)
+	// The test is about a holder that renews: a 1 s TTL, the server's
+	// least, let its lease lapse between two renewals on a loaded machine.
+	own := newCoord(t, b, "self-renewing", 3*time.Second)
 	ol, err := own.Acquire(ctx, p)
 	if err != nil {
 		t.Fatal(err)
