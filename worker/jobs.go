@@ -169,7 +169,8 @@ var ErrStreamConfig = errors.New("worker: stream does not match the job stream c
 // NoEffects is set, the output stream "<prefix>-effects" on
 // "<prefix>.out.>", and the status page's events stream "<prefix>-events"
 // (so that a program's take-overs, lease losses and refused writes reach
-// its page). Streams that exist already are checked, and a stream
+// its page), and on nats-server 2.11 or later the KV bucket of unique jobs
+// "<prefix>-unique" (UniqueBucket). Streams that exist already are checked, and a stream
 // that cannot work as configured (another partition count, other
 // subjects, memory storage, work-queue retention) is refused with an error
 // matching ErrStreamConfig that says what differs. Streams are limit-based
@@ -240,6 +241,11 @@ func ProvisionJobs(ctx context.Context, js jetstream.JetStream, cfg JobsConfig) 
 			if err := setWindow(ctx, js, sc.Name, cfg.Duplicates); err != nil {
 				return err
 			}
+		}
+	}
+	if serverAtLeast(js.Conn(), 2, 11) {
+		if err := provisionUnique(ctx, js, cfg.Prefix, cfg.Replicas); err != nil {
+			return err
 		}
 	}
 	if _, err := statusevents.Provision(ctx, js, cfg.Prefix, cfg.Replicas); err != nil {

@@ -100,6 +100,8 @@ type Producer struct {
 	checked      bool // the stream's partition count matched
 	schedulesOK  bool // the job stream allows message schedules
 	schedulesAge bool // and has a MaxAge that schedules must be exempt from
+
+	uniq jetstream.KeyValue // the bucket of unique jobs, once opened (unique.go)
 }
 
 // NewProducer returns a Producer that enqueues through js.
@@ -153,6 +155,8 @@ type enqueueOpts struct {
 	// order is the job's leasehold.HeaderOrderKey: the digest of the key
 	// Enqueue partitioned it by; "" for EnqueueTo's jobs.
 	order string
+	// unique is the job's uniqueness (Unique, UniqueKey), nil for none.
+	unique *uniqueness
 }
 
 // WithOrderKey gives the job the order key of key (see
@@ -204,8 +208,15 @@ func (p *Producer) Enqueue(ctx context.Context, key, data []byte, opts ...Enqueu
 // Without WithOrderKey the job has no order key: it is ordered by
 // partition, waiting for every job stored before it on part, and no job
 // stored after it starts before it.
-func (p *Producer) EnqueueTo(ctx context.Context, part leasehold.Partition, data []byte, opts ...EnqueueOption) (e Enqueued, err error) {
+func (p *Producer) EnqueueTo(ctx context.Context, part leasehold.Partition, data []byte, opts ...EnqueueOption) (Enqueued, error) {
 	o := enqueueOptions(opts)
+	if o.unique != nil {
+		return p.enqueueUnique(ctx, part, data, o)
+	}
+	return p.enqueueTo(ctx, part, data, o)
+}
+
+func (p *Producer) enqueueTo(ctx context.Context, part leasehold.Partition, data []byte, o enqueueOpts) (e Enqueued, err error) {
 	ctx, span := p.startSend(ctx, part, o.id)
 	defer func() { endSpan(span, err) }()
 	msg, err := p.message(ctx, part, data, o)
@@ -419,6 +430,9 @@ func (b *Batch) Enqueue(ctx context.Context, key, data []byte, opts ...EnqueueOp
 func (b *Batch) EnqueueTo(ctx context.Context, part leasehold.Partition, data []byte, opts ...EnqueueOption) error {
 	// The span covers the send; Wait collects the ack.
 	o := enqueueOptions(opts)
+	if o.unique != nil {
+		return errors.New("worker: a Batch does not enqueue unique jobs: use Producer.Enqueue")
+	}
 	ctx, span := b.p.startSend(ctx, part, o.id)
 	msg, err := b.p.message(ctx, part, data, o)
 	if err != nil {

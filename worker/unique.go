@@ -1,0 +1,323 @@
+package worker
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+)
+
+// Unique jobs. The stream's duplicate window drops a repeated Nats-Msg-Id
+// for a few minutes; a unique job holds for a period the producer chooses,
+// across producers and server restarts, in a KV bucket of its own
+// ("<prefix>-unique", see UniqueBucket): the key is a digest of the job's
+// kind and payload (Unique) or of a key the producer gives (UniqueKey),
+// and its value names the job stored first. The entry carries a per-key
+// TTL of the period, so uniqueness ends when the period does, whatever
+// became of the job (done, dead-lettered, cancelled or still waiting).
+//
+// An enqueue reserves the key (create if absent), stores the job, then
+// records the job's place in the reservation (a compare-and-set on the
+// reservation's revision). A producer that dies between the two leaves a
+// reservation without a place; another producer takes it over once it is
+// older than uniqueReserveFor, so a crash does not block the key for the
+// whole period (it may let a second copy in, should the dead producer's
+// job have been stored).
+
+// UniqueBucket names the KV bucket of prefix's unique jobs:
+// "<prefix>-unique". ProvisionJobs creates it (nats-server 2.11 or later).
+func UniqueBucket(prefix string) string { return prefix + "-unique" }
+
+// ErrDuplicateJob is matched by the error of an enqueue refused because a
+// job of the same uniqueness (Unique, UniqueKey) was enqueued within its
+// period. errors.As to *DuplicateJobError gives that job.
+var ErrDuplicateJob = errors.New("worker: a job with the same uniqueness is enqueued already")
+
+// DuplicateJobError names the job that holds a uniqueness.
+type DuplicateJobError struct {
+	// Existing is the job enqueued first. Its Seq is 0 while another
+	// producer is still storing it (Partition and ID are known then).
+	Existing Enqueued
+	// Until is when the uniqueness ends, as far as this producer can tell
+	// (the reservation's time plus the period asked for now).
+	Until time.Time
+}
+
+func (e *DuplicateJobError) Error() string {
+	if e.Existing.Seq == 0 {
+		return fmt.Sprintf("worker: a job with the same uniqueness (ID %s, partition %d) is being enqueued by another producer; not enqueued again", e.Existing.ID, e.Existing.Partition)
+	}
+	return fmt.Sprintf("worker: a job with the same uniqueness is enqueued already as %s (ID %s); not enqueued again until about %s", e.Existing.Ref(), e.Existing.ID, e.Until.UTC().Format(time.RFC3339))
+}
+
+// Is matches ErrDuplicateJob.
+func (e *DuplicateJobError) Is(target error) bool { return target == ErrDuplicateJob }
+
+// uniqueness is what Unique or UniqueKey asked for.
+type uniqueness struct {
+	key    string // the producer's key; "" for kind and payload
+	period time.Duration
+}
+
+// Unique makes the job unique by its kind and payload for period: an
+// enqueue of the same kind and payload (of the typed Enqueue: the same
+// encoded value) before period has passed since the first is refused
+// with an error matching ErrDuplicateJob that names the first job. The
+// period runs from the enqueue whatever becomes of the job: done,
+// dead-lettered or cancelled jobs keep their uniqueness until it ends.
+// It holds across producers and server restarts; it needs the bucket
+// ProvisionJobs creates (UniqueBucket) and nats-server 2.11 or later. The
+// period is rounded up to whole seconds.
+func Unique(period time.Duration) EnqueueOption {
+	return func(o *enqueueOpts) { o.unique = &uniqueness{period: period} }
+}
+
+// UniqueKey is Unique by key instead of kind and payload: jobs enqueued
+// with the same key within period are stored once.
+func UniqueKey(key string, period time.Duration) EnqueueOption {
+	return func(o *enqueueOpts) { o.unique = &uniqueness{key: key, period: period} }
+}
+
+// uniqueRecord is a unique key's value: the reservation, and once the job
+// is stored, its place.
+type uniqueRecord struct {
+	ID        string `json:"id"`
+	Partition uint32 `json:"partition"`
+	Seq       uint64 `json:"seq,omitempty"`
+	Due       int64  `json:"due,omitempty"` // a delayed job's due time, Unix seconds
+}
+
+// uniqueName is the KV key of a uniqueness: the hex SHA-256 of its parts,
+// each prefixed by its length so that no two inputs share one.
+func uniqueName(u *uniqueness, kind string, data []byte) string {
+	h := sha256.New()
+	part := func(b []byte) {
+		var n [8]byte
+		for i := range n {
+			n[i] = byte(uint64(len(b)) >> (8 * i))
+		}
+		h.Write(n[:])
+		h.Write(b)
+	}
+	if u.key != "" {
+		part([]byte("key"))
+		part([]byte(u.key))
+	} else {
+		part([]byte("kind"))
+		part([]byte(kind))
+		part(data)
+	}
+	return "u." + hex.EncodeToString(h.Sum(nil))
+}
+
+// uniqueReserveFor is how old a reservation without a stored job must be
+// before another producer takes it over: longer than an enqueue's retries.
+func (p *Producer) uniqueReserveFor() time.Duration {
+	return max(time.Second, 2*time.Duration(p.cfg.Retries+1)*p.cfg.AckTimeout)
+}
+
+// uniqueKV opens the bucket of unique jobs once.
+func (p *Producer) uniqueKV(ctx context.Context) (jetstream.KeyValue, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.uniq != nil {
+		return p.uniq, nil
+	}
+	kv, err := p.js.KeyValue(ctx, UniqueBucket(p.cfg.Prefix))
+	if errors.Is(err, jetstream.ErrBucketNotFound) {
+		return nil, fmt.Errorf("worker: unique jobs need the bucket %s: run worker.ProvisionJobs (or `leasehold init`) on nats-server 2.11 or later", UniqueBucket(p.cfg.Prefix))
+	}
+	if err != nil {
+		return nil, fmt.Errorf("worker: open the bucket of unique jobs %s: %w", UniqueBucket(p.cfg.Prefix), err)
+	}
+	p.uniq = kv
+	return kv, nil
+}
+
+// enqueueUnique reserves the job's uniqueness, stores the job, and records
+// where it went.
+func (p *Producer) enqueueUnique(ctx context.Context, part leasehold.Partition, data []byte, o enqueueOpts) (Enqueued, error) {
+	u := o.unique
+	if u.period < time.Second {
+		return Enqueued{}, fmt.Errorf("worker: enqueue: a unique job's period is %v: use a second or more", u.period)
+	}
+	if len(u.key) > leasehold.MaxKeyLen {
+		return Enqueued{}, fmt.Errorf("worker: enqueue: a unique key of %d bytes is over the limit of %d", len(u.key), leasehold.MaxKeyLen)
+	}
+	if err := validID(o.id); err != nil {
+		return Enqueued{}, err
+	}
+	kv, err := p.uniqueKV(ctx)
+	if err != nil {
+		return Enqueued{}, err
+	}
+	name := uniqueName(u, o.kind, data)
+	rev, err := p.reserve(ctx, kv, name, uniqueRecord{ID: o.id, Partition: uint32(part)}, u.period)
+	if err != nil {
+		return Enqueued{}, err
+	}
+	e, err := p.enqueueTo(ctx, part, data, o)
+	if err != nil {
+		// Not stored (as far as this producer knows): free the key.
+		pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.cfg.AckTimeout)
+		_ = kv.Purge(pctx, name, jetstream.LastRevision(rev), jetstream.PurgeTTL(time.Second))
+		cancel()
+		return Enqueued{}, err
+	}
+	rec := uniqueRecord{ID: e.ID, Partition: uint32(e.Partition), Seq: e.Seq}
+	if !e.Due.IsZero() {
+		rec.Due = e.Due.Unix()
+	}
+	val, _ := json.Marshal(rec)
+	var last error
+	for attempt := 0; attempt <= p.cfg.Retries; attempt++ {
+		if attempt > 0 {
+			if err := sleep(ctx, p.retryWait(attempt)); err != nil {
+				break
+			}
+		}
+		actx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
+		_, last = p.js.PublishMsg(actx, &nats.Msg{Subject: "$KV." + UniqueBucket(p.cfg.Prefix) + "." + name, Data: val},
+			jetstream.WithExpectLastSequencePerSubject(rev), jetstream.WithMsgTTL(ttlSeconds(u.period)))
+		cancel()
+		if last == nil || casConflict(last) || !transientPublish(last) {
+			break
+		}
+	}
+	if last != nil {
+		return e, fmt.Errorf("worker: job %s is stored, but recording it as its uniqueness's job failed, so a copy may be enqueued once the reservation is %v old: %w", e.Ref(), p.uniqueReserveFor(), last)
+	}
+	return e, nil
+}
+
+// reserve creates the unique key, or takes over a reservation without a
+// job that is older than uniqueReserveFor, or one of its own job ID (its
+// retry). Otherwise it returns a *DuplicateJobError.
+func (p *Producer) reserve(ctx context.Context, kv jetstream.KeyValue, name string, rec uniqueRecord, period time.Duration) (uint64, error) {
+	val, _ := json.Marshal(rec)
+	var last error
+	for range 5 {
+		cctx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
+		rev, err := kv.Create(cctx, name, val, jetstream.KeyTTL(ttlSeconds(period)))
+		cancel()
+		if err == nil {
+			return rev, nil
+		}
+		if !casConflict(err) {
+			return 0, fmt.Errorf("worker: reserve a unique job: %w", err)
+		}
+		gctx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
+		entry, err := kv.Get(gctx, name)
+		cancel()
+		if errors.Is(err, jetstream.ErrKeyNotFound) || errors.Is(err, jetstream.ErrKeyDeleted) {
+			last = err // expired or freed in between
+			continue
+		}
+		if err != nil {
+			return 0, fmt.Errorf("worker: read a unique job's reservation: %w", err)
+		}
+		have, err := p.parseUnique(entry.Value())
+		if err != nil {
+			// Not a record an enqueue wrote: it holds the key all the same.
+			return 0, fmt.Errorf("%w: the bucket %s holds %s, which is not a unique job's record (%v); it ends with its TTL", ErrDuplicateJob, UniqueBucket(p.cfg.Prefix), name, err)
+		}
+		if have.Seq != 0 || (have.ID != rec.ID && time.Since(entry.Created()) < p.uniqueReserveFor()) {
+			dup := &DuplicateJobError{Existing: Enqueued{Partition: leasehold.Partition(have.Partition), Seq: have.Seq, ID: have.ID}, Until: entry.Created().Add(period)}
+			if have.Due != 0 {
+				dup.Existing.Due = time.Unix(have.Due, 0)
+			}
+			return 0, dup
+		}
+		// A reservation its producer gave up on (or this job's own):
+		// take it over.
+		actx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
+		ack, err := p.js.PublishMsg(actx, &nats.Msg{Subject: "$KV." + UniqueBucket(p.cfg.Prefix) + "." + name, Data: val},
+			jetstream.WithExpectLastSequencePerSubject(entry.Revision()), jetstream.WithMsgTTL(ttlSeconds(period)))
+		cancel()
+		if err == nil {
+			return ack.Sequence, nil
+		}
+		if !casConflict(err) {
+			return 0, fmt.Errorf("worker: take over a unique job's reservation: %w", err)
+		}
+		last = err
+	}
+	return 0, fmt.Errorf("worker: reserve a unique job: its key kept changing: %w", last)
+}
+
+// parseUnique reads a unique key's value strictly: anyone allowed to
+// write the bucket could have written it.
+func (p *Producer) parseUnique(b []byte) (uniqueRecord, error) {
+	var r uniqueRecord
+	d := json.NewDecoder(bytes.NewReader(b))
+	d.DisallowUnknownFields()
+	if err := d.Decode(&r); err != nil {
+		return uniqueRecord{}, err
+	}
+	if d.More() {
+		return uniqueRecord{}, errors.New("data after the record")
+	}
+	if r.ID == "" || validID(r.ID) != nil {
+		return uniqueRecord{}, errors.New("no valid job ID")
+	}
+	if int(r.Partition) >= p.cfg.Partitions {
+		return uniqueRecord{}, fmt.Errorf("partition %d out of range", r.Partition)
+	}
+	if r.Due < 0 {
+		return uniqueRecord{}, errors.New("a negative due time")
+	}
+	return r, nil
+}
+
+// casConflict reports whether err is a compare-and-set refusal: 10071 on
+// one replica, mostly 10164 on three, unmapped for raw publishes.
+func casConflict(err error) bool {
+	if errors.Is(err, jetstream.ErrKeyExists) {
+		return true
+	}
+	var apiErr *jetstream.APIError
+	return errors.As(err, &apiErr) && (apiErr.ErrorCode == 10071 || apiErr.ErrorCode == 10164)
+}
+
+// ttlSeconds rounds d up to whole seconds, at least one: the server's unit
+// for per-message TTLs.
+func ttlSeconds(d time.Duration) time.Duration {
+	return max(time.Second, (d + time.Second - 1).Truncate(time.Second))
+}
+
+// provisionUnique creates the bucket of unique jobs, or checks that the
+// one there keeps per-key TTLs. Its durability is the streams': a lost
+// entry would let a copy in.
+func provisionUnique(ctx context.Context, js jetstream.JetStream, prefix string, replicas int) error {
+	name := UniqueBucket(prefix)
+	kv, err := js.KeyValue(ctx, name)
+	if errors.Is(err, jetstream.ErrBucketNotFound) {
+		kv, err = js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
+			Bucket: name, Description: "leasehold unique jobs: the first job of each uniqueness, for its period",
+			History: 1, Storage: jetstream.FileStorage, Replicas: replicas, LimitMarkerTTL: time.Second,
+		})
+		if errors.Is(err, jetstream.ErrBucketExists) {
+			kv, err = js.KeyValue(ctx, name)
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("worker: bucket of unique jobs %s: %w", name, err)
+	}
+	st, err := kv.Status(ctx)
+	if err != nil {
+		return fmt.Errorf("worker: bucket of unique jobs %s: %w", name, err)
+	}
+	if st.LimitMarkerTTL() == 0 {
+		return fmt.Errorf("%w: bucket %s has no per-key TTLs (LimitMarkerTTL), so uniqueness would never end; delete it and provision again", ErrStreamConfig, name)
+	}
+	return nil
+}
