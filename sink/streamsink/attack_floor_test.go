@@ -455,6 +455,38 @@ func TestAttackForgedFloorOfTheNextJob(t *testing.T) {
 	fw.wantApplied(t, held, 1, fmt.Sprintf("a forged final of the next job %d carried the floor %d while it ran", held+1, held))
 }
 
+// A forged final of the running job itself (nothing of it in the log
+// yet), without a floor, that claims the keys of an earlier job through
+// Leasehold-Origin, as a replayed job's effects do: the runner takes the
+// job as applied, and a destination that dedupes drops the forged effect,
+// whose key it applied long ago. The running job's own effect, under its
+// own key, must still be applied when the worker commits it: a forgery of
+// the holder's stamp may put a value under the job's key (the documented
+// residual), but here nothing lands under it at all.
+func TestAttackForgedOriginFinalOfRunningJob(t *testing.T) {
+	openAttacks(t)
+	fw := newFloorWorld(t)
+	first := fw.enqueue(t, "a", "one")
+	m := fw.stampOf(t, first, true)
+	fw.settle(t, first)
+	held := fw.enqueue(t, "b", "hold")
+	fw.waitPaused(t, held)
+	st, err := leasehold.StampFromHeader(m.header)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pos := fw.publish(t, m, leasehold.EffectKey(fw.prefix, 0, first, 0), map[string]string{
+		leasehold.HeaderJob: fmt.Sprint(held), leasehold.HeaderAttempt: "1", leasehold.HeaderEffects: "1",
+		leasehold.HeaderAfter: "0", leasehold.HeaderOrigin: leasehold.OriginOf(st.Scope, 0, first).String(),
+	}, []byte("forged"))
+	if err := fw.sink.WaitPosition(ctxFor(t, 10*time.Second), pos); err != nil {
+		t.Fatal(err)
+	}
+	fw.release(held)
+	fw.settle(t, held)
+	fw.wantApplied(t, held, 1, fmt.Sprintf("a forged final of it carrying job %d's key through Leasehold-Origin was taken for it", first))
+}
+
 // The same forgery while the running job has its first effect in the log
 // (an open group on the chain): the runner holds the forged final back
 // while its floor would pass the open job, so the job applies. The forged
