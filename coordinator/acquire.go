@@ -127,6 +127,9 @@ type acquireOpts struct {
 	// whose holder has not listed it for longer than a lease could go
 	// unlisted (see advert.go): the acquisition may overwrite exactly it.
 	orphan uint64
+	// prior is what the key holds at hint, when the caller knows: a
+	// release's marker, or the record of a holder whose lease is over.
+	prior prior
 	// prepared is the record to write: one an atomic batch tried to write
 	// with an outcome not known (see batch.go), so that finding it stored
 	// settles the acquisition.
@@ -249,7 +252,12 @@ func (c *Coordinator) acquireKey(ctx context.Context, t target, o acquireOpts) (
 		firstSent time.Time
 		lastErr   error
 		transient bool // the last attempt failed without an answer: back off
+		// pr is what the key holds at expect: how its last holder let go.
+		pr = o.prior
 	)
+	if expect == 0 {
+		pr = priorFree
+	}
 	for attempt := 0; attempt < 8; attempt++ {
 		if transient {
 			select {
@@ -271,7 +279,9 @@ func (c *Coordinator) acquireKey(ctx context.Context, t target, o acquireOpts) (
 		rev, err := c.b.put(rctx, t.key, value, expect, ttl)
 		cancel()
 		if err == nil {
-			return c.newLease(t, rec, rev, sent, sess), nil
+			l := c.newLease(t, rec, rev, sent, sess)
+			l.prior = pr
+			return l, nil
 		}
 		lastErr = err
 		if isRefusal(err) && !isConflict(err) {
@@ -291,9 +301,9 @@ func (c *Coordinator) acquireKey(ctx context.Context, t target, o acquireOpts) (
 		}
 		switch e.kind {
 		case entryNone:
-			expect = 0
+			expect, pr = 0, priorFree
 		case entryMarker:
-			expect = e.rev
+			expect, pr = e.rev, markerPrior(e.header)
 		case entryValue:
 			r, foreign := foreignReason(e.data, e.header)
 			if t.kind == kindPartition {
@@ -303,6 +313,7 @@ func (c *Coordinator) acquireKey(ctx context.Context, t target, o acquireOpts) (
 				// An earlier attempt landed. Count the lease from the first
 				// send, the earliest it can have been stored.
 				l := c.newLease(t, rec, e.rev, firstSent, sess)
+				l.prior = pr
 				if ctx.Err() != nil {
 					_ = l.Release(context.WithoutCancel(ctx))
 					return nil, fmt.Errorf("coordinator: acquire %s: %w", t, ctx.Err())
@@ -311,7 +322,7 @@ func (c *Coordinator) acquireKey(ctx context.Context, t target, o acquireOpts) (
 			}
 			if foreign != "" {
 				if e.rev == takeover {
-					expect = e.rev
+					expect, pr = e.rev, priorLost
 					continue
 				}
 				return nil, &ForeignRecordError{Bucket: c.b.name, Key: t.key, Revision: e.rev, Reason: foreign}
@@ -321,7 +332,7 @@ func (c *Coordinator) acquireKey(ctx context.Context, t target, o acquireOpts) (
 					// Written under this very session, yet not held: an
 					// acquisition whose outcome was given up on, or a
 					// release that failed. Nobody else can hold it.
-					expect = e.rev
+					expect, pr = e.rev, priorUnknown
 					continue
 				}
 				rctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), c.cfg.RequestTimeout)
@@ -336,7 +347,7 @@ func (c *Coordinator) acquireKey(ctx context.Context, t target, o acquireOpts) (
 					// Its session has ended for good, or its holder does
 					// not hold it: the partition is free, at exactly this
 					// revision.
-					expect = e.rev
+					expect, pr = e.rev, priorLost
 					continue
 				}
 			}

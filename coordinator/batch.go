@@ -64,8 +64,9 @@ type acqBatch struct {
 // batchItem is one partition of a batch, with the revision its record is
 // expected at.
 type batchItem struct {
-	p    leasehold.Partition
-	hint uint64
+	p     leasehold.Partition
+	hint  uint64
+	prior prior // what the key holds at hint
 }
 
 // errNoAtomicBatch says the buckets cannot take atomic batches.
@@ -106,7 +107,7 @@ func (c *Coordinator) acquireBatch(ctx context.Context, items []batchItem, sess 
 	c.eachBounded(len(single), func(k int) {
 		i := single[k]
 		t := partitionTarget(items[i].p)
-		l, err := c.acquire(ctx, t, acquireOpts{session: sess, hint: items[i].hint, prepared: &recs[i]})
+		l, err := c.acquire(ctx, t, acquireOpts{session: sess, hint: items[i].hint, prior: items[i].prior, prepared: &recs[i]})
 		out[i] = acquireResult{p: items[i].p, lease: l, err: err, started: started}
 	})
 	if len(idx) == 0 {
@@ -138,9 +139,9 @@ func (c *Coordinator) rehint(ctx context.Context, items []batchItem, idx []int) 
 		switch {
 		case err != nil:
 		case e.kind == entryNone:
-			it.hint, isFree[k] = 0, true
+			it.hint, it.prior, isFree[k] = 0, priorFree, true
 		case e.kind == entryMarker:
-			it.hint, isFree[k] = e.rev, true
+			it.hint, it.prior, isFree[k] = e.rev, markerPrior(e.header), true
 		}
 	})
 	for k, i := range idx {
@@ -213,6 +214,7 @@ func (c *Coordinator) writeBatch(ctx context.Context, items []batchItem, recs []
 	leases := make([]*Lease, len(idx))
 	for k, i := range idx {
 		leases[k] = c.newLease(partitionTarget(items[i].p), recs[i], revs[k], sent, sess)
+		leases[k].prior = items[i].prior
 	}
 	return leases, nil
 }

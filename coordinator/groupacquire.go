@@ -36,6 +36,7 @@ func (g *group) startQueued(ctx context.Context, now time.Time) {
 			continue
 		}
 		var takeover, hint, orphan uint64
+		pr := priorUnknown
 		if !g.view.partitions {
 			// Nothing is known of the record but what acquisitions found:
 			// the acquisition reads it when its write is refused.
@@ -54,6 +55,11 @@ func (g *group) startQueued(ctx context.Context, now time.Time) {
 		case !g.view.partitions:
 		case s.holder == "":
 			hint = s.rev
+			if sess != nil {
+				// Partitions held by sessions have no TTL: a free one was
+				// released.
+				pr = priorReleased
+			}
 		case s.session != 0:
 			if g.sessionLive(s) {
 				continue
@@ -61,7 +67,7 @@ func (g *group) startQueued(ctx context.Context, now time.Time) {
 			// The view says its session ended; the acquisition checks that
 			// through the leader unless it is known already.
 			if s.holder == me || g.c.ended.has(sessionKey{s.holder, s.session}) {
-				hint = s.rev
+				hint, pr = s.rev, priorLost
 			}
 		default:
 			if !s.stuck(now, g.c.cfg.TTL) {
@@ -78,18 +84,18 @@ func (g *group) startQueued(ctx context.Context, now time.Time) {
 		if batching && takeover == 0 && orphan == 0 && (!g.view.partitions || s.holder == "") {
 			// Its record is expected at hint, or empty: nothing to read
 			// through the leader first.
-			batch = append(batch, batchItem{p: p, hint: hint})
+			batch = append(batch, batchItem{p: p, hint: hint, prior: pr})
 			if len(batch) == g.batchSize {
 				g.startBatch(ctx, batch, sess)
 				batch = nil
 			}
 			continue
 		}
-		g.startOne(ctx, p, acquireOpts{takeover: takeover, session: sess, hint: hint, orphan: orphan})
+		g.startOne(ctx, p, acquireOpts{takeover: takeover, session: sess, hint: hint, orphan: orphan, prior: pr})
 	}
 	switch {
 	case len(batch) == 1:
-		g.startOne(ctx, batch[0].p, acquireOpts{session: sess, hint: batch[0].hint})
+		g.startOne(ctx, batch[0].p, acquireOpts{session: sess, hint: batch[0].hint, prior: batch[0].prior})
 	case len(batch) > 1:
 		g.startBatch(ctx, batch, sess)
 	}

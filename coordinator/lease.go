@@ -92,6 +92,7 @@ type Lease struct {
 	fenceRev uint64     // revision of the last write on the fence record
 	fenced   fenceRecord
 	previous fenceRecord // the record the fence step replaced: who held it before
+	prior    prior       // what the lease key held when it was written: how the last holder let go
 	progRead bool        // the fence record has been written under this lease
 	repaired []string    // what a repairing fence step rewrote
 

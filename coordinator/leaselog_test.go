@@ -129,3 +129,48 @@ func TestLeaseLogLines(t *testing.T) {
 		}
 	}
 }
+
+// The words of the log are the status page's: the worker that gets a
+// partition its holder released says it was handed off; the one that
+// gets a partition whose holder's session ended without a release says
+// it took it over.
+func TestHandOffAndTakeOverLogLines(t *testing.T) {
+	t.Parallel()
+	js := natstest.Start(t).JetStream(t)
+	b := provision(t, js, 1)
+	ctx := ctxFor(t, 60*time.Second)
+	var alog, blog logBuf
+	alice := loggedCoord(t, b, "alice", 3*time.Second, &alog)
+	// alice's session is never renewed: it ends at its TTL, as a crashed
+	// worker's does, and her partition records stay behind it.
+	sess, err := alice.RegisterSession(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := alice.AcquireInSession(ctx, 0, sess); err != nil {
+		t.Fatal(err)
+	}
+	l1, err := alice.AcquireInSession(ctx, 1, sess)
+	if err != nil {
+		t.Fatal(err)
+	}
+	startMemberWith(t, b, "bob", 2, 3*time.Second, func(c *coordinator.Config) {
+		c.Logger = slog.New(slog.NewTextHandler(&blog, nil))
+	})
+	if err := l1.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for len(blog.lines("partition handed off")) == 0 || len(blog.lines("took over partition")) == 0 {
+		if ctx.Err() != nil {
+			t.Fatalf("bob never got both partitions:\n%s", blog.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	off, took := blog.lines("partition handed off"), blog.lines("took over partition")
+	if len(off) != 1 || !strings.Contains(off[0], "level=INFO") || !strings.Contains(off[0], "partition=1 ") || !strings.Contains(off[0], "from=alice") {
+		t.Errorf("hand-off lines %q, want one for partition 1 from alice", off)
+	}
+	if len(took) != 1 || !strings.Contains(took[0], "partition=0 ") || !strings.Contains(took[0], "from=alice") {
+		t.Errorf("take-over lines %q, want one for partition 0 from alice", took)
+	}
+}

@@ -87,7 +87,8 @@ func TestFrozenWorkerLogs(t *testing.T) {
 	// Her leases run out; bob takes her partitions over.
 	holders("all held by bob while alice is frozen", "bob")
 	waitLog("bob", "taking alice's partitions over", regexp.MustCompile(`level=INFO msg="took over partition" partition=\d+ epoch=\d+ worker=bob from=alice previous_epoch=\d+`), 0)
-	takeBack := regexp.MustCompile(`msg="took over partition" partition=\d+ epoch=\d+ worker=alice from=bob`)
+	// Bob releases them to her: a hand-off, not a take-over.
+	takeBack := regexp.MustCompile(`msg="partition handed off" partition=\d+ epoch=\d+ worker=alice from=bob`)
 	takenBack := len(takeBack.FindAllString(logOf("alice"), -1))
 	if err := procs["alice"].Resume(); err != nil {
 		t.Fatal(err)
