@@ -57,6 +57,8 @@ func (e appliedEntry) validate() error {
 		return fmt.Errorf("acquisition %q", e.Acquisition)
 	case len(e.Holes) > maxHoles:
 		return fmt.Errorf("%d dead-lettered jobs, above %d", len(e.Holes), maxHoles)
+	case len(e.Origins) > maxOrigins:
+		return fmt.Errorf("%d jobs applied under their origin's keys, above %d", len(e.Origins), maxOrigins)
 	}
 	above, err := decodeAbove(e.Job, e.Above)
 	if err != nil {
@@ -71,6 +73,11 @@ func (e appliedEntry) validate() error {
 			return fmt.Errorf("dead-lettered job %d is not applied (floor %d, %d jobs above)", h, e.Job, len(above))
 		}
 	}
+	for _, j := range e.Origins {
+		if j == 0 || !a.done(j) {
+			return fmt.Errorf("job %d, applied under its origin's keys, is not applied (floor %d, %d jobs above)", j, e.Job, len(above))
+		}
+	}
 	return nil
 }
 
@@ -81,12 +88,12 @@ func (e appliedEntry) chain() chainKey {
 // applied is the entry's chain state; the entry was validated.
 func (e appliedEntry) applied() applied {
 	above, _ := decodeAbove(e.Job, e.Above)
-	return applied{Epoch: e.Epoch, Acquisition: e.Acquisition, Floor: e.Job, Above: above, Holes: e.Holes}
+	return applied{Epoch: e.Epoch, Acquisition: e.Acquisition, Floor: e.Job, Above: above, Holes: e.Holes, Origins: e.Origins}
 }
 
 func entryOf(c chainKey, a applied) appliedEntry {
 	return appliedEntry{Scope: c.fence.Scope, Partition: c.fence.Partition, Subject: c.subject, Epoch: a.Epoch, Acquisition: a.Acquisition,
-		Job: a.Floor, Above: encodeAbove(a.Floor, a.Above), Holes: a.Holes}
+		Job: a.Floor, Above: encodeAbove(a.Floor, a.Above), Holes: a.Holes, Origins: a.Origins}
 }
 
 // later reports whether a is later than b on one chain: a chain's epochs
@@ -102,7 +109,10 @@ func (a applied) later(b applied) bool {
 	if len(a.Above) != len(b.Above) {
 		return len(a.Above) > len(b.Above)
 	}
-	return len(a.Holes) > len(b.Holes)
+	if len(a.Holes) != len(b.Holes) {
+		return len(a.Holes) > len(b.Holes)
+	}
+	return len(a.Origins) > len(b.Origins)
 }
 
 // encodeAbove writes the jobs above floor as the member holdings and the
@@ -242,6 +252,9 @@ type appliedEntry struct {
 	// Holes are the jobs settled on the chain whose delivery went to the
 	// dead-letter stream: not applied (see applied in chains.go).
 	Holes []uint64 `json:"h,omitempty"`
+	// Origins are the jobs applied on the chain under their origin's
+	// keys (see applied in chains.go).
+	Origins []uint64 `json:"o,omitempty"`
 }
 
 func appliedShard(id leasehold.FenceID) int { return shardOf(id, appliedShards) }

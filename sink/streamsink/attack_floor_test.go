@@ -464,7 +464,6 @@ func TestAttackForgedFloorOfTheNextJob(t *testing.T) {
 // the holder's stamp may put a value under the job's key (the documented
 // residual), but here nothing lands under it at all.
 func TestAttackForgedOriginFinalOfRunningJob(t *testing.T) {
-	openAttacks(t)
 	fw := newFloorWorld(t)
 	first := fw.enqueue(t, "a", "one")
 	m := fw.stampOf(t, first, true)

@@ -376,6 +376,17 @@ func keyNamesOrigin(h map[string][]string, st leasehold.Stamp, job uint64) bool 
 	return keyNamesJob(leasehold.Stamp{Scope: org.Scope, Partition: org.Partition, Key: st.Key}, org.Seq)
 }
 
+// otherKeys reports whether an effect of job, which a chain at a applied,
+// carries the other set of the job's keys than the attempt applied: its
+// own where that attempt carried its origin's, or the reverse.
+func otherKeys(h map[string][]string, st leasehold.Stamp, job uint64, a applied) bool {
+	own := keyNamesJob(st, job)
+	if !own && !keyNamesOrigin(h, st, job) {
+		return false
+	}
+	return own == a.appliedAsOrigin(job)
+}
+
 // cutNumber cuts the canonical decimal of n from the front of s.
 func cutNumber(s string, n uint64) (string, bool) {
 	var buf [20]byte

@@ -61,7 +61,11 @@ type applied struct {
 	Floor       uint64
 	Above       []uint64 // ascending, each above Floor
 	Holes       []uint64
-	top         uint64 // the highest attempt seen applied in the lease; not saved
+	// Origins are, of the jobs it applied, the latest maxOrigins whose
+	// applied attempt carried the keys of the job's origin (a replayed
+	// job's, see keyNamesOrigin) rather than its own.
+	Origins []uint64
+	top     uint64 // the highest attempt seen applied in the lease; not saved
 }
 
 // done reports whether job's effects on the chain are settled: applied, or
@@ -105,6 +109,15 @@ func (a applied) hole(job uint64) bool {
 // maxHoles bounds the dead-lettered jobs a chain remembers.
 const maxHoles = 16
 
+// maxOrigins bounds the jobs applied under their origin's keys a chain
+// remembers.
+const maxOrigins = 64
+
+// appliedAsOrigin reports whether job was applied under its origin's keys.
+func (a applied) appliedAsOrigin(job uint64) bool {
+	return slices.Contains(a.Origins, job)
+}
+
 // chain returns where k's chain stands in k's lease: nothing applied, when
 // it stands in another.
 func (gs *groups) chain(k groupKey) applied {
@@ -132,8 +145,17 @@ func (gs *groups) forgetChain(c chainKey) {
 }
 
 // advance records job k applied, in a chain that stood at a in k's lease,
-// from an attempt numbered up to top whose final is final.
-func (gs *groups) advance(k groupKey, a applied, final leasehold.JobMark, top uint64) {
+// from an attempt numbered up to top whose final is final, and whose keys
+// were its origin's when asOrigin.
+func (gs *groups) advance(k groupKey, a applied, final leasehold.JobMark, top uint64, asOrigin bool) {
+	if asOrigin && !a.appliedAsOrigin(k.job) {
+		origins := make([]uint64, 0, len(a.Origins)+1)
+		origins = append(origins, a.Origins...)
+		if len(origins) == maxOrigins {
+			origins = origins[1:]
+		}
+		a.Origins = append(origins, k.job)
+	}
 	if f := a.floorOf(k.job, final); f > a.Floor {
 		a.Floor = f
 		if n := len(a.Above); n > 0 {

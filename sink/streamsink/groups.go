@@ -132,6 +132,14 @@ func (r *Runner) decideJob(o *outcome, mark leasehold.JobMark, outs *[]outcome) 
 			// Its delivery went to the dead-letter stream: this is a
 			// replay, and applies on its own.
 			o.deliver, o.report, o.job = true, true, mark.Job
+		case otherKeys(o.m.header, st, mark.Job, a):
+			// The job was applied under the other set of its keys (its
+			// own, or its origin's): one of the two attempts is not the
+			// worker's, and which one the runner cannot tell. Dropped as
+			// a duplicate, the worker's could be lost under a forged one
+			// whose keys a destination that dedupes took long ago; on
+			// its own, each key is applied once there.
+			o.deliver, o.report, o.job = true, true, mark.Job
 		default:
 			// Applied already (a replay, or a re-run of an applied job).
 			o.report = true
@@ -295,7 +303,7 @@ func (r *Runner) applyAlone(o *outcome, k groupKey, mark leasehold.JobMark, a ap
 		return false
 	}
 	*outs = append(*outs, heldCopy(o, k.job))
-	gs.advance(k, a, mark, mark.Attempt)
+	gs.advance(k, a, mark, mark.Attempt, !keyNamesJob(o.d.Stamp, k.job))
 	return true
 }
 

@@ -137,8 +137,9 @@ func (r *Runner) apply(k groupKey, g *group, a *attempt, ch applied, outs *[]out
 	g.remove(a)
 	top := max(a.n, g.top())
 	final := a.final
+	asOrigin := len(a.held) > 0 && !keyNamesJob(leasehold.Stamp{Scope: a.held[0].d.Stamp.Scope, Partition: a.held[0].d.Stamp.Partition, Key: a.finalKey}, k.job)
 	r.dropGroup(k, g, outs)
-	gs.advance(k, ch, final, top)
+	gs.advance(k, ch, final, top, asOrigin)
 }
 
 // abandon settles the open groups of fence id below epoch e, whose stamp
