@@ -98,19 +98,22 @@ func (r *runner) attempts(j *jobRun, st retryState, halt <-chan struct{}) {
 		ctx = r.w.tel.Propagator.Extract(ctx, telemetry.HeaderCarrier(job.Header))
 		ctx, span := r.startProcess(ctx, job)
 		ctx, cancel := context.WithTimeoutCause(ctx, r.timeout(job), ErrHandleTimeout)
+		ctx, detach := r.cancels.attach(ctx, job) // cancel.go
 		r.event(ctx, Event{Kind: EventJobStarted, Job: job, Seq: seq, Attempt: st.runs})
 		start := time.Now()
 		dog := r.watch(ctx, j, job, st, start)
 		// An unreadable origin, or a roll-up that purged jobs before it:
 		// whatever the handler, say so.
 		err := beforeHandle(job)
-		if err == nil {
+		ran := err == nil && !r.cancels.has(job)
+		if ran {
 			err = call(ctx, r.w.handler, job)
 		}
 		took := time.Since(start)
 		hung := dog.done()
 		err = attemptError(ctx, err)
 		cancel()
+		detach()
 		if hung {
 			// Given up on, and reported by the watchdog: the partition is
 			// released.
@@ -126,6 +129,9 @@ func (r *runner) attempts(j *jobRun, st retryState, halt <-chan struct{}) {
 			r.tell(report{run: j, kind: reportEnded, st: st})
 			return
 		}
+		if empty, ok, cerr := r.cancelled(j, job, st, ran); ok {
+			job, err, effErr = empty, cerr, nil
+		}
 		if err == nil {
 			err = effErr
 		}
@@ -139,6 +145,12 @@ func (r *runner) attempts(j *jobRun, st retryState, halt <-chan struct{}) {
 			}
 			if err == nil {
 				return // completed: the runner accounted for it
+			}
+			if errors.Is(err, ErrJobCancelled) {
+				// Cancelled before its finals: the next attempt settles it.
+				r.measure(ctx, span, took, err)
+				r.abort(job, job.sentSubjects())
+				continue
 			}
 			if errors.Is(err, errHalted) {
 				r.measure(ctx, span, took, err)
@@ -237,6 +249,9 @@ func (r *runner) finish(rep report) error {
 	j, job, st := rep.run, rep.job, rep.st
 	if r.stopping != 0 && r.stopping != outDrain || r.ctx.Err() != nil {
 		return errHalted
+	}
+	if r.cancels.late(job) {
+		return ErrJobCancelled
 	}
 	futs, undo, err := job.finish(rep.ctx, r.after, r.policy.floored(), r.watermark)
 	if err != nil {

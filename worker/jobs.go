@@ -248,6 +248,9 @@ func ProvisionJobs(ctx context.Context, js jetstream.JetStream, cfg JobsConfig) 
 			return err
 		}
 	}
+	if err := provisionCancels(ctx, js, cfg.Prefix, cfg.Replicas); err != nil {
+		return err
+	}
 	if _, err := statusevents.Provision(ctx, js, cfg.Prefix, cfg.Replicas); err != nil {
 		return fmt.Errorf("worker: %w", err)
 	}

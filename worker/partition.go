@@ -84,6 +84,8 @@ type runner struct {
 	// after is, per subject, the last job of this lease that completed
 	// with effects there: its next job's final names it (output.go).
 	after map[string]uint64
+	// cancels are the partition's cancels, from a watch (cancel.go).
+	cancels *cancels
 
 	// Shared with the jobs' goroutines.
 	reports chan report   // their reports
@@ -232,6 +234,8 @@ func (r *runner) run() {
 		r.end(out)
 		return
 	}
+	r.cancels = r.watchCancels()
+	defer r.cancels.stop()
 	r.event(r.ctx, Event{Kind: EventPartitionReady, Seq: r.committed, Done: r.committedDone})
 	r.log.Debug("partition ready", "progress", r.committed, "done", len(r.committedDone))
 	for {

@@ -32,7 +32,8 @@ type JobState int
 // (JobStatus.ReplayedAs names the new job, whose status is its own), and
 // one that `leasehold dlq purge` deleted is Purged. A job removed from the
 // job stream before it ran (aged out, deleted) is RemovedUnrun. None of
-// them is ever reported Done: Done means its handler succeeded.
+// them is ever reported Done: Done means its handler succeeded. A job
+// that Producer.Cancel stopped or skipped is Cancelled.
 const (
 	JobUnknown JobState = iota
 	JobScheduled
@@ -43,9 +44,10 @@ const (
 	JobReplayed
 	JobPurged
 	JobRemovedUnrun
+	JobCancelled
 )
 
-var stateNames = [...]string{"unknown", "scheduled", "pending", "running", "done", "dead-lettered", "replayed", "purged", "removed-unrun"}
+var stateNames = [...]string{"unknown", "scheduled", "pending", "running", "done", "dead-lettered", "replayed", "purged", "removed-unrun", "cancelled"}
 
 func (s JobState) String() string {
 	if s >= 0 && int(s) < len(stateNames) {
@@ -59,8 +61,8 @@ func (s JobState) MarshalText() ([]byte, error) { return []byte(s.String()), nil
 
 // Finished reports whether the job will not run again under its
 // reference: done, dead-lettered, replayed (as another job), purged or
-// removed unrun.
-func (s JobState) Finished() bool { return s >= JobDone && s <= JobRemovedUnrun }
+// removed unrun, or cancelled.
+func (s JobState) Finished() bool { return s >= JobDone && s <= JobCancelled }
 
 // JobStatus is what the streams and the lease bucket say about one job.
 type JobStatus struct {
@@ -149,13 +151,8 @@ func ParseRef(s string) (Enqueued, error) {
 // delayed job or a dead letter.
 const maxScan = 100_000
 
-// Status tells where the job ref is: scheduled, pending, running (by whom,
-// at which epoch), done, dead-lettered, replayed (as which job), purged or
-// removed unrun. It reads the lease bucket and the fence records through
-// the coordinator's read-only calls, and the job and dead-letter streams
-// (their dead letters and records, see Record) through the stream leader;
-// it needs ProducerConfig.Bucket.
-func (p *Producer) Status(ctx context.Context, ref Enqueued) (JobStatus, error) {
+// status is Status without the cancels (cancel.go).
+func (p *Producer) status(ctx context.Context, ref Enqueued) (JobStatus, error) {
 	b, err := p.bucket()
 	if err != nil {
 		return JobStatus{}, err

@@ -1,0 +1,404 @@
+package worker
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold"
+)
+
+// Cancels. Producer.Cancel stores a record in the KV bucket
+// "<prefix>-cancels" (CancelBucket), keyed by the job's partition and its
+// sequence ("<p>.s<seq>"), or for a delayed job its ID's digest
+// ("<p>.i<sha256>"), which the job it fires carries. A partition's runner
+// watches its partition's keys from before its first job: a job with a
+// record is not handed to its handler when its turn comes, and a running
+// job's context is cancelled with the cause ErrJobCancelled. Either way
+// the attempt's effects are aborted (its finals are never sent, so the
+// sinks apply none of them), the runner writes into the record which job
+// it cancelled under which epoch, and the job completes without effects:
+// progress passes it and Status says JobCancelled. A handler that returns
+// nil after its cancel arrived is cancelled all the same, as long as the
+// runner has not sent its finals; one whose finals were sent is done.
+
+// ErrJobCancelled is the cause of a cancelled job's context
+// (context.Cause(ctx)), and is matched by what the cancelled attempt
+// returns.
+var ErrJobCancelled = errors.New("worker: the job was cancelled")
+
+// ErrJobFinished is matched by the error of a Cancel of a job that has
+// finished (done, dead-lettered, replayed, purged, removed unrun or
+// cancelled already): there is nothing to cancel.
+var ErrJobFinished = errors.New("worker: the job has finished")
+
+// CancelBucket names the KV bucket of prefix's cancels:
+// "<prefix>-cancels". ProvisionJobs creates it.
+func CancelBucket(prefix string) string { return prefix + "-cancels" }
+
+// cancelRecord is a cancel's value. Anyone allowed to write the bucket can
+// write one: parseCancel checks it against its key.
+type cancelRecord struct {
+	Ref       string    `json:"ref"`
+	ID        string    `json:"id,omitempty"` // a delayed job's
+	Partition uint32    `json:"partition"`
+	Seq       uint64    `json:"seq"`
+	At        time.Time `json:"at"`
+	// Cancelled is written by the runner that skipped or stopped the job.
+	Cancelled *cancelOutcome `json:"cancelled,omitempty"`
+}
+
+type cancelOutcome struct {
+	Seq     uint64          `json:"seq"` // the job's sequence
+	Epoch   leasehold.Epoch `json:"epoch"`
+	Worker  string          `json:"worker"`
+	Running bool            `json:"running"` // its handler had started
+}
+
+func cancelSeqKey(p leasehold.Partition, seq uint64) string {
+	return p.String() + ".s" + strconv.FormatUint(seq, 10)
+}
+
+func cancelIDKey(p leasehold.Partition, id string) string {
+	s := sha256.Sum256([]byte(id))
+	return p.String() + ".i" + hex.EncodeToString(s[:])
+}
+
+// cancelKeyOf is the key a cancel of ref is stored under.
+func cancelKeyOf(ref Enqueued) string {
+	if !ref.Due.IsZero() {
+		return cancelIDKey(ref.Partition, ref.ID)
+	}
+	return cancelSeqKey(ref.Partition, ref.Seq)
+}
+
+// parseCancel reads a cancel record strictly, checking it against its key
+// and partition.
+func parseCancel(p leasehold.Partition, key string, b []byte) (cancelRecord, error) {
+	var r cancelRecord
+	d := json.NewDecoder(bytes.NewReader(b))
+	d.DisallowUnknownFields()
+	if err := d.Decode(&r); err != nil {
+		return r, err
+	}
+	if d.More() {
+		return r, errors.New("data after the record")
+	}
+	if leasehold.Partition(r.Partition) != p {
+		return r, fmt.Errorf("the record names partition %d", r.Partition)
+	}
+	switch {
+	case r.ID != "":
+		if validID(r.ID) != nil || cancelIDKey(p, r.ID) != key {
+			return r, errors.New("its job ID does not match its key")
+		}
+	case r.Seq == 0 || cancelSeqKey(p, r.Seq) != key:
+		return r, errors.New("its sequence does not match its key")
+	}
+	return r, nil
+}
+
+// Cancel cancels the job ref: a waiting (or delayed) job is skipped when
+// its turn comes, and a running job's context is cancelled with the cause
+// ErrJobCancelled; its effects are not applied, and Status then says
+// JobCancelled. It returns the job's status before the cancel. A job that
+// has finished is not cancelled: the error matches ErrJobFinished. A
+// cancel is stored until the bucket is purged (CancelBucket); cancelling a
+// job twice is no error. Needs ProducerConfig.Bucket.
+func (p *Producer) Cancel(ctx context.Context, ref Enqueued) (JobStatus, error) {
+	st, err := p.Status(ctx, ref)
+	if err != nil {
+		return st, err
+	}
+	if st.State.Finished() {
+		return st, fmt.Errorf("%w: job %s is %s: nothing to cancel", ErrJobFinished, st.Ref, st.State)
+	}
+	if st.State == JobUnknown {
+		return st, fmt.Errorf("worker: job %s: %s", st.Ref, st.Detail)
+	}
+	kv, err := p.js.KeyValue(ctx, CancelBucket(p.cfg.Prefix))
+	if err != nil {
+		return st, fmt.Errorf("worker: cancel job %s: open the bucket %s (provision it with worker.ProvisionJobs or `leasehold init`): %w", st.Ref, CancelBucket(p.cfg.Prefix), err)
+	}
+	rec := cancelRecord{Ref: ref.Ref(), Partition: uint32(ref.Partition), Seq: ref.Seq, At: time.Now().UTC()}
+	if !ref.Due.IsZero() {
+		rec.ID = ref.ID
+	}
+	val, _ := json.Marshal(rec)
+	if _, err := kv.Create(ctx, cancelKeyOf(ref), val); err != nil && !casConflict(err) {
+		return st, fmt.Errorf("worker: cancel job %s: %w", st.Ref, err)
+	}
+	return st, nil
+}
+
+// Status tells where the job ref is: scheduled, pending, running (by whom,
+// at which epoch), done, dead-lettered, replayed (as which job), purged,
+// removed unrun or cancelled. It reads the lease bucket and the fence
+// records through the coordinator's read-only calls, the job and
+// dead-letter streams (their dead letters and records, see Record) through
+// the stream leader, and the cancels; it needs ProducerConfig.Bucket. A
+// job whose cancel is requested and not carried out yet says so in
+// Detail.
+func (p *Producer) Status(ctx context.Context, ref Enqueued) (JobStatus, error) {
+	st, err := p.status(ctx, ref)
+	if err != nil || int(ref.Partition) >= p.cfg.Partitions {
+		return st, err
+	}
+	kv, err := p.js.KeyValue(ctx, CancelBucket(p.cfg.Prefix))
+	if errors.Is(err, jetstream.ErrBucketNotFound) {
+		return st, nil
+	}
+	if err != nil {
+		return st, fmt.Errorf("worker: job %s: read its cancel: %w", st.Ref, err)
+	}
+	key := cancelKeyOf(ref)
+	e, err := kv.Get(ctx, key)
+	if errors.Is(err, jetstream.ErrKeyNotFound) || errors.Is(err, jetstream.ErrKeyDeleted) {
+		return st, nil
+	}
+	if err != nil {
+		return st, fmt.Errorf("worker: job %s: read its cancel: %w", st.Ref, err)
+	}
+	rec, err := parseCancel(ref.Partition, key, e.Value())
+	if err != nil {
+		return st, nil // not a cancel this producer wrote: it says nothing
+	}
+	switch {
+	case rec.Cancelled != nil && (st.State == JobDone || st.State == JobRunning || st.State == JobPending):
+		// Pending or running: the runner has cancelled it, and its
+		// progress will pass it.
+		st.State = JobCancelled
+		st.Detail = fmt.Sprintf("cancelled at %s; %s stopped it under epoch %d", rec.At.Format(time.RFC3339), rec.Cancelled.Worker, rec.Cancelled.Epoch)
+		if !rec.Cancelled.Running {
+			st.Detail = fmt.Sprintf("cancelled at %s; %s skipped it under epoch %d", rec.At.Format(time.RFC3339), rec.Cancelled.Worker, rec.Cancelled.Epoch)
+		}
+	case !st.State.Finished():
+		st.Detail = "a cancel was requested at " + rec.At.Format(time.RFC3339) + "; it is skipped or stopped when its partition's worker sees it"
+	}
+	return st, nil
+}
+
+// cancels is what a runner knows of its partition's cancels, from a watch
+// on their keys.
+type cancels struct {
+	r   *runner
+	kv  jetstream.KeyValue
+	w   jetstream.KeyWatcher
+	end chan struct{} // closed when the watch's goroutine returns
+
+	mu      sync.Mutex
+	recs    map[string]cancelEntry
+	running map[*Job]context.CancelCauseFunc
+	stand   map[*Job]bool // the empty attempts that complete cancelled jobs
+}
+
+type cancelEntry struct {
+	rec cancelRecord
+	rev uint64
+}
+
+// watchCancels starts the watch of the partition's cancels and waits for
+// the records stored so far, so that the first job is checked against
+// them. Without the bucket (provisioned by an older release) jobs run
+// uncancellable, which it logs.
+func (r *runner) watchCancels() *cancels {
+	ctx, cancel := context.WithTimeout(r.ctx, r.w.cfg.EffectTimeout)
+	defer cancel()
+	kv, err := r.w.cfg.JetStream.KeyValue(ctx, CancelBucket(r.w.cfg.Prefix))
+	if err != nil {
+		r.log.Warn("jobs cannot be cancelled: the bucket of cancels is missing or unreadable; run worker.ProvisionJobs (leasehold init)", "bucket", CancelBucket(r.w.cfg.Prefix), "err", err)
+		return nil
+	}
+	w, err := kv.Watch(r.ctx, r.p.String()+".*")
+	if err != nil {
+		r.log.Warn("jobs cannot be cancelled: watching the cancels failed", "err", err)
+		return nil
+	}
+	c := &cancels{r: r, kv: kv, w: w, end: make(chan struct{}), recs: map[string]cancelEntry{}, running: map[*Job]context.CancelCauseFunc{}, stand: map[*Job]bool{}}
+	for {
+		select {
+		case e, ok := <-w.Updates():
+			if !ok {
+				r.log.Warn("jobs cannot be cancelled: the watch of the cancels ended")
+				close(c.end)
+				return c
+			}
+			if e == nil {
+				go c.follow()
+				return c
+			}
+			c.update(e)
+		case <-ctx.Done():
+			r.log.Warn("jobs cannot be cancelled: the cancels were not read in time", "err", context.Cause(ctx))
+			_ = w.Stop()
+			close(c.end)
+			return c
+		}
+	}
+}
+
+func (c *cancels) follow() {
+	defer close(c.end)
+	for e := range c.w.Updates() {
+		if e != nil {
+			c.update(e)
+		}
+	}
+}
+
+// stop ends the watch and waits for it.
+func (c *cancels) stop() {
+	if c == nil {
+		return
+	}
+	_ = c.w.Stop()
+	<-c.end
+}
+
+func (c *cancels) update(e jetstream.KeyValueEntry) {
+	if e.Operation() != jetstream.KeyValuePut {
+		return
+	}
+	key := e.Key()
+	rec, err := parseCancel(c.r.p, key, e.Value())
+	if err != nil {
+		c.r.log.Warn("a cancel record does not parse; ignored", "key", key, "err", err)
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.recs[key] = cancelEntry{rec: rec, rev: e.Revision()}
+	for job, cc := range c.running {
+		if c.matches(job, key, rec) {
+			cc(ErrJobCancelled)
+		}
+	}
+}
+
+func (c *cancels) matches(job *Job, key string, rec cancelRecord) bool {
+	if rec.ID != "" {
+		return rec.ID == job.ID
+	}
+	return key == cancelSeqKey(job.Partition, job.Seq)
+}
+
+// of returns the cancel of job, if any.
+func (c *cancels) of(job *Job) (string, cancelEntry, bool) {
+	if c == nil {
+		return "", cancelEntry{}, false
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if e, ok := c.recs[cancelSeqKey(job.Partition, job.Seq)]; ok {
+		return cancelSeqKey(job.Partition, job.Seq), e, true
+	}
+	if job.ID != "" {
+		k := cancelIDKey(job.Partition, job.ID)
+		if e, ok := c.recs[k]; ok && e.rec.ID == job.ID {
+			return k, e, true
+		}
+	}
+	return "", cancelEntry{}, false
+}
+
+// has reports whether job is cancelled.
+func (c *cancels) has(job *Job) bool {
+	_, _, ok := c.of(job)
+	return ok
+}
+
+// late reports whether the runner must not send job's finals: it was
+// cancelled, and job is not the empty attempt that completes it.
+func (c *cancels) late(job *Job) bool {
+	if c == nil {
+		return false
+	}
+	c.mu.Lock()
+	stand := c.stand[job]
+	delete(c.stand, job)
+	c.mu.Unlock()
+	return !stand && c.has(job)
+}
+
+// attach returns ctx, cancelled with the cause ErrJobCancelled when job's
+// cancel arrives (at once if it has), and the function that detaches it.
+func (c *cancels) attach(ctx context.Context, job *Job) (context.Context, func()) {
+	if c == nil {
+		return ctx, func() {}
+	}
+	ctx, cc := context.WithCancelCause(ctx)
+	c.mu.Lock()
+	c.running[job] = cc
+	c.mu.Unlock()
+	if c.has(job) {
+		cc(ErrJobCancelled)
+	}
+	return ctx, func() {
+		c.mu.Lock()
+		delete(c.running, job)
+		c.mu.Unlock()
+		cc(nil)
+	}
+}
+
+// cancelled settles the attempt job of j if j is cancelled: it aborts the
+// attempt's effects, records the cancel's outcome, and returns an empty
+// attempt that completes the job. An error means the outcome could not be
+// recorded: the attempt fails, and the next one tries again.
+func (r *runner) cancelled(j *jobRun, job *Job, st retryState, ran bool) (*Job, bool, error) {
+	key, e, ok := r.cancels.of(job)
+	if !ok {
+		return nil, false, nil
+	}
+	if e.rec.Cancelled == nil {
+		rec := e.rec
+		rec.Cancelled = &cancelOutcome{Seq: job.Seq, Epoch: r.info.Epoch, Worker: r.info.Holder, Running: ran}
+		val, _ := json.Marshal(rec)
+		ctx, cancel := context.WithTimeout(r.ctx, r.w.cfg.EffectTimeout)
+		_, err := r.cancels.kv.Update(ctx, key, val, e.rev)
+		cancel()
+		if err != nil && !casConflict(err) {
+			// The attempt fails, and its effects are aborted there.
+			return job, true, fmt.Errorf("%w: recording the cancel of job %d failed: %w", ErrJobCancelled, job.Seq, err)
+		}
+		// A conflict: another holder recorded it first.
+	}
+	r.abort(job, job.sentSubjects())
+	r.log.Info("job cancelled", "seq", job.Seq, "id", job.ID, "running", ran)
+	empty := r.newJob(j.m, j.md, st.runs)
+	empty.wire = r.wire.Add(1)
+	_, _ = empty.close()
+	r.cancels.mu.Lock()
+	r.cancels.stand[empty] = true
+	r.cancels.mu.Unlock()
+	return empty, true, nil
+}
+
+// provisionCancels creates the bucket of cancels, as durable as the
+// streams: a lost cancel lets its job run.
+func provisionCancels(ctx context.Context, js jetstream.JetStream, prefix string, replicas int) error {
+	name := CancelBucket(prefix)
+	_, err := js.KeyValue(ctx, name)
+	if errors.Is(err, jetstream.ErrBucketNotFound) {
+		_, err = js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
+			Bucket: name, Description: "leasehold cancels: jobs to skip or stop, by partition and sequence or ID",
+			History: 1, Storage: jetstream.FileStorage, Replicas: replicas,
+		})
+		if errors.Is(err, jetstream.ErrBucketExists) {
+			err = nil
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("worker: bucket of cancels %s: %w", name, err)
+	}
+	return nil
+}
