@@ -150,41 +150,57 @@ func (p *Producer) Cancel(ctx context.Context, ref Enqueued) (JobStatus, error) 
 // Detail.
 func (p *Producer) Status(ctx context.Context, ref Enqueued) (JobStatus, error) {
 	st, err := p.status(ctx, ref)
-	if err != nil || int(ref.Partition) >= p.cfg.Partitions {
+	if err != nil {
 		return st, err
 	}
+	sts := []JobStatus{st}
+	err = p.cancelsOf(ctx, []Enqueued{ref}, sts)
+	return sts[0], err
+}
+
+// cancelsOf tells which of the jobs refs, whose statuses are sts, were
+// cancelled: a finished job the runner recorded as cancelled is
+// JobCancelled, and an unfinished one with a cancel says so in Detail.
+func (p *Producer) cancelsOf(ctx context.Context, refs []Enqueued, sts []JobStatus) error {
 	kv, err := p.js.KeyValue(ctx, CancelBucket(p.cfg.Prefix))
 	if errors.Is(err, jetstream.ErrBucketNotFound) {
-		return st, nil
+		return nil
 	}
 	if err != nil {
-		return st, fmt.Errorf("worker: job %s: read its cancel: %w", st.Ref, err)
+		return fmt.Errorf("worker: read the cancels: %w", err)
 	}
-	key := cancelKeyOf(ref)
-	e, err := kv.Get(ctx, key)
-	if errors.Is(err, jetstream.ErrKeyNotFound) || errors.Is(err, jetstream.ErrKeyDeleted) {
-		return st, nil
-	}
-	if err != nil {
-		return st, fmt.Errorf("worker: job %s: read its cancel: %w", st.Ref, err)
-	}
-	rec, err := parseCancel(ref.Partition, key, e.Value())
-	if err != nil {
-		return st, nil // not a cancel this producer wrote: it says nothing
-	}
-	switch {
-	case rec.Cancelled != nil && (st.State == JobDone || st.State == JobRunning || st.State == JobPending):
-		// Pending or running: the runner has cancelled it, and its
-		// progress will pass it.
-		st.State = JobCancelled
-		st.Detail = fmt.Sprintf("cancelled at %s; %s stopped it under epoch %d", rec.At.Format(time.RFC3339), rec.Cancelled.Worker, rec.Cancelled.Epoch)
-		if !rec.Cancelled.Running {
-			st.Detail = fmt.Sprintf("cancelled at %s; %s skipped it under epoch %d", rec.At.Format(time.RFC3339), rec.Cancelled.Worker, rec.Cancelled.Epoch)
+	for i, ref := range refs {
+		st := &sts[i]
+		if int(ref.Partition) >= p.cfg.Partitions || st.State != JobDone && st.State.Finished() {
+			continue
 		}
-	case !st.State.Finished():
-		st.Detail = "a cancel was requested at " + rec.At.Format(time.RFC3339) + "; it is skipped or stopped when its partition's worker sees it"
+		key := cancelKeyOf(ref)
+		e, err := kv.Get(ctx, key)
+		if errors.Is(err, jetstream.ErrKeyNotFound) || errors.Is(err, jetstream.ErrKeyDeleted) {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("worker: job %s: read its cancel: %w", st.Ref, err)
+		}
+		rec, err := parseCancel(ref.Partition, key, e.Value())
+		if err != nil {
+			continue // not a cancel this producer wrote: it says nothing
+		}
+		switch {
+		case rec.Cancelled != nil && st.State != JobScheduled && st.State != JobUnknown:
+			// Pending or running: the runner has cancelled it, and its
+			// progress will pass it.
+			verb := "skipped"
+			if rec.Cancelled.Running {
+				verb = "stopped"
+			}
+			st.State = JobCancelled
+			st.Detail = fmt.Sprintf("cancelled at %s; %s %s it under epoch %d", rec.At.Format(time.RFC3339), rec.Cancelled.Worker, verb, rec.Cancelled.Epoch)
+		case st.State != JobDone:
+			st.Detail = "a cancel was requested at " + rec.At.Format(time.RFC3339) + "; it is skipped or stopped when its partition's worker sees it"
+		}
 	}
-	return st, nil
+	return nil
 }
 
 // cancels is what a runner knows of its partition's cancels, from a watch

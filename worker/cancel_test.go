@@ -81,8 +81,12 @@ func TestCancelJobs(t *testing.T) {
 	case <-ctx.Done():
 		t.Fatal("the running job's context was not cancelled")
 	}
-	if _, err := p.Wait(ctx, c, delayed); err != nil {
+	sts, err := p.Wait(ctx, c, delayed, a, b)
+	if err != nil {
 		t.Fatal(err)
+	}
+	if sts[0].State != worker.JobDone || sts[1].State != worker.JobCancelled || sts[2].State != worker.JobCancelled || sts[3].State != worker.JobCancelled {
+		t.Fatalf("Wait says %+v: want done, then cancelled three times", sts)
 	}
 	for _, ref := range []worker.Enqueued{a, b, delayed} {
 		st, err := p.Status(ctx, ref)

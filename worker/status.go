@@ -549,7 +549,7 @@ func (p *Producer) Wait(ctx context.Context, refs ...Enqueued) ([]JobStatus, err
 			left++
 		}
 		if left == 0 {
-			return out, nil
+			return out, p.cancelsOf(ctx, refs, out)
 		}
 		if followed {
 			continue
