@@ -70,7 +70,7 @@ keda:
   maxReplicaCount: 32
   prometheus:
     serverAddress: http://thanos-query.monitoring.svc:9090
-    query: sum(max by (leasehold_partition) (leasehold_consumer_lag{namespace="jobs"}))
+    query: sum(leasehold_consumer_lag{namespace="jobs"})
     threshold: 250
     authenticationRef: prometheus-auth
     authModes: bearer
