@@ -6,6 +6,7 @@ import (
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
+	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
 
 	"github.com/leasehold/leasehold"
 )
@@ -47,16 +48,18 @@ type Metrics struct {
 	// subject; a label would not be bounded.
 	EffectsNoStream metric.Int64Counter
 	// JobsHung counts handlers that did not return after their context
-	// ended, whose partition the worker gave up:
-	// leasehold_jobs_hung_total{leasehold_partition, leasehold_worker}.
+	// ended, whose partition the worker gave up: leasehold_jobs_hung_total,
+	// by partition and worker with Config.PartitionLabels (record it with
+	// PartitionAttrs).
 	JobsHung metric.Int64Counter
 	// JobsInFlight is the jobs whose attempts run now in the workers of
 	// this process, over all the partitions they hold:
 	// leasehold_jobs_in_flight.
 	JobsInFlight metric.Int64UpDownCounter
 
-	meter metric.Meter
-	once  sync.Once // registers the gauges' callback on first use
+	meter  metric.Meter
+	labels bool      // Config.PartitionLabels: a series per partition and worker
+	once   sync.Once // registers the gauges' callback on first use
 
 	mu      sync.Mutex
 	epochs  map[held]int64 // current epoch of each partition held here
@@ -90,8 +93,8 @@ const (
 	OutcomeError              = "error"
 )
 
-func newMetrics(m metric.Meter) *Metrics {
-	ms := &Metrics{meter: m, epochs: map[held]int64{}, lags: map[held]int64{}, stalled: map[held]bool{}, unavailable: map[string]int64{}, gaps: map[string]bool{}}
+func newMetrics(m metric.Meter, labels bool) *Metrics {
+	ms := &Metrics{meter: m, labels: labels, epochs: map[held]int64{}, lags: map[held]int64{}, stalled: map[held]bool{}, unavailable: map[string]int64{}, gaps: map[string]bool{}}
 	// Instrument creation fails only for invalid names; these are constant.
 	ms.LeasesHeld, _ = m.Int64UpDownCounter("leasehold.leases.held", metric.WithDescription("Partition leases held by this process."), metric.WithUnit("{lease}"))
 	ms.Acquisitions, _ = m.Int64Counter("leasehold.lease.acquisitions", metric.WithDescription("Partition leases acquired."), metric.WithUnit("{lease}"))
@@ -116,27 +119,63 @@ func newMetrics(m metric.Meter) *Metrics {
 // register creates the gauges and their callback. It runs on the first
 // SetEpoch, so that sinks, which never hold leases, register nothing.
 func (m *Metrics) register() {
-	epoch, _ := m.meter.Int64ObservableGauge("leasehold.partition.epoch", metric.WithDescription("Epoch of each partition lease held by a worker of this process."))
-	lag, _ := m.meter.Int64ObservableGauge("leasehold.consumer.lag", metric.WithDescription("Jobs waiting in each partition held by a worker of this process."), metric.WithUnit("{job}"))
-	stalled, _ := m.meter.Int64ObservableGauge("leasehold.partition.stalled", metric.WithDescription("1 for each partition held by a worker of this process that has jobs waiting and has made no progress for the worker's stall time."))
+	epoch, _ := m.meter.Int64ObservableGauge("leasehold.partition.epoch", metric.WithDescription("Epoch of each partition lease held by a worker of this process (with telemetry.Config.PartitionLabels only)."))
+	lag, _ := m.meter.Int64ObservableGauge("leasehold.consumer.lag", metric.WithDescription("Jobs waiting in the partitions held by the workers of this process: their sum, or each partition's with telemetry.Config.PartitionLabels."), metric.WithUnit("{job}"))
+	stalled, _ := m.meter.Int64ObservableGauge("leasehold.partition.stalled", metric.WithDescription("Partitions held by the workers of this process that have jobs waiting and have made no progress for the worker's stall time: their count, or 1 for each with telemetry.Config.PartitionLabels."))
 	unavailable, _ := m.meter.Int64ObservableGauge("leasehold.effect.subjects.unavailable", metric.WithDescription("Effect subjects a worker of this process found without a stream: jobs publishing there fail at once and are dead-lettered. The worker's log and /readyz name them."), metric.WithUnit("{subject}"))
 	_, _ = m.meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
 		m.mu.Lock()
 		defer m.mu.Unlock()
+		if !m.labels {
+			// One series each for the process.
+			var lags, stalls, subjects int64
+			for _, l := range m.lags {
+				lags += l
+			}
+			for range m.stalled {
+				stalls++
+			}
+			for _, n := range m.unavailable {
+				subjects += n
+			}
+			o.ObserveInt64(lag, lags)
+			o.ObserveInt64(stalled, stalls)
+			o.ObserveInt64(unavailable, subjects)
+			return nil
+		}
 		for h, e := range m.epochs {
-			o.ObserveInt64(epoch, e, metric.WithAttributes(AttrPartition.Int64(int64(h.partition)), AttrWorker.String(h.worker)))
+			o.ObserveInt64(epoch, e, metric.WithAttributes(partitionAttrs(h.worker, h.partition)...))
 		}
 		for h, l := range m.lags {
-			o.ObserveInt64(lag, l, metric.WithAttributes(AttrPartition.Int64(int64(h.partition)), AttrWorker.String(h.worker)))
+			o.ObserveInt64(lag, l, metric.WithAttributes(partitionAttrs(h.worker, h.partition)...))
 		}
 		for h := range m.stalled {
-			o.ObserveInt64(stalled, 1, metric.WithAttributes(AttrPartition.Int64(int64(h.partition)), AttrWorker.String(h.worker)))
+			o.ObserveInt64(stalled, 1, metric.WithAttributes(partitionAttrs(h.worker, h.partition)...))
 		}
 		for w, n := range m.unavailable {
-			o.ObserveInt64(unavailable, n, metric.WithAttributes(AttrWorker.String(w)))
+			o.ObserveInt64(unavailable, n, metric.WithAttributes(AttrWorker.String(w), semconv.MessagingClientID(w)))
 		}
 		return nil
 	}, epoch, lag, stalled, unavailable)
+}
+
+// partitionAttrs name partition p held by worker, in leasehold's
+// attributes and in OpenTelemetry's messaging conventions.
+func partitionAttrs(worker string, p leasehold.Partition) []attribute.KeyValue {
+	return []attribute.KeyValue{
+		AttrPartition.Int64(int64(p)), AttrWorker.String(worker),
+		semconv.MessagingDestinationPartitionID(p.String()), semconv.MessagingClientID(worker),
+	}
+}
+
+// PartitionAttrs is the measurement option of a count about partition p
+// held by worker (JobsHung): its partition and worker with
+// Config.PartitionLabels, none without.
+func (m *Metrics) PartitionAttrs(worker string, p leasehold.Partition) metric.MeasurementOption {
+	if !m.labels {
+		return metric.WithAttributeSet(*attribute.EmptySet())
+	}
+	return metric.WithAttributes(partitionAttrs(worker, p)...)
 }
 
 // SetEpoch records the epoch of partition p's lease held by worker; 0

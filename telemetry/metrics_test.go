@@ -26,7 +26,7 @@ func TestMetricsScrape(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer mp.Shutdown(context.Background())
-	tc := telemetry.Config{MeterProvider: mp}
+	tc := telemetry.Config{MeterProvider: mp, PartitionLabels: true}
 	url := serve(t, metrics) + "/metrics"
 
 	ctx := ctxFor(t, 2*time.Minute)
@@ -90,7 +90,7 @@ func TestMetricsScrape(t *testing.T) {
 		`leasehold_sink_effects_total{leasehold_outcome="advanced",leasehold_sink="memory"} 2`,
 		"leasehold_leases_held 2",
 		"leasehold_lease_acquisitions_total 2",
-		`leasehold_consumer_lag{leasehold_partition="0",leasehold_worker="w1"} 0`,
+		`leasehold_consumer_lag{leasehold_partition="0",leasehold_worker="w1",messaging_client_id="w1",messaging_destination_partition_id="0"} 0`,
 		"# TYPE leasehold_jobs_processed_total counter",
 		"# TYPE leasehold_handler_duration_seconds histogram",
 		"# TYPE leasehold_lease_renew_duration_seconds histogram",
@@ -122,7 +122,7 @@ func TestMetricsScrape(t *testing.T) {
 	}
 	for _, l := range held {
 		// Prometheus values are float64, exact for epochs below 2^53.
-		series := fmt.Sprintf(`leasehold_partition_epoch{leasehold_partition="%d",leasehold_worker="w1"} `, l.Partition)
+		series := fmt.Sprintf(`leasehold_partition_epoch{leasehold_partition="%d",leasehold_worker="w1",messaging_client_id="w1",messaging_destination_partition_id="%d"} `, l.Partition, l.Partition)
 		v, ok := value(body, series)
 		if !ok || v != float64(l.Epoch) {
 			t.Errorf("%s is %v, want %d:\n%s", series, v, l.Epoch, grep(body, "leasehold_partition_epoch"))

@@ -54,6 +54,9 @@ type SetupConfig struct {
 	// worker, producer and sink built with a zero telemetry.Config, and
 	// other libraries' instrumentation, use them.
 	NoGlobals bool
+	// PartitionLabels is Config.PartitionLabels: a series per partition
+	// and worker for the metrics of held partitions. Off by default.
+	PartitionLabels bool
 }
 
 // Setup builds the telemetry of a leasehold process: a tracer provider
@@ -131,7 +134,7 @@ func Setup(ctx context.Context, cfg SetupConfig) (t *Telemetry, metrics http.Han
 		}
 		return nil
 	}
-	return New(Config{TracerProvider: tp, MeterProvider: mp, Propagator: prop}), metrics, shutdown, nil
+	return New(Config{TracerProvider: tp, MeterProvider: mp, Propagator: prop, PartitionLabels: cfg.PartitionLabels}), metrics, shutdown, nil
 }
 
 func newResource(ctx context.Context, cfg SetupConfig) (*resource.Resource, error) {

@@ -60,6 +60,18 @@ type Config struct {
 	TracerProvider trace.TracerProvider
 	MeterProvider  metric.MeterProvider
 	Propagator     propagation.TextMapPropagator
+	// PartitionLabels labels the metrics of the partitions a worker holds
+	// (leasehold_partition_epoch, leasehold_consumer_lag,
+	// leasehold_partition_stalled, leasehold_jobs_hung_total) with the
+	// partition and the worker (leasehold_partition and leasehold_worker,
+	// and OpenTelemetry's messaging_destination_partition_id and
+	// messaging_client_id), and leasehold_effect_subjects_unavailable with
+	// the worker: a series per partition and worker. Off by default:
+	// with thousands of partitions and pod-named workers that is the
+	// cardinality Prometheus warns of, so each is one series per process
+	// (the lag and the stalled partitions summed; the epochs are not
+	// exported). Spans carry the partition and the worker either way.
+	PartitionLabels bool
 }
 
 // Telemetry bundles a tracer, the metric instruments and the propagator
@@ -87,7 +99,7 @@ func New(cfg Config) *Telemetry {
 	return &Telemetry{
 		Tracer:     cfg.TracerProvider.Tracer(ScopeName),
 		Propagator: cfg.Propagator,
-		Metrics:    newMetrics(cfg.MeterProvider.Meter(ScopeName)),
+		Metrics:    newMetrics(cfg.MeterProvider.Meter(ScopeName), cfg.PartitionLabels),
 		cfg:        cfg,
 	}
 }

@@ -7,10 +7,7 @@ import (
 	"sync"
 	"time"
 
-	"go.opentelemetry.io/otel/metric"
-
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/telemetry"
 )
 
 // A partition's lease is renewed whatever its handlers do: without a bound on handling, a handler stuck in a
@@ -127,7 +124,7 @@ func (r *runner) giveUp(job *Job, st retryState, start time.Time, cause error) {
 	r.log.Warn("handler hung: it did not return after its context was cancelled; giving the partition up so that another worker can take it",
 		"seq", job.Seq, "attempt", st.runs, "running", time.Since(start).Round(time.Millisecond), "grace", r.w.cfg.HangGrace, "cause", cause)
 	ctx := context.WithoutCancel(r.ctx)
-	r.w.tel.Metrics.JobsHung.Add(ctx, 1, metric.WithAttributes(telemetry.AttrPartition.Int64(int64(r.p)), telemetry.AttrWorker.String(r.info.Holder)))
+	r.w.tel.Metrics.JobsHung.Add(ctx, 1, r.w.tel.Metrics.PartitionAttrs(r.info.Holder, r.p))
 	r.event(ctx, Event{Kind: EventJobHung, Job: job, Seq: job.Seq, Attempt: st.runs, Duration: time.Since(start), Err: err})
 	_, _ = job.close() // its later emits are refused
 	r.cancel(err)
