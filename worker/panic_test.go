@@ -20,7 +20,8 @@ import (
 // failure event's error, the log line and the dead letter's
 // Leasehold-Error say "panic: <value> at <file:line>". Its stack is kept
 // once, whole: in the attempt's span and in the dead letter's
-// Leasehold-Stack.
+// Leasehold-Stack. (The span also names the partition and the worker in
+// OpenTelemetry's messaging attributes.)
 func TestPanicIsOneLineAndItsStackKeptOnce(t *testing.T) {
 	e := newEnv(t, 1)
 	enq := e.enqueue(t, 0, 1)
@@ -88,6 +89,15 @@ func TestPanicIsOneLineAndItsStackKeptOnce(t *testing.T) {
 		attempts++
 		if s.Status().Description != pe.Error() {
 			t.Errorf("span status %q", s.Status().Description)
+		}
+		// The partition and the worker, in the messaging conventions'
+		// names beside leasehold's.
+		attrs := map[string]string{}
+		for _, a := range s.Attributes() {
+			attrs[string(a.Key)] = a.Value.Emit()
+		}
+		if attrs["messaging.destination.partition.id"] != "0" || attrs["messaging.client.id"] != "w" || attrs["leasehold.partition"] != "0" || attrs["leasehold.worker"] != "w" {
+			t.Errorf("the attempt's span names its partition and worker as %v", attrs)
 		}
 		found := false
 		for _, ev := range s.Events() {

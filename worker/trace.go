@@ -76,6 +76,9 @@ func newSpans(r *runner) spans {
 			telemetry.AttrPartition.Int64(int64(r.p)),
 			telemetry.AttrEpoch.Int64(int64(r.info.Epoch)),
 			telemetry.AttrWorker.String(r.info.Holder),
+			// The messaging conventions' names for the same.
+			semconv.MessagingDestinationPartitionID(r.p.String()),
+			semconv.MessagingClientID(r.info.Holder),
 		},
 		outputName:  name,
 		outputAttrs: attrs,
