@@ -41,6 +41,7 @@ type workerFlags struct {
 	stallAfter   time.Duration
 	handleTO     time.Duration
 	pprofAddr    string
+	labels       bool
 }
 
 func newWorkerCmd() *cobra.Command {
@@ -53,8 +54,8 @@ stream's partitions and runs the example handler on each job: it emits one
 stamped effect per job to <prefix>.out.<partition>, which ` + "`leasehold sink`" + ` applies.
 It serves the status page (/), /metrics, /livez and /readyz on --http; /readyz
 fails while NATS is unreachable or a held partition with waiting jobs has
-committed nothing for --stall-after (the leasehold_partition_stalled gauge says
-which). On SIGTERM or SIGINT (Ctrl-C), alike, it stops taking jobs, finishes
+committed nothing for --stall-after (the leasehold_partition_stalled gauge counts
+them; with --metric-labels it names each). On SIGTERM or SIGINT (Ctrl-C), alike, it stops taking jobs, finishes
 what it has, commits progress and releases its partitions within
 --drain-timeout. Run ` + "`leasehold init`" + ` once first.`,
 		Args: cobra.NoArgs,
@@ -77,6 +78,7 @@ what it has, commits progress and releases its partitions within
 	fs.StringVar(&f.pidFile, "pid-file", "", "file to write this process's ID to while it runs (to signal exactly this worker: kill -STOP $(cat FILE))")
 	fs.StringVar(&f.historyDir, "history", "", "directory to append this process's event history to (for the chaos checker)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
+	fs.BoolVar(&f.labels, "metric-labels", false, "label the metrics of held partitions (lag, epoch, stalled, hung jobs) with the partition and this worker: a series per partition; off: one per process")
 	fs.StringVar(&f.otlp, "otlp", "", "OTLP/HTTP endpoint to send traces to, such as http://127.0.0.1:4318 (default $OTEL_EXPORTER_OTLP_ENDPOINT; none: no traces)")
 	fs.IntVar(&f.failFirst, "fail-first-attempt", 0, "example handler: one job in N (by its ID) emits two effects and fails its first attempt, then succeeds with one (for the chaos checker)")
 	fs.StringVar(&f.pprofAddr, "pprof", "", "address to serve Go's runtime profiles on, under /debug/pprof/ (heap, goroutine, ...), apart from --http ('' to serve none)")
@@ -139,6 +141,7 @@ func runWorker(ctx context.Context, f workerFlags) error {
 		OTLPEndpoint:       f.otlp,
 		ResourceAttributes: []attribute.KeyValue{semconv.ServiceInstanceID(f.id)},
 		NoGlobals:          true,
+		PartitionLabels:    f.labels,
 	})
 	if err != nil {
 		return err
