@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"time"
@@ -23,6 +24,8 @@ func newEnqueue() *cobra.Command {
 		at         string
 		in         time.Duration
 		refs       bool
+		unique     time.Duration
+		uniqueKey  string
 	)
 	cmd := &cobra.Command{
 		Use:   "enqueue [DATA]",
@@ -37,7 +40,10 @@ small JSON document naming the job).
 stream's duplicate window is not stored again, and enqueue says so. --at TIME
 (RFC 3339) or --in DURATION makes delayed jobs, which the NATS server stores on
 their partitions at that time. --refs prints each job's reference, which
-` + "`leasehold jobs show`" + ` and ` + "`leasehold jobs wait`" + ` take.`,
+` + "`leasehold jobs show`" + ` and ` + "`leasehold jobs wait`" + ` take.
+--unique PERIOD stores a job once per kind and payload (or per --unique-key)
+for PERIOD, across producers and restarts; a copy within it is not stored, and
+enqueue names the job stored first.`,
 		Args: cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
@@ -70,6 +76,16 @@ their partitions at that time. --refs prints each job's reference, which
 				return fmt.Errorf("--in %v: a delay cannot be negative", in)
 			case in > 0:
 				opts = append(opts, worker.EnqueueIn(in))
+			}
+			switch {
+			case unique < 0:
+				return fmt.Errorf("--unique %v: a period cannot be negative", unique)
+			case uniqueKey != "" && unique == 0:
+				return fmt.Errorf("--unique-key needs --unique PERIOD")
+			case uniqueKey != "":
+				opts = append(opts, worker.UniqueKey(uniqueKey, unique))
+			case unique > 0:
+				opts = append(opts, worker.Unique(unique))
 			}
 			if id != "" && count > 1 {
 				return fmt.Errorf("--id with --count %d: one ID names one job", count)
@@ -108,6 +124,11 @@ their partitions at that time. --refs prints each job's reference, which
 					jobOpts = append(jobOpts, worker.JobID(id))
 				}
 				e, err := p.Enqueue(ctx, []byte(k), []byte(data), jobOpts...)
+				if dup := (*worker.DuplicateJobError)(nil); errors.As(err, &dup) {
+					duplicates++
+					fmt.Fprintf(cmd.OutOrStdout(), "job %d is not stored: %v\n", i, dup)
+					continue
+				}
 				if err != nil {
 					return fmt.Errorf("job %d: %w", i, err)
 				}
@@ -134,6 +155,8 @@ their partitions at that time. --refs prints each job's reference, which
 	cmd.Flags().StringVar(&id, "id", "", "the job's ID (Nats-Msg-Id): a repeat within the duplicate window is not stored")
 	cmd.Flags().StringVar(&at, "at", "", "delay the jobs until this RFC 3339 time (the server schedules them)")
 	cmd.Flags().DurationVar(&in, "in", 0, "delay the jobs by this long (the server schedules them)")
+	cmd.Flags().DurationVar(&unique, "unique", 0, "store a job once per kind and payload for this long (see --unique-key)")
+	cmd.Flags().StringVar(&uniqueKey, "unique-key", "", "with --unique: store a job once per this key instead")
 	cmd.Flags().BoolVar(&refs, "refs", false, "print each job's reference, for leasehold jobs show|wait")
 	return cmd
 }
