@@ -24,11 +24,11 @@ running (on which worker, at which epoch), done (its handler succeeded),
 dead-lettered (with the reason), replayed (its dead letter was sent back by
 ` + "`leasehold dlq replay`" + `: "replayed as <ref>" names the new job), purged (its dead
 letter was deleted by ` + "`leasehold dlq purge`" + `), or removed-unrun (the job stream
-removed it, aged out, before it ran). A job is named by the reference ` + "`leasehold enqueue --refs`" + ` prints
+removed it, aged out, before it ran), or cancelled (` + "`leasehold jobs cancel`" + `). A job is named by the reference ` + "`leasehold enqueue --refs`" + ` prints
 (<partition>:<seq>, and <partition>:<seq>@<due>/<id> for a delayed job); "-"
 reads references from standard input, one a line.`,
 	}
-	cmd.AddCommand(newJobsShow(), newJobsWait())
+	cmd.AddCommand(newJobsShow(), newJobsWait(), newJobsCancel())
 	return cmd
 }
 
@@ -154,7 +154,7 @@ func newJobsWait() *cobra.Command {
 job replayed from its dead letter is followed to its replay, which it waits for
 (its line names the jobs replayed on the way). It fails when --timeout passes
 first (printing where they are), and when any job did not end done:
-dead-lettered, purged or removed unrun.`,
+dead-lettered, purged, removed unrun or cancelled.`,
 		Args: cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			p, refs, closeConn, err := f.open(cmd, args)
@@ -183,7 +183,7 @@ dead-lettered, purged or removed unrun.`,
 				return nil
 			}
 			var what []string
-			for _, state := range []worker.JobState{worker.JobDeadLettered, worker.JobPurged, worker.JobRemovedUnrun, worker.JobReplayed} {
+			for _, state := range []worker.JobState{worker.JobDeadLettered, worker.JobPurged, worker.JobRemovedUnrun, worker.JobReplayed, worker.JobCancelled} {
 				if failed[state] > 0 {
 					what = append(what, fmt.Sprintf("%d %s", failed[state], state))
 				}
@@ -213,6 +213,9 @@ func printJobs(out io.Writer, sts []worker.JobStatus, asJSON bool) error {
 		switch {
 		case st.State == worker.JobScheduled:
 			detail = "due " + st.Due.Format(time.RFC3339)
+			if st.Detail != "" {
+				detail += "; " + st.Detail
+			}
 		case st.State == worker.JobDeadLettered:
 			detail = fmt.Sprintf("dead letter %d: %s", st.DeadLetter, st.Error)
 		case st.State == worker.JobReplayed:
