@@ -159,7 +159,7 @@ func TestNeverTwoHolders(t *testing.T) {
 		epoch         leasehold.Epoch
 		deadline, let time.Time
 	}
-	var violations, wins, late atomic.Int32
+	var violations, wins, late, lapsed atomic.Int32
 	var epochs sync.Map
 	ctx := ctxFor(t, 120*time.Second)
 	var wg sync.WaitGroup
@@ -176,7 +176,14 @@ func TestNeverTwoHolders(t *testing.T) {
 			for wins.Load() < target && ctx.Err() == nil {
 				l, err := c.Acquire(ctx, 9, coordinator.ManualRenew())
 				if err != nil {
-					if !errors.Is(err, coordinator.ErrHeld) && ctx.Err() == nil {
+					// An acquisition whose local deadline passed before it
+					// was done (a loaded machine, the 1 s TTL) holds
+					// nothing: it ends lost, as it must, and is no overlap.
+					var lost *coordinator.LostError
+					switch {
+					case errors.As(err, &lost) && lost.Reason == coordinator.LostDeadline:
+						lapsed.Add(1)
+					case !errors.Is(err, coordinator.ErrHeld) && ctx.Err() == nil:
 						t.Errorf("racer %d: %v", i, err)
 					}
 					time.Sleep(time.Duration(i) * time.Millisecond)
@@ -232,7 +239,7 @@ func TestNeverTwoHolders(t *testing.T) {
 	if wins.Load() < target {
 		t.Fatalf("only %d acquisitions before the deadline", wins.Load())
 	}
-	t.Logf("%d acquisitions, no overlap; %d recorded after their own deadline", wins.Load(), late.Load())
+	t.Logf("%d acquisitions, no overlap; %d recorded after their own deadline; %d lapsed before they were done", wins.Load(), late.Load(), lapsed.Load())
 }
 
 func TestBucketWithWrongConfigIsRefused(t *testing.T) {
