@@ -281,10 +281,15 @@ func (c *cancels) stop() {
 }
 
 func (c *cancels) update(e jetstream.KeyValueEntry) {
+	key := e.Key()
 	if e.Operation() != jetstream.KeyValuePut {
+		// Deleted or purged by an operator: the job is not cancelled
+		// (one already skipped or stopped stays so).
+		c.mu.Lock()
+		delete(c.recs, key)
+		c.mu.Unlock()
 		return
 	}
-	key := e.Key()
 	rec, err := parseCancel(c.r.p, key, e.Value())
 	if err != nil {
 		c.r.log.Warn("a cancel record does not parse; ignored", "key", key, "err", err)
