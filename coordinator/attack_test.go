@@ -104,8 +104,13 @@ func TestAttackUnevenColdStartTakesEachPartitionOnce(t *testing.T) {
 	for round := range rounds {
 		b := provision(t, natstest.Start(t).JetStream(t), 1)
 		ms := map[string]*member{}
+		// The members start together, as the test means, only if each sees
+		// the others before its membership settles: the default quarter
+		// second between one start and the next is a moment on an idle
+		// machine and not on a loaded one, where a member that settled
+		// alone took partitions it then handed off.
 		for _, name := range []string{"w0", "w1", "w2"} {
-			ms[name] = startMemberTTL(t, b, name, n, 10*time.Second)
+			ms[name] = startMemberWith(t, b, name, n, 10*time.Second, func(c *coordinator.Config) { c.RebalanceDelay = time.Second })
 		}
 		waitBalanced(t, ms, n, time.Minute)
 		if a := acquisitions(ms); a != n && lapses(ms) == 0 {
@@ -131,11 +136,15 @@ func TestAttackListLargerThanMaxPayloadKeepsTheRegistration(t *testing.T) {
 	const n = 1024
 	js := natstest.Start(t, natstest.Tweak(func(o *server.Options) { o.MaxPayload = 1024 })).JetStream(t)
 	b := provision(t, js, 1)
-	ms := map[string]*member{"a": startMemberTTL(t, b, "a", n, 2*time.Second)}
+	// A 2 s TTL lost the registration on a loaded machine while the member
+	// took its 1024 partitions, and the cold start began again, and again,
+	// for a minute: the TTL is for the renewals, which run with the list.
+	const ttl = 5 * time.Second
+	ms := map[string]*member{"a": startMemberTTL(t, b, "a", n, ttl)}
 	waitBalanced(t, ms, n, time.Minute)
 	lapsed := lapses(ms)
 	ctx := ctxFor(t, time.Minute)
-	deadline := time.Now().Add(6 * time.Second) // three TTLs: a registration that cannot renew lapses within one
+	deadline := time.Now().Add(3 * ttl) // a registration that cannot renew lapses within one TTL
 	waitUntil(t, ctx, "the member keeps its registration and partitions for three TTLs", func() (bool, string) {
 		if l := lapses(ms) - lapsed; l > 0 {
 			t.Fatalf("%d leases lapsed; the member holds %d of %d partitions", l, len(ms["a"].c.Held()), n)
