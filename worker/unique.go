@@ -14,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/leader"
 )
 
 // Unique jobs. The stream's duplicate window drops a repeated Nats-Msg-Id
@@ -204,6 +205,7 @@ func (p *Producer) enqueueUnique(ctx context.Context, part leasehold.Partition, 
 // retry). Otherwise it returns a *DuplicateJobError.
 func (p *Producer) reserve(ctx context.Context, kv jetstream.KeyValue, name string, rec uniqueRecord, period time.Duration) (uint64, error) {
 	val, _ := json.Marshal(rec)
+	subject := "$KV." + UniqueBucket(p.cfg.Prefix) + "." + name
 	var last error
 	for range 5 {
 		cctx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
@@ -215,23 +217,25 @@ func (p *Producer) reserve(ctx context.Context, kv jetstream.KeyValue, name stri
 		if !casConflict(err) {
 			return 0, fmt.Errorf("worker: reserve a unique job: %w", err)
 		}
+		// Through the stream leader: a follower answering a direct get
+		// may not hold the create that refused this one yet.
 		gctx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
-		entry, err := kv.Get(gctx, name)
+		entry, err := leader.NewReader(p.js, "KV_"+UniqueBucket(p.cfg.Prefix)).Last(gctx, subject)
 		cancel()
-		if errors.Is(err, jetstream.ErrKeyNotFound) || errors.Is(err, jetstream.ErrKeyDeleted) {
-			last = err // expired or freed in between
-			continue
-		}
 		if err != nil {
 			return 0, fmt.Errorf("worker: read a unique job's reservation: %w", err)
 		}
-		have, err := p.parseUnique(entry.Value())
+		if entry == nil || leader.IsMarker(entry.Header) {
+			last = errors.New("the key was freed or expired in between")
+			continue
+		}
+		have, err := p.parseUnique(entry.Data)
 		if err != nil {
 			// Not a record an enqueue wrote: it holds the key all the same.
 			return 0, fmt.Errorf("%w: the bucket %s holds %s, which is not a unique job's record (%v); it ends with its TTL", ErrDuplicateJob, UniqueBucket(p.cfg.Prefix), name, err)
 		}
-		if have.Seq != 0 || (have.ID != rec.ID && time.Since(entry.Created()) < p.uniqueReserveFor()) {
-			dup := &DuplicateJobError{Existing: Enqueued{Partition: leasehold.Partition(have.Partition), Seq: have.Seq, ID: have.ID}, Until: entry.Created().Add(period)}
+		if have.Seq != 0 || (have.ID != rec.ID && time.Since(entry.Time) < p.uniqueReserveFor()) {
+			dup := &DuplicateJobError{Existing: Enqueued{Partition: leasehold.Partition(have.Partition), Seq: have.Seq, ID: have.ID}, Until: entry.Time.Add(period)}
 			if have.Due != 0 {
 				dup.Existing.Due = time.Unix(have.Due, 0)
 			}
@@ -240,8 +244,8 @@ func (p *Producer) reserve(ctx context.Context, kv jetstream.KeyValue, name stri
 		// A reservation its producer gave up on (or this job's own):
 		// take it over.
 		actx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
-		ack, err := p.js.PublishMsg(actx, &nats.Msg{Subject: "$KV." + UniqueBucket(p.cfg.Prefix) + "." + name, Data: val},
-			jetstream.WithExpectLastSequencePerSubject(entry.Revision()), jetstream.WithMsgTTL(ttlSeconds(period)))
+		ack, err := p.js.PublishMsg(actx, &nats.Msg{Subject: subject, Data: val},
+			jetstream.WithExpectLastSequencePerSubject(entry.Seq), jetstream.WithMsgTTL(ttlSeconds(period)))
 		cancel()
 		if err == nil {
 			return ack.Sequence, nil

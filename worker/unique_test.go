@@ -3,11 +3,13 @@ package worker_test
 import (
 	"encoding/json"
 	"errors"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -207,5 +209,62 @@ func TestUniqueReservationOfACrashedProducer(t *testing.T) {
 	}
 	if _, err := p.EnqueueTo(ctx, 0, []byte("x"), worker.UniqueKey("nightly", time.Hour)); !errors.Is(err, worker.ErrDuplicateJob) {
 		t.Fatalf("a forged value: %v", err)
+	}
+}
+
+// Producers on the three nodes of a cluster racing for one uniqueness
+// store one job between them (R3 answers a lost compare-and-set with
+// other error codes than one node does), and all the others are refused
+// with that job's reference.
+func TestUniqueRaceOnACluster(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a cluster")
+	}
+	c := natstest.StartCluster(t)
+	ctx := ctxFor(t, time.Minute)
+	if err := worker.ProvisionJobs(ctx, c.JetStream(t), worker.JobsConfig{Prefix: "jobs", Partitions: 4, Replicas: 3}); err != nil {
+		t.Fatal(err)
+	}
+	const racers = 9
+	type result struct {
+		e   worker.Enqueued
+		err error
+	}
+	results := make(chan result, racers)
+	var ready sync.WaitGroup
+	ready.Add(racers)
+	gate := make(chan struct{})
+	for i := range racers {
+		p, err := worker.NewProducer(c.Node(i%3).JetStream(t), worker.ProducerConfig{Prefix: "jobs", Partitions: 4})
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() {
+			ready.Done()
+			<-gate
+			e, err := worker.Enqueue(ctx, p, "report", emailArgs{To: "ops"}, worker.Unique(time.Hour))
+			results <- result{e, err}
+		}()
+	}
+	ready.Wait()
+	close(gate)
+	var stored []worker.Enqueued
+	var refused []*worker.DuplicateJobError
+	for range racers {
+		r := <-results
+		switch {
+		case r.err == nil:
+			stored = append(stored, r.e)
+		default:
+			refused = append(refused, asDuplicate(t, r.err))
+		}
+	}
+	if len(stored) != 1 {
+		t.Fatalf("%d racers stored the job: %+v", len(stored), stored)
+	}
+	for _, d := range refused {
+		if d.Existing.ID != stored[0].ID || d.Existing.Seq != 0 && d.Existing.Seq != stored[0].Seq {
+			t.Fatalf("a refusal names %+v, the job stored is %+v", d.Existing, stored[0])
+		}
 	}
 }
