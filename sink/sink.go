@@ -92,6 +92,15 @@ type Fencer interface {
 // ErrEmptyBatch is returned by Apply called with no effects.
 var ErrEmptyBatch = errors.New("sink: Apply needs at least one effect")
 
+// ErrUnavailable marks an error of a destination that cannot serve now
+// (unreachable, restarting, out of resources): the effect is not to
+// blame, and trying it again later may succeed. A stream sink runner
+// retries such a failure without counting it towards dead-lettering the
+// effect, as it does a failure of NATS, so that a database restart moves
+// nothing to the dead-letter stream; a runner held up by it shows in its
+// Ready check. pgsink marks its errors so; a Handler may wrap its own.
+var ErrUnavailable = errors.New("sink: the destination cannot serve now")
+
 // ValidateEffects checks every effect's stamp and returns the index of the
 // first invalid one and its error (matching leasehold.ErrBadStamp), or -1
 // and nil.

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/sink"
 )
 
 // ErrFenceLocked is matched by the error of a write that waited longer
@@ -65,12 +66,12 @@ func describe(err error) error {
 		case pgErr.Code == "25P03":
 			return fmt.Errorf("PostgreSQL ended the transaction because it stayed idle longer than Config.TxIdleTimeout (the client paused, or fn waited outside the database), so nothing of it was written; retry with the same idempotency key: %w", err)
 		case strings.HasPrefix(pgErr.Code, "08"), strings.HasPrefix(pgErr.Code, "57"), strings.HasPrefix(pgErr.Code, "53"):
-			return fmt.Errorf("PostgreSQL is restarting, shutting down or out of resources, so the write may or may not have happened; retry with the same idempotency key, which applies it at most once: %w", err)
+			return fmt.Errorf("PostgreSQL is restarting, shutting down or out of resources, so the write may or may not have happened; retry with the same idempotency key, which applies it at most once: %w (%w)", err, sink.ErrUnavailable)
 		}
 		return err
 	}
 	if pgconn.SafeToRetry(err) {
-		return fmt.Errorf("PostgreSQL is unreachable, nothing was written; retry: %w", err)
+		return fmt.Errorf("PostgreSQL is unreachable, nothing was written; retry: %w (%w)", err, sink.ErrUnavailable)
 	}
-	return fmt.Errorf("PostgreSQL did not answer, so the write may or may not have happened; retry with the same idempotency key, which applies it at most once: %w", err)
+	return fmt.Errorf("PostgreSQL did not answer, so the write may or may not have happened; retry with the same idempotency key, which applies it at most once: %w (%w)", err, sink.ErrUnavailable)
 }

@@ -110,8 +110,11 @@ type Config struct {
 	// accepted effect (the Handler, the BatchHandler or the republish)
 	// before it moves it to the dead-letter stream, reports it
 	// sink.DeadLettered and goes on. The waits between tries double up to
-	// MaxBackoff: with the defaults, 10 tries take about 4.5 seconds, so a
-	// destination away for longer has effects moved there. A BatchHandler's
+	// MaxBackoff: with the defaults, 10 tries take about 4.5 seconds. A
+	// failure the destination marks sink.ErrUnavailable (pgsink does, for
+	// a database unreachable or restarting) is not counted, as NATS's own
+	// are not (below): an effect goes there for what it is, not for the
+	// destination being away. A BatchHandler's
 	// error fails its whole batch: after one, the runner hands the batch's
 	// effects over one by one (batches of one), so that only the effect
 	// that fails is moved. An effect that can never be delivered (a

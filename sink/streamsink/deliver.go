@@ -43,13 +43,15 @@ func (r *Runner) deliver(ctx context.Context, outs []outcome) error {
 	return r.republish(ctx, outs)
 }
 
-// natsAway reports whether a delivery failed because NATS could not serve
-// it for now (the connection is down, no responders, a timeout, JetStream
-// not ready): a failure of NATS, not of the effect, so it does not count
-// towards dead-lettering it. A NATS restart must not move effects to the
-// dead-letter stream; a runner held up for long shows in Ready.
+// natsAway reports whether a delivery failed because NATS, or the
+// destination, could not serve it for now (the connection is down, no
+// responders, a timeout, JetStream not ready; an error marked
+// sink.ErrUnavailable): a failure that is not the effect's, so it does
+// not count towards dead-lettering it. A NATS or database restart must not
+// move effects to the dead-letter stream; a runner held up for long shows
+// in Ready.
 func (r *Runner) natsAway(err error) bool {
-	return !r.js.Conn().IsConnected() || retry.Transient(err)
+	return !r.js.Conn().IsConnected() || retry.Transient(err) || errors.Is(err, sink.ErrUnavailable)
 }
 
 func effectOf(o *outcome) sink.Effect {
