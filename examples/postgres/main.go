@@ -1,14 +1,11 @@
 // Command postgres: a job handler whose SQL commits in one transaction with
 // the fence check and the job's idempotency key (pgsink.ApplyTx). worker-a
 // freezes in the middle of a job; worker-b takes over and pays the order;
-// worker-a wakes up, and its late transaction is refused whole. The
-// program serves leasehold's status page, /metrics, /livez and /readyz
-// with one call, statuspage.Serve; with -http it keeps serving them at the
-// end, the refusal on the page, until interrupted.
+// worker-a wakes up, and its late transaction is refused whole. One call,
+// statuspage.Serve, serves the status page, /metrics, /livez and /readyz;
+// with -http they stay up at the end, the refusal on the page.
 //
-//	go run ./examples/postgres -postgres postgres://user:password@127.0.0.1:5432/shop
-//	go run ./examples/postgres -postgres ... -nats nats://127.0.0.1:4222
-//	go run ./examples/postgres -postgres ... -http :8080
+//	go run ./examples/postgres -postgres postgres://user:password@127.0.0.1:5432/shop [-nats URL] [-http :8080]
 package main
 
 import (
@@ -38,11 +35,12 @@ import (
 
 type Order struct{ ID string }
 
-// The schema is dropped and created again on every run; its comment marks it
-// as this example's, so that a schema of the same name of anyone else's is not.
+// The schema is dropped and made again on every run; its comment marks it ours.
 const mark = "leasehold examples/postgres: dropped and re-created on every run"
 
-const ddl = `DROP SCHEMA IF EXISTS leasehold_example CASCADE;
+const ddl = `DO $$ BEGIN IF EXISTS (SELECT FROM pg_namespace WHERE nspname = 'leasehold_example' AND obj_description(oid, 'pg_namespace') IS DISTINCT FROM '` + mark + `')
+THEN RAISE 'schema leasehold_example exists and was not created by this example: use another database'; END IF; END $$;
+DROP SCHEMA IF EXISTS leasehold_example CASCADE;
 CREATE SCHEMA leasehold_example;
 COMMENT ON SCHEMA leasehold_example IS '` + mark + `';
 CREATE TABLE leasehold_example.orders (id text PRIMARY KEY, cents bigint NOT NULL, payments int NOT NULL DEFAULT 0, paid_by text);
@@ -70,39 +68,28 @@ func main() {
 	}
 }
 
-// options are the example's: where NATS and PostgreSQL are, where to
-// serve the page, and what to do, the story told, before the page stops.
+// options: where NATS and PostgreSQL are, the page's address, what to do at the end.
 type options struct {
 	nats, postgres, http string
 	hold                 func(ctx context.Context, url string) error
 }
 
-// run plays the example and returns the error that refused worker-a's late
-// transaction.
+// run plays the example and returns the error that refused worker-a's late transaction.
 func run(ctx context.Context, out io.Writer, o options) (*leasehold.StaleEpochError, error) {
-	natsURL, pgURL := o.nats, o.postgres
 	say := func(format string, args ...any) { fmt.Fprintf(out, format+"\n", args...) }
-	db, err := pgxpool.New(ctx, pgURL)
+	db, err := pgxpool.New(ctx, o.postgres)
 	if err != nil {
 		return nil, err
 	}
 	defer db.Close()
-	var comment *string
-	err = db.QueryRow(ctx, `SELECT obj_description(oid, 'pg_namespace') FROM pg_namespace WHERE nspname = 'leasehold_example'`).Scan(&comment)
-	if err == nil && (comment == nil || *comment != mark) {
-		return nil, errors.New("schema leasehold_example exists and was not created by this example: use another database")
-	} else if err != nil && !errors.Is(err, pgx.ErrNoRows) {
-		return nil, fmt.Errorf("PostgreSQL (pass -postgres or set DATABASE_URL): %w", err)
-	}
 	if _, err := db.Exec(ctx, ddl); err != nil {
-		return nil, err
+		return nil, fmt.Errorf("PostgreSQL (pass -postgres or set DATABASE_URL): %w", err)
 	}
 	if err := pgsink.CreateSchema(ctx, db, pgsink.Config{DB: db, Schema: "leasehold_example"}); err != nil {
 		return nil, err // the sink's tables: leasehold_fence and leasehold_keys
 	}
-
 	opts := []nats.Option{}
-	if natsURL == "" {
+	if o.nats == "" {
 		dir, err := os.MkdirTemp("", "pgexample")
 		if err != nil {
 			return nil, err
@@ -116,7 +103,7 @@ func run(ctx context.Context, out io.Writer, o options) (*leasehold.StaleEpochEr
 		defer srv.Shutdown()
 		opts = append(opts, nats.InProcessServer(srv))
 	}
-	nc, err := nats.Connect(natsURL, opts...)
+	nc, err := nats.Connect(o.nats, opts...)
 	if err != nil {
 		return nil, err
 	}
@@ -128,27 +115,20 @@ func run(ctx context.Context, out io.Writer, o options) (*leasehold.StaleEpochEr
 	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: "orders", Partitions: 1, NoEffects: true}); err != nil {
 		return nil, err
 	}
-	if s, err := js.Stream(ctx, worker.JobsStream("orders")); err != nil || s.Purge(ctx) != nil {
+	if s, err := js.Stream(ctx, worker.JobsStream("orders")); err != nil || s.Purge(ctx) != nil { // an earlier run's
 		return nil, fmt.Errorf("drop an earlier run's jobs: %v", err)
 	}
 	leases, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: "orders-leases"})
 	if err != nil {
 		return nil, err
 	}
-	// One call: this program's take-overs, lease losses and refused writes
-	// go to the events stream (ProvisionJobs created it), and the page,
-	// /metrics, /livez and /readyz are served on o.http. Its observers and
-	// telemetry go into the workers' and the sink's configurations below.
+	// One call: events to the stream ProvisionJobs made, the page and probes served.
 	page, err := statuspage.Serve(ctx, statuspage.ServeConfig{JetStream: js, Bucket: leases, Prefix: "orders", Name: "shop", Addr: o.http})
 	if err != nil {
 		return nil, err
 	}
 	defer page.Close()
-
-	// The handler pays an order: both UPDATEs run inside ApplyTx, after the
-	// check of the job's stamp against the partition's fence and the insert
-	// of its idempotency key, and commit with them or not at all. worker-a
-	// freezes in o-2 after taking the stamp, until wake is closed.
+	// Both UPDATEs commit in ApplyTx with the fence check and the key, or not at all.
 	held, wake, late := make(chan leasehold.Stamp, 1), make(chan struct{}), make(chan error, 1)
 	handler := func(sink *pgsink.Sink) worker.Handler {
 		return worker.JSON(func(ctx context.Context, job *worker.Job, o Order) error {
@@ -195,19 +175,13 @@ func run(ctx context.Context, out io.Writer, o options) (*leasehold.StaleEpochEr
 		}
 		return stop, done, err
 	}
-	table := func() error {
-		rows, _ := db.Query(ctx, `SELECT id, payments, coalesce(paid_by, '-'), (SELECT balance_cents FROM leasehold_example.accounts)
-			FROM leasehold_example.orders ORDER BY id`)
-		var id, by string
-		var payments, balance int64
-		_, err := pgx.ForEachRow(rows, []any{&id, &payments, &by, &balance}, func() error {
-			say("   %s: payments %d, paid by %s", id, payments, by)
-			return nil
-		})
-		say("   merchant balance: %d cents", balance)
+	table := func() error { // each order's payments, and the merchant's balance
+		var t string
+		err := db.QueryRow(ctx, `SELECT string_agg(format('   %s: payments %s, paid by %s', id, payments, coalesce(paid_by, '-')), E'\n' ORDER BY id)
+			|| format(E'\n   merchant balance: %s cents', (SELECT balance_cents FROM leasehold_example.accounts)) FROM leasehold_example.orders`).Scan(&t)
+		say("%s", t)
 		return err
 	}
-
 	say("1. worker-a takes the partition; jobs pay o-1, o-2 and o-3")
 	stopA, doneA, err := start("worker-a")
 	if err != nil {
@@ -233,7 +207,6 @@ func run(ctx context.Context, out io.Writer, o options) (*leasehold.StaleEpochEr
 		return nil, ctx.Err()
 	}
 	say("2. worker-a pays o-1, then freezes in o-2 holding its stamp (epoch %d, key %s)", stale.Epoch, stale.Key)
-
 	say("3. worker-a is told to stop; its drain gives up on the frozen handler; worker-b takes over")
 	stopA()
 	stopB, doneB, err := start("worker-b")
@@ -248,7 +221,6 @@ func run(ctx context.Context, out io.Writer, o options) (*leasehold.StaleEpochEr
 	if err := table(); err != nil {
 		return nil, err
 	}
-
 	say("4. worker-a wakes up and runs its transaction for o-2 under epoch %d", stale.Epoch)
 	close(wake)
 	var refused *leasehold.StaleEpochError
