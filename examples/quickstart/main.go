@@ -1,4 +1,4 @@
-// Command quickstart: a job stream, a producer, a worker serving two kinds of job, a fenced sink.
+// Command quickstart: a job stream, a producer, a worker serving two kinds of job, a fenced sink, the status page.
 package main
 
 import (
@@ -15,6 +15,7 @@ import (
 
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink/kvsink"
+	"github.com/leasehold/leasehold/statuspage"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -38,8 +39,10 @@ func main() {
 	js := must(jetstream.New(nc))
 	check(worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: "shop", Partitions: 4, Schedules: true}))
 	leases := must(coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: "shop-leases"}))
-	kv := must(kvsink.New(ctx, js, kvsink.Config{Bucket: "shop-sink"})) // refuses stale epochs
-	mux := worker.NewMux()                                              // a typed handler per kind
+	page := must(statuspage.Serve(ctx, statuspage.ServeConfig{JetStream: js, Bucket: leases, Prefix: "shop", Addr: os.Getenv("HTTP_ADDR")}))
+	defer page.Close() // one call: events, and the page, /metrics and /readyz on $HTTP_ADDR (e.g. :8080) if set
+	kv := must(kvsink.New(ctx, js, kvsink.Config{Bucket: "shop-sink", Observer: page.SinkObserver(), Telemetry: page.Telemetry()}))
+	mux := worker.NewMux() // a typed handler per kind; kv refuses stale epochs
 	worker.Handle(mux, "email", func(ctx context.Context, j *worker.Job, e Email) error {
 		return j.Apply(ctx, kv, "email."+e.To, []byte("sent")) // stamped with the lease's epoch
 	})
@@ -47,7 +50,7 @@ func main() {
 		return j.Apply(ctx, kv, "invoice."+strconv.Itoa(in.Number), []byte(strconv.Itoa(in.Cents)))
 	})
 	w := must(worker.New(worker.Config{JetStream: js, Prefix: "shop", Partitions: 4, Bucket: leases,
-		Handler: mux, Fences: []worker.Fence{kv}}))
+		Handler: mux, Fences: []worker.Fence{kv}, Observer: page.WorkerObserver(nil), Telemetry: page.Telemetry()}))
 	wctx, stop := context.WithCancel(ctx)
 	stopped := make(chan error, 1)
 	go func() { stopped <- w.Run(wctx) }()

@@ -38,8 +38,8 @@ func TestREADMEShowsThisProgram(t *testing.T) {
 	if m[1] != string(program) {
 		t.Fatalf("the README's first Go block under \"## A first program\" is not examples/quickstart/main.go: copy the file into the README\nREADME:\n%s", m[1])
 	}
-	if n := strings.Count(string(program), "\n"); n >= 80 {
-		t.Fatalf("the program has %d lines; keep it under 80", n)
+	if n := strings.Count(string(program), "\n"); n >= 85 {
+		t.Fatalf("the program has %d lines; keep it under 85", n)
 	}
 }
 
