@@ -145,8 +145,11 @@ func TestJobInTroubleHoldsOnlyItsKey(t *testing.T) {
 	if next < dead {
 		t.Errorf("dead/1 started (event %d) before dead/0's dead letter was stored (event %d)", next, dead)
 	}
-	if watch.peak < 4 {
-		t.Errorf("at most %d handlers ran at once", watch.peak)
+	// hang/0 ran from before the other keys' jobs finished until the
+	// gate closed: at least two handlers ran at once. How many more did
+	// is up to the scheduler, and the other keys' handlers return at once.
+	if watch.peak < 2 {
+		t.Errorf("at most %d handlers ran at once: the other keys' jobs did not run beside the hung one", watch.peak)
 	}
 }
 
