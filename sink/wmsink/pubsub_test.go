@@ -210,7 +210,7 @@ func runSuite(t *testing.T, features tests.Features, pubsub tests.PubSubConstruc
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			if skip[c.name] {
-				t.Skip("the bare backend does not survive this case")
+				t.Skip("the backend does not survive this case here (see the skip list's comment)")
 			}
 			if c.parallel {
 				t.Parallel()
