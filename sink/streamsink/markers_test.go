@@ -90,6 +90,12 @@ func (mw *markerWorld) WorkerEvent(_ context.Context, e worker.Event) {
 // cluster; tune adjusts the runner's configuration.
 func newMarkerWorld(t *testing.T, topo, prefix string, maxAttempts int, tune func(*streamsink.Config), h worker.HandlerFunc) *markerWorld {
 	t.Helper()
+	return newMarkerWorldOrdered(t, topo, prefix, maxAttempts, tune, worker.OrderKey, h)
+}
+
+// newMarkerWorldOrdered is newMarkerWorld with a worker that keeps order.
+func newMarkerWorldOrdered(t *testing.T, topo, prefix string, maxAttempts int, tune func(*streamsink.Config), order worker.Order, h worker.HandlerFunc) *markerWorld {
+	t.Helper()
 	var js jetstream.JetStream
 	replicas := 1
 	if topo == "cluster" {
@@ -119,7 +125,7 @@ func newMarkerWorld(t *testing.T, topo, prefix string, maxAttempts int, tune fun
 		JetStream: js, Prefix: prefix, Partitions: 1, Handler: h, Bucket: bucket,
 		Coordinator: coordinator.Config{Worker: "w1", TTL: 5 * time.Second, RebalanceDelay: 100 * time.Millisecond, Logger: quiet()},
 		Backoff:     func(int) time.Duration { return 10 * time.Millisecond },
-		MaxAttempts: maxAttempts, Observer: mw, Logger: quiet(),
+		MaxAttempts: maxAttempts, Observer: mw, Logger: quiet(), Order: order,
 	})
 	if err != nil {
 		t.Fatal(err)
