@@ -37,6 +37,7 @@ type httpFlags struct {
 	tlsKey        string
 	lock          string
 	lockTTL       time.Duration
+	relayID       string
 	maxDeliveries int
 	maxBackoff    time.Duration
 }
@@ -58,6 +59,7 @@ func (h *httpFlags) register(fs *pflag.FlagSet) {
 	fs.StringVar(&h.tlsCert, "http-tls-cert", "", "for --kind http: PEM client certificate, with --http-tls-key")
 	fs.StringVar(&h.tlsKey, "http-tls-key", "", "for --kind http: PEM key of --http-tls-cert")
 	fs.StringVar(&h.lock, "lock", "", "for --kind http: the lock relays of this effect log share; only its holder delivers (default http-relay-<name>)")
+	fs.StringVar(&h.relayID, "relay-id", "", "for --kind http: this relay's name in its lock record, logs and the requests' Leasehold-Relay-Worker (default <host>-<random>)")
 	fs.DurationVar(&h.lockTTL, "lock-ttl", 10*time.Second, "for --kind http: how long the lock outlives its last renewal: a relay that dies is replaced after it")
 	fs.IntVar(&h.maxDeliveries, "max-deliveries", 30, "for --kind http: tries of one effect (5xx, timeouts, refused connections, 429) before it goes to the dead-letter stream")
 	fs.DurationVar(&h.maxBackoff, "max-backoff", 10*time.Second, "for --kind http: the longest wait between two tries (they double from 10ms): 30 tries of 10s at most span about 3.5 minutes")
@@ -130,7 +132,7 @@ func runHTTPSink(ctx context.Context, js jetstream.JetStream, f sinkFlags, cfg s
 			return fmt.Errorf("--kind http keeps its lock in the lease bucket: %w", err)
 		}
 	}
-	coord, err := coordinator.New(b, coordinator.Config{TTL: f.http.lockTTL, Logger: log, Observer: page.LockObserver(nil)})
+	coord, err := coordinator.New(b, coordinator.Config{TTL: f.http.lockTTL, Worker: f.http.relayID, Logger: log, Observer: page.LockObserver(nil)})
 	if err != nil {
 		return fmt.Errorf("--lock-ttl: %w", err)
 	}
