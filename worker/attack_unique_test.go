@@ -1,0 +1,83 @@
+package worker_test
+
+import (
+	"errors"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/leasehold/leasehold/worker"
+)
+
+// Every entry a producer writes in the bucket of unique jobs carries a
+// per-key TTL, so a uniqueness ends with its period. An entry put there
+// without a TTL (by any credential that may write the bucket: every
+// producer's, or an operator's `nats kv put`) is not one a producer wrote.
+// One shaped as a reservation without a job is taken over once older than
+// the producer's bound (this holds). One shaped as a stored job's record
+// (it names a sequence, here of no job at all) holds the key for ever: the
+// refusal says the uniqueness ends "about" a minute after the forgery and
+// the error for a value that does not parse says "it ends with its TTL",
+// and neither ever comes.
+func TestAttackUniqueReservationWithoutTTLIsTakenOver(t *testing.T) {
+	uniqueForgedWithoutTTL(t, `{"id":"ghost","partition":1}`)
+}
+
+func TestAttackUniqueRecordWithoutTTLHoldsForEver(t *testing.T) {
+	if os.Getenv("LEASEHOLD_ATTACK_OPEN") == "" {
+		t.Skip("known defect: a unique-bucket record written without a TTL refuses its uniqueness for ever")
+	}
+	uniqueForgedWithoutTTL(t, `{"id":"ghost","partition":1,"seq":999999}`)
+}
+
+// uniqueForgedWithoutTTL puts forged, without a TTL, in the place of a
+// uniqueness, and fails unless an enqueue of it succeeds within three
+// times the producer's bound on a stranger's reservation.
+func uniqueForgedWithoutTTL(t *testing.T, forged string) {
+	e := newEnv(t, 2)
+	ctx := ctxFor(t, 60*time.Second)
+	// The bound on a stranger's reservation: 2 × (Retries+1) × AckTimeout = 3s.
+	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, AckTimeout: 250 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	kv, err := e.js.KeyValue(ctx, worker.UniqueBucket(e.prefix))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.EnqueueTo(ctx, 0, []byte("x"), worker.UniqueKey("nightly", time.Minute)); err != nil {
+		t.Fatal(err)
+	}
+	keys, err := kv.ListKeys(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var name string
+	for k := range keys.Keys() {
+		name = k
+	}
+	if err := kv.Purge(ctx, name); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := kv.Put(ctx, name, []byte(forged)); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		_, err = p.EnqueueTo(ctx, 0, []byte("x"), worker.UniqueKey("nightly", time.Minute))
+		if err == nil {
+			return
+		}
+		if !errors.Is(err, worker.ErrDuplicateJob) {
+			t.Fatal(err)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("forged entry %s without a TTL still refuses the uniqueness 10 s later (the producer's bound is 3 s, the period 1 m): %v", forged, err)
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatal(ctx.Err())
+		case <-time.After(250 * time.Millisecond): // the bound is a time: wait it out
+		}
+	}
+}
