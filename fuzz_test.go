@@ -9,17 +9,19 @@ import (
 	"github.com/leasehold/leasehold"
 )
 
-// FuzzStampHeaders feeds header maps as they arrive off the wire: any
-// names (in any case), several values per name. A stamp is read only when
-// every leasehold header has one canonical value, and what is read writes
-// back to the same stamp; everything else is a StampError naming the
-// header.
-func FuzzStampHeaders(f *testing.F) {
+// FuzzStampHeadersLegacy feeds header maps of the legacy form as they
+// arrive off the wire: any names (in any case), several values per name.
+// A stamp is read only when every leasehold header has one canonical
+// value, and what is read writes back to the same stamp; everything else
+// is a StampError naming the header. A compact stamp among them, in any
+// spelling, is refused: the map carries legacy headers.
+func FuzzStampHeadersLegacy(f *testing.F) {
 	f.Add("Leasehold-Partition", "3", "Leasehold-Epoch", "17", "Leasehold-Key", "k", "leasehold-epoch", "17")
 	f.Add("LEASEHOLD-PARTITION", "0", "leasehold-epoch", "9223372036854775807", "Leasehold-Key", "a.b.c", "Leasehold-Worker", "w")
 	f.Add("Leasehold-Partition", "65536", "Leasehold-Epoch", "1", "Leasehold-Key", "k", "X", "y")
 	f.Add("Leasehold-Partition", "1", "Leasehold-Epoch", "2", "Leasehold-Key", "k", "leasehold-EPOCH", "3")
 	f.Add("Leasehold-Partition", "1", "Leasehold-Epoch", "01", "Leasehold-Key", "k\x00", "Nats-Msg-Id", "k")
+	f.Add("Leasehold-Partition", "3", "Leasehold-Epoch", "17", "Leasehold-Key", "k", "leasehold-stamp", "1 orders 3 17 a1b2 k")
 	f.Fuzz(func(t *testing.T, n1, v1, n2, v2, n3, v3, n4, v4 string) {
 		h := map[string][]string{
 			leasehold.HeaderScope:       {"orders"},
@@ -44,6 +46,11 @@ func FuzzStampHeaders(f *testing.F) {
 		}
 		if err := s.Validate(); err != nil {
 			t.Fatalf("read %+v, which does not validate: %v", s, err)
+		}
+		for k := range h {
+			if strings.EqualFold(k, leasehold.HeaderStamp) {
+				t.Fatalf("read %+v from legacy headers beside %s", s, k)
+			}
 		}
 		// Every spelling of the epoch header said the same canonical value.
 		for k, vs := range h {
@@ -114,9 +121,10 @@ func FuzzParseEpoch(f *testing.F) {
 	})
 }
 
-// FuzzJobMarkHeaders: job headers are read only when every one has a single
-// canonical value in its place, and what is read writes back the same.
-func FuzzJobMarkHeaders(f *testing.F) {
+// FuzzJobMarkHeadersLegacy: legacy job headers are read only when every
+// one has a single canonical value in its place, and what is read writes
+// back the same.
+func FuzzJobMarkHeadersLegacy(f *testing.F) {
 	f.Add("Leasehold-Job", "7", "Leasehold-Attempt", "1", "Leasehold-Effects", "3", "Leasehold-After", "5", "", "")
 	f.Add("leasehold-job", "7", "LEASEHOLD-ATTEMPT", "2", "Leasehold-Abort", "1", "", "", "", "")
 	f.Add("Leasehold-Job", "07", "Leasehold-Attempt", "1", "Leasehold-Effects", "0", "Leasehold-After", "7", "", "")
@@ -127,6 +135,7 @@ func FuzzJobMarkHeaders(f *testing.F) {
 	f.Add("Leasehold-Job", "7", "Leasehold-Attempt", "1", "Leasehold-Effects", "1", "Leasehold-After", "0", "Leasehold-Floor", "7")
 	f.Add("Leasehold-Job", "7", "Leasehold-Attempt", "1", "Leasehold-Abort", "1", "Leasehold-Floor", "3", "", "")
 	f.Add("Leasehold-Job", "7", "Leasehold-Attempt", "1", "Leasehold-Floor", "3", "Leasehold-Floor", "03", "", "")
+	f.Add("Leasehold-Job", "7", "Leasehold-Attempt", "1", "Leasehold-Mark", "1 7 1", "", "", "", "")
 	f.Fuzz(func(t *testing.T, n1, v1, n2, v2, n3, v3, n4, v4, n5, v5 string) {
 		h := map[string][]string{}
 		for _, kv := range [][2]string{{n1, v1}, {n2, v2}, {n3, v3}, {n4, v4}, {n5, v5}} {
@@ -148,6 +157,18 @@ func FuzzJobMarkHeaders(f *testing.F) {
 		}
 		if !m.Standalone() && (m.Attempt == 0 || m.Attempt > leasehold.MaxAttempt) {
 			t.Fatalf("accepted attempt %d", m.Attempt)
+		}
+		compact, legacy := false, false
+		for k := range h {
+			switch {
+			case strings.EqualFold(k, leasehold.HeaderMark):
+				compact = true
+			case isLegacyJobHeader(k):
+				legacy = true
+			}
+		}
+		if compact && legacy {
+			t.Fatalf("accepted %+v from both forms: %v", m, h)
 		}
 		if m.Final() && (m.Effects > leasehold.MaxJobEffects || m.After == m.Job || m.Abort) {
 			t.Fatalf("accepted final %+v", m)
@@ -174,6 +195,138 @@ func FuzzJobMarkHeaders(f *testing.F) {
 			}
 		}
 		out := map[string][]string{}
+		m.SetHeader(out)
+		if back, err := leasehold.JobMarkFromHeader(out); err != nil || back != m {
+			t.Fatalf("round trip: %+v, %v; want %+v", back, err, m)
+		}
+	})
+}
+
+func isLegacyJobHeader(k string) bool {
+	for _, h := range []string{leasehold.HeaderJob, leasehold.HeaderAttempt, leasehold.HeaderEffects, leasehold.HeaderAfter, leasehold.HeaderAbort, leasehold.HeaderFloor} {
+		if strings.EqualFold(k, h) {
+			return true
+		}
+	}
+	return false
+}
+
+// FuzzStampHeaders feeds a compact stamp (Leasehold-Stamp) as it arrives
+// off the wire, under one or two spellings, beside another header of any
+// name. A stamp is read only when every spelling carries one value, no
+// legacy stamp header stands beside it, and the value is the stamp's one
+// spelling: what is read formats back to exactly the value on the wire.
+// Everything else is a StampError naming the header.
+func FuzzStampHeaders(f *testing.F) {
+	f.Add("1 orders 7 1796042013866141 a1b2c3d4e5f6a7b8 orders.7.123456.0 worker-3", "leasehold-stamp", "1 orders 7 1796042013866141 a1b2c3d4e5f6a7b8 orders.7.123456.0 worker-3", "X", "y")
+	f.Add("1 orders 7 5 a1 k", "LEASEHOLD-STAMP", "1 orders 7 6 a1 k", "", "")
+	f.Add("1 orders 7 5 a1 k", "", "", "Leasehold-Epoch", "5")
+	f.Add("1 orders 7 5 a1 k", "", "", "leasehold-worker", "w")
+	f.Add("1 orders 07 5 a1 k", "", "", "", "")
+	f.Add("1 orders 7 5 a1 k  ", "", "", "Nats-Msg-Id", "k")
+	f.Add("2 orders 7 5 a1 k", "", "", "", "")
+	f.Add("1 a/b 0 9223372036854775807 A_-z k\x80 w", "", "", "", "")
+	f.Fuzz(func(t *testing.T, v, name2, v2, extraName, extraValue string) {
+		h := map[string][]string{leasehold.HeaderStamp: {v}}
+		if name2 != "" {
+			h[name2] = append(h[name2], v2)
+		}
+		h[extraName] = append(h[extraName], extraValue)
+		s, err := leasehold.StampFromHeader(h)
+		if err != nil {
+			var se *leasehold.StampError
+			if !errors.As(err, &se) || !errors.Is(err, leasehold.ErrBadStamp) {
+				t.Fatalf("error %v is not a StampError matching ErrBadStamp", err)
+			}
+			if s != (leasehold.Stamp{}) {
+				t.Fatalf("error %v came with a partial stamp %+v", err, s)
+			}
+			if !strings.Contains(err.Error(), se.Header) {
+				t.Fatalf("error %q does not name header %s", err, se.Header)
+			}
+			return
+		}
+		if err := s.Validate(); err != nil {
+			t.Fatalf("read %+v, which does not validate: %v", s, err)
+		}
+		if len(v) > leasehold.MaxStampLen {
+			t.Fatalf("read %+v from %d bytes", s, len(v))
+		}
+		for k, vs := range h {
+			switch {
+			case strings.EqualFold(k, leasehold.HeaderStamp):
+				for _, x := range vs {
+					if x != s.Compact() {
+						t.Fatalf("read %+v beside the spelling %q (its one is %q)", s, x, s.Compact())
+					}
+				}
+			case leasehold.IsStampHeader(k) && !isLegacyJobHeader(k) && !strings.EqualFold(k, leasehold.HeaderMark):
+				t.Fatalf("read %+v beside the legacy header %s", s, k)
+			}
+		}
+		out := map[string][]string{}
+		s.SetHeaderAs(out, leasehold.StampCompact)
+		if back, err := leasehold.StampFromHeader(out); err != nil || back != s {
+			t.Fatalf("round trip: %+v, %v; want %+v", back, err, s)
+		}
+		out = map[string][]string{}
+		s.SetHeaderAs(out, leasehold.StampLegacy)
+		if back, err := leasehold.StampFromHeader(out); err != nil || back != s {
+			t.Fatalf("legacy round trip: %+v, %v; want %+v", back, err, s)
+		}
+	})
+}
+
+// FuzzJobMarkHeaders: a compact job mark (Leasehold-Mark) is read only
+// when it is the mark's one spelling, alone in its form, and within the
+// rules of the legacy headers; what is read formats back to the value.
+func FuzzJobMarkHeaders(f *testing.F) {
+	for _, v := range []string{"1 7 1", "1 7 2 abort", "1 7 1 3 5", "1 7 1 3 9 0", "1 7 1 3 9 6", "1 7 1 1 7",
+		"1 7 1 3 9", "1 7 1 1 5 7", "1 07 1", "1 7 1 abort 3", "1 9223372036854775808 9007199254740992 1048576 9223372036854775807 9223372036854775807"} {
+		f.Add(v, "", "")
+	}
+	f.Add("1 7 1 1 5", "Leasehold-Floor", "3")
+	f.Add("1 7 1", "leasehold-mark", "1 7 1")
+	f.Add("1 7 1", "LEASEHOLD-MARK", "1 7 2")
+	f.Fuzz(func(t *testing.T, v, name2, v2 string) {
+		h := map[string][]string{leasehold.HeaderMark: {v}}
+		h[name2] = append(h[name2], v2)
+		m, err := leasehold.JobMarkFromHeader(h)
+		if err != nil {
+			var je *leasehold.JobMarkError
+			if !errors.As(err, &je) || !errors.Is(err, leasehold.ErrBadJobMark) {
+				t.Fatalf("error %v is not a JobMarkError matching ErrBadJobMark", err)
+			}
+			if m != (leasehold.JobMark{}) {
+				t.Fatalf("error %v came with a partial mark %+v", err, m)
+			}
+			if !strings.Contains(err.Error(), je.Header) {
+				t.Fatalf("error %q does not name header %s", err, je.Header)
+			}
+			return
+		}
+		if m.Standalone() || m.Attempt == 0 || m.Attempt > leasehold.MaxAttempt || len(v) > leasehold.MaxMarkLen {
+			t.Fatalf("accepted %+v from %q", m, v)
+		}
+		if m.Final() && (m.Effects > leasehold.MaxJobEffects || m.After == m.Job || m.Abort) {
+			t.Fatalf("accepted final %+v", m)
+		}
+		if m.Floored != m.Floors() || (m.Floored && m.Floor >= m.Job) || (!m.Floored && (m.Floor != 0 || m.After > m.Job)) {
+			t.Fatalf("accepted %+v", m)
+		}
+		for k, vs := range h {
+			switch {
+			case strings.EqualFold(k, leasehold.HeaderMark):
+				for _, x := range vs {
+					if x != m.Compact() {
+						t.Fatalf("accepted %+v beside the spelling %q (its one is %q)", m, x, m.Compact())
+					}
+				}
+			case isLegacyJobHeader(k):
+				t.Fatalf("accepted %+v beside the legacy header %s", m, k)
+			}
+		}
+		out := map[string][]string{leasehold.HeaderStamp: {"1 orders 7 5 a1 k"}}
 		m.SetHeader(out)
 		if back, err := leasehold.JobMarkFromHeader(out); err != nil || back != m {
 			t.Fatalf("round trip: %+v, %v; want %+v", back, err, m)

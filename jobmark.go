@@ -67,9 +67,21 @@ func (m JobMark) Standalone() bool { return m.Job == 0 }
 // Final reports whether the message is its attempt's last effect.
 func (m JobMark) Final() bool { return m.Effects > 0 }
 
-// SetHeader writes m into h; a standalone mark removes the job headers.
+// SetHeader writes m into h in the form of the stamp h carries: the
+// compact HeaderMark beside a compact stamp (HeaderStamp, as SetHeaderAs
+// writes it), the legacy per-field headers otherwise. The other form's job
+// headers are removed; a standalone mark removes them all.
 func (m JobMark) SetHeader(h map[string][]string) {
-	for _, k := range jobHeaders {
+	f := StampLegacy
+	if _, ok := h[HeaderStamp]; ok {
+		f = StampCompact
+	}
+	m.SetHeaderAs(h, f)
+}
+
+func (m JobMark) setLegacy(h map[string][]string) {
+	deleteNamed(h, isCompactMarkHeader)
+	for _, k := range jobHeaders[:compactMarkIndex] {
 		delete(h, k)
 	}
 	if m.Standalone() {
@@ -93,7 +105,14 @@ func (m JobMark) SetHeader(h map[string][]string) {
 // out of stream order.
 func (m JobMark) Floors() bool { return m.Final() && (m.Floored || m.Floor != 0) }
 
-var jobHeaders = [...]string{HeaderJob, HeaderAttempt, HeaderEffects, HeaderAfter, HeaderAbort, HeaderFloor}
+// jobHeaders are the headers a job mark is read from: the legacy form's,
+// then the compact form's.
+var jobHeaders = [...]string{HeaderJob, HeaderAttempt, HeaderEffects, HeaderAfter, HeaderAbort, HeaderFloor, HeaderMark}
+
+// compactMarkIndex is HeaderMark's index in jobHeaders.
+const compactMarkIndex = 6
+
+func isCompactMarkHeader(k string) bool { return jobHeaderIndex(k) == compactMarkIndex }
 
 // ErrBadJobMark is matched by the error of JobMarkFromHeader.
 var ErrBadJobMark = errors.New("leasehold: malformed job headers")
@@ -107,7 +126,7 @@ type JobMarkError struct {
 }
 
 func (e *JobMarkError) Error() string {
-	return fmt.Sprintf("leasehold: header %s %q: %v: effects of a job carry Leasehold-Job and Leasehold-Attempt, and their final Leasehold-Effects and Leasehold-After (and Leasehold-Floor from a runner with several jobs in flight), as the worker writes them", e.Header, e.Value, e.Err)
+	return fmt.Sprintf("leasehold: header %s %q: %v: effects of a job carry Leasehold-Mark (1 <job> <attempt>, and on their final 1 <job> <attempt> <effects> <after>[ <floor>]) (or, in the legacy form, Leasehold-Job, Leasehold-Attempt, Leasehold-Effects, Leasehold-After and Leasehold-Floor), as the worker writes them", e.Header, e.Value, e.Err)
 }
 
 // Is makes errors.Is(err, ErrBadJobMark) true.
@@ -116,32 +135,70 @@ func (e *JobMarkError) Is(target error) bool { return target == ErrBadJobMark }
 // Unwrap returns what is wrong.
 func (e *JobMarkError) Unwrap() error { return e.Err }
 
-// JobMarkFromHeader reads the job headers of a message, strictly: names
-// match without regard to case, a header given twice with different
-// values is an error, numbers are canonical decimals within bounds, and a
-// header out of place (an abort that counts effects, a final with no
-// attempt, a floor on what is no final, a floor not below the job, an After
-// naming the job itself, or not below it on a final without a floor) is an
-// error. A message with none of the headers is standalone.
+// JobMarkFromHeader reads the job headers of a message, in either form
+// (see HeaderMark), never both, strictly: names match without regard to
+// case, a header given twice with different values is an error, numbers
+// are canonical decimals within bounds, and a header out of place (an
+// abort that counts effects, a final with no attempt, a floor on what is
+// no final, a floor not below the job, an After naming the job itself, or
+// not below it on a final without a floor) is an error. A message with
+// none of the headers is standalone.
 func JobMarkFromHeader(h map[string][]string) (JobMark, error) {
-	var vals [len(jobHeaders)]string
-	var seen [len(jobHeaders)]bool
-	any := false
+	var f markFields
 	for k, vs := range h {
-		i := jobHeaderIndex(k)
-		if i < 0 {
-			continue
-		}
-		for _, v := range vs {
-			if seen[i] && v != vals[i] {
-				return JobMark{}, &JobMarkError{Header: jobHeaders[i], Value: v, Err: errConflict}
+		if i := jobHeaderIndex(k); i >= 0 {
+			for _, v := range vs {
+				if err := f.add(i, v); err != nil {
+					return JobMark{}, err
+				}
 			}
-			vals[i], seen[i], any = v, true, true
 		}
 	}
-	if !any {
+	return f.mark()
+}
+
+// JobMarkFromMetadata reads a job mark from Watermill-style metadata, with
+// the rules of JobMarkFromHeader.
+func JobMarkFromMetadata(md map[string]string) (JobMark, error) {
+	var f markFields
+	for k, v := range md {
+		if i := jobHeaderIndex(k); i >= 0 {
+			if err := f.add(i, v); err != nil {
+				return JobMark{}, err
+			}
+		}
+	}
+	return f.mark()
+}
+
+// markFields is what a message says under each of jobHeaders.
+type markFields struct {
+	vals [len(jobHeaders)]string
+	seen [len(jobHeaders)]bool
+	any  bool
+}
+
+func (f *markFields) add(i int, v string) error {
+	if f.seen[i] && v != f.vals[i] {
+		return &JobMarkError{Header: jobHeaders[i], Value: v, Err: errConflict}
+	}
+	f.vals[i], f.seen[i], f.any = v, true, true
+	return nil
+}
+
+func (f *markFields) mark() (JobMark, error) {
+	if !f.any {
 		return JobMark{}, nil
 	}
+	if f.seen[compactMarkIndex] {
+		for i := range compactMarkIndex {
+			if f.seen[i] {
+				return JobMark{}, &JobMarkError{Header: jobHeaders[i], Value: f.vals[i], Err: errBothMarks}
+			}
+		}
+		return ParseJobMark(f.vals[compactMarkIndex])
+	}
+	vals, seen := &f.vals, &f.seen
 	bad := func(i int, err error) (JobMark, error) {
 		return JobMark{}, &JobMarkError{Header: jobHeaders[i], Value: vals[i], Err: err}
 	}

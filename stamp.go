@@ -76,9 +76,15 @@ func (s Stamp) Validate() error {
 	return nil
 }
 
-// SetHeader writes s into h under the leasehold header names, replacing any
-// values already there. nats.Header and http.Header convert to h's type.
+// SetHeader writes s into h in the legacy form, one header per field,
+// replacing any values already there and removing HeaderStamp in any
+// spelling. Every release reads this form; a worker writes the compact one
+// (SetHeaderAs, StampCompact) unless told otherwise, and sinks write this
+// one into what they hand on (a republished effect, a dead letter, a
+// stored value), for readers that look the fields up by name.
+// nats.Header and http.Header convert to h's type.
 func (s Stamp) SetHeader(h map[string][]string) {
+	deleteNamed(h, isCompactStampHeader)
 	h[HeaderScope] = []string{s.Scope}
 	h[HeaderPartition] = []string{s.Partition.String()}
 	h[HeaderEpoch] = []string{s.Epoch.String()}
@@ -91,8 +97,13 @@ func (s Stamp) SetHeader(h map[string][]string) {
 	}
 }
 
-// SetMetadata writes s into Watermill-style metadata.
+// SetMetadata writes s into Watermill-style metadata, in the legacy form.
 func (s Stamp) SetMetadata(m map[string]string) {
+	for k := range m {
+		if isCompactStampHeader(k) {
+			delete(m, k)
+		}
+	}
 	m[HeaderScope] = s.Scope
 	m[HeaderPartition] = s.Partition.String()
 	m[HeaderEpoch] = s.Epoch.String()
@@ -103,47 +114,85 @@ func (s Stamp) SetMetadata(m map[string]string) {
 	}
 }
 
-// StampFromHeader reads a stamp from message headers. Names match without
-// regard to case, since proxies and other clients may lower-case them; a
-// header given twice with different values is an error.
+// StampFromHeader reads a stamp from message headers, in either form (see
+// HeaderStamp), never both. Names match without regard to case, since
+// proxies and other clients may lower-case them; a header given twice
+// with different values is an error.
 func StampFromHeader(h map[string][]string) (Stamp, error) {
 	// One pass over h gathers every spelling of every stamp header; a
 	// lookup per name would walk h once per name, on every message a sink
 	// reads.
-	var found [len(stampHeaders)]struct {
-		v        string
-		n        int
-		conflict bool
-	}
+	var f stampFields
 	for k, vs := range h {
-		i := stampHeaderIndex(k)
-		if i < 0 {
-			continue
-		}
-		f := &found[i]
-		for _, v := range vs {
-			if f.n == 0 {
-				f.v = v
-			} else if v != f.v {
-				f.conflict = true
+		if i := stampHeaderIndex(k); i >= 0 {
+			for _, v := range vs {
+				f.add(i, v)
 			}
-			f.n++
 		}
+	}
+	return f.stamp()
+}
+
+// StampFromMetadata reads a stamp from Watermill-style metadata, with the
+// rules of StampFromHeader.
+func StampFromMetadata(m map[string]string) (Stamp, error) {
+	var f stampFields
+	for k, v := range m {
+		if i := stampHeaderIndex(k); i >= 0 {
+			f.add(i, v)
+		}
+	}
+	return f.stamp()
+}
+
+// stampFields is what a message says under each of stampHeaders.
+type stampFields struct {
+	v        [len(stampHeaders)]string
+	n        [len(stampHeaders)]int
+	conflict [len(stampHeaders)]bool
+}
+
+func (f *stampFields) add(i int, v string) {
+	if f.n[i] == 0 {
+		f.v[i] = v
+	} else if v != f.v[i] {
+		f.conflict[i] = true
+	}
+	f.n[i]++
+}
+
+func (f *stampFields) stamp() (Stamp, error) {
+	if f.n[compactStampIndex] > 0 {
+		for i := range compactStampIndex {
+			if f.n[i] > 0 {
+				return Stamp{}, &StampError{Header: stampHeaders[i], Value: f.v[i], Err: errBothStamps}
+			}
+		}
+		if f.conflict[compactStampIndex] {
+			return Stamp{}, &StampError{Header: HeaderStamp, Value: f.v[compactStampIndex], Err: errConflict}
+		}
+		return ParseStamp(f.v[compactStampIndex])
 	}
 	return parseStamp(func(name string) (string, error) {
-		f := found[stampHeaderIndex(name)]
+		i := stampHeaderIndex(name)
 		switch {
-		case f.n == 0:
+		case f.n[i] == 0:
 			return "", errMissing
-		case f.conflict:
+		case f.conflict[i]:
 			return "", errConflict
 		}
-		return f.v, nil
+		return f.v[i], nil
 	})
 }
 
-// stampHeaders are the headers a stamp is read from.
-var stampHeaders = [...]string{HeaderScope, HeaderPartition, HeaderEpoch, HeaderAcquisition, HeaderKey, HeaderWorker}
+// stampHeaders are the headers a stamp is read from: the legacy form's,
+// then the compact form's.
+var stampHeaders = [...]string{HeaderScope, HeaderPartition, HeaderEpoch, HeaderAcquisition, HeaderKey, HeaderWorker, HeaderStamp}
+
+// compactStampIndex is HeaderStamp's index in stampHeaders.
+const compactStampIndex = 6
+
+func isCompactStampHeader(k string) bool { return stampHeaderIndex(k) == compactStampIndex }
 
 // stampHeaderIndex returns the index in stampHeaders of the header name,
 // matched without regard to case, or -1.
@@ -161,6 +210,8 @@ func stampHeaderIndex(name string) int {
 		return 4
 	case HeaderWorker:
 		return 5
+	case HeaderStamp:
+		return compactStampIndex
 	}
 	const prefix = "Leasehold-"
 	if len(name) <= len(prefix) || !strings.EqualFold(name[:len(prefix)], prefix) {
@@ -172,28 +223,6 @@ func stampHeaderIndex(name string) int {
 		}
 	}
 	return -1
-}
-
-// StampFromMetadata reads a stamp from Watermill-style metadata.
-func StampFromMetadata(m map[string]string) (Stamp, error) {
-	return parseStamp(func(name string) (string, error) {
-		// Scan every name, even after an exact match: a second spelling
-		// with another value is a conflict, as it is in headers.
-		var found string
-		var n int
-		for k, v := range m {
-			if strings.EqualFold(k, name) {
-				if n > 0 && v != found {
-					return "", errConflict
-				}
-				found, n = v, n+1
-			}
-		}
-		if n == 0 {
-			return "", errMissing
-		}
-		return found, nil
-	})
 }
 
 var (
