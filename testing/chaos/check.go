@@ -33,6 +33,13 @@ type Input struct {
 	// forged-marker fault wrote, with the variant it names: such a value is
 	// not the effect of the job whose key it may hold.
 	Forged map[string]string
+	// HTTP is every request the HTTP receiver took, in any order (see
+	// Delivery). Nil: the run had no HTTP destination, and its checks are
+	// skipped.
+	HTTP []Delivery
+	// RelayDeadLettered are the effect keys the relays' runner moved to
+	// its dead-letter stream.
+	RelayDeadLettered []string
 	// End is when the run ended; pending jobs stall until then. Default:
 	// the last event.
 	End time.Time
@@ -76,6 +83,18 @@ const (
 	// acquisition token, an epoch issued to another fence): it raised the
 	// fence, or it was applied.
 	CheckUnverified = "unverified-application"
+
+	// The HTTP destination's checks (f), as the KV sink's: a job's effect
+	// never handled by the receiver, handled twice (after the Verifier's
+	// dedupe), handled from a zombie's write behind its successor's
+	// barrier or from a relay a newer relay had superseded, handled from
+	// an attempt that did not complete, and a request handled that no job
+	// produced.
+	CheckHTTPLost       = "http-lost"
+	CheckHTTPDuplicate  = "http-duplicate"
+	CheckHTTPStale      = "http-stale"
+	CheckHTTPIncomplete = "http-incomplete-job"
+	CheckHTTPUnexpected = "http-unexpected"
 )
 
 // Violation is one thing the checker found wrong.
@@ -207,6 +226,9 @@ type Figures struct {
 	AttemptsCompleted int `json:"job_attempts_completed"`
 	AttemptsFailed    int `json:"job_attempts_failed"`
 
+	// HTTP is what the HTTP receiver took, judged as the KV sink is.
+	HTTP HTTPFigures `json:"http"`
+
 	Acquisitions int            `json:"acquisitions"`
 	Decisions    map[string]int `json:"decisions"`
 	Violations   int            `json:"violations"`
@@ -242,7 +264,8 @@ type checker struct {
 	logIdx   map[string][]int // key + " " + epoch -> indexes into Log
 	behind   []bool           // Log[i] sits behind a newer barrier of its partition
 	decided  map[uint64]Event // runner decisions by log position
-	flagged  map[string]bool  // keys already reported as stale applications
+	done     map[attemptKey]bool
+	flagged  map[string]bool // keys already reported as stale applications
 }
 
 // Check judges a run's history and final state:
@@ -257,7 +280,9 @@ type checker struct {
 //	(c) each partition's epochs strictly increase across acquisitions;
 //	(d) each epoch has one holder, and only it writes under that epoch;
 //	(e) liveness: no partition stalls for longer than in.LivenessBound,
-//	    and every job is applied by the end of the run (see CheckLiveness).
+//	    and every job is applied by the end of the run (see CheckLiveness);
+//	(f) at the HTTP receiver, when in.HTTP is set, (a) and (b) again (see
+//	    checkHTTP).
 func Check(in Input) *Analysis {
 	c := &checker{in: in, flagged: map[string]bool{}}
 	c.out.Faults = map[string]int{}
@@ -271,6 +296,7 @@ func Check(in Input) *Analysis {
 	c.checkFinal()
 	c.checkAttempts()
 	c.checkInjected()
+	c.checkHTTP() // after checkAttempts and checkLog
 	c.countZombies()
 	c.failovers()
 	c.liveness()

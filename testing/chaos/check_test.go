@@ -18,9 +18,10 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 // job 1, is paused, worker b takes over at epoch 20 (barrier at log
 // position 3) and handles jobs 1 (again) and 2.
 type story struct {
-	t0  time.Time
-	in  Input
-	pos uint64
+	t0      time.Time
+	in      Input
+	pos     uint64
+	httpSeq uint64 // the HTTP receiver's sequence (see request)
 }
 
 func newStory() *story {

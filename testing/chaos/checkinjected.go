@@ -28,6 +28,7 @@ type attemptKey struct {
 // completed attempt of the job under the value's epoch.
 func (c *checker) checkAttempts() {
 	done := map[attemptKey]bool{}
+	c.done = done
 	failed := map[attemptKey]bool{}
 	for _, e := range c.in.Events {
 		if e.Kind != KindAttempt || e.Outcome == history.AttemptCompleted {
