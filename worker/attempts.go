@@ -229,6 +229,9 @@ func (r *runner) onReport(rep report) outcome {
 	switch rep.kind {
 	case reportDeadLettered:
 		if r.stopping == 0 || r.stopping == outDrain {
+			// Kept until its dead letter is acknowledged: a replay sends
+			// the same one again, without running its handler.
+			r.retries[j.seq] = rep.st
 			r.complete(j, rep.st.runs, rep.futs, nil)
 			return 0
 		}
@@ -275,7 +278,10 @@ func (r *runner) ended(j *jobRun) {
 	if j.phase == phaseRunning {
 		j.phase = phaseQueued // until completed, or run again after a rewind
 	}
-	r.lanes.returned(j)
+	if j.laned {
+		r.lanes.returned(j)
+		j.laned = false
+	}
 	switch j.slot {
 	case slotOwn:
 		r.ownBusy = false

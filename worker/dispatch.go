@@ -90,6 +90,7 @@ func (r *runner) begin() {
 	}
 	r.track, r.window = r.track[:0], nil
 	r.lanes = newLanes()
+	r.trackReplay()
 	r.fetched = r.watermark
 	r.halt, r.stopping = make(chan struct{}), 0
 }
@@ -103,6 +104,16 @@ func (r *runner) admit(m *jobMsg) {
 	}
 	r.fetched = seq
 	r.pending = md.NumPending
+	if j := r.untracked[seq]; j != nil {
+		// A job to replay: it runs from the message it was first read
+		// from, and is tracked from here on.
+		delete(r.untracked, seq)
+		r.track = append(r.track, j)
+		if j.phase == phaseDone {
+			r.advance()
+		}
+		return
+	}
 	j := &jobRun{seq: seq}
 	r.track = append(r.track, j)
 	if r.isDone(seq) {
@@ -125,9 +136,13 @@ func (r *runner) badOrderKey(err error) {
 	}
 }
 
-// dispatch starts the jobs that may start now.
+// dispatch starts the jobs that may start now: while jobs wait to be
+// replayed, only the first of them (replay.go).
 func (r *runner) dispatch() {
-	for r.stopping == 0 && r.lanes.running < r.policy.concurrency && r.lanes.running+len(r.window) < r.w.cfg.MaxInFlight {
+	if len(r.replay) > 0 {
+		r.dispatchReplay()
+	}
+	for len(r.replay) == 0 && r.stopping == 0 && r.lanes.running < r.policy.concurrency && r.lanes.running+len(r.window) < r.w.cfg.MaxInFlight {
 		j := r.lanes.next()
 		if j == nil {
 			break
@@ -140,6 +155,7 @@ func (r *runner) dispatch() {
 			slot = slotPool
 		}
 		r.lanes.start(j)
+		j.laned = true
 		if slot == slotOwn {
 			r.ownBusy = true
 		}

@@ -185,19 +185,20 @@ func (r *runner) abort(job *Job, subjects []string) {
 
 // unwind forgets, on a rewind, what the finals of the jobs in the window
 // (completed, not done) did to the runner's after map, in the reverse of
-// the order they were sent, and empties the window. Their attempts need no
-// abort marker: each is run again under a higher attempt number, which
-// supersedes it at the sinks, and should the lease end first, the
-// successor's barrier does. The finals of jobs done above the watermark
-// stay: those jobs are not run again.
+// the order they were sent, empties the window, and puts its jobs, in the
+// order they completed, at the head of the jobs to replay (replay.go).
+// Their attempts need no abort marker: each is run again under a higher
+// attempt number, naming in its finals what its first did, and should the
+// lease end first, the successor's barrier settles them. The finals of
+// jobs done above the watermark stay: those jobs are not run again.
 func (r *runner) unwind() {
 	for i := len(r.window) - 1; i >= 0; i-- {
 		j := r.window[i]
 		for k := len(j.undo) - 1; k >= 0; k-- {
 			r.after[j.undo[k].subject] = j.undo[k].prev
 		}
-		r.window[i] = nil
 	}
+	r.requeue(r.window)
 	r.window = nil
 }
 

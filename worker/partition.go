@@ -84,6 +84,14 @@ type runner struct {
 	// after is, per subject, the last job of this lease that completed
 	// with effects there: its next job's final names it (output.go).
 	after map[string]uint64
+	// replay is, after a rewind, the jobs whose finals this lease sent
+	// and that are not done, in the order the runner completed them: they
+	// run again in that order, one at a time, before any other job
+	// (replay.go).
+	replay []*jobRun
+	// untracked are the jobs to replay, or replayed, that this round has
+	// not read yet: reading one tracks it.
+	untracked map[uint64]*jobRun
 	// cancels are the partition's cancels, from a watch (cancel.go).
 	cancels *cancels
 

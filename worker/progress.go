@@ -40,6 +40,7 @@ type jobRun struct {
 	lane  laneKey
 	phase jobPhase
 	slot  slotKind // what it runs in, while it runs
+	laned bool     // it was started from its lane, which it frees when it ends
 
 	// Once completed, for the window.
 	runs  int // attempts run, for a re-run after a failed effect
@@ -72,7 +73,7 @@ const (
 // in the window.
 func (r *runner) complete(j *jobRun, runs int, futs []jetstream.PubAckFuture, undo []afterUndo) {
 	j.phase, j.runs, j.futs, j.acked, j.sent, j.undo = phaseCompleted, runs, futs, 0, time.Now(), undo
-	j.m, j.md = nil, nil
+	r.replayed(j)
 	r.window = append(r.window, j)
 }
 
@@ -133,6 +134,7 @@ func (r *runner) head() (<-chan *jetstream.PubAck, <-chan error) {
 // markDone marks j done: it joins the done set until the watermark passes it.
 func (r *runner) markDone(j *jobRun) {
 	j.phase, j.futs, j.undo = phaseDone, nil, nil
+	j.m, j.md = nil, nil // kept until now for a replay
 	if len(r.retries) > 0 {
 		delete(r.retries, j.seq)
 	}
@@ -217,10 +219,11 @@ func (r *runner) stored(ctx context.Context, fut jetstream.PubAckFuture, ack *je
 }
 
 // rewind handles a failed effect of job seq, once the jobs that were
-// running have returned: every job above the watermark that is not done is
-// read and run again, in stream order per lane, under higher attempt
-// numbers (their effects keep their idempotency keys, so what was stored
-// is not stored twice).
+// running have returned: every job above the watermark that is not done
+// runs again under higher attempt numbers (their effects keep their
+// idempotency keys, so what was stored is not stored twice): first the
+// jobs whose finals were sent, in the order they completed, one at a time
+// (replay.go), then the others, read again, in stream order per lane.
 func (r *runner) rewind(seq uint64, err error) outcome {
 	st := r.retries[seq]
 	if i := slices.IndexFunc(r.window, func(j *jobRun) bool { return j.seq == seq }); i >= 0 {

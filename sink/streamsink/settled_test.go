@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -134,23 +133,20 @@ func testPoisonedDeliveryReplayed(t *testing.T, restart bool) {
 // once, from its retry; a job that fails every attempt applies nothing
 // and the next job applies; a job whose final the log refused runs again
 // (a rewind, which sends no abort marker) and is applied once, from the
-// run that completed. The worker runs one job of the partition at a time;
-// TestRewindOfJobsDoneOutOfOrder runs the same beside each other.
+// run that completed. The worker runs its jobs in its default order;
+// TestRewindOfJobsDoneOutOfOrder runs them with no order at all.
 func TestRetriesDeadLettersAndRewinds(t *testing.T) {
-	retriesDeadLettersAndRewinds(t, worker.OrderPartition)
+	retriesDeadLettersAndRewinds(t, worker.OrderKey)
 }
 
-// The same with the jobs of the partition running side by side, as a
-// worker runs them by default. This does not hold yet: when the rewind's
-// runs complete in another order than the first runs did, a job's first
-// complete attempt can name in Leasehold-After a job whose only complete
-// attempt names it back, and the runner, which applies a job's attempts in
-// the order they first appeared, waits on both for good. It runs with
-// LEASEHOLD_OPEN=1.
+// The same with any job of the partition running beside any other. The
+// rewind's runs could complete in another order than the first runs did,
+// and then a job's first complete attempt could name in Leasehold-After a
+// job whose only complete attempt named it back: the runner, which applies
+// a job's attempts in the order they first appeared, waited on both for
+// good. The worker replays the jobs whose finals it sent in the order they
+// completed, so every final of a job names the same job.
 func TestRewindOfJobsDoneOutOfOrder(t *testing.T) {
-	if os.Getenv("LEASEHOLD_OPEN") != "1" {
-		t.Skip("a known defect: run with LEASEHOLD_OPEN=1")
-	}
 	retriesDeadLettersAndRewinds(t, worker.OrderNone)
 }
 
