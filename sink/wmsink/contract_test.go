@@ -13,31 +13,11 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
-	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/wmsink"
 	"github.com/leasehold/leasehold/telemetry"
 	"github.com/leasehold/leasehold/testing/natstest"
 )
-
-func arrivalFencer(t *testing.T, obs sink.Observer) *wmsink.Fencer {
-	t.Helper()
-	f, err := wmsink.New(wmsink.Config{UnsafeArrivalOrder: true, Logger: quiet(), Observer: obs})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return f
-}
-
-func stamped(uuid string, s leasehold.Stamp) *message.Message {
-	m := message.NewMessage(uuid, []byte(uuid))
-	s.SetMetadata(m.Metadata)
-	return m
-}
-
-func stampOf(key string) leasehold.Stamp {
-	return leasehold.Stamp{Scope: "orders", Partition: 0, Epoch: 1, Acquisition: "a1", Key: key, Worker: "w"}
-}
 
 // New refuses a Fencer that could not judge by log position unless it is
 // told to judge in arrival order, knowing the risk; ArrivalOrder, which
@@ -157,11 +137,7 @@ func TestHandlersSharingAFencerDoNotWait(t *testing.T) {
 	g := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
 	defer g.Close()
 	f := arrivalFencer(t, nil)
-	r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.AddMiddleware(f.Middleware)
+	r := fencedRouter(t, f)
 	handledB := make(chan struct{})
 	r.AddConsumerHandler("a", "a", g, func(msg *message.Message) error {
 		return g.Publish("b", stamped("b", stampOf("kb"))) // returns once b's handler acked
@@ -201,11 +177,7 @@ func TestUnstampedMessageDecidedOnce(t *testing.T) {
 			bad.Add(1)
 		}
 	}))
-	r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.AddMiddleware(f.Middleware)
+	r := fencedRouter(t, f)
 	var handled atomic.Int64
 	r.AddConsumerHandler("h", "t", g, func(msg *message.Message) error { handled.Add(1); return nil })
 	done := make(chan error, 1)
@@ -249,11 +221,7 @@ func TestSubscriberAndMiddlewareDecideOnce(t *testing.T) {
 			}
 		}
 	}))
-	r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.AddMiddleware(f.Middleware)
+	r := fencedRouter(t, f)
 	r.AddSubscriberDecorators(f.Subscriber())
 	r.AddConsumerHandler("h", "t", g, func(msg *message.Message) error { return nil })
 	done := make(chan error, 1)

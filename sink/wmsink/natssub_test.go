@@ -56,11 +56,7 @@ func acrossBarrier(t *testing.T, c *logCase, f *wmsink.Fencer, w *barrierWatch, 
 	if err != nil {
 		t.Fatal(err)
 	}
-	r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.AddMiddleware(f.Middleware)
+	r := fencedRouter(t, f)
 	got := make(chan string, 10)
 	r.AddConsumerHandler("h", "effects", sub, func(msg *message.Message) error {
 		k := msg.Metadata.Get(leasehold.HeaderKey)
@@ -216,23 +212,7 @@ func TestPubSubNATS(t *testing.T) {
 	if raceDetector {
 		skip = natsCloseRaces
 	}
-	t.Run("bare", func(t *testing.T) {
-		pubsub, groups := backend(nil)
-		runSuite(t, features, pubsub, groups, skip)
-	})
-	t.Run("wrapped", func(t *testing.T) {
-		f, err := wmsink.New(wmsink.Config{JetStream: srv.JetStream(t), Logger: quiet()})
-		if err != nil {
-			t.Fatal(err)
-		}
-		w := wrap{lease: suiteLease(t, srv), f: f}
-		pubsub, groups := backend(f.NATSUnmarshaler(nil))
-		runSuite(t, features, func(t *testing.T) (message.Publisher, message.Subscriber) {
-			return w.pair(t, func() (message.Publisher, message.Subscriber) { return pubsub(t) })
-		}, func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
-			return w.pair(t, func() (message.Publisher, message.Subscriber) { return groups(t, group) })
-		}, skip)
-	})
+	runBareAndWrapped(t, srv, features, backend, func(f *wmsink.Fencer) wmnats.Unmarshaler { return f.NATSUnmarshaler(nil) }, skip)
 }
 
 // natsCloseRaces are the suite's cases that close a pkg/nats subscriber

@@ -13,53 +13,14 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink/wmsink"
 	"github.com/leasehold/leasehold/testing/natstest"
-	"github.com/leasehold/leasehold/worker/wmstamp"
 )
 
 // Watermill's universal pub/sub suite, run on each backend bare and then
 // wrapped: the stamping publisher of worker/wmstamp, stamping with a named
 // lock's lease, and the fencing subscriber of this package. The wrapped
 // pair must pass with the features the bare backend passes.
-
-// wrap stamps and fences a backend's publisher and subscriber.
-type wrap struct {
-	lease *coordinator.Lease
-	f     *wmsink.Fencer
-}
-
-func (w wrap) pair(t *testing.T, backend func() (message.Publisher, message.Subscriber)) (message.Publisher, message.Subscriber) {
-	t.Helper()
-	pub, sub := backend()
-	fenced, err := w.f.Subscriber()(sub)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return wmstamp.NewPublisher(pub, wmstamp.Config{Lease: w.lease}), fenced
-}
-
-// suiteLease takes a lock for the wrapped publishers to stamp with.
-func suiteLease(t *testing.T, srv *natstest.Server) *coordinator.Lease {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	b, err := coordinator.Provision(ctx, srv.JetStream(t), coordinator.BucketConfig{Bucket: "suite-locks", MarkerTTL: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := coordinator.New(b, coordinator.Config{Worker: "publisher"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := c.TryLock(ctx, "suite")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = l.Release(context.Background()) })
-	return l
-}
 
 func TestPubSubGoChannel(t *testing.T) {
 	if testing.Short() {
@@ -132,23 +93,7 @@ func TestPubSubJetStream(t *testing.T) {
 				return newPair(t, groupConsumer(group))
 			}
 	}
-	t.Run("bare", func(t *testing.T) {
-		pubsub, groups := backend(nil)
-		runSuite(t, features, pubsub, groups, jetStreamPanics)
-	})
-	t.Run("wrapped", func(t *testing.T) {
-		f, err := wmsink.New(wmsink.Config{JetStream: srv.JetStream(t), Logger: quiet()})
-		if err != nil {
-			t.Fatal(err)
-		}
-		w := wrap{lease: suiteLease(t, srv), f: f}
-		pubsub, groups := backend(f.Unmarshaler(nil))
-		runSuite(t, features, func(t *testing.T) (message.Publisher, message.Subscriber) {
-			return w.pair(t, func() (message.Publisher, message.Subscriber) { return pubsub(t) })
-		}, func(t *testing.T, group string) (message.Publisher, message.Subscriber) {
-			return w.pair(t, func() (message.Publisher, message.Subscriber) { return groups(t, group) })
-		}, jetStreamPanics)
-	})
+	runBareAndWrapped(t, srv, features, backend, func(f *wmsink.Fencer) wmjs.Unmarshaler { return f.Unmarshaler(nil) }, jetStreamPanics)
 }
 
 // groupConsumer makes the subscribers of one group share a durable

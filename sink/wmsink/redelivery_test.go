@@ -3,143 +3,18 @@ package wmsink_test
 import (
 	"context"
 	"errors"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wmjs "github.com/ThreeDotsLabs/watermill-nats/v2/pkg/jetstream"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/wmsink"
-	"github.com/leasehold/leasehold/testing/natstest"
 )
-
-// nakDelay is watermill-nats' delay before a nacked message comes again.
-type nakDelay time.Duration
-
-func (d nakDelay) WaitTime(uint64) time.Duration { return time.Duration(d) }
-
-// routed configures logCase.router.
-type routed struct {
-	obs  sink.Observer
-	init wmjs.ResourceInitializer // nil: an ephemeral consumer
-	nak  time.Duration            // the delay before a nacked message comes again; default 10 ms
-}
-
-// logCase is an effect log in a JetStream stream "effects": a former
-// holder's effect "old" (epoch 5), the new holder's barrier (epoch 7), its
-// effect "new", and the former holder's "late", published after the
-// barrier.
-type logCase struct {
-	srv *natstest.Server
-	js  jetstream.JetStream
-}
-
-func newLogCase(t *testing.T, ctx context.Context, cfg jetstream.StreamConfig) *logCase {
-	t.Helper()
-	srv := natstest.Start(t)
-	js := srv.JetStream(t)
-	cfg.Name, cfg.Subjects = "effects", []string{"effects"}
-	if _, err := js.CreateStream(ctx, cfg); err != nil {
-		t.Fatal(err)
-	}
-	c := &logCase{srv: srv, js: js}
-	c.publish(t, ctx, 5, "old", false)
-	c.publish(t, ctx, 7, "barrier", true)
-	c.publish(t, ctx, 7, "new", false)
-	c.publish(t, ctx, 5, "late", false)
-	return c
-}
-
-// publish stores a stamped message as a worker does.
-func (c *logCase) publish(t *testing.T, ctx context.Context, e leasehold.Epoch, key string, barrier bool) {
-	t.Helper()
-	m := nats.NewMsg("effects")
-	leasehold.Stamp{Scope: "orders", Partition: 0, Epoch: e, Acquisition: "a" + e.String(), Key: key, Worker: "w" + e.String()}.SetHeader(m.Header)
-	if barrier {
-		m.Header.Set(leasehold.HeaderBarrier, "1")
-	}
-	if _, err := c.js.PublishMsg(ctx, m); err != nil {
-		t.Fatal(err)
-	}
-}
-
-// durable is a watermill-nats resource initializer for the durable
-// consumer "fenced" of the effects stream, so that a second subscriber
-// takes over what the first left unacknowledged.
-func durable(ctx context.Context, js jetstream.JetStream, topic string) (jetstream.Consumer, func(context.Context, watermill.LoggerAdapter), error) {
-	c, err := js.CreateOrUpdateConsumer(ctx, topic, jetstream.ConsumerConfig{Durable: "fenced", AckPolicy: jetstream.AckExplicitPolicy, AckWait: 2 * time.Second})
-	return c, nil, err
-}
-
-// decisions collects a Fencer's decisions.
-type decisions struct {
-	mu  sync.Mutex
-	all []sink.Decision
-	c   chan sink.Decision
-}
-
-func newDecisions() *decisions { return &decisions{c: make(chan sink.Decision, 100)} }
-
-func (d *decisions) Decided(_ context.Context, x sink.Decision) {
-	d.mu.Lock()
-	d.all = append(d.all, x)
-	d.mu.Unlock()
-	d.c <- x
-}
-
-// router runs a Router whose handler h is fenced by a new Fencer over a
-// watermill-nats JetStream subscriber of the effects stream, and returns
-// a function that stops it.
-//
-// watermill-nats' JetStream subscriber closes its channel while its
-// message handler may be sending to it, a data race (pkg/jetstream
-// consumer.go monitor, message_handler.go handleMsg): the tests stop a
-// router only while no message is on its way to the channel.
-func (c *logCase) router(t *testing.T, ctx context.Context, o routed, h message.NoPublishHandlerFunc) (*wmsink.Fencer, func()) {
-	t.Helper()
-	f, err := wmsink.New(wmsink.Config{JetStream: c.js, Observer: o.obs, Logger: quiet()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if o.nak == 0 {
-		o.nak = 10 * time.Millisecond
-	}
-	sub, err := wmjs.NewSubscriber(wmjs.SubscriberConfig{
-		Conn: c.srv.Connect(t), Logger: watermill.NopLogger{}, NakDelay: nakDelay(o.nak),
-		ResourceInitializer: o.init, Unmarshaler: f.Unmarshaler(nil),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.AddMiddleware(f.Middleware)
-	r.AddConsumerHandler("h", "effects", sub, h)
-	done := make(chan error, 1)
-	go func() { done <- r.Run(context.WithoutCancel(ctx)) }()
-	select {
-	case <-r.Running():
-	case <-ctx.Done():
-		t.Fatal("the router did not start")
-	}
-	return f, func() {
-		if err := r.Close(); err != nil {
-			t.Error(err)
-		}
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	}
-}
 
 // A former holder's message that preceded the barrier in the log is
 // nacked (a database blip), the barrier goes through, and the message is

@@ -3,7 +3,6 @@ package wmsink_test
 import (
 	"context"
 	"errors"
-	"log/slog"
 	"strings"
 	"sync"
 	"testing"
@@ -21,8 +20,6 @@ import (
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
-
-func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
 
 // fenced presents a Fencer in arrival order and the store its handler
 // writes to as a sink.Sink, for the conformance suite.
