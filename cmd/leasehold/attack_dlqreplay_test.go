@@ -17,7 +17,6 @@ import (
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/streamsink"
-	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -30,10 +29,7 @@ import (
 // what it handled leaves the committed job's effect applied nowhere.
 func TestAttackSinkDeadLetterReplayIsApplied(t *testing.T) {
 	const prefix = "rq"
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	mustRun(t, ctx, "init", "--nats", s.URL(), "--prefix", prefix, "--partitions", "1")
+	s, ctx := initialized(t, 2*time.Minute, "--prefix", prefix, "--partitions", "1")
 	js := s.JetStream(t)
 	bucket, err := coordinator.OpenBucket(ctx, js, prefix+"-leases")
 	if err != nil {
@@ -142,14 +138,6 @@ func startReplayWorker(t *testing.T, js jetstream.JetStream, prefix string, buck
 	if err != nil {
 		t.Fatal(err)
 	}
-	wctx, cancel := context.WithCancel(context.Background())
-	stopped := make(chan error, 1)
-	go func() { stopped <- w.Run(wctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-stopped; err != nil {
-			t.Errorf("worker: %v", err)
-		}
-	})
+	runTestWorker(t, w)
 	return prog
 }

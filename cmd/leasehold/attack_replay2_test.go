@@ -95,15 +95,33 @@ func newReplayWorld(t *testing.T, ctx context.Context, prefix string) *replayWor
 	if err != nil {
 		t.Fatal(err)
 	}
-	rctx, stop := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(rctx) }()
-	t.Cleanup(func() {
-		stop()
-		<-done
-	})
+	runTestSink(t, r)
 	rw.runner = r
 	return rw
+}
+
+// producer enqueues on the world's job stream.
+func (rw *replayWorld) producer(t *testing.T) *worker.Producer {
+	t.Helper()
+	p, err := worker.NewProducer(rw.js, worker.ProducerConfig{Prefix: rw.prefix, Partitions: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// enqueueN enqueues n jobs with p, "job 0" under key "k0" and on.
+func enqueueN(t *testing.T, ctx context.Context, p *worker.Producer, n int) []worker.Enqueued {
+	t.Helper()
+	var jobs []worker.Enqueued
+	for i := range n {
+		e, err := p.Enqueue(ctx, []byte(fmt.Sprintf("k%d", i)), []byte(fmt.Sprintf("job %d", i)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		jobs = append(jobs, e)
+	}
+	return jobs
 }
 
 func (rw *replayWorld) poke() {
@@ -325,19 +343,9 @@ func TestAttackSinkReplayAfterHandOff(t *testing.T) {
 		return j.Emit(ctx, []byte(fmt.Sprintf("credit of %s", j.Data)))
 	}
 	prog, stop := rw.startWorker(t, "w1", 5, emit)
-	p, err := worker.NewProducer(rw.js, worker.ProducerConfig{Prefix: rw.prefix, Partitions: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := rw.producer(t)
 	const n = 8
-	var jobs []worker.Enqueued
-	for i := range n {
-		e, err := p.Enqueue(ctx, []byte(fmt.Sprintf("k%d", i)), []byte(fmt.Sprintf("job %d", i)))
-		if err != nil {
-			t.Fatal(err)
-		}
-		jobs = append(jobs, e)
-	}
+	jobs := enqueueN(t, ctx, p, n)
 	prog.wait(t, ctx, 0, jobs[n-1].Seq)
 	rw.sinkDeadLetters(t, ctx, n)
 	stop()
@@ -403,19 +411,8 @@ func TestAttackSinkReplayOutOfOrderSameLease(t *testing.T) {
 		}
 		return j.Emit(ctx, []byte(fmt.Sprintf("credit of %s", j.Data)))
 	})
-	p, err := worker.NewProducer(rw.js, worker.ProducerConfig{Prefix: rw.prefix, Partitions: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
 	const n = 8
-	var jobs []worker.Enqueued
-	for i := range n {
-		e, err := p.Enqueue(ctx, []byte(fmt.Sprintf("k%d", i)), []byte(fmt.Sprintf("job %d", i)))
-		if err != nil {
-			t.Fatal(err)
-		}
-		jobs = append(jobs, e)
-	}
+	jobs := enqueueN(t, ctx, rw.producer(t), n)
 	rw.sinkDeadLetters(t, ctx, n-1)
 	relOnce.Do(func() { close(release) })
 	prog.wait(t, ctx, 0, jobs[n-1].Seq)

@@ -13,7 +13,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -69,9 +68,7 @@ func httpGet(url string) (int, string) {
 // every job's effect lands in the sink once, and the endpoints answer.
 func TestInitWorkerSink(t *testing.T) {
 	t.Parallel()
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
+	s, ctx := listening(t, 90*time.Second)
 	out, err := run(t, ctx, "init", "--nats", s.URL(), "--partitions", "4")
 	if err != nil {
 		t.Fatalf("init: %v\n%s", err, out)

@@ -4,11 +4,8 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"io"
-	"log/slog"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -17,54 +14,8 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/coordinator"
-	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
-
-// progress records the progress a worker commits, per partition, and
-// lets a test wait for it.
-type progress struct {
-	mu      sync.Mutex
-	seq     map[leasehold.Partition]uint64
-	changed chan struct{}
-}
-
-func newProgress() *progress {
-	return &progress{seq: map[leasehold.Partition]uint64{}, changed: make(chan struct{})}
-}
-
-func (p *progress) WorkerEvent(_ context.Context, e worker.Event) {
-	if e.Kind != worker.EventProgressCommitted {
-		return
-	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if e.Seq > p.seq[e.Lease.Partition] {
-		p.seq[e.Lease.Partition] = e.Seq
-		close(p.changed)
-		p.changed = make(chan struct{})
-	}
-}
-
-// wait returns once progress of partition part reaches seq: the job at
-// seq is done, or its dead letter stored.
-func (p *progress) wait(t *testing.T, ctx context.Context, part leasehold.Partition, seq uint64) {
-	t.Helper()
-	for {
-		p.mu.Lock()
-		got, changed := p.seq[part], p.changed
-		p.mu.Unlock()
-		if got >= seq {
-			return
-		}
-		select {
-		case <-changed:
-		case <-ctx.Done():
-			t.Fatalf("progress of partition %d never reached job %d (it is at %d)", part, seq, got)
-		}
-	}
-}
 
 // startDLQWorker runs a worker on the job stream of prefix whose handler
 // fails while failing is set (with MaxAttempts 1, so a failed job is
@@ -72,66 +23,22 @@ func (p *progress) wait(t *testing.T, ctx context.Context, part leasehold.Partit
 // channel.
 func startDLQWorker(t *testing.T, ctx context.Context, js jetstream.JetStream, prefix string, failing *atomic.Bool) (<-chan *worker.Job, *progress) {
 	t.Helper()
-	bucket, err := coordinator.OpenBucket(ctx, js, prefix+"-leases")
-	if err != nil {
-		t.Fatal(err)
-	}
 	done := make(chan *worker.Job, 16)
-	prog := newProgress()
-	w, err := worker.New(worker.Config{
-		JetStream: js, Prefix: prefix, Partitions: 2, Bucket: bucket, MaxAttempts: 1,
-		Handler: worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
-			if failing.Load() {
-				return errors.New("the payment service said no\ntry later")
-			}
-			done <- j
-			return nil
-		}),
-		Coordinator: coordinator.Config{Worker: "w", TTL: 2 * time.Second},
-		Observer:    prog,
-		Logger:      slog.New(slog.NewTextHandler(io.Discard, nil)),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	wctx, cancel := context.WithCancel(context.Background())
-	stopped := make(chan error, 1)
-	go func() { stopped <- w.Run(wctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-stopped; err != nil {
-			t.Errorf("worker: %v", err)
+	prog := runDLQWorker(t, ctx, js, prefix, 2, func(ctx context.Context, j *worker.Job) error {
+		if failing.Load() {
+			return errors.New("the payment service said no\ntry later")
 		}
+		done <- j
+		return nil
 	})
 	return done, prog
-}
-
-func mustRun(t *testing.T, ctx context.Context, args ...string) string {
-	t.Helper()
-	out, err := run(t, ctx, args...)
-	if err != nil {
-		t.Fatalf("%v: %v\n%s", args, err, out)
-	}
-	return out
-}
-
-func wantIn(t *testing.T, what, out string, parts ...string) {
-	t.Helper()
-	for _, p := range parts {
-		if !strings.Contains(out, p) {
-			t.Errorf("%s lacks %q:\n%s", what, p, out)
-		}
-	}
 }
 
 // A job that fails is dead-lettered by a real worker; list and show
 // describe it, replay runs it again with its data and its own headers, and
 // purge deletes only with --yes given on the command line.
 func TestDlqWorkerListShowReplayPurge(t *testing.T) {
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
-	mustRun(t, ctx, "init", "--nats", s.URL(), "--prefix", "dq", "--partitions", "2")
+	s, ctx := initialized(t, 90*time.Second, "--prefix", "dq", "--partitions", "2")
 	js := s.JetStream(t)
 	var failing atomic.Bool
 	failing.Store(true)
@@ -236,10 +143,7 @@ func TestDlqWorkerListShowReplayPurge(t *testing.T) {
 // without a subject, or whose subject is not the effect log's, is refused
 // and kept.
 func TestDlqSinkListShowReplayPurge(t *testing.T) {
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
-	mustRun(t, ctx, "init", "--nats", s.URL(), "--prefix", "sq", "--partitions", "4")
+	s, ctx := initialized(t, 90*time.Second, "--prefix", "sq", "--partitions", "4")
 	js := s.JetStream(t)
 	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "sq-sink-dlq", Subjects: []string{"sq.sinkdlq.>"}, Storage: jetstream.FileStorage, Duplicates: 10 * time.Minute}); err != nil {
 		t.Fatal(err)
@@ -366,10 +270,7 @@ func TestDlqSinkListShowReplayPurge(t *testing.T) {
 // where it could drive the terminal, and a dead letter naming a subject
 // outside the job stream (here the lease bucket's) is never replayed.
 func TestDlqUntrustedHeaders(t *testing.T) {
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	mustRun(t, ctx, "init", "--nats", s.URL(), "--prefix", "dz", "--partitions", "1")
+	s, ctx := initialized(t, 60*time.Second, "--prefix", "dz", "--partitions", "1")
 	js := s.JetStream(t)
 	msg := nats.NewMsg(worker.DLQSubject("dz", 0))
 	msg.Data = []byte("hello\x1b[2J")

@@ -17,43 +17,10 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/streamsink"
-	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
-
-// runDLQWorker runs a worker with handler h on the job stream of prefix (made
-// by `leasehold init`) until the test ends, dead-lettering a job after one
-// failed attempt, and reports the progress it commits.
-func runDLQWorker(t *testing.T, ctx context.Context, js jetstream.JetStream, prefix string, partitions int, h worker.HandlerFunc) *progress {
-	t.Helper()
-	bucket, err := coordinator.OpenBucket(ctx, js, prefix+"-leases")
-	if err != nil {
-		t.Fatal(err)
-	}
-	prog := newProgress()
-	w, err := worker.New(worker.Config{
-		JetStream: js, Prefix: prefix, Partitions: partitions, Bucket: bucket, MaxAttempts: 1, Handler: h,
-		Coordinator: coordinator.Config{Worker: "w", TTL: 2 * time.Second},
-		Observer:    prog,
-		Logger:      slog.New(slog.NewTextHandler(io.Discard, nil)),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	wctx, cancel := context.WithCancel(context.Background())
-	stopped := make(chan error, 1)
-	go func() { stopped <- w.Run(wctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-stopped; err != nil {
-			t.Errorf("worker: %v", err)
-		}
-	})
-	return prog
-}
 
 // replayedSeq reads the job stream sequence a `dlq replay` of one dead
 // letter printed.
@@ -79,10 +46,7 @@ func replayedSeq(t *testing.T, out string) uint64 {
 // written before origins were (its job's place is its origin). Keys used
 // to derive from the replay's new sequence: two charges under two keys.
 func TestDlqReplayKeepsTheJobsKeys(t *testing.T) {
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
-	mustRun(t, ctx, "init", "--nats", s.URL(), "--prefix", "ch", "--partitions", "2")
+	s, ctx := initialized(t, 90*time.Second, "--prefix", "ch", "--partitions", "2")
 	js := s.JetStream(t)
 	charges := sink.NewMemory(sink.MemoryConfig{KeepLog: true, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	var failing atomic.Bool
@@ -208,10 +172,7 @@ func (o observed) Apply(ctx context.Context, effects ...sink.Effect) error {
 // -After, and the runner dropped it as a job it had applied: applied 0
 // times, and the dead letter deleted.
 func TestDlqSinkReplayIsAppliedOnce(t *testing.T) {
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
-	mustRun(t, ctx, "init", "--nats", s.URL(), "--prefix", "sk", "--partitions", "1")
+	s, ctx := initialized(t, 90*time.Second, "--prefix", "sk", "--partitions", "1")
 	js := s.JetStream(t)
 	var (
 		mu      sync.Mutex
@@ -237,28 +198,14 @@ func TestDlqSinkReplayIsAppliedOnce(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rctx, stopRunner := context.WithCancel(context.Background())
-	ran := make(chan error, 1)
-	go func() { ran <- r.Run(rctx) }()
-	t.Cleanup(func() {
-		stopRunner()
-		<-ran
-	})
+	runTestSink(t, r)
 	var lease leasehold.Lease
 	var once sync.Once
 	prog := runDLQWorker(t, ctx, js, "sk", 1, func(ctx context.Context, j *worker.Job) error {
 		once.Do(func() { lease = j.Lease })
 		return j.Emit(ctx, []byte("credit 5"))
 	})
-	p, err := worker.NewProducer(js, worker.ProducerConfig{Prefix: "sk", Partitions: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	e, err := p.EnqueueTo(ctx, 0, []byte("job"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	prog.wait(t, ctx, 0, e.Seq)
+	e := enqueueDone(t, ctx, js, "sk", 1, prog, []byte("job"))
 	key := leasehold.EffectKey("sk", 0, e.Seq, 0)
 	sinkDLQ := func() (jetstream.Stream, *jetstream.StreamState) {
 		t.Helper()
@@ -332,10 +279,7 @@ func TestDlqSinkReplayIsAppliedOnce(t *testing.T) {
 // Both used to be reported done, since their dead letters were gone and
 // the partition's progress had passed them.
 func TestJobsStatusFollowsReplaysAndPurges(t *testing.T) {
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
-	mustRun(t, ctx, "init", "--nats", s.URL(), "--prefix", "fo", "--partitions", "1")
+	s, ctx := initialized(t, 90*time.Second, "--prefix", "fo", "--partitions", "1")
 	js := s.JetStream(t)
 	prog := runDLQWorker(t, ctx, js, "fo", 1, func(context.Context, *worker.Job) error {
 		return errors.New("the warehouse is on fire")

@@ -2,14 +2,10 @@ package main
 
 import (
 	"context"
-	"io"
-	"log/slog"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/leasehold/leasehold/coordinator"
-	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -17,46 +13,12 @@ import (
 // saying where; `dlq show` prints the panic's stack whole, once.
 func TestDlqPanicIsOneLineAndShowPrintsTheStack(t *testing.T) {
 	t.Parallel()
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	mustRun(t, ctx, "init", "--nats", s.URL(), "--prefix", "pq", "--partitions", "1")
+	s, ctx := initialized(t, 60*time.Second, "--prefix", "pq", "--partitions", "1")
 	js := s.JetStream(t)
-	bucket, err := coordinator.OpenBucket(ctx, js, "pq-leases")
-	if err != nil {
-		t.Fatal(err)
-	}
-	prog := newProgress()
-	w, err := worker.New(worker.Config{
-		JetStream: js, Prefix: "pq", Partitions: 1, Bucket: bucket, MaxAttempts: 1,
-		Handler: worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
-			panic("card declined\nby the bank")
-		}),
-		Coordinator: coordinator.Config{Worker: "w", TTL: 2 * time.Second},
-		Observer:    prog,
-		Logger:      slog.New(slog.NewTextHandler(io.Discard, nil)),
+	prog := runDLQWorker(t, ctx, js, "pq", 1, func(ctx context.Context, j *worker.Job) error {
+		panic("card declined\nby the bank")
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	wctx, stop := context.WithCancel(context.Background())
-	stopped := make(chan error, 1)
-	go func() { stopped <- w.Run(wctx) }()
-	t.Cleanup(func() {
-		stop()
-		if err := <-stopped; err != nil {
-			t.Errorf("worker: %v", err)
-		}
-	})
-	p, err := worker.NewProducer(js, worker.ProducerConfig{Prefix: "pq", Partitions: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	e, err := p.EnqueueTo(ctx, 0, []byte(`{"order":1}`), worker.JobID("order-1"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	prog.wait(t, ctx, 0, e.Seq)
+	enqueueDone(t, ctx, js, "pq", 1, prog, []byte(`{"order":1}`), worker.JobID("order-1"))
 
 	conn := []string{"--nats", s.URL(), "--prefix", "pq"}
 	out := mustRun(t, ctx, append([]string{"dlq", "list"}, conn...)...)

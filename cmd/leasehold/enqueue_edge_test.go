@@ -12,8 +12,7 @@ import (
 // most.
 func TestEnqueueHugeRate(t *testing.T) {
 	t.Parallel()
-	s, ctx := listening(t, 60*time.Second)
-	mustRun(t, ctx, "init", "--nats", s.URL(), "--partitions", "2")
+	s, ctx := initialized(t, 60*time.Second, "--partitions", "2")
 	for _, rate := range []string{"5e9", "+Inf"} {
 		out, err := run(t, ctx, "enqueue", "--nats", s.URL(), "-n", "3", "--rate", rate)
 		if err != nil || !strings.Contains(out, "enqueued 3 jobs") {

@@ -10,8 +10,7 @@ import (
 // --unique-key) for the period, and names the job stored first.
 func TestEnqueueUnique(t *testing.T) {
 	t.Parallel()
-	s, ctx := listening(t, 60*time.Second)
-	mustRun(t, ctx, "init", "--nats", s.URL(), "--partitions", "2")
+	s, ctx := initialized(t, 60*time.Second, "--partitions", "2")
 	args := []string{"enqueue", "--nats", s.URL(), "--kind", "email", "--unique", "24h", "--refs", `{"to":"ann"}`}
 	out, err := run(t, ctx, args...)
 	if err != nil || !strings.Contains(out, "enqueued 1 jobs") {

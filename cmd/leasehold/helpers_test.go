@@ -6,17 +6,23 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
 
+	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/fleet"
 	"github.com/leasehold/leasehold/internal/testpar"
 	"github.com/leasehold/leasehold/internal/testskip"
+	"github.com/leasehold/leasehold/sink/kvsink"
 	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 func TestMain(m *testing.M) {
@@ -93,4 +99,160 @@ func listening(t *testing.T, d time.Duration) (*natstest.Server, context.Context
 	ctx, cancel := context.WithTimeout(context.Background(), d)
 	t.Cleanup(cancel)
 	return s, ctx
+}
+
+// initialized is listening, with `leasehold init` run against the server
+// with args.
+func initialized(t *testing.T, d time.Duration, args ...string) (*natstest.Server, context.Context) {
+	t.Helper()
+	s, ctx := listening(t, d)
+	mustRun(t, ctx, append([]string{"init", "--nats", s.URL()}, args...)...)
+	return s, ctx
+}
+
+func mustRun(t *testing.T, ctx context.Context, args ...string) string {
+	t.Helper()
+	out, err := run(t, ctx, args...)
+	if err != nil {
+		t.Fatalf("%v: %v\n%s", args, err, out)
+	}
+	return out
+}
+
+func wantIn(t *testing.T, what, out string, parts ...string) {
+	t.Helper()
+	for _, p := range parts {
+		if !strings.Contains(out, p) {
+			t.Errorf("%s lacks %q:\n%s", what, p, out)
+		}
+	}
+}
+
+// progress records the progress a worker commits, per partition, and
+// lets a test wait for it.
+type progress struct {
+	mu      sync.Mutex
+	seq     map[leasehold.Partition]uint64
+	changed chan struct{}
+}
+
+func newProgress() *progress {
+	return &progress{seq: map[leasehold.Partition]uint64{}, changed: make(chan struct{})}
+}
+
+func (p *progress) WorkerEvent(_ context.Context, e worker.Event) {
+	if e.Kind != worker.EventProgressCommitted {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if e.Seq > p.seq[e.Lease.Partition] {
+		p.seq[e.Lease.Partition] = e.Seq
+		close(p.changed)
+		p.changed = make(chan struct{})
+	}
+}
+
+// wait returns once progress of partition part reaches seq: the job at
+// seq is done, or its dead letter stored.
+func (p *progress) wait(t *testing.T, ctx context.Context, part leasehold.Partition, seq uint64) {
+	t.Helper()
+	for {
+		p.mu.Lock()
+		got, changed := p.seq[part], p.changed
+		p.mu.Unlock()
+		if got >= seq {
+			return
+		}
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			t.Fatalf("progress of partition %d never reached job %d (it is at %d)", part, seq, got)
+		}
+	}
+}
+
+// runDLQWorker runs a worker with handler h on the job stream of prefix (made
+// by `leasehold init`) until the test ends, dead-lettering a job after one
+// failed attempt, and reports the progress it commits.
+func runDLQWorker(t *testing.T, ctx context.Context, js jetstream.JetStream, prefix string, partitions int, h worker.HandlerFunc) *progress {
+	t.Helper()
+	bucket, err := coordinator.OpenBucket(ctx, js, prefix+"-leases")
+	if err != nil {
+		t.Fatal(err)
+	}
+	prog := newProgress()
+	w, err := worker.New(worker.Config{
+		JetStream: js, Prefix: prefix, Partitions: partitions, Bucket: bucket, MaxAttempts: 1, Handler: h,
+		Coordinator: coordinator.Config{Worker: "w", TTL: 2 * time.Second},
+		Observer:    prog,
+		Logger:      slog.New(slog.NewTextHandler(io.Discard, nil)),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runTestWorker(t, w)
+	return prog
+}
+
+// runTestWorker runs w until the test ends, then stops it and fails the test if
+// Run returned an error.
+func runTestWorker(t *testing.T, w *worker.Worker) {
+	t.Helper()
+	wctx, cancel := context.WithCancel(context.Background())
+	stopped := make(chan error, 1)
+	go func() { stopped <- w.Run(wctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-stopped; err != nil {
+			t.Errorf("worker: %v", err)
+		}
+	})
+}
+
+// runTestSink runs the sink r until the test ends, then stops it and waits for
+// it to return.
+func runTestSink(t *testing.T, r interface{ Run(context.Context) error }) {
+	t.Helper()
+	rctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(rctx) }()
+	t.Cleanup(func() {
+		stop()
+		<-done
+	})
+}
+
+// enqueueDone enqueues data to partition 0 of prefix's job stream and waits
+// until prog shows the job done.
+func enqueueDone(t *testing.T, ctx context.Context, js jetstream.JetStream, prefix string, partitions int, prog *progress, data []byte, opts ...worker.EnqueueOption) worker.Enqueued {
+	t.Helper()
+	p, err := worker.NewProducer(js, worker.ProducerConfig{Prefix: prefix, Partitions: partitions})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e, err := p.EnqueueTo(ctx, 0, data, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	prog.wait(t, ctx, 0, e.Seq)
+	return e
+}
+
+// kvSinkHolding starts a listening server with a KV sink's bucket holding
+// "v" at key, stamped as an effect of worker's on partition 0 at epoch 7.
+func kvSinkHolding(t *testing.T, key, worker string) (*natstest.Server, context.Context, jetstream.JetStream) {
+	t.Helper()
+	s, ctx := listening(t, 60*time.Second)
+	js := s.JetStream(t)
+	if _, err := kvsink.New(ctx, js, kvsink.Config{Bucket: kvsink.DefaultBucket, Name: "kvs"}); err != nil {
+		t.Fatal(err)
+	}
+	st := leasehold.Stamp{Scope: "leasehold", Partition: 0, Epoch: 7, Acquisition: "a1", Key: key, Worker: worker}
+	h := nats.Header{}
+	st.SetHeader(h)
+	if _, err := js.PublishMsg(ctx, &nats.Msg{Subject: "$KV." + kvsink.DefaultBucket + "." + key, Data: []byte("v"), Header: h}); err != nil {
+		t.Fatal(err)
+	}
+	return s, ctx, js
 }

@@ -12,7 +12,6 @@ import (
 
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/streamsink"
-	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -23,9 +22,7 @@ import (
 // it is, and init says how to change it.
 func TestInitEffectLogSuitsTheSink(t *testing.T) {
 	t.Parallel()
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	s, ctx := listening(t, time.Minute)
 	js := s.JetStream(t)
 	mustRun(t, ctx, "init", "--nats", s.URL(), "--partitions", "2")
 	st, err := js.Stream(ctx, worker.EffectsStream("leasehold"))
@@ -70,9 +67,7 @@ func TestInitEffectLogSuitsTheSink(t *testing.T) {
 // A sink started before init says first what to do.
 func TestSinkBeforeInit(t *testing.T) {
 	t.Parallel()
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	s, ctx := listening(t, time.Minute)
 	_, err := run(t, ctx, "sink", "--nats", s.URL(), "--http", "", "--log-level", "error")
 	if err == nil || !strings.HasPrefix(err.Error(), "run `leasehold init --prefix leasehold` first") {
 		t.Fatalf("sink before init: %v; want it to lead with `leasehold init`", err)

@@ -15,9 +15,7 @@ import (
 // different, it is an error that names both counts, whether it came from
 // the flag or from the environment.
 func TestPartitionsFromTheJobStream(t *testing.T) {
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
+	s, ctx := listening(t, 60*time.Second)
 	// No job stream yet: commands that need its count say so.
 	if _, err := run(t, ctx, "enqueue", "--nats", s.URL()); err == nil || !strings.Contains(err.Error(), "no job stream leasehold-jobs") {
 		t.Fatalf("enqueue before init: %v", err)

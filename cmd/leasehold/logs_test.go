@@ -25,8 +25,7 @@ func TestFrozenWorkerLogs(t *testing.T) {
 	if testing.Short() {
 		t.Skip("runs worker processes through a freeze")
 	}
-	s, ctx := listening(t, 45*time.Second)
-	mustRun(t, ctx, "init", "--nats", s.URL(), "--partitions", "4")
+	s, ctx := initialized(t, 45*time.Second, "--partitions", "4")
 	dir := t.TempDir()
 	procs := map[string]*fleet.Proc{}
 	for _, name := range []string{"alice", "bob"} {

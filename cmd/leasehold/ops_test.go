@@ -91,9 +91,7 @@ func TestStatusAndFence(t *testing.T) {
 }
 
 func TestSettingsPrecedence(t *testing.T) {
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
+	s, ctx := listening(t, 10*time.Second)
 	dir := t.TempDir()
 	cfg := filepath.Join(dir, "leasehold.yaml")
 	// The file names a bucket that does not exist and a dead server; the

@@ -22,8 +22,7 @@ func TestPostgresSinkSurvivesARestart(t *testing.T) {
 		t.Skip("starts PostgreSQL")
 	}
 	pg := pgtest.Start(t)
-	s, ctx := listening(t, 3*time.Minute)
-	mustRun(t, ctx, "init", "--nats", s.URL(), "--partitions", "2")
+	s, ctx := initialized(t, 3*time.Minute, "--partitions", "2")
 	background(t, "worker", "--nats", s.URL(), "--partitions", "2", "--worker-id", "pw", "--ttl", "2s", "--http", "", "--log-level", "warn")
 	background(t, "sink", "--nats", s.URL(), "--kind", "postgres", "--postgres-url", pg.DSN(), "--verify-epochs", "--http", "", "--log-level", "warn")
 

@@ -18,8 +18,7 @@ import (
 // applied again.
 func TestSinkSkipsAnEffectItCanNeverApply(t *testing.T) {
 	t.Parallel()
-	s, ctx := listening(t, 60*time.Second)
-	mustRun(t, ctx, "init", "--nats", s.URL(), "--partitions", "1", "--prefix", "poison")
+	s, ctx := initialized(t, 60*time.Second, "--partitions", "1", "--prefix", "poison")
 	// The stamps below are made by hand, not issued by the lease bucket:
 	// the test is about the key, so the epochs go unverified.
 	background(t, "sink", "--nats", s.URL(), "--prefix", "poison", "--kind", "kv", "--kv-bucket", "poison-sink", "--verify-epochs=false", "--http", "", "--log-level", "error")

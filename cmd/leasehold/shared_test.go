@@ -10,7 +10,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/testing/pgtest"
 	"github.com/leasehold/leasehold/worker"
 )
@@ -64,9 +63,7 @@ func TestTwoJobStreamsShareOneSink(t *testing.T) {
 }
 
 func testSharedSink(t *testing.T, sinkArgs []string, applied func(context.Context, *testing.T, jetstream.JetStream) func(string) bool) {
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
+	s, ctx := listening(t, 2*time.Minute)
 	js := s.JetStream(t)
 	prefixes := []string{"orders", "payments"}
 	var keys []string

@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/leasehold/leasehold/sink/httpsink"
-	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 // hookReceiver counts the requests a Verifier passed and its handler
@@ -78,9 +77,7 @@ func (h *hookReceiver) wait(t *testing.T, ctx context.Context, n int) map[string
 // up, everything arrives, /readyz passes and the gauge is 0.
 func TestSinkHTTPDelivers(t *testing.T) {
 	t.Parallel()
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
+	s, ctx := listening(t, 2*time.Minute)
 	if out, err := run(t, ctx, "init", "--nats", s.URL(), "--partitions", "2"); err != nil {
 		t.Fatalf("init: %v\n%s", err, out)
 	}
@@ -145,9 +142,7 @@ func TestSinkHTTPDelivers(t *testing.T) {
 // but NATS, and an error never shows a --header value.
 func TestSinkHTTPFlags(t *testing.T) {
 	t.Parallel()
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	s, ctx := listening(t, time.Minute)
 	if out, err := run(t, ctx, "init", "--nats", s.URL(), "--partitions", "1"); err != nil {
 		t.Fatalf("init: %v\n%s", err, out)
 	}
@@ -178,10 +173,7 @@ func TestSinkHTTPFlags(t *testing.T) {
 // into the effect log and the relay delivers each once, with its key.
 func TestSinkHTTPDeadLettersReplayed(t *testing.T) {
 	t.Parallel()
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	mustRun(t, ctx, "init", "--nats", s.URL(), "--partitions", "2")
+	s, ctx := initialized(t, 2*time.Minute, "--partitions", "2")
 	h := newHookReceiver(t)
 	h.failing.Store(true)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")

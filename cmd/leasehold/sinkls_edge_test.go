@@ -3,11 +3,7 @@ package main
 import (
 	"strings"
 	"testing"
-	"time"
 
-	"github.com/nats-io/nats.go"
-
-	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink/kvsink"
 )
 
@@ -15,17 +11,7 @@ import (
 // other value from `sink ls`: the listing is how an operator finds it.
 func TestSinkLsWithAnUnstampedValue(t *testing.T) {
 	t.Parallel()
-	s, ctx := listening(t, 60*time.Second)
-	js := s.JetStream(t)
-	if _, err := kvsink.New(ctx, js, kvsink.Config{Bucket: kvsink.DefaultBucket, Name: "kvs"}); err != nil {
-		t.Fatal(err)
-	}
-	st := leasehold.Stamp{Scope: "leasehold", Partition: 0, Epoch: 7, Acquisition: "a1", Key: "good", Worker: "w1"}
-	h := nats.Header{}
-	st.SetHeader(h)
-	if _, err := js.PublishMsg(ctx, &nats.Msg{Subject: "$KV." + kvsink.DefaultBucket + ".good", Data: []byte("v"), Header: h}); err != nil {
-		t.Fatal(err)
-	}
+	s, ctx, js := kvSinkHolding(t, "good", "w1")
 	if _, err := js.Publish(ctx, "$KV."+kvsink.DefaultBucket+".bare", []byte("by hand")); err != nil {
 		t.Fatal(err)
 	}

@@ -3,12 +3,6 @@ package main
 import (
 	"strings"
 	"testing"
-	"time"
-
-	"github.com/nats-io/nats.go"
-
-	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/sink/kvsink"
 )
 
 // A KV sink's bucket holds what anyone allowed to write it put there, and
@@ -17,17 +11,7 @@ import (
 // operator's terminal: a forged worker must not reach it raw.
 func TestSinkReadForgedStamp(t *testing.T) {
 	t.Parallel()
-	s, ctx := listening(t, 60*time.Second)
-	js := s.JetStream(t)
-	if _, err := kvsink.New(ctx, js, kvsink.Config{Bucket: kvsink.DefaultBucket, Name: "kvs"}); err != nil {
-		t.Fatal(err)
-	}
-	st := leasehold.Stamp{Scope: "leasehold", Partition: 0, Epoch: 7, Acquisition: "a1", Key: "k1", Worker: "w1\x1b]0;owned\x07\x1b[2J"}
-	h := nats.Header{}
-	st.SetHeader(h)
-	if _, err := js.PublishMsg(ctx, &nats.Msg{Subject: "$KV." + kvsink.DefaultBucket + ".k1", Data: []byte("v"), Header: h}); err != nil {
-		t.Fatal(err)
-	}
+	s, ctx, _ := kvSinkHolding(t, "k1", "w1\x1b]0;owned\x07\x1b[2J")
 	for _, args := range [][]string{{"sink", "get", "k1"}, {"sink", "ls"}} {
 		out, err := run(t, ctx, append(args, "--nats", s.URL())...)
 		if err != nil {

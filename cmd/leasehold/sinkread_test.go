@@ -19,8 +19,7 @@ import (
 // effects read 60 accepted.
 func TestSinkLsGetAndEffectsCountedOnce(t *testing.T) {
 	t.Parallel()
-	s, ctx := listening(t, 90*time.Second)
-	mustRun(t, ctx, "init", "--nats", s.URL(), "--partitions", "4")
+	s, ctx := initialized(t, 90*time.Second, "--partitions", "4")
 	// No bucket yet: a reader says so and creates none.
 	if _, err := run(t, ctx, "sink", "ls", "--nats", s.URL()); err == nil || !strings.Contains(err.Error(), "no such KV sink bucket") {
 		t.Fatalf("sink ls before the sink ran: %v", err)

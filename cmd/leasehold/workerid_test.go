@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/leasehold/leasehold/coordinator"
-	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 // Two `leasehold worker` processes under one ID: the second exits with an
@@ -19,10 +18,7 @@ import (
 // longer than the test gives it, so only the first's renewals can tell it.
 func TestWorkerWithATakenIDExits(t *testing.T) {
 	t.Parallel()
-	s := natstest.Start(t, natstest.Listen())
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	mustRun(t, ctx, "init", "--nats", s.URL(), "--partitions", "2")
+	s, ctx := initialized(t, time.Minute, "--partitions", "2")
 	worker := func(id string) []string {
 		return []string{"worker", "--nats", s.URL(), "--worker-id", id, "--ttl", "6s", "--http", "", "--log-level", "error"}
 	}
