@@ -9,7 +9,6 @@ import (
 
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/pgsink"
-	"github.com/leasehold/leasehold/testing/pgtest"
 )
 
 // BenchmarkFencedVsPlain compares a fenced write (fence, dedupe and effect
@@ -18,8 +17,7 @@ import (
 // iteration, so that the machine's noise falls on both alike; it reports
 // the median latency of each and their ratio.
 func BenchmarkFencedVsPlain(b *testing.B) {
-	srv := pgtest.Start(b)
-	db := pool(b, srv.DSN())
+	_, db := startDB(b)
 	ctx := context.Background()
 	s := newSink(b, db, pgsink.Config{Prefix: "bench_"})
 	if _, err := db.Exec(ctx, `CREATE TABLE plain (key text PRIMARY KEY, partition integer NOT NULL, epoch bigint NOT NULL,

@@ -14,7 +14,6 @@ import (
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/pgsink"
-	"github.com/leasehold/leasehold/testing/pgtest"
 )
 
 // fenceInput is one operation on a fence.
@@ -110,8 +109,7 @@ func TestFenceModelRejectsBadAccepts(t *testing.T) {
 // leasehold.Judge over each fence.
 func TestLinearizable(t *testing.T) {
 	t.Parallel()
-	srv := pgtest.Start(t)
-	db := pool(t, srv.DSN())
+	_, db := startDB(t)
 	ctx := ctxFor(t, 3*time.Minute)
 	s := newSink(t, db, pgsink.Config{Prefix: "lin_"})
 	const clients, opsPer = 6, 60

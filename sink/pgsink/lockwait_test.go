@@ -13,7 +13,6 @@ import (
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/pgsink"
-	"github.com/leasehold/leasehold/testing/pgtest"
 )
 
 // Stale ApplyTx calls that wait behind a raise are told they are stale.
@@ -26,8 +25,7 @@ import (
 // failing one with SQLSTATE 40P01 instead of the stale-epoch error.
 func TestStaleApplyTxNoDeadlock(t *testing.T) {
 	t.Parallel()
-	srv := pgtest.Start(t)
-	db := pool(t, srv.DSN())
+	_, db := startDB(t)
 	ctx := ctxFor(t, time.Minute)
 	// No wait in this test may end in a lock timeout, however slow the
 	// machine is.
@@ -87,8 +85,7 @@ func TestStaleApplyTxNoDeadlock(t *testing.T) {
 // write is lost to it.
 func TestPausedHolderLockTimeout(t *testing.T) {
 	t.Parallel()
-	srv := pgtest.Start(t)
-	db := pool(t, srv.DSN())
+	_, db := startDB(t)
 	ctx := ctxFor(t, 2*time.Minute)
 	id := leasehold.FenceID{Scope: "jobs", Partition: 5}
 	// The holder's transactions may stay idle for as long as the test

@@ -97,8 +97,7 @@ func hasScopeColumn(ctx context.Context, t *testing.T, db pgsink.DB, table strin
 // skipped CreateSchema is told the same by its first write.
 func TestLegacyTablesRefused(t *testing.T) {
 	t.Parallel()
-	srv := pgtest.Start(t)
-	db := pool(t, srv.DSN())
+	_, db := startDB(t)
 	ctx := ctxFor(t, time.Minute)
 	tb := legacyTables(ctx, t, db, "", "old_")
 	cfg := pgsink.Config{DB: db, Prefix: "old_", Logger: quiet()}
@@ -135,8 +134,7 @@ func TestLegacyTablesRefused(t *testing.T) {
 // and other scopes start fresh beside them.
 func TestLegacyTablesUpgrade(t *testing.T) {
 	t.Parallel()
-	srv := pgtest.Start(t)
-	db := pool(t, srv.DSN())
+	_, db := startDB(t)
 	ctx := ctxFor(t, time.Minute)
 	legacyTables(ctx, t, db, "", "old_")
 	cfg := pgsink.Config{Prefix: "old_", LegacyScope: "orders"}

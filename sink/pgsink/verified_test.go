@@ -14,7 +14,6 @@ import (
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/pgsink"
 	"github.com/leasehold/leasehold/testing/natstest"
-	"github.com/leasehold/leasehold/testing/pgtest"
 )
 
 // A fence row that recorded no acquisition at its epoch (migrated from the
@@ -39,7 +38,7 @@ func TestEqualEpochRaiseIsVerified(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	db := pool(t, pgtest.Start(t).DSN())
+	_, db := startDB(t)
 	s := newSink(t, db, pgsink.Config{Prefix: "eqraise_", Verifier: bucket})
 	// rowWithout writes the fence row of l's partition at l's epoch with no
 	// acquisition, as the schema before acquisitions left it.
