@@ -19,6 +19,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/statuspage/deadletter"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -92,7 +93,7 @@ type dlq struct {
 	prefix string
 	log    string // the effect log sink dead letters replay into
 
-	partitions int // the job stream's, once looked up
+	lib *deadletter.Stream // replays and purges, as the status page's actions do
 }
 
 func (f *dlqFlags) open(ctx context.Context, sub string) (*dlq, error) {
@@ -124,7 +125,8 @@ func (f *dlqFlags) open(ctx context.Context, sub string) (*dlq, error) {
 	if log == "" {
 		log = worker.EffectsStream(f.conn.prefix)
 	}
-	return &dlq{nc: nc, js: js, s: s, name: name, sink: f.sink, prefix: f.conn.prefix, log: log}, nil
+	return &dlq{nc: nc, js: js, s: s, name: name, sink: f.sink, prefix: f.conn.prefix, log: log,
+		lib: deadletter.New(js, s, f.conn.prefix, f.sink, log)}, nil
 }
 
 // each calls fn on the dead letters from sequence from on, oldest first, up
@@ -177,17 +179,7 @@ func (d *dlq) each(ctx context.Context, from uint64, fn func(*jetstream.RawStrea
 
 // get reads the dead letter at seq.
 func (d *dlq) get(ctx context.Context, seq uint64) (*jetstream.RawStreamMsg, error) {
-	m, err := d.s.GetMsg(ctx, seq)
-	if errors.Is(err, jetstream.ErrMsgNotFound) {
-		return nil, fmt.Errorf("no dead letter at sequence %d in %s (replayed, purged or never there): `leasehold dlq list` shows what there is", seq, d.name)
-	}
-	if err != nil {
-		return nil, fmt.Errorf("read dead letter %d of %s: %w", seq, d.name, err)
-	}
-	if d.isRecord(m) {
-		return nil, fmt.Errorf("sequence %d of %s is no dead letter but a record of what became of one (see worker.Record): `leasehold dlq list` shows the dead letters", seq, d.name)
-	}
-	return m, nil
+	return d.lib.Get(ctx, seq)
 }
 
 // isRecord reports whether m is a record the worker or a replay or purge
@@ -361,7 +353,7 @@ func (d *dlq) show(ctx context.Context, out io.Writer, m *jetstream.RawStreamMsg
 	fmt.Fprintf(out, "dead letter %d of %s\n", m.Sequence, d.name)
 	fmt.Fprintf(out, "  subject: %s\n", clean(m.Subject))
 	fmt.Fprintf(out, "  stored:  %s\n", m.Time.UTC().Format(time.RFC3339Nano))
-	if msg, target, err := d.plan(ctx, m); err != nil {
+	if msg, target, err := d.lib.Plan(ctx, m); err != nil {
 		fmt.Fprintf(out, "  replay:  refused: %v\n", err)
 	} else {
 		fmt.Fprintf(out, "  replay:  to %s (stream %s)\n", msg.Subject, target)
