@@ -247,7 +247,7 @@ func TestAttackZombieWithManyJobsInFlight(t *testing.T) {
 		found := 0
 		for _, m := range readStream(t, e.js, worker.EffectsStream(e.prefix)) {
 			for _, k := range firstKeys {
-				if m.Headers().Get(leasehold.HeaderKey) == k {
+				if keyOf(m.Headers()) == k {
 					found++
 				}
 			}

@@ -58,7 +58,7 @@ func TestPreemptedMessageIDsCannotHideEffects(t *testing.T) {
 	})
 	stored := map[string]string{}
 	for _, m := range readStream(t, e.js, worker.EffectsStream(e.prefix)) {
-		if k := m.Headers().Get(leasehold.HeaderKey); k != "" && m.Headers().Get(leasehold.HeaderBarrier) == "" {
+		if k := keyOf(m.Headers()); k != "" && m.Headers().Get(leasehold.HeaderBarrier) == "" {
 			stored[k] = string(m.Data())
 		}
 	}

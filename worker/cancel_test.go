@@ -8,7 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -108,13 +107,14 @@ func TestCancelJobs(t *testing.T) {
 	// The running job's attempt was aborted: no final of it, an abort.
 	aborted := false
 	for _, m := range readStream(t, e.js, worker.EffectsStream(e.prefix)) {
-		if m.Headers().Get(leasehold.HeaderJob) != strconv.FormatUint(a.Seq, 10) {
+		mk := markOf(m.Headers())
+		if mk.Job != a.Seq {
 			continue
 		}
-		if m.Headers().Get(leasehold.HeaderEffects) != "" {
+		if mk.Final() {
 			t.Fatalf("the cancelled job's final was sent: %v", m.Headers())
 		}
-		aborted = aborted || m.Headers().Get(leasehold.HeaderAbort) == "1"
+		aborted = aborted || mk.Abort
 	}
 	if !aborted {
 		t.Fatal("the cancelled job's attempt was not aborted")

@@ -173,6 +173,15 @@ type Config struct {
 	// effects from there on. Default: the default output,
 	// OutputSubject(Prefix, p). Return nil to publish none.
 	BarrierSubjects func(p leasehold.Partition) []string
+	// StampFormat is the form in which effects, barriers and abort markers
+	// carry their stamp and job mark: leasehold.StampCompact (the default)
+	// writes one Leasehold-Stamp and one Leasehold-Mark header;
+	// leasehold.StampLegacy writes the per-field headers releases before
+	// it wrote. Sinks read both. During an upgrade, run workers with
+	// StampLegacy until every sink reading their effects runs a release
+	// that reads the compact form, then switch (sinks first, then
+	// workers).
+	StampFormat leasehold.StampFormat
 
 	// Propagator injects trace context into effects and extracts it from
 	// jobs. Default otel.GetTextMapPropagator(). Telemetry.Propagator, when
@@ -317,6 +326,9 @@ func (c Config) Validate() error {
 	}
 	if c.FetchBatch < 1 || c.FetchBatch > 10000 {
 		errs = append(errs, fmt.Errorf("fetch batch %d: use 1 to 10000", c.FetchBatch))
+	}
+	if err := c.StampFormat.Validate(); err != nil {
+		errs = append(errs, err)
 	}
 	for i, f := range c.Fences {
 		if f == nil {

@@ -51,7 +51,7 @@ func sameMessage(msg *nats.Msg, stored *leader.Msg) bool {
 	if stored.Subject != msg.Subject || !bytes.Equal(stored.Data, msg.Data) {
 		return false
 	}
-	for _, h := range []string{jetstream.MsgIDHeader, leasehold.HeaderScope, leasehold.HeaderPartition, leasehold.HeaderEpoch, leasehold.HeaderAcquisition, leasehold.HeaderKey} {
+	for _, h := range []string{jetstream.MsgIDHeader, leasehold.HeaderStamp, leasehold.HeaderScope, leasehold.HeaderPartition, leasehold.HeaderEpoch, leasehold.HeaderAcquisition, leasehold.HeaderKey} {
 		if stored.Header.Get(h) != msg.Header.Get(h) {
 			return false
 		}

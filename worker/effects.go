@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -71,15 +72,19 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 		j.fail(err)
 		return err
 	}
-	msg := &nats.Msg{Subject: subject, Data: data, Header: make(nats.Header, len(o.header)+10)}
+	msg := &nats.Msg{Subject: subject, Data: data, Header: make(nats.Header, len(o.header)+j.r.headerRoom())}
 	for k, vs := range o.header {
-		if !isJobHeader(k) {
+		// The stamp's and the job mark's headers, in either form and any
+		// spelling, are the worker's alone: a caller's copy beside the
+		// worker's would make the effect malformed (two forms, or two
+		// values), refused by every sink.
+		if !leasehold.IsStampHeader(k) {
 			msg.Header[k] = vs
 		}
 	}
 	sctx, span := j.r.startEffect(ctx, subject, stamp)
 	j.r.stampHeader(sctx, msg.Header, stamp, j.nonce)
-	leasehold.JobMark{Job: j.Seq, Attempt: j.wire}.SetHeader(msg.Header)
+	leasehold.JobMark{Job: j.Seq, Attempt: j.wire}.SetHeaderAs(msg.Header, j.r.w.cfg.StampFormat)
 	if org := j.Origin(); org != leasehold.OriginOf(j.Lease.Scope, j.Partition, j.Seq) {
 		// A job stored again (a replay) emits its origin's keys: the
 		// origin tells a sink whose keys they are.
@@ -113,7 +118,6 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 // send publishes one of j's effects without waiting for its
 // acknowledgement, which close hands to the runner.
 func (j *Job) send(ctx context.Context, msg *nats.Msg) error {
-	key := msg.Header.Get(leasehold.HeaderKey)
 	// The last look before the message leaves: a process frozen since the
 	// stamp was reserved must not send it now.
 	if err := j.sendable(); err != nil {
@@ -121,7 +125,7 @@ func (j *Job) send(ctx context.Context, msg *nats.Msg) error {
 	}
 	fut, err := j.r.publishAsync(ctx, msg)
 	if err != nil {
-		return &EffectError{Subject: msg.Subject, Key: key, Err: err}
+		return &EffectError{Subject: msg.Subject, Key: effectKey(msg), Err: err}
 	}
 	j.mu.Lock()
 	j.futs = append(j.futs, fut)
@@ -170,16 +174,38 @@ func (j *Job) Apply(ctx context.Context, s sink.Sink, subject string, data []byt
 // real effect would be dropped as its duplicate; the nonce is not known
 // before the attempt runs. A re-run stores its effects again, and sinks
 // dedupe them by key.
+//
+// The stamp is written in the form Config.StampFormat names, and the job
+// mark a caller adds after it follows that form (leasehold.JobMark's
+// SetHeader writes the form of the stamp it finds).
 func (r *runner) stampHeader(ctx context.Context, h nats.Header, s leasehold.Stamp, nonce string) {
 	r.w.tel.Propagator.Inject(ctx, telemetry.HeaderCarrier(h))
-	s.SetHeader(h)
+	s.SetHeaderAs(h, r.w.cfg.StampFormat)
 	h[jetstream.MsgIDHeader] = []string{MessageID(s, nonce)}
+}
+
+// headerRoom is how many headers the worker adds to an effect: trace
+// context (two), the stamp, the job mark, the message ID and an origin in
+// the compact form; the stamp's six and the job's five in the legacy one.
+func (r *runner) headerRoom() int {
+	if r.w.cfg.StampFormat == leasehold.StampLegacy {
+		return 14
+	}
+	return 6
+}
+
+// effectKey is the idempotency key msg's stamp carries, for an error
+// message: "" when it has none that reads.
+func effectKey(msg *nats.Msg) string {
+	s, _ := leasehold.StampFromHeader(msg.Header)
+	return s.Key
 }
 
 // MessageID is the Nats-Msg-Id the worker gives a message stamped with s
 // in the attempt whose nonce is given: "<key>@<epoch>~<nonce>".
 func MessageID(s leasehold.Stamp, nonce string) string {
-	return s.Key + "@" + s.Epoch.String() + "~" + nonce
+	var num [20]byte
+	return s.Key + "@" + string(strconv.AppendUint(num[:0], uint64(s.Epoch), 10)) + "~" + nonce
 }
 
 // newNonce returns 8 random bytes, hex-encoded.

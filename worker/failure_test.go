@@ -106,6 +106,7 @@ func TestFailingJobIsRetriedThenDeadLettered(t *testing.T) {
 	}
 	m := dlq[0]
 	h := m.Headers()
+	st, _ := leasehold.StampFromHeader(h)
 	lease := rec.all()[0].Lease
 	checks := map[string]string{
 		"subject":                        m.Subject(),
@@ -115,11 +116,11 @@ func TestFailingJobIsRetriedThenDeadLettered(t *testing.T) {
 		worker.HeaderSeq:                 h.Get(worker.HeaderSeq),
 		worker.HeaderJobID:               h.Get(worker.HeaderJobID),
 		"X-Order":                        h.Get("X-Order"),
-		leasehold.HeaderEpoch:            h.Get(leasehold.HeaderEpoch),
-		leasehold.HeaderScope:            h.Get(leasehold.HeaderScope),
-		leasehold.HeaderAcquisition:      h.Get(leasehold.HeaderAcquisition),
-		leasehold.HeaderKey:              h.Get(leasehold.HeaderKey),
-		leasehold.HeaderWorker:           h.Get(leasehold.HeaderWorker),
+		leasehold.HeaderEpoch:            st.Epoch.String(),
+		leasehold.HeaderScope:            st.Scope,
+		leasehold.HeaderAcquisition:      st.Acquisition,
+		leasehold.HeaderKey:              st.Key,
+		leasehold.HeaderWorker:           st.Worker,
 		"Nats-Msg-Id is key@epoch~nonce": strconv.FormatBool(strings.HasPrefix(h.Get("Nats-Msg-Id"), worker.DeadLetterKey(e.prefix, 0, enq[1].Seq)+"@"+lease.Epoch.String()+"~") && len(h.Get("Nats-Msg-Id")) == len(worker.MessageID(lease.Stamp(worker.DeadLetterKey(e.prefix, 0, enq[1].Seq)), "0123456789abcdef"))),
 		"error mentions reason":          strconv.FormatBool(strings.Contains(h.Get(worker.HeaderError), "the payment service said no")),
 	}
@@ -373,7 +374,7 @@ func TestRefusedEffectFailsTheJob(t *testing.T) {
 			t.Fatalf("message %s stored twice", id)
 		}
 		ids[id] = true
-		keys[m.Headers().Get(leasehold.HeaderKey)] = true
+		keys[keyOf(m.Headers())] = true
 	}
 	for _, q := range enq {
 		if q.Seq != bad && !keys[leasehold.EffectKey(e.prefix, 0, q.Seq, 0)] {

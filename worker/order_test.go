@@ -8,7 +8,6 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -61,7 +60,7 @@ func TestOneInFlightKeepsJobOrderAcrossARewind(t *testing.T) {
 	})
 	var order []string
 	for _, m := range readStream(t, e.js, "ORDER") {
-		if m.Headers().Get(leasehold.HeaderKey) != "" {
+		if keyOf(m.Headers()) != "" {
 			order = append(order, strings.TrimPrefix(m.Subject(), "order."))
 		}
 	}

@@ -61,7 +61,7 @@ func TestJobEffectsOnTheWire(t *testing.T) {
 			t.Fatal(err)
 		}
 		marks = append(marks, mk)
-		keys = append(keys, m.Headers().Get(leasehold.HeaderKey))
+		keys = append(keys, keyOf(m.Headers()))
 	}
 	s0, s1, s2 := enq[0].Seq, enq[1].Seq, enq[2].Seq
 	want := []leasehold.JobMark{

@@ -90,7 +90,7 @@ func tryEffectKeys(js jetstream.JetStream, prefix string) (map[[2]uint64]bool, e
 	}
 	out := map[[2]uint64]bool{}
 	for _, m := range msgs {
-		if isBarrier(m) || m.Headers().Get(leasehold.HeaderAbort) == "1" {
+		if isBarrier(m) || markOf(m.Headers()).Abort {
 			continue
 		}
 		s, err := leasehold.StampFromHeader(m.Headers())
@@ -146,7 +146,7 @@ func TestAbortMarkerLostInARestartDoesNotHoldThePartition(t *testing.T) {
 	for abort := false; !abort; {
 		select {
 		case m := <-hole:
-			abort = m.Header.Get(leasehold.HeaderAbort) == "1"
+			abort = markOf(m.Header).Abort
 		case <-ctx.Done():
 			t.Fatal("no abort marker reached the subject")
 		}

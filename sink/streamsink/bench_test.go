@@ -107,7 +107,8 @@ func rawPipeline(b *testing.B, js jetstream.JetStream, cons jetstream.Consumer, 
 		for _, m := range msgs {
 			out := nats.NewMsg("raw.out.x")
 			out.Header = m.Headers()
-			out.Header.Set(jetstream.MsgIDHeader, m.Headers().Get(leasehold.HeaderKey))
+			st, _ := leasehold.StampFromHeader(m.Headers())
+			out.Header.Set(jetstream.MsgIDHeader, st.Key)
 			out.Data = m.Data()
 			f, err := js.PublishMsgAsync(out)
 			if err != nil {

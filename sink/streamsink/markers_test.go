@@ -153,7 +153,8 @@ func (mw *markerWorld) lease() leasehold.Lease {
 		mw.t.Fatal("the worker was not handed the partition within a minute")
 	}
 	mw.find(func(m *jetstream.RawStreamMsg) bool {
-		return m.Header.Get(leasehold.HeaderBarrier) != "" && m.Header.Get(leasehold.HeaderEpoch) == l.Epoch.String()
+		st, err := leasehold.StampFromHeader(m.Header)
+		return m.Header.Get(leasehold.HeaderBarrier) != "" && err == nil && st.Epoch == l.Epoch
 	})
 	return l
 }
@@ -225,7 +226,10 @@ func (mw *markerWorld) find(match func(*jetstream.RawStreamMsg) bool) *jetstream
 // effectOf waits for effect i of job seq in the log.
 func (mw *markerWorld) effectOf(seq uint64, i int) *jetstream.RawStreamMsg {
 	key := leasehold.EffectKey(mw.prefix, 0, seq, i)
-	return mw.find(func(m *jetstream.RawStreamMsg) bool { return m.Header.Get(leasehold.HeaderKey) == key })
+	return mw.find(func(m *jetstream.RawStreamMsg) bool {
+		st, err := leasehold.StampFromHeader(m.Header)
+		return err == nil && st.Key == key
+	})
 }
 
 // publish stores a message in the effect log and returns its position.
