@@ -323,15 +323,9 @@ func (v *Verifier) serve(w http.ResponseWriter, r *http.Request, next http.Handl
 	}
 }
 
-// stamped reports whether h carries any of the stamp's headers.
-func stamped(h http.Header) bool {
-	for _, name := range []string{leasehold.HeaderScope, leasehold.HeaderPartition, leasehold.HeaderEpoch, leasehold.HeaderAcquisition, leasehold.HeaderKey} {
-		if _, n, _ := one(h, name); n > 0 {
-			return true
-		}
-	}
-	return false
-}
+// stamped reports whether h carries any of the stamp's headers, in either
+// form.
+func stamped(h http.Header) bool { return leasehold.HasStamp(h) }
 
 // checkKey reads the Idempotency-Key and checks it names st's effect. It
 // returns the key's text, or the refusal.

@@ -404,7 +404,10 @@ func isAbort(md map[string]string) bool {
 			return true
 		}
 	}
-	return false
+	// The compact form's (leasehold.HeaderMark) is read by the root's
+	// parser, as every stamp and mark is.
+	m, err := leasehold.JobMarkFromMetadata(md)
+	return err == nil && m.Abort
 }
 
 func isBarrier(md map[string]string) bool {
