@@ -81,3 +81,41 @@ func uniqueForgedWithoutTTL(t *testing.T, forged string) {
 		}
 	}
 }
+
+// A uniqueness's end is a per-key TTL the server keeps: across a server
+// restart in the middle of the period, it still ends. The test restarts
+// the server while a two-second uniqueness holds, then fails unless the
+// same job is stored again within ten times the period (a TTL lost in the
+// restart would refuse it for ever).
+func TestAttackUniqueEndsAcrossRestart(t *testing.T) {
+	e := newEnv(t, 2)
+	ctx := ctxFor(t, 60*time.Second)
+	p := e.producer(t)
+	if _, err := p.EnqueueTo(ctx, 1, []byte("x"), worker.UniqueKey("report", 2*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	e.srv.Restart(t)
+	e.js = e.srv.JetStream(t) // the in-process connection did not survive
+	p = e.producer(t)
+	if _, err := p.EnqueueTo(ctx, 1, []byte("x"), worker.UniqueKey("report", 2*time.Second)); !errors.Is(err, worker.ErrDuplicateJob) {
+		t.Fatalf("a copy within the period, after the restart: %v", err)
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		_, err := p.EnqueueTo(ctx, 1, []byte("x"), worker.UniqueKey("report", 2*time.Second))
+		if err == nil {
+			return
+		}
+		if !errors.Is(err, worker.ErrDuplicateJob) {
+			t.Fatal(err)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a uniqueness of 2 s still refuses 20 s after a restart: %v", err)
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatal(ctx.Err())
+		case <-time.After(200 * time.Millisecond): // the period is a time: wait it out
+		}
+	}
+}
