@@ -3,35 +3,16 @@ package kvsink_test
 import (
 	"context"
 	"errors"
-	"log/slog"
 	"strings"
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
-
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/internal/testpar"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/kvsink"
 	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/testing/sinktest"
 )
-
-// Each test has a server (or a cluster) of its own: run more of them at
-// once than the two a two-core machine gets by default.
-func TestMain(m *testing.M) {
-	testpar.Raise(4)
-	goleak.VerifyTestMain(m)
-}
-
-func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
-
-func ctxFor(t testing.TB, d time.Duration) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), d)
-	t.Cleanup(cancel)
-	return ctx
-}
 
 func TestConformance(t *testing.T) {
 	t.Parallel()

@@ -121,13 +121,7 @@ func TestLegacyBucketRefused(t *testing.T) {
 
 func TestLegacyBucketAdopted(t *testing.T) {
 	t.Parallel()
-	t.Run("single", func(t *testing.T) { testLegacyBucketAdopted(t, natstest.Start(t).JetStream(t), 1) })
-	t.Run("cluster", func(t *testing.T) {
-		if testing.Short() {
-			t.Skip("starts a three-node cluster")
-		}
-		testLegacyBucketAdopted(t, natstest.StartCluster(t).JetStream(t), 3)
-	})
+	onEachTopology(t, testLegacyBucketAdopted)
 }
 
 func testLegacyBucketAdopted(t *testing.T, js jetstream.JetStream, replicas int) {

@@ -1,11 +1,9 @@
 package kvsink_test
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -23,13 +21,7 @@ import (
 // fence, and nothing is refused because of another scope.
 func TestSharedBucket(t *testing.T) {
 	t.Parallel()
-	t.Run("single", func(t *testing.T) { testSharedBucket(t, natstest.Start(t).JetStream(t), 1) })
-	t.Run("cluster", func(t *testing.T) {
-		if testing.Short() {
-			t.Skip("starts a three-node cluster")
-		}
-		testSharedBucket(t, natstest.StartCluster(t).JetStream(t), 3)
-	})
+	onEachTopology(t, testSharedBucket)
 }
 
 // holder is one acquisition of one fence.
@@ -52,29 +44,6 @@ func (h holder) next() holder {
 	h.lease.Acquisition += "-next"
 	h.lease.Holder += "-next"
 	return h
-}
-
-type decisions struct {
-	mu sync.Mutex
-	ds []sink.Decision
-}
-
-func (d *decisions) Decided(_ context.Context, x sink.Decision) {
-	d.mu.Lock()
-	d.ds = append(d.ds, x)
-	d.mu.Unlock()
-}
-
-func (d *decisions) of(o sink.Outcome) []sink.Decision {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	var out []sink.Decision
-	for _, x := range d.ds {
-		if x.Outcome == o {
-			out = append(out, x)
-		}
-	}
-	return out
 }
 
 func testSharedBucket(t *testing.T, js jetstream.JetStream, replicas int) {
