@@ -27,21 +27,28 @@ func newChaos() *cobra.Command {
 		Short: "Run workers and sinks under injected faults and check the history",
 		Long: `chaos starts NATS inside this process (one server, or a 3-node cluster with
 --cluster), runs workers and a KV sink runner as separate processes of this
-binary, enqueues jobs throughout, and for --duration injects faults: SIGSTOP
+binary, and beside the KV sink two HTTP relays (sink --kind http, sharing one
+lock) that send the same effects to a receiver in this process behind an
+httpsink.Verifier; it enqueues jobs throughout, and for --duration injects
+faults: SIGSTOP
 past the lease TTL (zombie workers that write with their old epoch when they
 wake), SIGKILL, SIGTERM, sink crashes, NATS server restarts or cluster node
 kills, a network partition of one worker (as root with ip and nft), forged
 or garbage messages in the effect log, and markers and acquisitions forged
 from real ones (abort markers and finals copied from effects of jobs, a
 barrier and an effect with the live holder's epoch and a made-up acquisition
-token, an effect with an epoch the lease bucket issued to another fence). It
+token, an effect with an epoch the lease bucket issued to another fence),
+a relay paused past its lock's TTL with a request of its on the wire, relays
+killed, and the receiver down (503 or connections refused). It
 then waits for the sink to catch up, checks the recorded history — no stale
 or unverified application, every job applied exactly once, no effect of a
 job attempt that did not complete applied (the attempts as the effect log
 and the workers record them), epochs strictly rising, one holder per epoch,
 and liveness: no partition with pending jobs and a live holder goes without
 progress for longer than the TTL + 5s (time a fault took away left out), and
-no job is left unapplied at the end — and prints the figures, the longest
+no job is left unapplied at the end; at the HTTP receiver, every job's
+effect handled once after the Verifier's dedupe, none lost, none of a zombie
+or of a superseded relay — and prints the figures, the longest
 stall among them, and how many forged copies of a holder's exact stamp were
 applied (what a credential that may publish effects can always do, counted
 apart). It exits non-zero when the checker finds a violation.`,
@@ -89,5 +96,7 @@ apart). It exits non-zero when the checker finds a violation.`,
 	fs.BoolVar(&verbose, "verbose", false, "log the harness's progress to stderr")
 	fs.BoolVar(&cfg.Unfenced, "unsafe-no-fence", false, "run the sink without fencing, to see the checker catch stale applications")
 	_ = fs.MarkHidden("unsafe-no-fence")
+	fs.BoolVar(&cfg.HTTPUnverified, "unsafe-no-verifier", false, "run the HTTP receiver without its Verifier, to see the checker catch a superseded relay's requests and repeated keys")
+	_ = fs.MarkHidden("unsafe-no-verifier")
 	return cmd
 }

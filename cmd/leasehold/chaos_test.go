@@ -51,6 +51,15 @@ func TestChaosCommand(t *testing.T) {
 	if rep["jobs_enqueued"].(float64) == 0 || len(rep["faults"].(map[string]any)) == 0 {
 		t.Fatalf("nothing happened: %s", out)
 	}
+	hf, _ := rep["http"].(map[string]any)
+	for _, k := range []string{"jobs_enqueued", "jobs_applied_once", "jobs_lost", "jobs_duplicated", "stale", "stale_relay_refused"} {
+		if _, ok := hf[k]; !ok {
+			t.Errorf("the JSON report's http object lacks %q", k)
+		}
+	}
+	if hf["jobs_applied_once"] != rep["jobs_applied"] || hf["jobs_lost"].(float64) != 0 || hf["jobs_duplicated"].(float64) != 0 || hf["stale"].(float64) != 0 {
+		t.Fatalf("the HTTP receiver's figures differ from the KV sink's: %s", out)
+	}
 	t.Logf("%s", out)
 }
 
@@ -104,6 +113,50 @@ func TestChaosCheckerFailsWithoutFencing(t *testing.T) {
 		return
 	}
 	t.Fatal("three unfenced runs produced no zombie write ahead of its successor")
+}
+
+// With the HTTP receiver's Verifier switched off, the checker must fail
+// the run: a relay paused with a request of its on the wire, until the
+// other relay holds the lock and has delivered, then has that request
+// handled below its successor's epoch (and its effect handled twice, as
+// the successor sent it too). Every relay pause whose relay had a request
+// to catch makes one, so one run suffices.
+func TestChaosCheckerFailsWithoutVerifier(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a fleet of processes")
+	}
+	t.Parallel()
+	defer oneFleet(t)()
+	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
+	defer cancel()
+	cfg := chaos.Config{
+		Duration:       8 * time.Second,
+		Faults:         []string{chaos.FaultRelayPause},
+		FaultGap:       500 * time.Millisecond,
+		HTTPUnverified: true,
+		Dir:            t.TempDir(),
+	}
+	res, err := chaos.Run(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%d relay pauses, %d requests handled, %d stale, %d jobs duplicated at the receiver",
+		res.Faults[chaos.FaultRelayPause], res.HTTP.Handled, res.HTTP.Stale, res.HTTP.JobsDuplicated)
+	if res.OK() || res.HTTP.Stale == 0 {
+		t.Fatalf("the checker passed a run whose receiver had no Verifier: figures %+v", res.HTTP)
+	}
+	for _, v := range res.Violations {
+		if v.Check != chaos.CheckHTTPStale && v.Check != chaos.CheckHTTPDuplicate {
+			t.Errorf("unexpected violation: %s", v)
+		}
+	}
+	for _, v := range res.Violations {
+		if v.Check == chaos.CheckHTTPStale {
+			t.Logf("first stale violation: %s", v)
+			return
+		}
+	}
+	t.Fatal("no stale request reported")
 }
 
 // NATS goes away mid-run and comes back, again and again, while the

@@ -17,6 +17,15 @@
 // lease bucket.
 // A producer enqueues jobs throughout.
 //
+// Beside the KV sink, a second destination takes the same effects over
+// HTTP: two relays (`leasehold sink --kind http`) share one lock and send
+// what their runner admits to a receiver in the harness process, behind
+// an httpsink.Verifier with its fences and keys in KV buckets (see
+// receiver.go). Their faults: a relay paused past its lock's TTL while a
+// request of its is on the wire (the receiver holds it until the other
+// relay has delivered), relays killed, and the receiver down (503, or
+// connections refused).
+//
 // Every process appends to its own history file; Check merges them with
 // the job stream, the effect log and the sink's final contents and reports
 // violations of: (a) no stale application, and no admission of an epoch
@@ -24,10 +33,13 @@
 // job's effect applied exactly once, (c) per-partition epochs that
 // strictly increase, (d) one holder per epoch, (e) liveness: no partition
 // stalls (pending jobs, a live holder, no progress) for longer than the
-// TTL + 5s, and no job is left unapplied. Forged copies of a live holder's
-// exact stamp that the sink applied are counted apart: a credential that
-// may publish effects can always write those. Run returns the figures
-// `leasehold chaos` prints.
+// TTL + 5s, and no job is left unapplied; and (f) at the HTTP receiver,
+// every job's effect handled once after the Verifier's dedupe, none lost,
+// none of a zombie, of an attempt that did not complete, or sent by a
+// relay that a newer one had superseded (the CheckHTTP* checks). Forged
+// copies of a live holder's exact stamp that the sink applied are counted
+// apart: a credential that may publish effects can always write those.
+// Run returns the figures `leasehold chaos` prints.
 //
 // Children run Config.Binary, the leasehold command. The leasehold command
 // and its tests run themselves; other callers build the command first
@@ -97,8 +109,13 @@ type Config struct {
 	// --unsafe-no-fence`): it applies every effect it reads. It exists to
 	// show that the checker catches what fencing prevents.
 	Unfenced bool
+	// HTTPUnverified runs the HTTP receiver without its Verifier: every
+	// request reaches its handler. It exists to show that the checker
+	// catches what the Verifier prevents (a superseded relay's requests,
+	// repeats of a key).
+	HTTPUnverified bool
 	// Settle bounds the wait, after the faults, for every job's effect to
-	// reach the sink. Default 2 minutes.
+	// reach the sink and the HTTP receiver. Default 2 minutes.
 	Settle time.Duration
 	// Dir holds the servers' stores, the histories and the process logs.
 	// Default: a temporary directory, removed after a run without
@@ -227,6 +244,8 @@ type harness struct {
 	mu      sync.Mutex
 	workers []*proc
 	sink    *proc
+	relays  []*proc
+	recv    *receiver
 	skipped []string
 	faults  []string
 	pending []string // faults still to inject once each; nil before the first pick
@@ -312,6 +331,14 @@ func (h *harness) run(ctx context.Context) (*Result, error) {
 			}()
 		}
 	}
+	replicas := 1
+	if h.cfg.Cluster {
+		replicas = 3
+	}
+	if h.recv, err = startReceiver(ctx, h.js, h.bucket, replicas, h.cfg.HTTPUnverified, h.log); err != nil {
+		return nil, err
+	}
+	defer h.recv.close()
 	defer h.stopAll()
 	if err := h.startProcesses(); err != nil {
 		return nil, err
@@ -511,9 +538,12 @@ func (h *harness) missing(ctx context.Context) (int, error) {
 	for _, d := range dead {
 		isDead[d.Seq] = true
 	}
+	// The HTTP receiver counts too: a job is in once a handler ran for
+	// its key (a forged copy of its stamp may have taken the key).
 	n := 0
 	for _, j := range jobs {
-		if _, ok := final[leasehold.EffectKey(prefix, j.Partition, j.Seq, 0)]; !ok && !isDead[j.Seq] {
+		k := leasehold.EffectKey(prefix, j.Partition, j.Seq, 0)
+		if _, ok := final[k]; (!ok || !h.recv.delivered(k)) && !isDead[j.Seq] {
 			n++
 		}
 	}
@@ -539,9 +569,16 @@ func (h *harness) collect(ctx context.Context) (Input, error) {
 		if in.Log, err = readEffectLog(rctx, h.js, prefix); err != nil {
 			return err
 		}
-		in.Final, in.Forged, err = readFinal(rctx, h.js, sinkKV)
+		if in.Final, in.Forged, err = readFinal(rctx, h.js, sinkKV); err != nil {
+			return err
+		}
+		in.RelayDeadLettered, err = readRelayDeadLetters(rctx, h.js)
 		return err
 	})
+	in.HTTP = h.recv.deliveries()
+	if werr := writeDeliveries(filepath.Join(h.dir, "http-receiver.jsonl"), in.HTTP); werr != nil {
+		h.log.Warn("chaos: the receiver's record not written", "err", werr)
+	}
 	if in.Jobs == nil {
 		in.Jobs = []Job{}
 	}

@@ -175,3 +175,20 @@ func headerValue(h nats.Header, name string) (string, bool) {
 	}
 	return "", false
 }
+
+// readRelayDeadLetters reads the effect keys the relays' runner moved to
+// the sink's dead-letter stream: effects the receiver refused for good, or
+// for longer than the relays' tries last.
+func readRelayDeadLetters(ctx context.Context, js jetstream.JetStream) ([]string, error) {
+	var out []string
+	err := readStream(ctx, js, prefix+"-sink-dlq", prefix+".sinkdlq."+prefix+"-"+relayName, false, true, func(_ uint64, _ string, h nats.Header, _ []byte) error {
+		if st, err := leasehold.StampFromHeader(h); err == nil {
+			out = append(out, st.Key)
+		}
+		return nil
+	})
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		return out, nil
+	}
+	return out, err
+}

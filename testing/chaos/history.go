@@ -76,6 +76,18 @@ const (
 	// bucket issued to another fence (see forgery.go). Each message counts
 	// as one fault; the injection event's Outcome names its variant.
 	FaultForgedMarker = "forged_marker"
+	// FaultRelayPause stops the HTTP relay that holds the relay lock with
+	// SIGSTOP while a request of its is on the wire (the receiver holds
+	// it), until the other relay holds the lock and has delivered; the
+	// held request then reaches the Verifier, which must refuse it, and
+	// the paused relay is continued. Without a request to catch, a relay
+	// is paused past the lock's TTL.
+	FaultRelayPause = "relay_pause"
+	// FaultRelayKill kills an HTTP relay with SIGKILL; a new one starts.
+	FaultRelayKill = "relay_kill"
+	// FaultReceiverDown takes the HTTP receiver down for a while: it
+	// answers 503, or refuses connections.
+	FaultReceiverDown = "receiver_down"
 )
 
 // Records of the harness that end a fault or restart what it stopped; they
@@ -92,6 +104,7 @@ var faultKinds = map[string]bool{
 	FaultPause: true, FaultKill: true, FaultTerm: true, FaultSinkKill: true, FaultSinkTerm: true,
 	FaultNATSRestart: true, FaultNodeKill: true, FaultPartition: true, FaultForged: true, FaultGarbage: true,
 	FaultLeaseGarbage: true, FaultPreempt: true, FaultForgedMarker: true,
+	FaultRelayPause: true, FaultRelayKill: true, FaultReceiverDown: true,
 }
 
 // removesHolder reports whether a fault takes a worker's partitions away

@@ -20,6 +20,7 @@ var weights = map[string]int{
 	FaultPause: 4, FaultKill: 2, FaultTerm: 1, FaultPartition: 2,
 	FaultSinkKill: 1, FaultSinkTerm: 1, FaultNATSRestart: 1, FaultNodeKill: 1,
 	FaultForged: 1, FaultGarbage: 1, FaultLeaseGarbage: 1, FaultPreempt: 1, FaultForgedMarker: 1,
+	FaultRelayPause: 1, FaultRelayKill: 1, FaultReceiverDown: 1,
 }
 
 // FaultNames lists the fault types, sorted: the values Config.Faults and
@@ -148,6 +149,12 @@ func (h *harness) inject(ctx context.Context, f string) error {
 		return h.preempt(ctx)
 	case FaultForgedMarker:
 		return h.forgeMarkers(ctx)
+	case FaultRelayPause:
+		return h.pauseRelay(ctx)
+	case FaultRelayKill:
+		return h.killRelay(ctx)
+	case FaultReceiverDown:
+		return h.receiverDown(ctx)
 	}
 	return fmt.Errorf("unknown fault %q", f)
 }

@@ -3,17 +3,18 @@ package chaos
 import (
 	"context"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/leasehold/leasehold/internal/fleet"
 )
 
-// proc is one slot of the fleet: a worker or the sink. A worker that is
-// killed or stopped is replaced by a new incarnation with a new ID, as a
-// replaced pod would be; the sink keeps its name, which is its durable
-// consumer's.
+// proc is one slot of the fleet: a worker, the sink or a relay. A worker
+// or a relay that is killed or stopped is replaced by a new incarnation
+// with a new ID, as a replaced pod would be; the sink keeps its name,
+// which is its durable consumer's (the relays share theirs, relayName).
 type proc struct {
-	slot   string // w1, w2, ..., wn (the one in the network namespace), sink
+	slot   string // w1, w2, ..., wn (the one in the network namespace), sink, relay-1, relay-2
 	incarn int
 	id     string // the worker ID, and the history file's name
 	netns  bool
@@ -41,10 +42,16 @@ func (h *harness) startProcesses() error {
 		h.workers = append(h.workers, &proc{slot: "wn", netns: true})
 	}
 	h.sink = &proc{slot: sinkName}
-	workers := h.workers
+	h.relays = []*proc{{slot: relayName + "-1"}, {slot: relayName + "-2"}}
+	workers, relays := h.workers, h.relays
 	h.mu.Unlock()
 	if err := h.startSink(); err != nil {
 		return err
+	}
+	for _, r := range relays {
+		if err := h.startRelay(r); err != nil {
+			return err
+		}
 	}
 	for _, w := range workers {
 		if err := h.startWorker(w); err != nil {
@@ -124,14 +131,42 @@ func (h *harness) startSink() error {
 	return nil
 }
 
+// startRelay starts an HTTP relay, as `leasehold sink --kind http` runs
+// in production: a stream sink runner of its own on the effect log, run
+// only while the relay holds the lock both relays share, sending each
+// admitted effect to the receiver. Its request timeout and its waits
+// between tries are short, so that it is back soon after the receiver.
+func (h *harness) startRelay(r *proc) error {
+	r.incarn++
+	r.id = fmt.Sprintf("%s-%d", r.slot, r.incarn)
+	args := []string{"sink",
+		"--nats", h.srv.urls(), "--prefix", prefix, "--bucket", leaseKV,
+		"--kind", "http", "--url", h.recv.url(),
+		"--name", relayName, "--relay-id", r.id,
+		"--lock", relayLock, "--lock-ttl", h.cfg.TTL.String(),
+		"--timeout", "5s", "--max-backoff", "2s",
+		"--http", "",
+		"--log-level", "warn",
+	}
+	p, err := fleet.Start(r.id, args, fleet.Options{Binary: h.bin, LogDir: h.logDir})
+	if err != nil {
+		return fmt.Errorf("chaos: %w", err)
+	}
+	r.p = p
+	return nil
+}
+
 // restart starts a new incarnation of a process that has exited.
 func (h *harness) restart(p *proc) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	var err error
-	if p == h.sink {
+	switch {
+	case p == h.sink:
 		err = h.startSink()
-	} else {
+	case strings.HasPrefix(p.slot, relayName):
+		err = h.startRelay(p)
+	default:
 		err = h.startWorker(p)
 	}
 	if err == nil {
@@ -157,8 +192,14 @@ func (h *harness) healAll(ctx context.Context) error {
 			h.record(eventFor(h.srv.name(i), markNodeRestart))
 		}
 	}
+	if h.recv != nil {
+		h.recv.set503(false)
+		if err := h.recv.accept(ctx); err != nil {
+			return err
+		}
+	}
 	h.mu.Lock()
-	all := append(append([]*proc(nil), h.workers...), h.sink)
+	all := append(append(append([]*proc(nil), h.workers...), h.relays...), h.sink)
 	h.mu.Unlock()
 	for _, p := range all {
 		if p.p != nil && p.p.Paused() {
@@ -178,7 +219,7 @@ func (h *harness) healAll(ctx context.Context) error {
 // first), killing what does not stop in time. It is safe to call twice.
 func (h *harness) stopAll() {
 	h.mu.Lock()
-	all := append(append([]*proc(nil), h.workers...), h.sink)
+	all := append(append(append([]*proc(nil), h.workers...), h.relays...), h.sink)
 	h.mu.Unlock()
 	done := make(chan struct{}, len(all))
 	for _, p := range all {

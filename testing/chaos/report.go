@@ -19,13 +19,15 @@ type Report struct {
 	Cluster bool `json:"cluster"`
 	// PartitionConcurrency is the jobs of a partition each worker ran at
 	// once.
-	PartitionConcurrency int      `json:"partition_concurrency"`
-	DurationSec          float64  `json:"duration_s"`
-	ElapsedSec           float64  `json:"elapsed_s"`
-	Seed                 uint64   `json:"seed"`
-	Skipped              []string `json:"skipped,omitempty"`
-	Violations           []string `json:"violation_list,omitempty"`
-	Dir                  string   `json:"dir,omitempty"`
+	PartitionConcurrency int `json:"partition_concurrency"`
+	// HTTPUnverified: the HTTP receiver ran without its Verifier.
+	HTTPUnverified bool     `json:"http_unverified,omitempty"`
+	DurationSec    float64  `json:"duration_s"`
+	ElapsedSec     float64  `json:"elapsed_s"`
+	Seed           uint64   `json:"seed"`
+	Skipped        []string `json:"skipped,omitempty"`
+	Violations     []string `json:"violation_list,omitempty"`
+	Dir            string   `json:"dir,omitempty"`
 }
 
 // Report returns the result's JSON form. cluster and duration describe the
@@ -34,7 +36,7 @@ func (r *Result) Report(cfg Config) Report {
 	rep := Report{
 		Figures: r.Figures, OK: r.OK() && r.Settled, Settled: r.Settled, Cluster: cfg.Cluster,
 		DurationSec: cfg.Duration.Seconds(), ElapsedSec: r.Elapsed.Round(time.Millisecond).Seconds(),
-		Seed: r.Seed, Skipped: r.Skipped,
+		Seed: r.Seed, Skipped: r.Skipped, HTTPUnverified: cfg.HTTPUnverified,
 	}
 	cfg.setDefaults()
 	rep.PartitionConcurrency = cfg.PartitionConcurrency
@@ -107,6 +109,23 @@ func (rep Report) WriteTable(w io.Writer) error {
 	fmt.Fprintf(tw, "  duplicated\t%d\n", rep.JobsDuplicated)
 	fmt.Fprintf(tw, "  dead-lettered\t%d\n", rep.JobsDeadLettered)
 	fmt.Fprintf(tw, "stale applications\t%d\n", rep.StaleApplications)
+	if hf := rep.HTTP; hf.Requests > 0 || rep.HTTPUnverified {
+		fmt.Fprintln(tw, "\t")
+		verifier := "behind a Verifier (fences and keys in KV)"
+		if rep.HTTPUnverified {
+			verifier = "WITHOUT a Verifier"
+		}
+		fmt.Fprintf(tw, "HTTP RECEIVER (two relays under one lock, %s)\t\n", verifier)
+		fmt.Fprintf(tw, "  enqueued\t%d\n", hf.JobsEnqueued)
+		fmt.Fprintf(tw, "  applied exactly once (one request handled per idempotency key)\t%d\n", hf.JobsApplied)
+		fmt.Fprintf(tw, "  lost\t%d\n", hf.JobsLost)
+		fmt.Fprintf(tw, "  duplicated\t%d\n", hf.JobsDuplicated)
+		fmt.Fprintf(tw, "  stale (a zombie's effect, or a superseded relay's request, handled)\t%d\n", hf.Stale)
+		fmt.Fprintf(tw, "  dead-lettered (by workers / by the relays)\t%d / %d\n", hf.JobsDeadLettered, hf.RelayDeadLettered)
+		fmt.Fprintf(tw, "  forged copies of a holder's exact stamp handled / jobs displaced\t%d / %d\n", hf.ForgedResidual, hf.JobsDisplaced)
+		fmt.Fprintf(tw, "  requests: handled / replayed by key / superseded relay refused / 503 while down / other refusals\t%d / %d / %d / %d / %d\n",
+			hf.Handled, hf.Replayed, hf.StaleRelayRefused, hf.DownAnswers, hf.OtherRefused)
+	}
 	fmt.Fprintf(tw, "job attempts completed / failed\t%d / %d\n", rep.AttemptsCompleted, rep.AttemptsFailed)
 	fmt.Fprintln(tw, "\t")
 	fmt.Fprintf(tw, "FAIL-OVER (%d)\t\n", rep.Failovers)
@@ -142,7 +161,7 @@ func (rep Report) WriteTable(w io.Writer) error {
 	case !rep.Settled:
 		fmt.Fprintln(w, "\nCHECK FAILED: the sink did not catch up with every job in time")
 	default:
-		fmt.Fprintln(w, "\ncheck passed: no stale or unverified application, every job applied exactly once, no effect of an incomplete job attempt applied, epochs rise, one holder per epoch, no partition stalled past the bound")
+		fmt.Fprintln(w, "\ncheck passed: no stale or unverified application, every job applied exactly once, no effect of an incomplete job attempt applied, epochs rise, one holder per epoch, no partition stalled past the bound; at the HTTP receiver every job handled once, none stale")
 	}
 	if rep.Dir != "" {
 		fmt.Fprintf(w, "history, logs and stores kept in %s\n", rep.Dir)
