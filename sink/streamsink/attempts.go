@@ -232,8 +232,8 @@ func laterComplete(atts []*attempt) bool {
 // applies: the fence record shows that k's lease will commit no more of
 // k's job, the runner has read everything that lease could commit, and no
 // open job of the lease holds a complete attempt that could settle after
-// while k is open: after's own, or one whose floor would rise to after and
-// stay below k's job (one that passes k's job waits for it: applyReady).
+// while k is open: after's own (with committed progress to read, a
+// final's floor settles nothing: chains.go).
 // A worker commits a job only once every job whose finals it sent before
 // the job's own is finished, the job its final names among them, so a
 // committed job's After is settled, or complete in the log.
@@ -254,7 +254,7 @@ func (r *Runner) hopeless(k groupKey, after uint64, ch applied) bool {
 			if !a.complete() {
 				continue
 			}
-			if f := ch.floorOf(job, a.final); job == after || f >= after && f < k.job {
+			if job == after {
 				return false
 			}
 		}
@@ -311,19 +311,6 @@ func (l *lane) insert(job uint64) {
 	l.jobs = append(l.jobs, 0)
 	copy(l.jobs[i+1:], l.jobs[i:])
 	l.jobs[i] = job
-}
-
-// openUpTo reports whether the lane holds a job up to f other than self.
-func (l *lane) openUpTo(f, self uint64) bool {
-	for _, job := range l.jobs {
-		if job > f {
-			return false
-		}
-		if job != self {
-			return true
-		}
-	}
-	return false
 }
 
 func (l *lane) remove(job uint64) {

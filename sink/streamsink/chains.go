@@ -17,33 +17,51 @@ import (
 // with the floor its finals carry (leasehold.HeaderFloor): every job of the
 // lease up to the floor is finished, its finals (if any) in the log before
 // the final that carries it, and none publishes anything more under the
-// lease. So a chain keeps its floor F, the highest floor of the finals it
-// applied, and the set A of jobs above F it applied:
+// lease. So a chain keeps a floor F and the set A of jobs above F it
+// applied:
 //
 //   - the effects of job J are duplicates when J <= F or J is in A;
 //   - a complete attempt of J whose final names After applies when After is
 //     0, at or below F, or in A (and the rules of attempts.go let it);
-//   - applying J adds it to A, and raises F to the final's floor, or, for a
-//     final without one, to J itself: a sequential runner's final says that
-//     every job up to its own is finished, which is the rule the chain kept
-//     before floors, and keeps for it. What A holds at or below F leaves it.
+//   - applying J adds it to A. What A holds at or below F leaves it.
 //
-// Applying a job whose floor passes an open job of the lease on the chain
-// says that job finished without completing here (aborted, dead-lettered,
-// superseded by a re-run). Markers prove nothing with a progress reader,
-// though: there the job waits until the open one applies or the fence
-// record settles it (applyReady, proofs.go); without one the floor is
-// trusted, and the open job dropped.
+// What raises F depends on whether the fence's committed progress can be
+// read (Config.Progress serves it).
 //
-// A is bounded by the worker's window (the jobs it runs past its watermark,
-// about a thousand): a chain holding more than maxAbove stops the runner
-// with ErrGroupLimit before it delivers anything more, and Ready says so.
-// The gauge leasehold_sink_jobs_above_floor counts the jobs the chains hold
-// above their floors.
+// With committed progress, F is proven: every job of the lease up to it
+// is applied on the chain, or the fence record shows it committed and the
+// runner has decided every effect the lease could commit it with, while
+// no group of it was open (proofs.go raises F so, and no higher than below
+// the lowest open job of the lease on the chain). A final's floor, and for
+// a final without one its own job, are claims anyone who can publish on the
+// log with the holder's stamp can make: they raise nothing. A forged final
+// claiming a floor over jobs still running therefore makes none of them a
+// duplicate, nor lets a job whose After names one of them apply first: a
+// job counts as applied only once it was, or once the record proves it
+// finished. A is what holds the jobs applied between two readings of the
+// record, and the runner reads the records of the fences whose chains hold
+// jobs above their floors at least once every pollEvery.
+//
+// Without committed progress (no reader, or a fence it does not serve),
+// the worker's markers are trusted as it writes them: applying J raises F
+// to its final's floor, or, for a final without one, to J itself (a
+// sequential runner's final says that every job up to its own is
+// finished, the rule the chain kept before floors). Applying a job whose
+// floor passes an open job of the lease on the chain then says that job
+// finished without completing here (aborted, dead-lettered, superseded by
+// a re-run): it is dropped.
+//
+// A is bounded: a chain holding more than maxAbove stops the runner with
+// ErrGroupLimit before it delivers anything more, and Ready says so. The
+// gauge leasehold_sink_jobs_above_floor counts the jobs the chains hold
+// above their floors. A worker commits its progress every
+// worker.Config.CommitEvery (250 ms by default), so a chain holds about the
+// jobs of its partition of the last second or two; a worker that commits
+// rarely, or a forger who publishes finals of many jobs to come, fills it.
 
 // maxAbove bounds a chain's jobs applied above its floor; a variable for
 // tests.
-var maxAbove = 4096
+var maxAbove = 1 << 14
 
 // chainKey names the effects of one fence on one subject.
 type chainKey struct {
@@ -92,13 +110,32 @@ func (a applied) high() uint64 {
 	return a.Floor
 }
 
-// floorOf is the floor a chain at a rises to by applying job with final.
-func (a applied) floorOf(job uint64, final leasehold.JobMark) uint64 {
+// floorOf is the floor a chain at a rises to by applying job with final:
+// where the worker's markers are trusted, the final's floor, or the job for
+// a final without one; where they are not, the floor stays (see above).
+func (a applied) floorOf(job uint64, final leasehold.JobMark, trusted bool) uint64 {
+	if !trusted {
+		return a.Floor
+	}
 	f := job
 	if final.Floors() {
 		f = final.Floor
 	}
 	return max(a.Floor, f)
+}
+
+// prove raises a chain at a to the floor f that committed progress proves,
+// dropping what its set holds up to it.
+func (a applied) prove(f uint64) applied {
+	if f <= a.Floor {
+		return a
+	}
+	a.Floor = f
+	if n := len(a.Above); n > 0 {
+		i, _ := slices.BinarySearch(a.Above, f+1)
+		a.Above = slices.Clone(a.Above[i:])
+	}
+	return a
 }
 
 // hole reports whether job's delivery went to the dead-letter stream.
@@ -146,8 +183,9 @@ func (gs *groups) forgetChain(c chainKey) {
 
 // advance records job k applied, in a chain that stood at a in k's lease,
 // from an attempt numbered up to top whose final is final, and whose keys
-// were its origin's when asOrigin.
-func (gs *groups) advance(k groupKey, a applied, final leasehold.JobMark, top uint64, asOrigin bool) {
+// were its origin's when asOrigin; trusted says whether the final's floor
+// counts (see above).
+func (gs *groups) advance(k groupKey, a applied, final leasehold.JobMark, top uint64, asOrigin, trusted bool) {
 	if asOrigin && !a.appliedAsOrigin(k.job) {
 		origins := make([]uint64, 0, len(a.Origins)+1)
 		origins = append(origins, a.Origins...)
@@ -156,7 +194,7 @@ func (gs *groups) advance(k groupKey, a applied, final leasehold.JobMark, top ui
 		}
 		a.Origins = append(origins, k.job)
 	}
-	if f := a.floorOf(k.job, final); f > a.Floor {
+	if f := a.floorOf(k.job, final, trusted); f > a.Floor {
 		a.Floor = f
 		if n := len(a.Above); n > 0 {
 			// What the floor passed leaves the set; the rest moves to the

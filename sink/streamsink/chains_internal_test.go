@@ -44,7 +44,7 @@ func TestChainFloorAndSet(t *testing.T) {
 		if ch.done(s.job) {
 			t.Fatalf("job %d is settled before it applies: %+v", s.job, ch)
 		}
-		gs.advance(k(s.job), ch, s.final, 1, false)
+		gs.advance(k(s.job), ch, s.final, 1, false, true)
 		got := gs.chain(k(s.job))
 		if got.Floor != s.floor || !slices.Equal(got.Above, s.above) {
 			t.Fatalf("after job %d: floor %d, above %v; want %d, %v", s.job, got.Floor, got.Above, s.floor, s.above)
@@ -70,7 +70,7 @@ func TestChainFloorAndSet(t *testing.T) {
 	defer func(n int) { maxAbove = n }(maxAbove)
 	maxAbove = 2
 	for job := uint64(20); job < 23; job++ {
-		gs.advance(k(job), gs.chain(k(job)), floored(10), 1, false)
+		gs.advance(k(job), gs.chain(k(job)), floored(10), 1, false, true)
 	}
 	if gs.overflow == nil {
 		t.Errorf("3 jobs above the floor with a bound of 2: no error")

@@ -303,7 +303,7 @@ func (r *Runner) applyAlone(o *outcome, k groupKey, mark leasehold.JobMark, a ap
 		return false
 	}
 	*outs = append(*outs, heldCopy(o, k.job))
-	gs.advance(k, a, mark, mark.Attempt, !keyNamesJob(o.d.Stamp, k.job))
+	gs.advance(k, a, mark, mark.Attempt, !keyNamesJob(o.d.Stamp, k.job), !r.proven(k.fence))
 	return true
 }
 

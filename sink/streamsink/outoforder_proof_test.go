@@ -10,11 +10,13 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/streamsink"
+	"github.com/leasehold/leasehold/telemetry"
 	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
@@ -41,6 +43,12 @@ type proofLog struct {
 
 func newProofLog(t *testing.T, scope string) *proofLog {
 	t.Helper()
+	return newProofLogWith(t, scope, nil)
+}
+
+// newProofLogWith is newProofLog with the runner's Config changed by set.
+func newProofLogWith(t *testing.T, scope string, set func(*streamsink.Config)) *proofLog {
+	t.Helper()
 	js := natstest.Start(t).JetStream(t)
 	ctx := ctxFor(t, time.Minute)
 	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: scope, Partitions: 1}); err != nil {
@@ -58,7 +66,7 @@ func newProofLog(t *testing.T, scope string) *proofLog {
 		default:
 		}
 	})
-	pl.runner = start(t, js, streamsink.Config{Prefix: scope, Verifier: bucket, Observer: sink.Observers{pl.rec, notify}, MaxBackoff: 10 * time.Millisecond,
+	cfg := streamsink.Config{Prefix: scope, Verifier: bucket, Observer: sink.Observers{pl.rec, notify}, MaxBackoff: 10 * time.Millisecond,
 		Handler: func(_ context.Context, e sink.Effect) error {
 			pl.mu.Lock()
 			pl.keys = append(pl.keys, e.Stamp.Key)
@@ -69,7 +77,11 @@ func newProofLog(t *testing.T, scope string) *proofLog {
 			default:
 			}
 			return nil
-		}})
+		}}
+	if set != nil {
+		set(&cfg)
+	}
+	pl.runner = start(t, js, cfg)
 	return pl
 }
 
@@ -185,9 +197,10 @@ func (pl *proofLog) outcome(seq uint64, want sink.Outcome) {
 }
 
 // With the fence record to read, a floor proves nothing by itself: a job
-// whose floor would pass another open job of its lease waits until that
-// job is settled (here: committed, so its attempt never completes), while
-// a job whose floor stays below every open job applies beside them.
+// whose floor passes another open job of its lease applies once its After
+// holds, beside it, and settles nothing but itself; the open job waits
+// until it completes or the record settles it (here: committed, so its
+// attempt never completes).
 func TestOutOfOrderFloorWaitsForProof(t *testing.T) {
 	pl := newProofLog(t, "oproof")
 	l := pl.acquire("w1")
@@ -202,9 +215,9 @@ func TestOutOfOrderFloorWaitsForProof(t *testing.T) {
 	dead := pl.effect(l, 4, 6, 0)    // job 4 goes to the dead-letter stream after this effect
 	f6 := pl.final(l, 6, 7, 0, 3, 5) // watermark 5: job 4 finished
 	pl.decided(f6)
-	want := []string{pl.key(5, 0), pl.key(3, 0), pl.key(3, 1)}
+	want := []string{pl.key(5, 0), pl.key(3, 0), pl.key(3, 1), pl.key(6, 0)}
 	if got := pl.applied(); !slices.Equal(got, want) {
-		t.Fatalf("applied %v, want %v: job 6's floor passes job 4, open, before the record settles it", got, want)
+		t.Fatalf("applied %v, want %v: job 6 applies beside job 4, open", got, want)
 	}
 	if _, ok := pl.rec.at(dead); ok {
 		t.Fatal("job 4's attempt was settled by a floor alone")
@@ -213,11 +226,75 @@ func TestOutOfOrderFloorWaitsForProof(t *testing.T) {
 	if err := l.Commit(ctxFor(t, 30*time.Second), 5, 6); err != nil {
 		t.Fatal(err)
 	}
-	pl.awaitApplied(pl.key(6, 0))
 	pl.outcome(dead, sink.Aborted)
 	pl.outcome(e3, sink.Accepted)
-	if got := pl.applied(); !slices.Equal(got, append(want, pl.key(6, 0))) {
-		t.Errorf("applied %v", got)
+	pl.outcome(f6, sink.Accepted)
+	if got := pl.applied(); !slices.Equal(got, want) {
+		t.Errorf("applied %v, want %v", got, want)
+	}
+}
+
+// A final's floor passes a job of its lease that has nothing in the log
+// yet: that job, completing later, still applies (the floor settled
+// nothing), and so does a job whose After names it.
+func TestOutOfOrderFloorPassesJobNotInLog(t *testing.T) {
+	pl := newProofLog(t, "opass")
+	l := pl.acquire("w1")
+	f5 := pl.final(l, 5, 1, 0, 0, 4) // claims every job up to 4 finished; job 3 runs, nothing of it in the log
+	pl.decided(f5)
+	f3 := pl.final(l, 3, 2, 0, 5, 0)
+	f6 := pl.final(l, 6, 3, 0, 3, 5)
+	pl.decided(f6)
+	want := []string{pl.key(5, 0), pl.key(3, 0), pl.key(6, 0)}
+	if got := pl.applied(); !slices.Equal(got, want) {
+		t.Fatalf("applied %v, want %v", got, want)
+	}
+	pl.outcome(f3, sink.Accepted)
+	pl.outcome(f6, sink.Accepted)
+}
+
+// With the fence record to read, a chain's floor rises with the progress
+// the record shows, not with the finals: jobs of a sequential runner (no
+// floors) stay in the chain's set until the worker commits them, then
+// leave it, and an effect of a job below the floor coming again is a
+// duplicate while a job whose After names one applies.
+func TestProvenFloorRisesWithTheRecord(t *testing.T) {
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer mp.Shutdown(context.Background())
+	pl := newProofLogWith(t, "orise", func(c *streamsink.Config) {
+		c.Telemetry = telemetry.Config{MeterProvider: mp}
+		c.Name = "orise"
+	})
+	l := pl.acquire("w1")
+	var last uint64
+	for job := uint64(1); job <= 5; job++ {
+		last = pl.pub(l, leasehold.JobMark{Job: job, Attempt: job, Effects: 1, After: job - 1}, 0) // no floor
+	}
+	pl.decided(last)
+	if n := gauge(t, reader, "orise", "leasehold.sink.jobs_above_floor"); n != 5 {
+		t.Errorf("leasehold.sink.jobs_above_floor is %d, want 5 before the worker commits", n)
+	}
+	if err := l.Commit(ctxFor(t, 30*time.Second), 5); err != nil {
+		t.Fatal(err)
+	}
+	ctx := ctxFor(t, time.Minute)
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for gauge(t, reader, "orise", "leasehold.sink.jobs_above_floor") != 0 {
+		select {
+		case <-tick.C:
+		case <-ctx.Done():
+			t.Fatal("the chain's floor did not rise to the committed watermark within a minute")
+		}
+	}
+	again := pl.pub(l, leasehold.JobMark{Job: 2, Attempt: 2, Effects: 1, After: 1}, 0)
+	f7 := pl.final(l, 7, 7, 0, 5, 0)
+	pl.outcome(again, sink.Duplicate)
+	pl.outcome(f7, sink.Accepted)
+	want := []string{pl.key(1, 0), pl.key(2, 0), pl.key(3, 0), pl.key(4, 0), pl.key(5, 0), pl.key(7, 0)}
+	if got := pl.applied(); !slices.Equal(got, want) {
+		t.Errorf("applied %v, want %v", got, want)
 	}
 }
 

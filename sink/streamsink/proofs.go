@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"sort"
 	"sync"
 	"time"
@@ -14,9 +15,13 @@ import (
 )
 
 // An open attempt is dropped only on proof that it can no longer complete:
-// its job applied from another attempt, a later job of its lease applied
-// on its chain, a later lease's stamp admitted on its fence (abandon), or
-// its partition's committed progress. The last is read here.
+// its job applied from another attempt, a later lease's stamp admitted on
+// its fence (abandon), or its partition's committed progress. The last is
+// read here, and it is also what raises a chain's floor (chains.go): once
+// the runner has decided the log up to S, every job of the lease at or
+// below the record's watermark is finished, and any effect of it to come
+// is no worker's, so the floor rises to the watermark, but not to an open
+// job of the lease on the chain, which may still apply.
 //
 // A worker commits a job only once the log has acknowledged every final
 // of the job's completed attempt. So when the runner reads a fence record
@@ -30,12 +35,14 @@ import (
 // Reading S first would not do: a final stored after it, and committed
 // before the record is read, would be missed.
 //
-// The runner reads the records only while it holds open groups, at most
-// once every pollEvery (every pollSoon when the held effects near their
-// bounds, or an abort marker came: the job's next attempt waits for the
-// record), each round bounded by Config.RequestTimeout, the records of at
-// most pollFences fences whose groups hold the saved position back the
-// furthest. A failed round is tried again on the next; one that keeps
+// The runner reads the records only while it holds open groups, or chains
+// hold jobs applied above their floors, at most once every pollEvery
+// (every pollSoon when the held effects near their bounds, the chains
+// hold many jobs above their floors, or an abort marker came: the job's
+// next attempt waits for the record), each round bounded by
+// Config.RequestTimeout, the records of at most pollFences fences: those
+// whose groups hold the saved position back the furthest, then those whose
+// chains hold jobs above their floors. A failed round is tried again on the next; one that keeps
 // failing is logged, and shows in Ready once it has failed for
 // Config.StallAfter with groups waiting.
 
@@ -124,10 +131,13 @@ func (r *Runner) nearLimit() {
 // batches.
 func (r *Runner) poll(ctx context.Context) {
 	pr := r.proofs
-	if pr == nil || pr.pending != nil || len(r.groups.open) == 0 {
+	if pr == nil || pr.pending != nil || len(r.groups.open) == 0 && r.groups.above == 0 {
 		return
 	}
 	r.nearLimit()
+	if r.groups.above >= maxAbove/8 {
+		pr.soon = true
+	}
 	since := time.Since(pr.last)
 	if since < pollEvery && !(pr.soon && since >= pollSoon) {
 		return
@@ -174,7 +184,8 @@ func (r *Runner) poll(ctx context.Context) {
 
 // waitingFences lists the fences of the open groups (with all, or else
 // of those open since before this round), those holding the saved
-// position back the furthest first, at most pollFences.
+// position back the furthest first, then those of chains holding jobs
+// above their floors, at most pollFences.
 func (r *Runner) waitingFences(all bool) []leasehold.FenceID {
 	first := map[leasehold.FenceID]uint64{}
 	for k, g := range r.groups.open {
@@ -183,6 +194,13 @@ func (r *Runner) waitingFences(all bool) []leasehold.FenceID {
 		}
 		if f, ok := first[k.fence]; !ok || g.first != 0 && (f == 0 || g.first < f) {
 			first[k.fence] = g.first
+		}
+	}
+	if r.groups.above > 0 {
+		for c, a := range r.groups.applied {
+			if _, ok := first[c.fence]; !ok && len(a.Above) > 0 && r.proven(c.fence) {
+				first[c.fence] = math.MaxUint64
+			}
 		}
 	}
 	out := make([]leasehold.FenceID, 0, len(first))
@@ -291,12 +309,47 @@ func (r *Runner) applyProofs(decided uint64, outs *[]outcome) bool {
 		}
 		r.keepGroup(k, g)
 	}
-	// What the drops let apply, chain by chain in job order.
+	// What the drops let apply, chain by chain in job order, and the floors
+	// the records prove: raised before, for what waits on a job they pass,
+	// and after, for what applied meanwhile.
+	raised := r.proveFloors(read, &touched)
 	sort.Slice(touched, func(i, j int) bool { return touched[i].job < touched[j].job })
 	for _, k := range touched {
 		r.applyReady(k, outs)
 	}
-	return len(touched) > 0
+	raised = r.proveFloors(read, nil) || raised
+	return len(touched) > 0 || raised
+}
+
+// proveFloors raises the floor of every chain of a fence in read whose
+// lease the record read shows to the watermark it committed, but to no
+// open job of the lease on the chain (see chains.go), and adds to touched
+// a group of each lane whose floor rose. The runner has decided the log up
+// to where the round ended.
+func (r *Runner) proveFloors(read map[leasehold.FenceID]sink.Progress, touched *[]groupKey) bool {
+	gs := r.groups
+	raised := false
+	for c, a := range gs.applied {
+		p, ok := read[c.fence]
+		if !ok || p.Epoch != a.Epoch || p.Acquisition != a.Acquisition || p.Seq <= a.Floor || !r.proven(c.fence) {
+			continue
+		}
+		f := p.Seq
+		lk := laneKey{chainKey: c, epoch: a.Epoch, acquisition: a.Acquisition}
+		l := gs.lanes[lk]
+		if l != nil && len(l.jobs) > 0 {
+			f = min(f, l.jobs[0]-1)
+		}
+		if f <= a.Floor {
+			continue
+		}
+		gs.store(c, a.prove(f))
+		raised = true
+		if l != nil && len(l.jobs) > 0 && touched != nil {
+			*touched = append(*touched, lk.group(l.jobs[0]))
+		}
+	}
+	return raised
 }
 
 // resolve applies, in a step that took no message, a round of records the

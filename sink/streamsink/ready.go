@@ -83,21 +83,16 @@ func (r *Runner) dropGroup(k groupKey, g *group, outs *[]outcome) {
 // job order, until none is: one whose job its chain settled is dropped,
 // and one that has a candidate attempt (attempts.go) applies.
 //
-// With a progress reader, a job waits while applying it would raise the
-// chain's floor over another open job of its lease, until that one applies
-// or is proven never to: a final's floor, like its After, is a marker, and
-// one a forger made up could pass a job still in flight, which would then
-// be taken for a duplicate. A final without a floor raises the floor to
-// its own job, so there an open job holds back every later job, as it did
-// before floors. Jobs above the floor complete in any order, and a later
-// one whose floor stays below an open job applies beside it. Without a
-// progress reader, the worker's markers are trusted: a ready job applies,
-// and the open jobs of its lease up to the floor it sets are dropped
-// (aborted, dead-lettered, superseded, as the worker's floor says).
+// With a progress reader, applying a job settles that job alone (a
+// final's floor is a marker, and proves nothing: chains.go), so jobs
+// complete in any order, each once its After holds, and an open job waits
+// for its own attempts or for proof. Without one, the worker's markers are
+// trusted: a ready job applies, and the open jobs of its lease up to the
+// floor it sets are dropped (aborted, dead-lettered, superseded, as the
+// worker's floor says).
 func (r *Runner) applyReady(k groupKey, outs *[]outcome) {
 	gs := r.groups
 	lk := k.laneKey()
-	proven := r.proven(k.fence)
 	for {
 		l := gs.lanes[lk]
 		if l == nil {
@@ -114,7 +109,7 @@ func (r *Runner) applyReady(k groupKey, outs *[]outcome) {
 				break
 			}
 			a := r.candidate(gk, g, ch)
-			if a == nil || proven && l.openUpTo(ch.floorOf(job, a.final), job) {
+			if a == nil {
 				continue
 			}
 			r.apply(gk, g, a, ch, outs)
@@ -139,7 +134,7 @@ func (r *Runner) apply(k groupKey, g *group, a *attempt, ch applied, outs *[]out
 	final := a.final
 	asOrigin := len(a.held) > 0 && !keyNamesJob(leasehold.Stamp{Scope: a.held[0].d.Stamp.Scope, Partition: a.held[0].d.Stamp.Partition, Key: a.finalKey}, k.job)
 	r.dropGroup(k, g, outs)
-	gs.advance(k, ch, final, top, asOrigin)
+	gs.advance(k, ch, final, top, asOrigin, !r.proven(k.fence))
 }
 
 // abandon settles the open groups of fence id below epoch e, whose stamp
