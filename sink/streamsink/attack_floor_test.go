@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"maps"
-	"os"
 	"sync"
 	"testing"
 	"time"
@@ -27,15 +26,6 @@ import (
 // several jobs of its partition at once, as it does by default, and the
 // runner verifies epochs and reads committed progress from the lease
 // bucket, as `leasehold sink` does.
-
-// openAttacks reports whether attacks that still get through run: they
-// fail until the runner is fixed, so CI runs them only when asked.
-func openAttacks(t *testing.T) {
-	t.Helper()
-	if os.Getenv("LEASEHOLD_ATTACK_OPEN") != "1" {
-		t.Skip("an attack that still gets through: run with LEASEHOLD_ATTACK_OPEN=1")
-	}
-}
 
 // floorWorld is a job stream of one partition, a worker with several jobs
 // of it in flight whose handler the test steers, a stream sink runner and
@@ -398,7 +388,6 @@ func (fw *floorWorld) wantApplied(t *testing.T, seq uint64, n int, why string) {
 // any final), nor whether the forged final carries a floor: one without
 // raises the chain's floor to its own job, the sequential runners' rule.
 func TestAttackForgedFloorPassesJobNotInLog(t *testing.T) {
-	openAttacks(t)
 	// The worker's own finals carry a floor with several jobs in flight,
 	// and none with one; the forged one carries it either way.
 	for _, tc := range []struct {
@@ -432,27 +421,44 @@ func TestAttackForgedFloorPassesJobNotInLog(t *testing.T) {
 }
 
 // The forged final need not name a job far ahead: one of the next job,
-// with a floor of the running job, which any reader of the job stream can
-// write, loses the running job all the same. (The next job's own effect,
+// with a floor of the running job (or, as a sequential runner writes it,
+// none, which claims the next job's own), which any reader of the job
+// stream can write, must not lose the running job either, whether the
+// worker runs several jobs at once or one. (The next job's own effect,
 // under the key the forgery took, is the documented residual of a forged
 // copy of the holder's stamp, and is not checked here.)
 func TestAttackForgedFloorOfTheNextJob(t *testing.T) {
-	openAttacks(t)
-	fw := newFloorWorld(t)
-	first := fw.enqueue(t, "a", "one")
-	m := fw.stampOf(t, first, true)
-	fw.settle(t, first)
-	held := fw.enqueue(t, "b", "hold")
-	fw.waitPaused(t, held)
-	fw.forgeFinal(t, m, held+1, held)
-	fw.release(held)
-	fw.settle(t, held)
-	if got := fw.enqueue(t, "c", "one"); got != held+1 {
-		t.Fatalf("the next job is %d, want %d", got, held+1)
+	for _, tc := range []struct {
+		concurrency int
+		floor       bool
+	}{{4, true}, {4, false}, {1, true}, {1, false}} {
+		t.Run(fmt.Sprintf("concurrency=%d,floor=%v", tc.concurrency, tc.floor), func(t *testing.T) {
+			fw := newFloorWorldWith(t, tc.concurrency)
+			first := fw.enqueue(t, "a", "one")
+			m := fw.stampOf(t, first, true)
+			fw.settle(t, first)
+			held := fw.enqueue(t, "b", "hold")
+			fw.waitPaused(t, held)
+			how := fmt.Sprintf("a forged final of the next job %d without a floor came while it ran", held+1)
+			if tc.floor {
+				fw.forgeFinal(t, m, held+1, held)
+				how = fmt.Sprintf("a forged final of the next job %d carried the floor %d while it ran", held+1, held)
+			} else {
+				fw.forgeFinalNoFloor(t, m, held+1)
+			}
+			fw.release(held)
+			fw.settle(t, held)
+			if got := fw.enqueue(t, "c", "one"); got != held+1 {
+				t.Fatalf("the next job is %d, want %d", got, held+1)
+			}
+			fw.settle(t, held+1)
+			after := fw.enqueue(t, "d", "one")
+			fw.settle(t, after)
+			fw.wantApplied(t, first, 1, "applied before the forgery")
+			fw.wantApplied(t, held, 1, how)
+			fw.wantApplied(t, after, 1, "enqueued after "+how)
+		})
 	}
-	fw.settle(t, held+1)
-	fw.wantApplied(t, first, 1, "applied before the forgery")
-	fw.wantApplied(t, held, 1, fmt.Sprintf("a forged final of the next job %d carried the floor %d while it ran", held+1, held))
 }
 
 // A forged final of the running job itself (nothing of it in the log
