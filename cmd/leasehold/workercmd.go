@@ -14,6 +14,7 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
 
+	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/history"
 	"github.com/leasehold/leasehold/statuspage"
@@ -42,6 +43,7 @@ type workerFlags struct {
 	handleTO     time.Duration
 	pprofAddr    string
 	labels       bool
+	stampFormat  string
 }
 
 func newWorkerCmd() *cobra.Command {
@@ -70,6 +72,7 @@ what it has, commits progress and releases its partitions within
 	fs.IntVar(&f.concurrency, "concurrency", 100, "handlers this worker runs at once beyond one per held partition: each held partition always runs one job, and every further job running at once takes one of these (0: none, one job per held partition)")
 	fs.IntVar(&f.partConc, "partition-concurrency", 16, fmt.Sprintf("jobs of one partition running at once under its lease, in the order --order keeps (1: one at a time, in stream order; at most %d)", worker.MaxPartitionConcurrency))
 	fs.StringVar(&f.order, "order", "key", "order among a partition's jobs running at once: key (the jobs of one order key one after another, in stream order; a job without an order key waits for every earlier job), partition (one job of the partition at a time) or none")
+	fs.StringVar(&f.stampFormat, "stamp-format", "compact", "the form effects carry their stamp and job mark in: compact (one Leasehold-Stamp and one Leasehold-Mark header) or legacy (one header per field, for sinks of the release before; upgrade sinks first, then switch workers to compact)")
 	fs.StringVar(&f.httpAddr, "http", ":8080", "address for the status page (/), /metrics, /livez and /readyz ('' to serve nothing)")
 	fs.DurationVar(&f.workTime, "work-time", 0, "time the example handler spends on each job")
 	fs.BoolVar(&f.writeBehind, "write-behind", false, "example handler takes its stamp before the work and publishes afterwards (makes zombie writes when paused)")
@@ -95,6 +98,10 @@ func runWorker(ctx context.Context, f workerFlags) error {
 	order, err := worker.ParseOrder(f.order)
 	if err != nil {
 		return fmt.Errorf("--order: %w", err)
+	}
+	stampFormat, err := leasehold.ParseStampFormat(f.stampFormat)
+	if err != nil {
+		return fmt.Errorf("--stamp-format: %w", err)
 	}
 	if f.partConc < 1 || f.partConc > worker.MaxPartitionConcurrency {
 		return fmt.Errorf("--partition-concurrency %d: use 1 to %d", f.partConc, worker.MaxPartitionConcurrency)
@@ -175,6 +182,7 @@ func runWorker(ctx context.Context, f workerFlags) error {
 		MaxConcurrency:       f.concurrency,
 		PartitionConcurrency: f.partConc,
 		Order:                order,
+		StampFormat:          stampFormat,
 		StallAfter:           f.stallAfter,
 		HandleTimeout:        f.handleTO,
 		Logger:               log,
