@@ -29,6 +29,22 @@ func forged(url string, relay leasehold.Lease, e *env, key, body string) *http.R
 	return req
 }
 
+// handOverHooks has relay-a deliver k1 under the lock "hooks", stops it,
+// and has relay-b, which takes the lock then, deliver k2: la and lb are
+// the leases the two relays sent their requests under.
+func handOverHooks(t *testing.T, e *env, rc *receiver) (la, lb leasehold.Lease, rb *relay) {
+	t.Helper()
+	e.barrier(1)
+	e.publish("hook", e.stamp(1, "k1"), []byte(`{"n":1}`), nil)
+	ra := e.startRelay(httpsink.Config{URL: rc.URL, Coordinator: e.coord("relay-a"), Lock: "hooks"}, e.runnerConfig())
+	la = firstRelay(t, rc, "k1")
+	_ = ra.stop()
+	e.publish("hook", e.stamp(1, "k2"), []byte(`{"n":2}`), nil)
+	rb = e.startRelay(httpsink.Config{URL: rc.URL, Coordinator: e.coord("relay-b"), Lock: "hooks"}, e.runnerConfig())
+	lb = firstRelay(t, rc, "k2")
+	return la, lb, rb
+}
+
 // firstRelay waits until key reached the receiver's handler through a
 // relay, and returns the relay's lease as the request carried it.
 func firstRelay(t *testing.T, rc *receiver, key string) leasehold.Lease {
@@ -56,15 +72,7 @@ func TestAttackVerifierForgedRelayEpochVerifiedStore(t *testing.T) {
 		t.Fatal(err)
 	}
 	rc := newReceiver(t, httpsink.VerifierConfig{RequireRelay: true, Fences: fences})
-	e.barrier(1)
-	e.publish("hook", e.stamp(1, "k1"), []byte(`{"n":1}`), nil)
-	ra := e.startRelay(httpsink.Config{URL: rc.URL, Coordinator: e.coord("relay-a"), Lock: "hooks"}, e.runnerConfig())
-	la := firstRelay(t, rc, "k1")
-	// The lock changes hands: relay-a stops, relay-b takes it.
-	_ = ra.stop()
-	e.publish("hook", e.stamp(1, "k2"), []byte(`{"n":2}`), nil)
-	rb := e.startRelay(httpsink.Config{URL: rc.URL, Coordinator: e.coord("relay-b"), Lock: "hooks"}, e.runnerConfig())
-	lb := firstRelay(t, rc, "k2")
+	la, lb, rb := handOverHooks(t, e, rc)
 	if lb.Epoch <= la.Epoch {
 		t.Fatalf("relay-b's epoch %d is not above relay-a's %d", lb.Epoch, la.Epoch)
 	}
@@ -148,14 +156,7 @@ func TestAttackVerifierRefusedRequestsClaimNothing(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, "atkclaim")
 	rc := newReceiver(t, httpsink.VerifierConfig{RequireRelay: true, MaxBodyBytes: 256})
-	e.barrier(1)
-	e.publish("hook", e.stamp(1, "k1"), []byte(`{"n":1}`), nil)
-	ra := e.startRelay(httpsink.Config{URL: rc.URL, Coordinator: e.coord("relay-a"), Lock: "hooks"}, e.runnerConfig())
-	la := firstRelay(t, rc, "k1")
-	_ = ra.stop()
-	e.publish("hook", e.stamp(1, "k2"), []byte(`{"n":2}`), nil)
-	rb := e.startRelay(httpsink.Config{URL: rc.URL, Coordinator: e.coord("relay-b"), Lock: "hooks"}, e.runnerConfig())
-	lb := firstRelay(t, rc, "k2")
+	la, lb, rb := handOverHooks(t, e, rc)
 	high := leasehold.Lease{Scope: lb.Scope, Epoch: lb.Epoch + 1000, Acquisition: "forged", Holder: "relay-x"}
 	attempts := []struct {
 		name   string

@@ -26,6 +26,24 @@ import (
 // client alike.
 const benchConcurrency = 8
 
+// benchRelay is a relay to url with benchConcurrency requests at once,
+// over a transport that keeps as many connections to it.
+func benchRelay(b *testing.B, bucket *coordinator.Bucket, url string) *httpsink.Relay {
+	b.Helper()
+	c, err := coordinator.New(bucket, coordinator.Config{Worker: "relay", Logger: quiet()})
+	if err != nil {
+		b.Fatal(err)
+	}
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	tr.MaxIdleConnsPerHost = benchConcurrency
+	b.Cleanup(tr.CloseIdleConnections)
+	r, err := httpsink.New(httpsink.Config{URL: url, Coordinator: c, Concurrency: benchConcurrency, Transport: tr, Logger: quiet()})
+	if err != nil {
+		b.Fatal(err)
+	}
+	return r
+}
+
 // okServer answers every request 200 after reading its body, behind a
 // Verifier when verify is set.
 func okServer(b *testing.B, verify bool) *httptest.Server {
@@ -99,17 +117,7 @@ func BenchmarkRelayDeliverBatch(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			c, err := coordinator.New(bucket, coordinator.Config{Worker: "relay", Logger: quiet()})
-			if err != nil {
-				b.Fatal(err)
-			}
-			tr := http.DefaultTransport.(*http.Transport).Clone()
-			tr.MaxIdleConnsPerHost = benchConcurrency
-			defer tr.CloseIdleConnections()
-			r, err := httpsink.New(httpsink.Config{URL: srv.URL, Coordinator: c, Concurrency: benchConcurrency, Transport: tr, Logger: quiet()})
-			if err != nil {
-				b.Fatal(err)
-			}
+			r := benchRelay(b, bucket, srv.URL)
 			done := make(chan error, 1)
 			go func() { done <- r.Run(ctx, nil) }()
 			defer func() { cancel(); <-done }()
@@ -182,17 +190,7 @@ func BenchmarkRelayRunSink(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
-	c, err := coordinator.New(bucket, coordinator.Config{Worker: "relay", Logger: quiet()})
-	if err != nil {
-		b.Fatal(err)
-	}
-	tr := http.DefaultTransport.(*http.Transport).Clone()
-	tr.MaxIdleConnsPerHost = benchConcurrency
-	defer tr.CloseIdleConnections()
-	r, err := httpsink.New(httpsink.Config{URL: srv.URL, Coordinator: c, Concurrency: benchConcurrency, Transport: tr, Logger: quiet()})
-	if err != nil {
-		b.Fatal(err)
-	}
+	r := benchRelay(b, bucket, srv.URL)
 	b.ResetTimer()
 	rctx, stop := context.WithCancel(ctx)
 	done := make(chan error, 1)
