@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -140,25 +139,4 @@ func TestMetricsScrape(t *testing.T) {
 	if !strings.Contains(body, "leasehold_leases_held 0") || strings.Contains(body, "leasehold_partition_epoch{") {
 		t.Errorf("after the stop:\n%s", grep(body, "leasehold_lease"))
 	}
-}
-
-// value reads the value of the series that starts a line with prefix.
-func value(body, prefix string) (float64, bool) {
-	for _, line := range strings.Split(body, "\n") {
-		if rest, ok := strings.CutPrefix(line, prefix); ok {
-			v, err := strconv.ParseFloat(rest, 64)
-			return v, err == nil
-		}
-	}
-	return 0, false
-}
-
-func missingLines(body string, want []string) []string {
-	var out []string
-	for _, w := range want {
-		if !strings.Contains(body, w) {
-			out = append(out, w)
-		}
-	}
-	return out
 }

@@ -65,6 +65,20 @@ type otlpSpan struct {
 	span    *tracepb.Span
 }
 
+// setupDefaultSampler runs Setup exporting to rcv with no sampler
+// configured, in the environment either, and shuts it down when the test
+// ends; shutdown flushes what it recorded before that.
+func setupDefaultSampler(t *testing.T, rcv *receiver) (tel *telemetry.Telemetry, shutdown func(context.Context) error) {
+	t.Helper()
+	t.Setenv("OTEL_TRACES_SAMPLER", "")
+	tel, _, shutdown, err := telemetry.Setup(context.Background(), telemetry.SetupConfig{OTLPEndpoint: rcv.srv.URL, NoGlobals: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { shutdown(context.Background()) })
+	return tel, shutdown
+}
+
 func (r *receiver) spans() []otlpSpan {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -252,12 +266,7 @@ func TestSetupKeepsRefusals(t *testing.T) {
 // its trace was sampled.
 func TestSetupDefaultSampler(t *testing.T) {
 	rcv := newReceiver(t)
-	t.Setenv("OTEL_TRACES_SAMPLER", "")
-	tel, _, shutdown, err := telemetry.Setup(context.Background(), telemetry.SetupConfig{OTLPEndpoint: rcv.srv.URL, NoGlobals: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer shutdown(context.Background())
+	tel, shutdown := setupDefaultSampler(t, rcv)
 
 	// 2000 new traces at 1 in 10: 200 expected, standard deviation 13.4;
 	// 120 and 280 are six deviations away.
@@ -335,12 +344,7 @@ func TestDefaultSamplerDescription(t *testing.T) {
 // sampler decides, and a refusal is recorded.
 func TestSetupStartsNoSpanUnderUnsampledParent(t *testing.T) {
 	rcv := newReceiver(t)
-	t.Setenv("OTEL_TRACES_SAMPLER", "")
-	tel, _, shutdown, err := telemetry.Setup(context.Background(), telemetry.SetupConfig{OTLPEndpoint: rcv.srv.URL, NoGlobals: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer shutdown(context.Background())
+	tel, _ := setupDefaultSampler(t, rcv)
 	parent := trace.NewSpanContext(trace.SpanContextConfig{TraceID: trace.TraceID{7}, SpanID: trace.SpanID{7}, Remote: true})
 	ctx, span := tel.Tracer.Start(trace.ContextWithRemoteSpanContext(context.Background(), parent), "process orders.jobs.{partition}",
 		trace.WithSpanKind(trace.SpanKindConsumer))

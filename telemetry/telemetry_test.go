@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
-	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
@@ -22,29 +21,6 @@ import (
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
-
-func scrape(t *testing.T, url string) string {
-	t.Helper()
-	resp, err := http.Get(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	if resp.StatusCode != 200 {
-		t.Fatalf("GET %s: %d %s", url, resp.StatusCode, b)
-	}
-	return string(b)
-}
-
-func attr(attrs []attribute.KeyValue, k attribute.Key) (attribute.Value, bool) {
-	for _, a := range attrs {
-		if a.Key == k {
-			return a.Value, true
-		}
-	}
-	return attribute.Value{}, false
-}
 
 func TestLeaseObserverSpansAndMetrics(t *testing.T) {
 	rec := tracetest.NewSpanRecorder()
@@ -133,16 +109,6 @@ func TestLeaseObserverSpansAndMetrics(t *testing.T) {
 	}
 }
 
-func grep(body, prefix string) string {
-	var out []string
-	for _, line := range strings.Split(body, "\n") {
-		if strings.HasPrefix(line, prefix) {
-			out = append(out, line)
-		}
-	}
-	return strings.Join(out, "\n")
-}
-
 func TestReadiness(t *testing.T) {
 	s := natstest.Start(t, natstest.Listen())
 	nc := s.Connect(t)
@@ -165,12 +131,4 @@ func TestReadiness(t *testing.T) {
 	if body := scrape(t, srv.URL+"/livez"); !strings.Contains(body, "ok") {
 		t.Fatalf("livez: %s", body)
 	}
-}
-
-// serve serves h until the test ends and returns its URL.
-func serve(t *testing.T, h http.Handler) string {
-	t.Helper()
-	srv := httptest.NewServer(telemetry.Mux(h))
-	t.Cleanup(srv.Close)
-	return srv.URL
 }

@@ -3,7 +3,6 @@ package telemetry_test
 import (
 	"context"
 	"errors"
-	"log/slog"
 	"sync"
 	"testing"
 	"time"
@@ -46,8 +45,6 @@ type zombieRun struct {
 	kvA            *kvsink.Sink
 	runner         *streamsink.Runner
 }
-
-func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
 
 func ctxFor(t testing.TB, d time.Duration) context.Context {
 	t.Helper()
