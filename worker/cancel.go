@@ -169,12 +169,19 @@ func (p *Producer) cancelsOf(ctx context.Context, refs []Enqueued, sts []JobStat
 	if err != nil {
 		return fmt.Errorf("worker: read the cancels: %w", err)
 	}
+	present, err := cancelKeysFor(ctx, kv, len(refs))
+	if err != nil {
+		return fmt.Errorf("worker: read the cancels: %w", err)
+	}
 	for i, ref := range refs {
 		st := &sts[i]
 		if int(ref.Partition) >= p.cfg.Partitions || st.State != JobDone && st.State.Finished() {
 			continue
 		}
 		key := cancelKeyOf(ref)
+		if present != nil && !present[key] {
+			continue
+		}
 		e, err := kv.Get(ctx, key)
 		if errors.Is(err, jetstream.ErrKeyNotFound) || errors.Is(err, jetstream.ErrKeyDeleted) {
 			continue
@@ -201,6 +208,36 @@ func (p *Producer) cancelsOf(ctx context.Context, refs []Enqueued, sts []JobStat
 		}
 	}
 	return nil
+}
+
+// cancelKeysFor returns the keys of the cancels bucket kv when reading
+// them all costs less than n reads of one key each (Producer.Wait asks
+// for thousands of jobs at once, and most buckets hold few cancels, or
+// none); nil when it does not, and each key is read on its own.
+func cancelKeysFor(ctx context.Context, kv jetstream.KeyValue, n int) (map[string]bool, error) {
+	if n <= 1 {
+		return nil, nil
+	}
+	st, err := kv.Status(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if st.Values() >= uint64(n) {
+		return nil, nil
+	}
+	keys := map[string]bool{}
+	if st.Values() == 0 {
+		return keys, nil
+	}
+	l, err := kv.ListKeys(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = l.Stop() }()
+	for k := range l.Keys() {
+		keys[k] = true
+	}
+	return keys, nil
 }
 
 // cancels is what a runner knows of its partition's cancels, from a watch
