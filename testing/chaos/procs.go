@@ -3,6 +3,7 @@ package chaos
 import (
 	"context"
 	"fmt"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -145,6 +146,10 @@ func (h *harness) startRelay(r *proc) error {
 		"--name", relayName, "--relay-id", r.id,
 		"--lock", relayLock, "--lock-ttl", h.cfg.TTL.String(),
 		"--timeout", "5s", "--max-backoff", "2s",
+		// The relays' decisions are kept apart from the histories the
+		// checker reads (it judges the receiver's record), for a look
+		// when a run fails.
+		"--history", filepath.Join(h.dir, "relay-history"),
 		"--http", "",
 		"--log-level", "warn",
 	}
