@@ -302,13 +302,16 @@ func BarrierKey(scope string, p Partition, e Epoch) string {
 // job re-run after a fail-over emits the same keys, so a deduping sink
 // applies each effect once. scope separates job streams that share a sink.
 func EffectKey(scope string, p Partition, seq uint64, index int) string {
-	b := make([]byte, 0, len(scope)+32)
-	b = append(b, scope...)
-	b = append(b, '.')
-	b = strconv.AppendUint(b, uint64(p), 10)
-	b = append(b, '.')
-	b = strconv.AppendUint(b, seq, 10)
-	b = append(b, '.')
-	b = strconv.AppendInt(b, int64(index), 10)
-	return string(b)
+	// One allocation: the builder's buffer becomes the string.
+	var b strings.Builder
+	b.Grow(len(scope) + 3 + 5 + 20 + 20)
+	var num [20]byte
+	b.WriteString(scope)
+	b.WriteByte('.')
+	b.Write(strconv.AppendUint(num[:0], uint64(p), 10))
+	b.WriteByte('.')
+	b.Write(strconv.AppendUint(num[:0], seq, 10))
+	b.WriteByte('.')
+	b.Write(strconv.AppendInt(num[:0], int64(index), 10))
+	return b.String()
 }

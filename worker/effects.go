@@ -61,9 +61,15 @@ func (e *EffectError) Unwrap() error { return e.Err }
 // fails, it never leaves, and the ones that did are closed by an abort
 // marker (see output.go). A job of one effect sends one message.
 func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...EmitOption) error {
-	var o emitOpts
-	for _, opt := range opts {
-		opt(&o)
+	var extra nats.Header
+	if len(opts) > 0 {
+		// Only here: options take o's address, which moves it to the
+		// heap, and most effects have none.
+		var o emitOpts
+		for _, opt := range opts {
+			opt(&o)
+		}
+		extra = o.header
 	}
 	j.mu.Lock()
 	stamp, err := j.reserve()
@@ -72,8 +78,8 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 		j.fail(err)
 		return err
 	}
-	msg := &nats.Msg{Subject: subject, Data: data, Header: make(nats.Header, len(o.header)+j.r.headerRoom())}
-	for k, vs := range o.header {
+	msg := &nats.Msg{Subject: subject, Data: data, Header: make(nats.Header, len(extra)+j.r.headerRoom())}
+	for k, vs := range extra {
 		// The stamp's and the job mark's headers, in either form and any
 		// spelling, are the worker's alone: a caller's copy beside the
 		// worker's would make the effect malformed (two forms, or two
