@@ -18,17 +18,30 @@
  * The sink keeps per chain (fence, subject, lease) a floor F and the set A
  * of jobs applied above it: a final of job J is a duplicate if J <= F or J
  * in A, applies when After is 0, at or below F, or in A, and applying it
- * adds J to A and raises F to its Floor (to J for a final without one).
- * A successor's barrier settles the earlier lease: what it completed and
- * whose After holds applies, repeatedly; the rest is dropped. The
- * destination dedupes by key.
+ * adds J to A. F is proven: the sink reads the fence record, then notes the
+ * log's end S, and once it has decided the log up to S raises F to the
+ * watermark the record shows for the chain's lease, but not to a job whose
+ * final it holds (it may still apply). A final's Floor, and the job of a
+ * final without one, raise nothing: anyone who can publish on the log with
+ * the holder's stamp can claim them. A successor's barrier settles the
+ * earlier lease: what it completed and whose After holds applies,
+ * repeatedly; the rest is dropped. The destination dedupes by key.
+ *
+ * A forger (a credential that may publish on the log) copies the live
+ * lease's stamp from its barrier and stores a final of a job of its choice
+ * (the next job, or one far ahead: job NJ+1, which the worker never runs)
+ * with After 0 and a Floor of its choice, or none.
  *
  * Two jobs of one effect each, both in flight; two leases (the second
  * takes over when the first expires or crashes, while the first may go on
  * as a zombie); faults: a publish lost or stored with its acknowledgement
- * lost, an expiry, a crash. The check: every job the fence record commits
- * (at or below its watermark, or in its done set) is applied once the sink
- * has decided the whole log (I8), and no chain applies a job twice.
+ * lost, an expiry, a crash, a forged final. The check: every job the fence
+ * record commits (at or below its watermark, or in its done set) is applied
+ * once the sink has decided the whole log (I8), and no chain applies a job
+ * twice. (A forged final of a job the worker runs is applied under that
+ * job's key, and the worker's own final is then a duplicate: the residual
+ * of a forgery of the holder's exact stamp. A forged final of job NJ+1 is
+ * applied, and nothing else comes of it.)
  *
  * Switches that put a defect back (each must give a counterexample):
  *   TODAY_RULE   the sink's rule before floors: a job at or below the last
@@ -39,18 +52,36 @@
  *                its own lease and the later one's After never holds)
  *   NO_FLOOR     finals carry no Floor, and the sink's floor is the job
  *                applied (the sequential rule) under out-of-order completion
+ *   TODAY_FLOOR  the sink's rule before proven floors: applying a final
+ *                raises F to its Floor, or to its job for a final without
+ *                one; a forged final passes a job still running, which is
+ *                then a duplicate
  */
 
 #define NJ 2
+#define FAR (NJ + 1)    /* a job far ahead, which the worker never runs */
 #define BIT(j) (1 << (j))
-#define LOGMAX 12
+#define LOGMAX 13
 
 #ifndef MAXFAULTS
 #define MAXFAULTS 2
 #endif
+#ifndef MAXFORGE
+#define MAXFORGE 1
+#endif
+#ifndef MAXREAD
+#define MAXREAD 2
+#endif
 #define FAULT(c, max) (faults < MAXFAULTS && c < max)
 #define TAKE(c) faults++; c++
-byte faults, nloss, nexp, ncrash;
+byte faults, nloss, nexp, ncrash, nforge;
+
+#if defined(NO_FLOOR) && !defined(TODAY_FLOOR)
+#define TODAY_FLOOR
+#endif
+#if defined(TODAY_RULE) && !defined(TODAY_FLOOR)
+#define TODAY_FLOOR
+#endif
 
 /* the fence record: the epoch that fenced it, its watermark and done set */
 byte recE, recSeq, recDone;
@@ -91,6 +122,7 @@ inline publish(E, J, KK, AFTER, FLOOR, FLOORED, res) {
 
 bit expired;            /* lease 1 is gone: lease 2 may take over */
 byte wended;            /* workers that ended */
+byte liveE;             /* the epoch of the last barrier in the log: the live lease's stamp */
 
 #define IDLE 0
 #define RUNNING 1
@@ -129,7 +161,8 @@ proctype Worker(byte e) {
     :: j > NJ -> break
     od;
     j = 0;
-    append(BARRIER, e, 0, 0, 0, 0, 0)
+    append(BARRIER, e, 0, 0, 0, 0, 0);
+    liveE = e
   };
   do
   /* start a job: any job not done, none running of it */
@@ -209,11 +242,13 @@ end:
 /* ---------------------------------------------------------------- sink */
 byte fE;                    /* the fence: the highest barrier's epoch */
 byte cE, F, A;              /* the chain of lease cE: floor, applied set */
-#define NPEND 4
+#define NPEND 5
 byte pj[NPEND], pafter[NPEND], pfloor[NPEND], pk[NPEND];
 bit pfl[NPEND];
-bit appliedKey[NJ+1];       /* the destination, deduping by key */
-byte chainApplied[NJ+1];    /* applications of the current chain */
+bit appliedKey[FAR+1];      /* the destination, deduping by key */
+byte chainApplied[FAR+1];   /* applications of the current chain */
+/* reads of the fence record */
+byte rdSeq, nread;
 
 #ifdef TODAY_RULE
 #define DUP(j) ((j) <= F)
@@ -222,6 +257,36 @@ byte chainApplied[NJ+1];    /* applications of the current chain */
 #define DUP(j) ((j) <= F || (A & BIT(j)))
 #define HOLDS(x) ((x) == 0 || (x) <= F || (A & BIT(x)))
 #endif
+
+/* ------------------------------------------------------------- forger */
+/* A final of the next job or of one far ahead, After 0, with a Floor of
+ * its choice below its job, or none, under the live lease's stamp. */
+active proctype Forger() {
+end:
+  do
+  :: atomic {
+       liveE > 0 && wended < 2 && FAULT(nforge, MAXFORGE) -> TAKE(nforge);
+       printf("MSC: a forger stores a final under lease %d\n", liveE);
+       if
+       :: append(FINAL, liveE, 2, 9, 0, 0, 0)
+       :: append(FINAL, liveE, 2, 9, 0, 1, 1)
+       :: append(FINAL, liveE, FAR, 9, 0, 0, 0)
+       :: append(FINAL, liveE, FAR, 9, 0, 1, 1)
+       :: append(FINAL, liveE, FAR, 9, 0, 2, 1)
+       fi
+     }
+  od
+}
+
+/* what A holds at or below F leaves it */
+inline dropBelowF() {
+  r = 1;
+  do
+  :: r <= F -> A = A & ~BIT(r); r++
+  :: else -> break
+  od;
+  r = 0
+}
 
 /* apply the held finals of the chain whose After holds, until none does */
 inline applyReady() {
@@ -239,17 +304,14 @@ inline applyReady() {
      F = pj[q];
 #else
      A = A | BIT(pj[q]);
+#ifdef TODAY_FLOOR
      if
      :: pfl[q] && pfloor[q] > F -> F = pfloor[q]
      :: !pfl[q] && pj[q] > F -> F = pj[q]
      :: else
      fi;
-     r = 1;
-     do
-     :: r <= F -> A = A & ~BIT(r); r++
-     :: else -> break
-     od;
-     r = 0;
+     dropBelowF();
+#endif
 #endif
      pj[q] = 0; q = 0
   :: q < NPEND && (pj[q] == 0 || !DUP(pj[q]) && !HOLDS(pafter[q])) -> q++
@@ -261,6 +323,26 @@ inline applyReady() {
 active proctype Sink() {
   byte p, q, r;
   do
+#ifndef TODAY_FLOOR
+  /* read the fence record once the whole log is decided (so the log's end,
+   * noted after the read, is where the sink stands): it proves the floor of
+   * its lease's chain, but not past a job whose final the sink holds */
+  :: atomic {
+       p == llen && nread < MAXREAD && recE == cE && recSeq > F ->
+       nread++; rdSeq = recSeq;
+       q = 0;
+       do
+       :: q < NPEND -> if :: pj[q] != 0 && pj[q] <= rdSeq -> rdSeq = pj[q] - 1 :: else fi; q++
+       :: else -> break
+       od;
+       q = 0;
+       if
+       :: rdSeq > F -> F = rdSeq; printf("MSC: sink proves floor %d of lease %d\n", F, cE); dropBelowF(); applyReady()
+       :: else
+       fi;
+       rdSeq = 0
+     }
+#endif
   :: atomic {
        p < llen ->
        if
@@ -273,7 +355,7 @@ active proctype Sink() {
           :: else -> break
           od;
           q = 0;
-          fE = log[p].e; cE = fE; F = 0; A = 0; chainApplied[1] = 0; chainApplied[2] = 0
+          fE = log[p].e; cE = fE; F = 0; A = 0; chainApplied[1] = 0; chainApplied[2] = 0; chainApplied[FAR] = 0
        :: log[p].kind == FINAL && log[p].e < fE ->
           printf("MSC: sink refuses job %d of epoch %d: stale\n", log[p].j, log[p].e)
        :: log[p].kind == FINAL && log[p].e == fE ->
