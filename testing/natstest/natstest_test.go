@@ -14,6 +14,31 @@ import (
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
+// putInFileBucket creates the key-value bucket "b", stored in files, on s
+// and puts v at "k"; it returns the revision.
+func putInFileBucket(t *testing.T, ctx context.Context, s *natstest.Server, v string) uint64 {
+	t.Helper()
+	kv, err := s.JetStream(t).CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "b", Storage: jetstream.FileStorage})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rev, err := kv.PutString(ctx, "k", v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rev
+}
+
+// openBucket opens the bucket "b" on s over a new connection.
+func openBucket(t *testing.T, ctx context.Context, s *natstest.Server) jetstream.KeyValue {
+	t.Helper()
+	kv, err := s.JetStream(t).KeyValue(ctx, "b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return kv
+}
+
 func TestServerRestartKeepsStore(t *testing.T) {
 	t.Parallel()
 	for _, name := range []string{"in-process", "listen"} {
@@ -24,22 +49,9 @@ func TestServerRestartKeepsStore(t *testing.T) {
 			}
 			s := natstest.Start(t, opts...)
 			ctx := context.Background()
-			js := s.JetStream(t)
-			kv, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "b", Storage: jetstream.FileStorage})
-			if err != nil {
-				t.Fatal(err)
-			}
-			rev, err := kv.PutString(ctx, "k", "v")
-			if err != nil {
-				t.Fatal(err)
-			}
+			rev := putInFileBucket(t, ctx, s, "v")
 			s.Restart(t)
-			js = s.JetStream(t)
-			kv, err = js.KeyValue(ctx, "b")
-			if err != nil {
-				t.Fatal(err)
-			}
-			e, err := kv.Get(ctx, "k")
+			e, err := openBucket(t, ctx, s).Get(ctx, "k")
 			if err != nil || e.Revision() != rev || string(e.Value()) != "v" {
 				t.Fatalf("after restart: %v, %v", e, err)
 			}
@@ -125,33 +137,18 @@ func TestSnapshotRestore(t *testing.T) {
 	s := natstest.Start(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	js := s.JetStream(t)
-	kv, err := js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: "b", Storage: jetstream.FileStorage})
-	if err != nil {
-		t.Fatal(err)
-	}
-	before, err := kv.PutString(ctx, "k", "before")
-	if err != nil {
-		t.Fatal(err)
-	}
+	before := putInFileBucket(t, ctx, s, "before")
 	s.Shutdown()
 	snap := s.Snapshot(t)
 	s.Restart(t)
-	kv, err = s.JetStream(t).KeyValue(ctx, "b")
-	if err != nil {
-		t.Fatal(err)
-	}
-	lost, err := kv.PutString(ctx, "k", "lost")
+	lost, err := openBucket(t, ctx, s).PutString(ctx, "k", "lost")
 	if err != nil {
 		t.Fatal(err)
 	}
 	s.Shutdown()
 	s.Restore(t, snap)
 	s.Restart(t)
-	kv, err = s.JetStream(t).KeyValue(ctx, "b")
-	if err != nil {
-		t.Fatal(err)
-	}
+	kv := openBucket(t, ctx, s)
 	if e, err := kv.Get(ctx, "k"); err != nil || string(e.Value()) != "before" || e.Revision() != before {
 		t.Fatalf("after restore: %v, %v; want the value written before the snapshot", e, err)
 	}
