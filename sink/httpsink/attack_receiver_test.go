@@ -1,13 +1,18 @@
 package httpsink_test
 
 import (
+	"context"
+	"encoding/json"
 	"io"
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/nats-io/nats.go"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink/httpsink"
@@ -131,6 +136,96 @@ func TestAttackReceiverStallsTheRelay(t *testing.T) {
 	for _, k := range keys[:4] {
 		if n := sc.count(k); n < 2 {
 			t.Errorf("%s: %d requests, want the refusal and the delivery", k, n)
+		}
+	}
+}
+
+// A relay with two endpoints, one of which refuses every request as
+// superseded (its Verifier holds a relay epoch far above any the lease
+// bucket issued: a forged request with a huge relay epoch did it, as the
+// HTTP guide warns), while effects for the other keep coming. The relay
+// gives up its term at each refusal and campaigns again; it stops after
+// maxStaleTerms terms in a row "before any delivery", but a delivery to
+// the other endpoint within a term resets that count. Then it retakes its
+// lock for ever, Ready stays nil, and the refused effect is never
+// dead-lettered (a supersede is not a delivery attempt). Whether a
+// delivery lands within each term is a matter of timing: the test fails in
+// 1 to 4 of 10 runs under -race on a loaded 2-core machine
+// (LEASEHOLD_ATTACK_OPEN=1 go test -race -count=10 -run
+// TestAttackOneFencedReceiverChurnsTheRelay). It fails if the bad receiver sees ten terms
+// without the relay stopping or dead-lettering the refused effect.
+func TestAttackOneFencedReceiverChurnsTheRelay(t *testing.T) {
+	if os.Getenv("LEASEHOLD_ATTACK_OPEN") == "" {
+		t.Skip("known defect: one receiver that supersedes every relay epoch makes the relay give up and retake its lock for ever while another endpoint delivers; its effect is never dead-lettered and Ready stays nil")
+	}
+	t.Parallel()
+	e := newEnv(t, "churn")
+	good := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) }))
+	defer good.Close()
+	var mu sync.Mutex
+	terms := map[string]bool{}
+	bad := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		ep, _ := strconv.ParseUint(r.Header.Get(httpsink.HeaderRelayEpoch), 10, 64)
+		mu.Lock()
+		terms[r.Header.Get(httpsink.HeaderRelayEpoch)] = true
+		mu.Unlock()
+		ref, _ := json.Marshal(map[string]any{"error": "stale_epoch", "fence": "relay", "scope": r.Header.Get(httpsink.HeaderRelayScope), "partition": 0,
+			"epoch": ep, "acquisition": r.Header.Get(httpsink.HeaderRelayAcquisition), "max": ep + 1_000_000, "holder": "relay-forged", "message": "superseded"})
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusConflict)
+		_, _ = w.Write(ref)
+	}))
+	defer bad.Close()
+	e.barrier(1)
+	for i := range 20 {
+		e.publish("good", e.stamp(1, "kfirst"+strconv.Itoa(i)), []byte(`{}`), nil)
+	}
+	e.publish("bad", e.stamp(1, "kbad"), []byte(`{}`), nil)
+	stop := make(chan struct{})
+	feeding := make(chan struct{})
+	go func() { // effects for the good endpoint keep coming
+		defer close(feeding)
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			case <-time.After(5 * time.Millisecond):
+			}
+			h := nats.Header{}
+			e.stamp(1, "kgood"+strconv.Itoa(i)).SetHeader(h)
+			if _, err := e.js.PublishMsg(context.Background(), &nats.Msg{Subject: e.prefix + ".out.good", Header: h, Data: []byte(`{}`)}); err != nil {
+				return
+			}
+		}
+	}()
+	defer func() { close(stop); <-feeding }()
+	rcfg := e.runnerConfig()
+	r := e.startRelay(httpsink.Config{URL: good.URL, Endpoints: map[string]string{"bad": bad.URL},
+		Routes: []httpsink.Route{{Subject: e.prefix + ".out.bad", Endpoint: "bad"}}, Coordinator: e.coord("relay-a")}, rcfg)
+	deadline := time.After(time.Minute)
+	for {
+		mu.Lock()
+		n := len(terms)
+		mu.Unlock()
+		if _, err := e.js.Stream(context.Background(), e.prefix+"-sink-dlq"); err == nil {
+			for _, m := range e.deadLetters() {
+				if m.Header.Get(leasehold.HeaderKey) == "kbad" {
+					return // dead-lettered: it holds nothing up
+				}
+			}
+		}
+		if n >= 10 {
+			t.Fatalf("the bad receiver refused %d terms of the relay, which retook its lock each time and never dead-lettered the refused effect; Ready now: %v", n, r.Ready(context.Background()))
+		}
+		select {
+		case err := <-r.done:
+			close(r.done)
+			t.Logf("the relay stopped: %v", err)
+			return
+		case <-deadline:
+			t.Fatalf("neither ten terms, nor a stop, nor a dead letter within a minute (terms: %d)", n)
+		case <-time.After(50 * time.Millisecond):
 		}
 	}
 }
