@@ -1,6 +1,8 @@
 package streamsink
 
 import (
+	"time"
+
 	"github.com/leasehold/leasehold"
 )
 
@@ -30,6 +32,9 @@ type group struct {
 	first  uint64     // log position of the first effect held, over its attempts; 0 when none
 	closed []uint64   // without a progress reader: attempts an abort closed, the latest
 	born   uint64     // the progress round it opened in (proofs.go)
+	// stuck is when a round of records first showed the group's job
+	// settled while it stayed open (proofs.go), or zero.
+	stuck time.Time
 
 	// The first attempt, nearly always the only one, and room for atts,
 	// come with the group: a job of a few effects costs one allocation.

@@ -338,7 +338,7 @@ func (r *Runner) reload(ctx context.Context) error {
 	r.mu.Lock()
 	r.seq, r.saved, r.rev, r.fences, r.skips = st.seq, st.seq, st.rev, st.fences, st.skips
 	r.adoptApplied(ap, st.delta)
-	r.heldCount, r.aboveCount = 0, r.groups.above
+	r.heldCount, r.aboveCount, r.stuckCount = 0, r.groups.above, 0
 	r.mu.Unlock()
 	if r.proofs != nil {
 		// Learned again as the log is read again.
@@ -378,6 +378,18 @@ func (r *Runner) registerGauges() error {
 		}))
 	if err != nil {
 		return fmt.Errorf("streamsink: register the jobs above floor gauge: %w", err)
+	}
+	_, err = meter.Int64ObservableGauge("leasehold.sink.jobs_stuck",
+		metric.WithDescription("Jobs whose leases the fence records show will commit no more of them, and whose effects a stream sink holds and cannot apply; Ready fails once one has stayed so for Config.StallAfter."),
+		metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
+			r.mu.Lock()
+			n := r.stuckCount
+			r.mu.Unlock()
+			o.Observe(int64(n), attrs)
+			return nil
+		}))
+	if err != nil {
+		return fmt.Errorf("streamsink: register the stuck jobs gauge: %w", err)
 	}
 	return nil
 }

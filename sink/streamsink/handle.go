@@ -435,6 +435,9 @@ func (r *Runner) adopt(w *work, written []int) {
 	r.seq = w.seq
 	r.fences.commit(w, written, r.saved)
 	r.heldCount, r.aboveCount = r.groups.held, r.groups.above
+	if len(r.groups.open) == 0 {
+		r.stuckCount = 0
+	}
 	close(r.progress)
 	r.progress = make(chan struct{})
 	r.mu.Unlock()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -395,5 +396,44 @@ func TestOutOfOrderAfterALaterJobWaits(t *testing.T) {
 	defer pl.mu.Unlock()
 	if got, want := pl.data[pl.key(2, 0)], pl.key(2, 0)+" attempt 3"; got != want {
 		t.Errorf("job 2 applied as %q, want %q: the worker's attempt, not the copy ranked after it", got, want)
+	}
+}
+
+// A final forged under the holder's stamp for the attempt the worker then
+// runs, with an After that never holds, comes first and stands: the
+// worker's own final of that attempt is set aside, and the job, once the
+// worker commits it, can never apply. That is a forgery of the holder's
+// exact stamp and key (the documented residual); it must not be silent:
+// the job is counted stuck, and Ready fails after StallAfter, naming it.
+func TestForgedFinalThatNeverAppliesIsVisible(t *testing.T) {
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer mp.Shutdown(context.Background())
+	pl := newProofLogWith(t, "ostuck", func(c *streamsink.Config) {
+		c.Telemetry = telemetry.Config{MeterProvider: mp}
+		c.Name = "ostuck"
+		c.StallAfter = time.Second
+	})
+	l := pl.acquire("w1")
+	forged := pl.final(l, 3, 1, 0, 2, 0) // After 2: job 2 has nothing on this subject
+	own := pl.final(l, 3, 1, 0, 0, 0)    // the worker's: After 0
+	pl.decided(own)
+	if d, _ := pl.rec.at(own); d.Outcome != sink.Aborted || d.Suspect != streamsink.SuspectFinalConflict {
+		t.Errorf("the worker's final after the forged one: %v %q, want set aside as %q", d.Outcome, d.Suspect, streamsink.SuspectFinalConflict)
+	}
+	if err := l.Commit(ctxFor(t, 30*time.Second), 3); err != nil {
+		t.Fatal(err)
+	}
+	err := awaitReady(t, ctxFor(t, time.Minute), pl.runner.Runner, "the stuck job", func(err error) bool {
+		return err != nil && strings.Contains(err.Error(), "cannot apply")
+	})
+	if !strings.Contains(err.Error(), "job 3 ") {
+		t.Errorf("Ready: %v, want it to name job 3", err)
+	}
+	if n := gauge(t, reader, "ostuck", "leasehold.sink.jobs_stuck"); n != 1 {
+		t.Errorf("leasehold.sink.jobs_stuck is %d, want 1", n)
+	}
+	if _, ok := pl.rec.at(forged); ok {
+		t.Error("the forged final was decided: applied or dropped")
 	}
 }

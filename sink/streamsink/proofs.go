@@ -318,7 +318,52 @@ func (r *Runner) applyProofs(decided uint64, outs *[]outcome) bool {
 		r.applyReady(k, outs)
 	}
 	raised = r.proveFloors(read, nil) || raised
+	r.noteStuck(touched)
 	return len(touched) > 0 || raised
+}
+
+// noteStuck marks the groups of touched still open whose job the records
+// settled: every attempt of the job that its lease could commit is in the
+// log, and none applies yet (its After does not hold, or another attempt
+// ranks before it). One whose After can never hold stays so: a final
+// forged under the holder's stamp before the worker's own can do that.
+// Ready fails once the oldest has stayed so for Config.StallAfter, and the
+// gauge leasehold_sink_jobs_stuck counts them.
+func (r *Runner) noteStuck(touched []groupKey) {
+	gs := r.groups
+	now := time.Now()
+	for _, k := range touched {
+		if g := gs.open[k]; g != nil && g.stuck.IsZero() && r.settledJob(k) {
+			g.stuck = now
+		}
+	}
+	n, oldest, first := 0, time.Time{}, groupKey{}
+	for k, g := range gs.open {
+		if g.stuck.IsZero() {
+			continue
+		}
+		n++
+		if oldest.IsZero() || g.stuck.Before(oldest) {
+			oldest, first = g.stuck, k
+		}
+	}
+	r.mu.Lock()
+	r.stuckCount, r.stuckSince, r.stuckFirst = n, oldest, first
+	r.mu.Unlock()
+}
+
+// stuckStalled returns why Ready fails while a group whose job the records
+// settled has stayed open for longer than Config.StallAfter; r.mu is held.
+func (r *Runner) stuckStalled() error {
+	if r.stuckCount == 0 {
+		return nil
+	}
+	if d := time.Since(r.stuckSince); d > r.cfg.StallAfter {
+		k := r.stuckFirst
+		return fmt.Errorf("streamsink: sink %s holds %d jobs whose leases the fence records show will commit no more of them, and whose effects cannot apply: job %d of %s (epoch %d, acquisition %s) on %s for %v (Config.StallAfter %v); its final names in Leasehold-After a job that is not applied, or a final forged under the holder's stamp came before the worker's",
+			r.cfg.Name, r.stuckCount, k.job, k.fence, k.epoch, k.acquisition, k.subject, d.Round(time.Second), r.cfg.StallAfter)
+	}
+	return nil
 }
 
 // proveFloors raises the floor of every chain of a fence in read whose
@@ -379,12 +424,12 @@ func (r *Runner) resolve(ctx context.Context) error {
 // r.mu is held.
 func (r *Runner) progressStalled() error {
 	pr := r.proofs
-	if pr == nil || pr.failingSince.IsZero() || r.heldCount == 0 {
+	if pr == nil || pr.failingSince.IsZero() || r.heldCount == 0 && r.aboveCount == 0 {
 		return nil
 	}
 	if d := time.Since(pr.failingSince); d > r.cfg.StallAfter {
-		return fmt.Errorf("streamsink: sink %s has not read committed progress from the fence records for %v (Config.StallAfter %v) and holds %d effects of jobs waiting on it: %v",
-			r.cfg.Name, d.Round(time.Second), r.cfg.StallAfter, r.heldCount, pr.lastErr)
+		return fmt.Errorf("streamsink: sink %s has not read committed progress from the fence records for %v (Config.StallAfter %v), and holds %d effects of jobs waiting on it and %d jobs applied above their chains' floors: %v",
+			r.cfg.Name, d.Round(time.Second), r.cfg.StallAfter, r.heldCount, r.aboveCount, pr.lastErr)
 	}
 	return nil
 }

@@ -150,8 +150,13 @@ type Runner struct {
 	lastPull atomic.Int64
 
 	mu         sync.Mutex
-	heldCount  int           // effects held in open groups, for the gauge
-	aboveCount int           // jobs the chains hold above their floors, for the gauge
+	heldCount  int // effects held in open groups, for the gauge
+	aboveCount int // jobs the chains hold above their floors, for the gauge
+	// Open groups whose job the records settled (proofs.go, noteStuck):
+	// how many, since when the oldest, and which.
+	stuckCount int
+	stuckSince time.Time
+	stuckFirst groupKey
 	seq        uint64        // the position decided and saved (see saved)
 	rev        uint64        // the position record's revision; only Run's goroutine uses it
 	fences     *fenceTable   // as of seq
@@ -447,6 +452,9 @@ func (r *Runner) Ready(context.Context) error {
 		return r.lastErr
 	}
 	if err := r.progressStalled(); err != nil {
+		return err
+	}
+	if err := r.stuckStalled(); err != nil {
 		return err
 	}
 	if !r.running {
