@@ -169,6 +169,9 @@ func (gs *groups) chain(k groupKey) applied {
 func (gs *groups) store(c chainKey, a applied) {
 	gs.above += len(a.Above) - len(gs.applied[c].Above)
 	gs.applied[c], gs.delta[c] = a, a
+	if len(a.Above) >= maxAbove/8 {
+		gs.crowded = true
+	}
 	if len(a.Above) > maxAbove && gs.overflow == nil {
 		gs.overflow = fmt.Errorf("%w: %d jobs of lease %d/%s are applied out of order on subject %s of %s, above its floor %d (at most %d): a worker ran more jobs of the partition past its watermark than it may; lower its MaxInFlight and PartitionConcurrency, or see that its finals carry Leasehold-Floor",
 			ErrGroupLimit, len(a.Above), a.Epoch, a.Acquisition, c.subject, c.fence, a.Floor, maxAbove)

@@ -76,6 +76,7 @@ type groups struct {
 	held    int                  // effects held in open groups
 	bytes   int                  // their data
 	above   int                  // jobs the chains hold applied above their floors
+	crowded bool                 // a chain holds many of them: the records are read soon (proofs.go)
 	// overflow is the error of a chain that holds more jobs above its
 	// floor than maxAbove: the batch is not delivered (see settle).
 	overflow error

@@ -135,8 +135,8 @@ func (r *Runner) poll(ctx context.Context) {
 		return
 	}
 	r.nearLimit()
-	if r.groups.above >= maxAbove/8 {
-		pr.soon = true
+	if r.groups.crowded {
+		pr.soon, r.groups.crowded = true, false
 	}
 	since := time.Since(pr.last)
 	if since < pollEvery && !(pr.soon && since >= pollSoon) {
