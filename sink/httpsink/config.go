@@ -94,6 +94,11 @@ type Config struct {
 	// Logger receives state changes: the lock taken and lost, a receiver
 	// failing and back. Default slog.Default().
 	Logger *slog.Logger
+	// OnEndpoint, when set, hears of the endpoints' health: each request
+	// that fails while a receiver is down (no response, or a 5xx), and the
+	// first answer after. It runs on the delivering goroutine and must
+	// not block (statuspage.Publisher.EndpointObserver queues).
+	OnEndpoint func(EndpointHealth)
 	// Telemetry selects the providers of the request spans (a client span
 	// per request, under the span of the effect's decision or the
 	// worker's) and metrics. Zero fields mean the OpenTelemetry globals.

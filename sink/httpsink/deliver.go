@@ -274,7 +274,7 @@ func (r *Relay) send(ctx context.Context, e sink.Effect, relay leasehold.Lease) 
 		de := transportError(err)
 		de.Endpoint, de.Origin, de.Method = ep.name, ep.origin, r.cfg.Method
 		if de.Permanent {
-			ep.health.answered()
+			r.answered(ep)
 			r.counted(ctx, ep, "permanent")
 			span.SetStatus(codes.Error, de.Error())
 			return de
@@ -291,7 +291,7 @@ func (r *Relay) send(ctx context.Context, e sink.Effect, relay leasehold.Lease) 
 	body, _ := io.ReadAll(io.LimitReader(resp.Body, maxRefusal))
 	code := resp.StatusCode
 	if code >= 200 && code < 300 {
-		if ep.health.answered() {
+		if r.answered(ep) {
 			r.log.Info("httpsink: the receiver answers again", "endpoint", ep.name, "origin", ep.origin)
 		}
 		r.counted(ctx, ep, "delivered")
@@ -300,7 +300,7 @@ func (r *Relay) send(ctx context.Context, e sink.Effect, relay leasehold.Lease) 
 	de := &DeliveryError{Endpoint: ep.name, Origin: ep.origin, Method: r.cfg.Method, Status: code, Body: excerpt(body, maxExcerpt)}
 	switch {
 	case code == http.StatusConflict:
-		ep.health.answered()
+		r.answered(ep)
 		ref, ok := parseRefusal(body)
 		switch {
 		case ok && ref.supersedes(relay):
@@ -331,14 +331,14 @@ func (r *Relay) send(ctx context.Context, e sink.Effect, relay leasehold.Lease) 
 		}
 		return de
 	case code == http.StatusTooManyRequests:
-		ep.health.answered()
+		r.answered(ep)
 		de.RetryAfter = min(max(parseRetryAfter(resp.Header.Get("Retry-After"), time.Now()), time.Second), r.cfg.MaxRetryAfter)
 		ep.health.backOff(de.RetryAfter)
 		r.counted(ctx, ep, "retry")
 		span.SetStatus(codes.Error, de.Error())
 		return r.waitRetry(ctx, de)
 	case code == http.StatusRequestTimeout:
-		ep.health.answered()
+		r.answered(ep)
 	case code >= 500:
 		if ra := parseRetryAfter(resp.Header.Get("Retry-After"), time.Now()); ra > 0 && code == http.StatusServiceUnavailable {
 			de.RetryAfter = min(ra, r.cfg.MaxRetryAfter)
@@ -346,7 +346,7 @@ func (r *Relay) send(ctx context.Context, e sink.Effect, relay leasehold.Lease) 
 		}
 		return r.failure(ctx, span, ep, e, de)
 	default: // 1xx left over, 3xx, other 4xx
-		ep.health.answered()
+		r.answered(ep)
 		de.Permanent = true
 		if code >= 300 && code < 400 {
 			de.Err = "a redirect, which the relay does not follow (Config.MaxRedirects), or not to this origin"
@@ -368,6 +368,7 @@ func (r *Relay) failure(ctx context.Context, span trace.Span, ep *endpoint, e si
 		r.log.Warn("httpsink: the receiver does not take requests; the runner retries with backoff and /readyz fails until it does",
 			"endpoint", ep.name, "origin", ep.origin, "key", e.Stamp.Key, "err", de.Error())
 	}
+	r.report(ep)
 	r.counted(ctx, ep, "retry")
 	span.SetStatus(codes.Error, de.Error())
 	return de

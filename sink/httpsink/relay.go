@@ -368,6 +368,42 @@ func (r *Relay) Ready(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
+// EndpointHealth is what Config.OnEndpoint hears of an endpoint.
+type EndpointHealth struct {
+	Relay    string // Config.Name
+	Endpoint string // the endpoint's name
+	Origin   string // scheme://host[:port]: no path or query, which may hold a secret
+	// Down: every request since the last answer failed, since Since, Fails
+	// of them, the last with Err. Up again: Since is the answer's time.
+	Down  bool
+	Since time.Time
+	Fails int
+	Err   string
+}
+
+// report tells Config.OnEndpoint how ep is.
+func (r *Relay) report(ep *endpoint) {
+	if r.cfg.OnEndpoint == nil {
+		return
+	}
+	ep.health.mu.Lock()
+	h := EndpointHealth{Relay: r.cfg.Name, Endpoint: ep.name, Origin: ep.origin, Down: ep.health.failing, Since: ep.health.since, Fails: ep.health.fails, Err: ep.health.last}
+	ep.health.mu.Unlock()
+	if !h.Down {
+		h.Since = time.Now()
+	}
+	r.cfg.OnEndpoint(h)
+}
+
+// answered records an answer that says ep's receiver is up, and reports
+// it when ep was down.
+func (r *Relay) answered(ep *endpoint) (back bool) {
+	if back = ep.health.answered(); back {
+		r.report(ep)
+	}
+	return back
+}
+
 // health is what the relay knows of one endpoint's receiver.
 type health struct {
 	mu        sync.Mutex
