@@ -1,7 +1,11 @@
 package worker
 
 import (
+	"errors"
+	"slices"
 	"time"
+
+	"github.com/leasehold/leasehold"
 )
 
 // The runner's goroutine dispatches: it reads the partition's jobs into
@@ -27,6 +31,12 @@ func (r *runner) consume() outcome {
 	}()
 	tick := time.NewTicker(r.tickEvery())
 	defer tick.Stop()
+	// soon commits a partition that caught up, a moment after the last
+	// commit (see caughtUp).
+	soon := time.NewTimer(time.Hour)
+	soon.Stop()
+	defer soon.Stop()
+	var soonC <-chan time.Time
 	for {
 		select {
 		case <-r.ctx.Done():
@@ -63,6 +73,11 @@ func (r *runner) consume() outcome {
 		case <-tick.C:
 			r.w.tel.Metrics.SetLag(r.info.Holder, r.p, r.pending)
 			out = r.progress()
+		case <-soonC:
+			soonC = nil
+			if r.caughtUp() {
+				out = r.commitNow()
+			}
 		}
 		if out == 0 && len(r.window) > 0 {
 			if seq, err := r.reap(r.ctx, false); err != nil {
@@ -73,7 +88,43 @@ func (r *runner) consume() outcome {
 			return r.stop(out)
 		}
 		r.dispatch()
+		if soonC == nil && r.caughtUp() {
+			if wait := r.commitGap() - time.Since(r.lastCommit); wait > 0 {
+				soon.Reset(wait)
+				soonC = soon.C
+			} else if out = r.commitNow(); out != 0 {
+				return r.stop(out)
+			}
+		}
 	}
+}
+
+// caughtUp reports whether the partition has done all it read, and has
+// progress to commit: no job runs, waits or awaits its effects, the
+// fetcher holds no job, and the last commit did not fail. It then commits
+// at once, at most once every commitGap, rather than at the next
+// CommitEvery: a burst's last jobs show as done (Producer.Wait, status)
+// without waiting for the tick, and a partition that takes a job now and
+// then commits each one soon after it is done.
+func (r *runner) caughtUp() bool {
+	if r.live > 0 || len(r.window) > 0 || r.lanes.queued > 0 || len(r.replay) > 0 || len(r.fetch.out) > 0 || r.commitFailed {
+		return false
+	}
+	return r.watermark > r.committed || r.watermark == r.committed && !slices.Equal(r.doneSet, r.committedDone)
+}
+
+// commitGap is the least time between two commits of a partition that
+// caught up: a fifth of CommitEvery, at most 50 ms.
+func (r *runner) commitGap() time.Duration {
+	return max(min(r.w.cfg.CommitEvery/5, 50*time.Millisecond), time.Millisecond)
+}
+
+// commitNow commits; a refused commit ends the round.
+func (r *runner) commitNow() outcome {
+	if err := r.commit(r.ctx); errors.Is(err, leasehold.ErrLeaseLost) {
+		return outLost
+	}
+	return 0
 }
 
 // tickEvery is how often the runner looks at its progress when nothing

@@ -70,8 +70,10 @@ type runner struct {
 	spare      int       // pool slots handed over and not taken up yet
 	retries    map[uint64]retryState
 	lastCommit time.Time
-	fetch      *fetcher
-	pending    uint64 // jobs after the last one read, as the consumer saw them
+	// commitFailed: the last commit failed; the next is the tick's.
+	commitFailed bool
+	fetch        *fetcher
+	pending      uint64 // jobs after the last one read, as the consumer saw them
 	// halt is closed when the round stops taking jobs, and stopping says
 	// why (0 while it takes them).
 	halt     chan struct{}

@@ -274,7 +274,9 @@ func (r *runner) commit(ctx context.Context) error {
 		return nil
 	}
 	done := slices.Clone(r.doneSet)
-	if err := r.lease.Commit(ctx, seq, done...); err != nil {
+	err := r.lease.Commit(ctx, seq, done...)
+	r.commitFailed = err != nil
+	if err != nil {
 		r.event(ctx, Event{Kind: EventCommitFailed, Seq: seq, Err: err})
 		if errors.Is(err, leasehold.ErrLeaseLost) {
 			r.log.Warn("progress commit refused: another worker has fenced the partition", "seq", seq, "err", err)

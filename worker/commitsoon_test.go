@@ -1,0 +1,51 @@
+package worker_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/leasehold/leasehold/worker"
+)
+
+// A partition that has done every job it read commits at once, not at the
+// next CommitEvery: with CommitEvery an hour, the progress past a burst's
+// last job is committed while the worker runs, and Wait sees the jobs done.
+func TestCaughtUpPartitionCommitsAtOnce(t *testing.T) {
+	e := newEnv(t, 2)
+	rec := newRecorder()
+	cfg := e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
+		return j.Emit(ctx, j.Data)
+	}))
+	cfg.CommitEvery = time.Hour
+	cfg.Observer = rec
+	start(t, cfg)
+	enq := e.enqueue(t, 0, 20)
+	last := map[int]uint64{}
+	for _, q := range enq {
+		last[int(q.Partition)] = max(last[int(q.Partition)], q.Seq)
+	}
+	rec.waitFor(t, 30*time.Second, "progress past each partition's last job", func() bool {
+		for p, seq := range last {
+			if rec.count(func(ev worker.Event) bool {
+				return ev.Kind == worker.EventProgressCommitted && int(ev.Lease.Partition) == p && ev.Seq == seq
+			}) == 0 {
+				return false
+			}
+		}
+		return true
+	})
+	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, Bucket: e.bucket})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sts, err := p.Wait(ctxFor(t, 30*time.Second), enq...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, st := range sts {
+		if st.State != worker.JobDone {
+			t.Fatalf("job %s is %s, want done", st.Ref, st.State)
+		}
+	}
+}
