@@ -51,13 +51,26 @@ import (
 // finished without completing here (aborted, dead-lettered, superseded by
 // a re-run): it is dropped.
 //
-// A is bounded: a chain holding more than maxAbove stops the runner with
-// ErrGroupLimit before it delivers anything more, and Ready says so. The
-// gauge leasehold_sink_jobs_above_floor counts the jobs the chains hold
-// above their floors. A worker commits its progress every
-// worker.Config.CommitEvery (250 ms by default), so a chain holds about the
-// jobs of its partition of the last second or two; a worker that commits
-// rarely, or a forger who publishes finals of many jobs to come, fills it.
+// A is bounded by maxAbove, and the gauge leasehold_sink_jobs_above_floor
+// counts the jobs the chains hold above their floors. With committed
+// progress, a worker commits every worker.Config.CommitEvery (250 ms by
+// default), so a chain holds about the jobs of its partition of the last
+// second or two. It fills while progress lags: a worker that commits
+// rarely, a runner catching up on more than maxAbove jobs of one lease
+// (a round of records applies only once the runner has read up to where
+// the log ended when it was read), or a forger who publishes finals of
+// many jobs to come. At the bound the chain forgets the lowest job of its
+// set, counted (leasehold_sink_jobs_forgotten_total) and logged: that job is
+// then neither a duplicate nor settled on the chain, so its effects, should
+// they come again (a forged copy, or a runner that restarts and reads the
+// log again from before them), apply again, which a destination that
+// dedupes by key absorbs, and a final naming it in After waits for the
+// record. Nothing is dropped, and the runner does not stop: stopping would
+// be for good while it catches up. Without committed progress a chain
+// holding more than maxAbove stops the runner with ErrGroupLimit before it
+// delivers anything more, and Ready says so: there the worker's floors
+// keep it small, and one that grows is a worker running more jobs past its
+// watermark than it may.
 
 // maxAbove bounds a chain's jobs applied above its floor; a variable for
 // tests.
@@ -165,14 +178,15 @@ func (gs *groups) chain(k groupKey) applied {
 	return applied{Epoch: k.epoch, Acquisition: k.acquisition}
 }
 
-// store makes a the chain's state.
-func (gs *groups) store(c chainKey, a applied) {
+// store makes a the chain's state; trusted says whether its markers are
+// (see above).
+func (gs *groups) store(c chainKey, a applied, trusted bool) {
 	gs.above += len(a.Above) - len(gs.applied[c].Above)
 	gs.applied[c], gs.delta[c] = a, a
 	if len(a.Above) >= maxAbove/8 {
 		gs.crowded = true
 	}
-	if len(a.Above) > maxAbove && gs.overflow == nil {
+	if len(a.Above) > maxAbove && gs.overflow == nil && trusted {
 		gs.overflow = fmt.Errorf("%w: %d jobs of lease %d/%s are applied out of order on subject %s of %s, above its floor %d (at most %d): a worker ran more jobs of the partition past its watermark than it may; lower its MaxInFlight and PartitionConcurrency, or see that its finals carry Leasehold-Floor",
 			ErrGroupLimit, len(a.Above), a.Epoch, a.Acquisition, c.subject, c.fence, a.Floor, maxAbove)
 	}
@@ -212,8 +226,26 @@ func (gs *groups) advance(k groupKey, a applied, final leasehold.JobMark, top ui
 			a.Above = slices.Insert(a.Above, i, k.job)
 		}
 	}
+	if !trusted && len(a.Above) > maxAbove {
+		a = a.forgetLowest()
+		gs.forgot++
+	}
 	a.top = max(a.top, top)
-	gs.store(k.chainKey, a)
+	gs.store(k.chainKey, a, trusted)
+}
+
+// forgetLowest forgets the lowest job of a's set (see above), and its
+// dead letters and origin.
+func (a applied) forgetLowest() applied {
+	job := a.Above[0]
+	a.Above = a.Above[:copy(a.Above, a.Above[1:])]
+	if slices.Contains(a.Holes, job) {
+		a.Holes = slices.DeleteFunc(slices.Clone(a.Holes), func(j uint64) bool { return j == job })
+	}
+	if slices.Contains(a.Origins, job) {
+		a.Origins = slices.DeleteFunc(slices.Clone(a.Origins), func(j uint64) bool { return j == job })
+	}
+	return a
 }
 
 // addHole records that job k's delivery went to the dead-letter stream.
@@ -230,6 +262,6 @@ func (gs *groups) addHole(k groupKey) uint64 {
 		forgot, holes = holes[0], holes[1:]
 	}
 	a.Holes = append(holes, k.job)
-	gs.store(k.chainKey, a)
+	gs.store(k.chainKey, a, true)
 	return forgot
 }

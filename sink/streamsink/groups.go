@@ -77,6 +77,7 @@ type groups struct {
 	bytes   int                  // their data
 	above   int                  // jobs the chains hold applied above their floors
 	crowded bool                 // a chain holds many of them: the records are read soon (proofs.go)
+	forgot  int                  // jobs the chains forgot at their bound since the last batch saved
 	// overflow is the error of a chain that holds more jobs above its
 	// floor than maxAbove: the batch is not delivered (see settle).
 	overflow error
@@ -314,6 +315,7 @@ func (r *Runner) resetGroups() {
 	old := r.groups
 	r.groups = newGroups()
 	r.groups.applied, r.groups.delta, r.groups.dirty, r.groups.above = old.applied, old.delta, old.dirty, old.above
+	r.groups.forgot = old.forgot
 }
 
 // heldEffects returns how many effects the open groups hold, and how many
@@ -371,7 +373,7 @@ func (r *Runner) registerGauges() error {
 		return fmt.Errorf("streamsink: register the held effects gauge: %w", err)
 	}
 	_, err = meter.Int64ObservableGauge("leasehold.sink.jobs_above_floor",
-		metric.WithDescription("Jobs a stream sink remembers applied above their chain's floor, having completed out of stream order; a chain that holds more than 4096 stops the runner."),
+		metric.WithDescription("Jobs a stream sink remembers applied above their chain's floor, until committed progress or the worker's floors settle them; a chain holds at most 16384."),
 		metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
 			_, above := r.heldEffects()
 			o.Observe(int64(above), attrs)
@@ -391,6 +393,18 @@ func (r *Runner) registerGauges() error {
 		}))
 	if err != nil {
 		return fmt.Errorf("streamsink: register the stuck jobs gauge: %w", err)
+	}
+	_, err = meter.Int64ObservableCounter("leasehold.sink.jobs_forgotten",
+		metric.WithDescription("Jobs a stream sink forgot having applied, at a chain's bound of jobs above its floor: their effects, should they come again, apply again."),
+		metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
+			r.mu.Lock()
+			n := r.forgotten
+			r.mu.Unlock()
+			o.Observe(n, attrs)
+			return nil
+		}))
+	if err != nil {
+		return fmt.Errorf("streamsink: register the forgotten jobs counter: %w", err)
 	}
 	return nil
 }

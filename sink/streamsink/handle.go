@@ -438,9 +438,17 @@ func (r *Runner) adopt(w *work, written []int) {
 	if len(r.groups.open) == 0 {
 		r.stuckCount = 0
 	}
+	forgot := r.groups.forgot
+	r.forgotten += int64(forgot)
+	r.groups.forgot = 0
 	close(r.progress)
 	r.progress = make(chan struct{})
 	r.mu.Unlock()
+	if forgot > 0 && time.Since(r.forgotLogged) >= 10*time.Second {
+		r.forgotLogged = time.Now()
+		r.log.Warn("streamsink: chains hold as many jobs applied above their floors as they may, and forget the lowest: their effects, should they come again, apply again; committed progress lags, or cannot be read",
+			"sink", r.cfg.Name, "forgotten", forgot, "max_above_floor", maxAbove)
+	}
 }
 
 func (r *Runner) backoff(ctx context.Context, attempt int, what string, err error) error {

@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
@@ -436,4 +437,75 @@ func TestForgedFinalThatNeverAppliesIsVisible(t *testing.T) {
 	if _, ok := pl.rec.at(forged); ok {
 		t.Error("the forged final was decided: applied or dropped")
 	}
+}
+
+// counter reads the int64 counter metric of sink name.
+func counter(t *testing.T, reader *sdkmetric.ManualReader, name, metric string) int64 {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	if err := reader.Collect(context.Background(), &rm); err != nil {
+		t.Fatal(err)
+	}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if s, ok := m.Data.(metricdata.Sum[int64]); ok && m.Name == metric {
+				for _, p := range s.DataPoints {
+					if v, _ := p.Attributes.Value(telemetry.AttrSink); v.AsString() == name {
+						return p.Value
+					}
+				}
+			}
+		}
+	}
+	return -1
+}
+
+// With committed progress to read, a chain at its bound of jobs above its
+// floor (the worker has not committed them yet, or the runner catches up)
+// forgets the lowest, counted, and goes on: nothing is refused or stops,
+// and once the worker commits, the floor rises over what is left.
+func TestProvenChainAtItsBoundForgets(t *testing.T) {
+	defer streamsink.SetMaxAbove(3)()
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer mp.Shutdown(context.Background())
+	pl := newProofLogWith(t, "oforget", func(c *streamsink.Config) {
+		c.Telemetry = telemetry.Config{MeterProvider: mp}
+		c.Name = "oforget"
+	})
+	l := pl.acquire("w1")
+	var finals []uint64
+	for job := uint64(1); job <= 5; job++ {
+		finals = append(finals, pl.pub(l, leasehold.JobMark{Job: job, Attempt: job, Effects: 1, After: job - 1}, 0))
+	}
+	pl.decided(finals[4])
+	for _, f := range finals {
+		pl.outcome(f, sink.Accepted)
+	}
+	if n := gauge(t, reader, "oforget", "leasehold.sink.jobs_above_floor"); n != 3 {
+		t.Errorf("leasehold.sink.jobs_above_floor is %d, want 3", n)
+	}
+	if n := counter(t, reader, "oforget", "leasehold.sink.jobs_forgotten"); n != 2 {
+		t.Errorf("leasehold.sink.jobs_forgotten is %d, want 2", n)
+	}
+	if err := pl.runner.Ready(context.Background()); err != nil {
+		t.Errorf("Ready: %v", err)
+	}
+	again := pl.pub(l, leasehold.JobMark{Job: 4, Attempt: 4, Effects: 1, After: 3}, 0)
+	pl.outcome(again, sink.Duplicate) // still remembered
+	if err := l.Commit(ctxFor(t, 30*time.Second), 5); err != nil {
+		t.Fatal(err)
+	}
+	ctx := ctxFor(t, time.Minute)
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for gauge(t, reader, "oforget", "leasehold.sink.jobs_above_floor") != 0 {
+		select {
+		case <-tick.C:
+		case <-ctx.Done():
+			t.Fatal("the chain's floor did not rise to the committed watermark within a minute")
+		}
+	}
+	f6 := pl.final(l, 6, 6, 0, 5, 0)
+	pl.outcome(f6, sink.Accepted)
 }

@@ -388,7 +388,7 @@ func (r *Runner) proveFloors(read map[leasehold.FenceID]sink.Progress, touched *
 		if f <= a.Floor {
 			continue
 		}
-		gs.store(c, a.prove(f))
+		gs.store(c, a.prove(f), false)
 		raised = true
 		if l != nil && len(l.jobs) > 0 && touched != nil {
 			*touched = append(*touched, lk.group(l.jobs[0]))

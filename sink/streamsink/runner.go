@@ -137,12 +137,13 @@ type Runner struct {
 
 	// Job groups (groups.go), owned by Run's goroutine, and what the
 	// fence records proved of them (proofs.go).
-	groups     *groups
-	proofs     *proofs
-	saved      uint64                  // the saved position: seq, or short of the first effect of an open job
-	appliedRev map[int]uint64          // revisions of the applied shards
-	needReload bool                    // a batch that placed effects in groups was not saved
-	unsaved    map[uint64]sink.Outcome // decisions reported in batches whose save failed, by log position
+	groups       *groups
+	proofs       *proofs
+	saved        uint64                  // the saved position: seq, or short of the first effect of an open job
+	appliedRev   map[int]uint64          // revisions of the applied shards
+	needReload   bool                    // a batch that placed effects in groups was not saved
+	unsaved      map[uint64]sink.Outcome // decisions reported in batches whose save failed, by log position
+	forgotLogged time.Time               // when jobs forgotten at a chain's bound were last logged
 
 	// lastPull is when the fetcher last began a pull (unix nanoseconds),
 	// for Ready: a fetcher held up leaves Run nothing to take, which
@@ -157,6 +158,7 @@ type Runner struct {
 	stuckCount int
 	stuckSince time.Time
 	stuckFirst groupKey
+	forgotten  int64         // jobs the chains forgot at their bound (chains.go)
 	seq        uint64        // the position decided and saved (see saved)
 	rev        uint64        // the position record's revision; only Run's goroutine uses it
 	fences     *fenceTable   // as of seq
