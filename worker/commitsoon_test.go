@@ -49,3 +49,33 @@ func TestCaughtUpPartitionCommitsAtOnce(t *testing.T) {
 		}
 	}
 }
+
+// Wait locates many jobs side by side (TestWaitForManyJobs follows them
+// to their ends): a reference among them to another partition's message
+// still fails it.
+func TestWaitLocatesManyJobsStrictly(t *testing.T) {
+	e := newEnv(t, 2)
+	start(t, e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
+		return j.Emit(ctx, j.Data)
+	})))
+	enq := e.enqueue(t, 0, 100)
+	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, Bucket: e.bucket})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := ctxFor(t, 60*time.Second)
+	sts, err := p.Wait(ctx, enq...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, st := range sts {
+		if st.State != worker.JobDone || st.Seq != enq[i].Seq {
+			t.Fatalf("status %d: %+v, want job %s done", i, st, enq[i].Ref())
+		}
+	}
+	wrong := enq[len(enq)-1]
+	wrong.Partition = 1 - wrong.Partition
+	if _, err := p.Wait(ctx, append(enq[:len(enq)-1:len(enq)-1], wrong)...); err == nil {
+		t.Fatalf("Wait took job %s as a job of partition %d", enq[len(enq)-1].Ref(), wrong.Partition)
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -429,6 +430,44 @@ func scanCopy(ctx context.Context, js jetstream.JetStream, stream, filter string
 	return seen, false, fmt.Errorf("gave up after reading %d messages of %s", maxScan, filter)
 }
 
+// locateAt is the most jobs Wait locates at once.
+const locateAt = 16
+
+// located is a job's first location, for Wait.
+type located struct {
+	st  JobStatus
+	err error
+	ok  bool // not used yet
+}
+
+// locateAll locates refs, up to locateAt at once: one read each, which
+// one after another cost Wait 1.6 s for 4,000 jobs. It returns nil for a
+// few, which Wait locates as it goes.
+func (p *Producer) locateAll(ctx context.Context, refs []Enqueued) []located {
+	if len(refs) < 2*locateAt {
+		return nil
+	}
+	out := make([]located, len(refs))
+	next := make(chan int)
+	var wg sync.WaitGroup
+	for range locateAt {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range next {
+				st, err := p.locate(ctx, refs[i])
+				out[i] = located{st: st, err: err, ok: true}
+			}
+		}()
+	}
+	for i := range refs {
+		next <- i
+	}
+	close(next)
+	wg.Wait()
+	return out
+}
+
 // maxReplays bounds the replays Wait follows from one job.
 const maxReplays = 100
 
@@ -485,6 +524,7 @@ func (p *Producer) Wait(ctx context.Context, refs ...Enqueued) ([]JobStatus, err
 	}
 	poll := 20 * time.Millisecond
 	var finished []*JobStatus
+	first := p.locateAll(ctx, refs)
 	for {
 		left := 0
 		progress := map[leasehold.Partition]coordinator.Committed{}
@@ -493,7 +533,14 @@ func (p *Producer) Wait(ctx context.Context, refs ...Enqueued) ([]JobStatus, err
 				continue
 			}
 			if !located[i] {
-				st, err := p.locate(ctx, r)
+				var st JobStatus
+				var err error
+				if first != nil && first[i].ok {
+					st, err = first[i].st, first[i].err
+					first[i].ok = false
+				} else {
+					st, err = p.locate(ctx, r)
+				}
 				if err != nil {
 					return out, err
 				}
