@@ -13,7 +13,6 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
-	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 // listed returns the partitions member id's registration lists, and
@@ -66,8 +65,7 @@ func partitionWatchers(t *testing.T, ctx context.Context, js jetstream.JetStream
 func TestMembersListWhatTheyHold(t *testing.T) {
 	t.Parallel()
 	const n = 48
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	ctx := ctxFor(t, time.Minute)
 	kv, err := js.KeyValue(ctx, b.Name())
 	if err != nil {
@@ -116,8 +114,7 @@ func TestMembersListWhatTheyHold(t *testing.T) {
 func TestAMemberWithoutAListBringsBackThePartitionWatch(t *testing.T) {
 	t.Parallel()
 	const n = 48
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	ctx := ctxFor(t, 90*time.Second)
 	ms := map[string]*member{
 		"a": startMemberTTL(t, b, "a", n, 5*time.Second),
@@ -133,11 +130,7 @@ func TestAMemberWithoutAListBringsBackThePartitionWatch(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	old.c = c
-	octx, cancel := context.WithCancel(context.Background())
-	old.cancel = cancel
-	go func() { old.done <- c.Run(octx) }()
-	t.Cleanup(func() { old.stop(t) })
+	old.run(t, c)
 	ms["old"] = old
 	waitBalanced(t, ms, n, 60*time.Second)
 	waitUntil(t, ctx, "every member watches the partition records", func() (bool, string) {
@@ -163,8 +156,7 @@ func TestAMemberWithoutAListBringsBackThePartitionWatch(t *testing.T) {
 func TestUnlistedRecordOfALiveSessionIsTakenOver(t *testing.T) {
 	t.Parallel()
 	const n = 16
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	_, b := startBucket(t)
 	ctx := ctxFor(t, time.Minute)
 	ca, err := coordinator.New(b, coordinator.Config{Worker: "a", TTL: 2 * time.Second, Partitions: n})
 	if err != nil {
@@ -203,8 +195,7 @@ func TestUnlistedRecordOfALiveSessionIsTakenOver(t *testing.T) {
 func TestFenceOfAListedPartitionIsTakenBack(t *testing.T) {
 	t.Parallel()
 	const n = 8
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	ctx := ctxFor(t, time.Minute)
 	ms := map[string]*member{
 		"a": startMemberTTL(t, b, "a", n, 5*time.Second),

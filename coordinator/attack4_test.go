@@ -219,8 +219,7 @@ func TestAttack4RenewedForeignRecordIsNeverTakenOver(t *testing.T) {
 	// machine lose its record to the server's expiry, and the test took
 	// the partition's legitimate taking for an overwrite.
 	const ttl = 5 * time.Second
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	ctx := ctxFor(t, 2*time.Minute)
 	renewals, overwritten := forgeForeignLease(t, js, b, p, ttl)
 	logs := map[string]*logRecorder{"a": {}, "b": {}}
@@ -345,15 +344,7 @@ func TestAttack4ListOfPartitionsNotHeldShowsInStatus(t *testing.T) {
 func TestAttack4ListOfEveryPartitionCostsOnlyItsShare(t *testing.T) {
 	t.Parallel()
 	const n = 6 // over 3 members: 2 each
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
-	ms := map[string]*member{
-		"a": startMemberTTL(t, b, "a", n, 2*time.Second),
-		"b": startMemberTTL(t, b, "b", n, 2*time.Second),
-	}
-	waitBalanced(t, ms, n, 30*time.Second)
-	forgeMember(t, js, b, "0forger", 2*time.Second, holdsOf(0, 1, 2, 3, 4, 5))
-	waitQuiet(t, ms, 4*time.Second, 40*time.Second)
+	ms := settleUnderForgedList(t)
 	if a, b := len(ms["a"].c.Held()), len(ms["b"].c.Held()); a+b != n-2 {
 		t.Fatalf("a holds %d and b %d: a forged list of every partition should cost only its own share of 2", a, b)
 	}
@@ -489,8 +480,7 @@ func TestAttack4RecreatedBucketDoesNotAgeNewRecords(t *testing.T) {
 func TestAttack4NoticeFloodReadsOneAtATime(t *testing.T) {
 	t.Parallel()
 	const n, flood = 4, 500
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	ctx := ctxFor(t, time.Minute)
 	a := startMemberTTL(t, b, "a", n, 5*time.Second)
 	waitBalanced(t, map[string]*member{"a": a}, n, 30*time.Second)

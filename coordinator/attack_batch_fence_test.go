@@ -15,7 +15,6 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
-	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 // watchFenceEpochs watches every fence record until the test ends and
@@ -70,15 +69,14 @@ type fenceResult struct {
 // another winner replaced has its commits refused.
 func TestAttackBatchesRaceFence(t *testing.T) {
 	const n, rounds = 32, 10
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	v := newLeaderView(js, b)
 	wentDown := watchFenceEpochs(t, b)
 	ctx := ctxFor(t, 2*time.Minute)
 	seed := uint64(time.Now().UnixNano())
 	t.Logf("seed %d", seed)
 	rng := rand.New(rand.NewPCG(seed, 2))
-	op := newSessionCoord(t, b, "operator", 10*time.Second)
+	op := newCoord(t, b, "operator", 10*time.Second)
 
 	lastEpoch := map[leasehold.Partition]leasehold.Epoch{}
 	var commitSeq uint64
@@ -250,8 +248,7 @@ func TestAttackFenceBeforeTheGroupTakesTheLeaseIn(t *testing.T) {
 		}
 		t.Run(name, func(t *testing.T) {
 			const n, p = 64, leasehold.Partition(7)
-			js := natstest.Start(t).JetStream(t)
-			b := provision(t, js, 1)
+			js, b := startBucket(t)
 			if !batches {
 				b = withoutAtomicBatches(t, js, b)
 			}
@@ -260,7 +257,7 @@ func TestAttackFenceBeforeTheGroupTakesTheLeaseIn(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			op := newSessionCoord(t, b, "operator", 10*time.Second)
+			op := newCoord(t, b, "operator", 10*time.Second)
 			ttl := 2 * time.Second
 			var fencedAt atomic.Int64
 			m := startMemberWith(t, b, "a", n, ttl, func(cfg *coordinator.Config) {

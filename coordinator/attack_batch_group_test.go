@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
@@ -53,15 +52,7 @@ func TestAttackBatchLandsAfterItsAnswerWasGivenUp(t *testing.T) {
 	v := newLeaderView(js, b)
 	ctx := ctxFor(t, time.Minute)
 	px := natstest.NewProxy(t, s.URL())
-	nc, err := nats.Connect(px.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	jsP, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	jsP := reconnectingJS(t, px.URL())
 	gaveUp := newLogSignal("acquisition batch not written; acquiring its partitions one by one")
 	c, err := coordinator.New(mustOpen(t, jsP, b.Name()), coordinator.Config{Worker: "w", TTL: 10 * time.Second, Partitions: n, Logger: slog.New(gaveUp)})
 	if err != nil {
@@ -144,8 +135,7 @@ func checkHolders(t *testing.T, ctx context.Context, v *leaderView, ms map[strin
 // record's epoch down.
 func TestAttackMixedFleetBatchesOnViewHints(t *testing.T) {
 	const n = 256
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	v := newLeaderView(js, b)
 	wentDown := watchFenceEpochs(t, b)
 	ttl := 5 * time.Second
@@ -219,15 +209,14 @@ func TestAttackGroupBatchesUnderTightServerLimits(t *testing.T) {
 // passed; the old holder's commits are refused.
 func TestAttackBatchesTakeOverAnExpiringSession(t *testing.T) {
 	const n = 48
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	v := newLeaderView(js, b)
 	ctx := ctxFor(t, time.Minute)
 	kv, err := js.KeyValue(ctx, b.Name())
 	if err != nil {
 		t.Fatal(err)
 	}
-	old := newSessionCoord(t, b, "old", time.Second)
+	old := newCoord(t, b, "old", time.Second)
 	expired, err := kv.Watch(ctx, "member.old", jetstream.UpdatesOnly())
 	if err != nil {
 		t.Fatal(err)

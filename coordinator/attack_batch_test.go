@@ -15,7 +15,6 @@ import (
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/leader"
-	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 // leaderView reads partition and fence records through their streams'
@@ -129,7 +128,7 @@ type contender struct {
 
 func newContender(t *testing.T, b *coordinator.Bucket, name string) *contender {
 	t.Helper()
-	c := newSessionCoord(t, b, name, 10*time.Second)
+	c := newCoord(t, b, name, 10*time.Second)
 	return &contender{name: name, c: c, sess: renewedSession(t, c), leases: map[leasehold.Partition]*coordinator.Lease{}}
 }
 
@@ -162,8 +161,7 @@ const (
 // refused.
 func TestAttackBatchesRaceForOverlappingPartitions(t *testing.T) {
 	const n, contenders, size, rounds = 64, 3, 40, 20
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	v := newLeaderView(js, b)
 	ctx := ctxFor(t, 2*time.Minute)
 	seed := uint64(time.Now().UnixNano())

@@ -79,9 +79,17 @@ func holdsOf(ps ...int) *string {
 // members compute the same assignment.
 func TestAttackForgedListOfOthersPartitionsLetsTheGroupSettle(t *testing.T) {
 	t.Parallel()
+	settleUnderForgedList(t)
+}
+
+// settleUnderForgedList starts members a and b on six partitions, lets them
+// balance, forges a registration "0forger" (sorting before both) that
+// lists all six, and waits until the members stop moving partitions; it
+// returns the members.
+func settleUnderForgedList(t *testing.T) map[string]*member {
+	t.Helper()
 	const n = 6
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	ms := map[string]*member{
 		"a": startMemberTTL(t, b, "a", n, 2*time.Second),
 		"b": startMemberTTL(t, b, "b", n, 2*time.Second),
@@ -89,6 +97,7 @@ func TestAttackForgedListOfOthersPartitionsLetsTheGroupSettle(t *testing.T) {
 	waitBalanced(t, ms, n, 30*time.Second)
 	forgeMember(t, js, b, "0forger", 2*time.Second, holdsOf(0, 1, 2, 3, 4, 5))
 	waitQuiet(t, ms, 4*time.Second, 40*time.Second)
+	return ms
 }
 
 // A cold start of members whose partitions do not divide evenly takes every
@@ -102,7 +111,7 @@ func TestAttackUnevenColdStartTakesEachPartitionOnce(t *testing.T) {
 	oneOf(t, busy)
 	const n, rounds = 64, 12
 	for round := range rounds {
-		b := provision(t, natstest.Start(t).JetStream(t), 1)
+		_, b := startBucket(t)
 		ms := map[string]*member{}
 		// The members start together, as the test means, only if each sees
 		// the others before its membership settles: the default quarter
@@ -161,8 +170,7 @@ func TestAttackListLargerThanMaxPayloadKeepsTheRegistration(t *testing.T) {
 func TestAttackModeFlipDuringColdStart(t *testing.T) {
 	t.Parallel()
 	const n = 48
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	_, b := startBucket(t)
 	var mu sync.Mutex
 	ms := map[string]*member{}
 	snapshot := func() map[string]*member {
@@ -183,11 +191,7 @@ func TestAttackModeFlipDuringColdStart(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	old.c = c
-	octx, cancel := context.WithCancel(context.Background())
-	old.cancel = cancel
-	go func() { old.done <- c.Run(octx) }()
-	t.Cleanup(func() { old.stop(t) })
+	old.run(t, c)
 	mu.Lock()
 	ms["old"] = old
 	mu.Unlock()
@@ -212,8 +216,7 @@ func TestAttackModeFlipDuringColdStart(t *testing.T) {
 func TestAttackIdleListerStallsOnlyItsShare(t *testing.T) {
 	t.Parallel()
 	const n = 7 // over 3 members: shares 3, 2, 2
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	forgeMember(t, js, b, "zz", 2*time.Second, holdsOf())
 	ms := map[string]*member{
 		"a": startMemberTTL(t, b, "a", n, 2*time.Second),
@@ -249,12 +252,7 @@ func TestAttackCutOffMemberFailsOverWithinTTL(t *testing.T) {
 	const n, ttl = 9, 2 * time.Second
 	s := natstest.Start(t)
 	b := provision(t, s.JetStream(t), 1)
-	ncC := s.Connect(t)
-	jsC, _ := jetstream.New(ncC)
-	bC, err := coordinator.OpenBucket(ctxFor(t, 5*time.Second), jsC, b.Name())
-	if err != nil {
-		t.Fatal(err)
-	}
+	ncC, bC := openOverOwnConnection(t, s, b)
 	ms := map[string]*member{"a": startMemberTTL(t, b, "a", n, ttl), "b": startMemberTTL(t, b, "b", n, ttl), "c": startMemberTTL(t, bC, "c", n, ttl)}
 	waitBalanced(t, ms, n, 20*time.Second)
 	ctx := ctxFor(t, 30*time.Second)
@@ -344,8 +342,7 @@ func TestAttackGarbageOverAHeldRecordDoesNotSlowTheHandOff(t *testing.T) {
 	// under a live holder; the taker dates it by the watch's revisions
 	// (revClock), not from when it first met it.
 	const n, ttl = 2, 2 * time.Second
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	ms := map[string]*member{"a": startMemberTTL(t, b, "a", n, ttl), "b": startMemberTTL(t, b, "b", n, ttl)}
 	waitBalanced(t, ms, n, 20*time.Second)
 	ctx := ctxFor(t, 30*time.Second)

@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/leasehold/leasehold/coordinator"
-	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 // A credential that may write the fence-record bucket (every worker's
@@ -25,9 +24,7 @@ import (
 func TestAttackRewrittenFenceRecordNamesTheAcquisition(t *testing.T) {
 	for _, mode := range []string{"session", "ttl"} {
 		t.Run(mode, func(t *testing.T) {
-			js := natstest.Start(t).JetStream(t)
-			b := provision(t, js, 1)
-			jobStream(t, js, b.Scope(), 4, 0)
+			_, b := startBucketWithJobs(t, 4, 0)
 			ctx := ctxFor(t, 30*time.Second)
 			c := newCoord(t, b, "a", 5*time.Second)
 			var l *coordinator.Lease

@@ -194,11 +194,10 @@ func TestBatchAcquisitionEpochsAreTheirRecordsRevisions(t *testing.T) {
 // one batch each, at the right epochs.
 func TestBatchAcquisitionFallsBackOneByOne(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	ctx := ctxFor(t, 2*time.Minute)
 
-	other := newSessionCoord(t, b, "other", 10*time.Second)
+	other := newCoord(t, b, "other", 10*time.Second)
 	osess := renewedSession(t, other)
 	if _, err := other.AcquireInSession(ctx, 50, osess); err != nil {
 		t.Fatal(err)
@@ -213,7 +212,7 @@ func TestBatchAcquisitionFallsBackOneByOne(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	c := newSessionCoord(t, b, "w", 10*time.Second)
+	c := newCoord(t, b, "w", 10*time.Second)
 	sess := renewedSession(t, c)
 	leases, errs := c.AcquireBatch(ctx, partitionsUpTo(100), sess)
 	var got []*coordinator.Lease
@@ -275,11 +274,10 @@ func TestBatchAcquisitionFallsBackOneByOne(t *testing.T) {
 // acquires one by one there, and Provision, run again, allows them.
 func TestBucketWithoutAtomicBatchesAcquiresOneByOne(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	ctx := ctxFor(t, time.Minute)
 	old := withoutAtomicBatches(t, js, b)
-	c := newSessionCoord(t, old, "w", 10*time.Second)
+	c := newCoord(t, old, "w", 10*time.Second)
 	sess := renewedSession(t, c)
 	leases, errs := c.AcquireBatch(ctx, partitionsUpTo(20), sess)
 	if err := errors.Join(errs...); err != nil {
@@ -300,7 +298,7 @@ func TestBucketWithoutAtomicBatchesAcquiresOneByOne(t *testing.T) {
 			t.Errorf("%s: Provision left atomic batches off", name)
 		}
 	}
-	c2 := newSessionCoord(t, mustOpen(t, js, b.Name()), "v", 10*time.Second)
+	c2 := newCoord(t, mustOpen(t, js, b.Name()), "v", 10*time.Second)
 	sess2 := renewedSession(t, c2)
 	if _, errs := c2.AcquireBatch(ctx, partitionsUpTo(40)[20:], sess2); errors.Join(errs...) != nil {
 		t.Fatal(errors.Join(errs...))
@@ -317,8 +315,7 @@ func TestRunAcquiresInBatches(t *testing.T) {
 	t.Parallel()
 	oneOf(t, busy)
 	const n = 600
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	m := startSessionMember(t, b, "a", n, 10*time.Second)
 	waitBalanced(t, map[string]*member{"a": m}, n, time.Minute)
 	recs, fences := m.c.Batches()

@@ -277,8 +277,7 @@ func TestBucketWithWrongConfigIsRefused(t *testing.T) {
 
 func TestGarbledLeaseRecord(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	ctx := ctxFor(t, 10*time.Second)
 	kv, _ := js.KeyValue(ctx, b.Name())
 	if _, err := kv.PutString(ctx, "partition.4", "not json"); err != nil {

@@ -28,8 +28,7 @@ func TestCommitted(t *testing.T) {
 			} else {
 				js = natstest.Start(t).JetStream(t)
 			}
-			b := provision(t, js, replicas)
-			jobStream(t, js, b.Scope(), 4, 0)
+			b := provisionWithJobs(t, js, replicas, 4, 0)
 			ctx := ctxFor(t, 30*time.Second)
 			p0 := leasehold.FenceID{Scope: b.Scope(), Partition: 0}
 

@@ -8,7 +8,6 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
-	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 // A commit carries the jobs finished beyond the watermark in the same
@@ -19,9 +18,7 @@ import (
 // watermark alone.
 func TestCommitDone(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
-	jobStream(t, js, b.Scope(), 4, 40)
+	_, b := startBucketWithJobs(t, 4, 40)
 	ctx := ctxFor(t, 30*time.Second)
 	p0 := leasehold.FenceID{Scope: b.Scope(), Partition: 0}
 

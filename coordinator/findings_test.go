@@ -12,7 +12,6 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
-	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 // Records a client can leave in the buckets that leasehold never writes
@@ -21,9 +20,7 @@ import (
 // acquired.
 func TestFindingsAndRepair(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
-	jobStream(t, js, b.Scope(), 8, 5)
+	_, b := startBucketWithJobs(t, 8, 5)
 	ctx := ctxFor(t, 30*time.Second)
 	leases, fences := b.KeyValue(), b.FenceRecords()
 	c := newCoord(t, b, "op", 2*time.Second)
@@ -166,8 +163,7 @@ func (r *logRecorder) about(key, msg string) int {
 // partitions. Each record is warned about once.
 func TestGroupTakesOverForeignRecords(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	_, b := startBucket(t)
 	ctx := ctxFor(t, 60*time.Second)
 	leases := b.KeyValue()
 	for key, value := range map[string]string{
@@ -184,15 +180,7 @@ func TestGroupTakesOverForeignRecords(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rctx, cancel := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- c.Run(rctx) }()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run: %v", err)
-		}
-	}()
+	runGroup(t, ctx, c)
 	for len(c.Held()) != 4 {
 		select {
 		case <-ctx.Done():

@@ -10,8 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go/jetstream"
-
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/testing/natstest"
@@ -120,12 +118,7 @@ func TestGroupFailsOverWhenAWorkerIsCutOff(t *testing.T) {
 	const n = 8
 	s := natstest.Start(t)
 	b := provision(t, s.JetStream(t), 1)
-	ncB := s.Connect(t)
-	jsB, _ := jetstream.New(ncB)
-	bB, err := coordinator.OpenBucket(ctxFor(t, 5*time.Second), jsB, b.Name())
-	if err != nil {
-		t.Fatal(err)
-	}
+	ncB, bB := openOverOwnConnection(t, s, b)
 	ms := map[string]*member{"a": startMember(t, b, "a", n), "b": startMember(t, bB, "b", n)}
 	waitBalanced(t, ms, n, 20*time.Second)
 	kept := map[leasehold.Partition]leasehold.Epoch{}
@@ -171,8 +164,7 @@ func TestColdStartQueuesAcquisitions(t *testing.T) {
 	t.Parallel()
 	oneOf(t, busy)
 	const n = 2048
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	_, b := startBucket(t)
 	before := runtime.NumGoroutine()
 	first := make(chan int, 1)
 	var held atomic.Int64
@@ -192,15 +184,7 @@ func TestColdStartQueuesAcquisitions(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- c.Run(ctx) }()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run: %v", err)
-		}
-	}()
+	runGroup(t, context.Background(), c)
 	select {
 	case got := <-first:
 		// The lease's own goroutines and the acquisitions running (64
@@ -228,8 +212,7 @@ func TestColdStartQueuesAcquisitions(t *testing.T) {
 func TestRecordOfAnEndedSessionIsTakenWhoeverItNames(t *testing.T) {
 	t.Parallel()
 	const n = 16
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	ctx := ctxFor(t, time.Minute)
 	kv, err := js.KeyValue(ctx, b.Name())
 	if err != nil {

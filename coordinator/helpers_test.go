@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/goleak"
 
@@ -40,6 +41,51 @@ func provision(t *testing.T, js jetstream.JetStream, replicas int) *coordinator.
 		t.Fatal(err)
 	}
 	return b
+}
+
+// startBucket starts a server and provisions a lease bucket of one
+// replica on it.
+func startBucket(t *testing.T) (jetstream.JetStream, *coordinator.Bucket) {
+	t.Helper()
+	js := natstest.Start(t).JetStream(t)
+	return js, provision(t, js, 1)
+}
+
+// jobStream creates the job stream of scope with n partitions, as
+// worker.ProvisionJobs records them, holding jobs messages.
+func jobStream(t *testing.T, js jetstream.JetStream, scope string, n, jobs int) {
+	t.Helper()
+	ctx := ctxFor(t, 10*time.Second)
+	_, err := js.CreateStream(ctx, jetstream.StreamConfig{
+		Name:     scope + "-jobs",
+		Subjects: []string{scope + ".jobs.>"},
+		Metadata: map[string]string{"leasehold.kind": "jobs", "leasehold.prefix": scope, "leasehold.partitions": fmt.Sprint(n)},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range jobs {
+		if _, err := js.Publish(ctx, fmt.Sprintf("%s.jobs.%d", scope, i%n), []byte("job")); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// provisionWithJobs provisions a lease bucket of replicas on js and its
+// job stream of n partitions holding jobs messages.
+func provisionWithJobs(t *testing.T, js jetstream.JetStream, replicas, n, jobs int) *coordinator.Bucket {
+	t.Helper()
+	b := provision(t, js, replicas)
+	jobStream(t, js, b.Scope(), n, jobs)
+	return b
+}
+
+// startBucketWithJobs is startBucket with the bucket's job stream of n
+// partitions holding jobs messages.
+func startBucketWithJobs(t *testing.T, n, jobs int) (jetstream.JetStream, *coordinator.Bucket) {
+	t.Helper()
+	js := natstest.Start(t).JetStream(t)
+	return js, provisionWithJobs(t, js, 1, n, jobs)
 }
 
 func newCoord(t *testing.T, b *coordinator.Bucket, worker string, ttl time.Duration) *coordinator.Coordinator {
@@ -147,12 +193,32 @@ func startMemberWith(t *testing.T, b *coordinator.Bucket, name string, n int, tt
 	if err != nil {
 		t.Fatal(err)
 	}
+	m.run(t, c)
+	return m
+}
+
+// run runs c as m's coordinator until m.stop or the end of the test.
+func (m *member) run(t *testing.T, c *coordinator.Coordinator) {
 	m.c = c
 	ctx, cancel := context.WithCancel(context.Background())
 	m.cancel = cancel
 	go func() { m.done <- c.Run(ctx) }()
 	t.Cleanup(func() { m.stop(t) })
-	return m
+}
+
+// runGroup runs c's group until the test ends, then stops it and fails the
+// test if Run returned an error.
+func runGroup(t *testing.T, ctx context.Context, c *coordinator.Coordinator) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	})
 }
 
 // LeaseEvent counts the leases that lapsed.
@@ -311,6 +377,31 @@ func waitFor(t *testing.T, within time.Duration, what string, cond func() bool) 
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// openOverOwnConnection opens b again over a connection of its own to s,
+// which the test may close to cut that client off.
+func openOverOwnConnection(t *testing.T, s *natstest.Server, b *coordinator.Bucket) (*nats.Conn, *coordinator.Bucket) {
+	t.Helper()
+	nc := s.Connect(t)
+	js, _ := jetstream.New(nc)
+	return nc, mustOpen(t, js, b.Name())
+}
+
+// reconnectingJS connects to url for as long as the test runs, reconnecting
+// without end every 50 ms while it cannot reach the server.
+func reconnectingJS(t *testing.T, url string) jetstream.JetStream {
+	t.Helper()
+	nc, err := nats.Connect(url, nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return js
 }
 
 func mustOpen(t *testing.T, js jetstream.JetStream, name string) *coordinator.Bucket {

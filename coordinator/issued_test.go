@@ -12,7 +12,6 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
-	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 const maxInt64 = "9223372036854775807"
@@ -34,8 +33,7 @@ func issued(t *testing.T, ctx context.Context, b *coordinator.Bucket, p leasehol
 func TestIssuedEpochIgnoresForgedRecords(t *testing.T) {
 	t.Parallel()
 	onEachTopology(t, func(t *testing.T, js jetstream.JetStream, replicas int) {
-		b := provision(t, js, replicas)
-		jobStream(t, js, b.Scope(), 8, 0)
+		b := provisionWithJobs(t, js, replicas, 8, 0)
 		ctx := ctxFor(t, 30*time.Second)
 		c := newCoord(t, b, "a", 5*time.Second)
 		leases, fences := b.KeyValue(), b.FenceRecords()
@@ -115,8 +113,7 @@ func TestIssuedEpochIgnoresForgedRecords(t *testing.T) {
 // any partition while there is no job stream (locks still answer).
 func TestIssuedEpochUnknownFences(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	ctx := ctxFor(t, 20*time.Second)
 	unknown := func(id leasehold.FenceID) {
 		t.Helper()

@@ -13,13 +13,11 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
-	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 func TestAcquireHeldRelease(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	a, bw := newCoord(t, b, "a", 2*time.Second), newCoord(t, b, "b", 2*time.Second)
 	ctx := ctxFor(t, 10*time.Second)
 
@@ -128,8 +126,7 @@ func TestStaleHolder(t *testing.T) {
 // while A still believed it held it) loses the lease at once.
 func TestRefusedRenew(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	a, op := newCoord(t, b, "a", 5*time.Second), newCoord(t, b, "operator", 5*time.Second)
 	ctx := ctxFor(t, 20*time.Second)
 	la, err := a.Acquire(ctx, 1, coordinator.ManualRenew())
@@ -185,8 +182,7 @@ func TestConfigValidate(t *testing.T) {
 
 func TestSnapshot(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	_, b := startBucket(t)
 	ctx := ctxFor(t, 10*time.Second)
 	a := newCoord(t, b, "a", 5*time.Second)
 	l, err := a.Acquire(ctx, 2)
@@ -224,8 +220,7 @@ func TestSnapshot(t *testing.T) {
 // commit are refused, and the partition gets a higher epoch.
 func TestFenceRemovesALiveLease(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	_, b := startBucket(t)
 	ctx := ctxFor(t, 10*time.Second)
 	a := newCoord(t, b, "a", 10*time.Second)
 	la, err := a.Acquire(ctx, 3, coordinator.ManualRenew())
@@ -263,8 +258,7 @@ func TestFenceRemovesALiveLease(t *testing.T) {
 // record; the others fall back to reading through the stream leader.
 func TestAcquireFencesProgressWhateverTheRecordHolds(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	_, b := startBucket(t)
 	c := newCoord(t, b, "a", 2*time.Second)
 	ctx := ctxFor(t, 20*time.Second)
 	kv := b.FenceRecords()

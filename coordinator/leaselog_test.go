@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/leasehold/leasehold/coordinator"
-	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 // logBuf is a log the test reads while coordinators write it.
@@ -60,8 +59,7 @@ func loggedCoord(t *testing.T, b *coordinator.Bucket, worker string, ttl time.Du
 // as a partition.
 func TestLeaseLogLines(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	ctx := ctxFor(t, 30*time.Second)
 	var alog, blog logBuf
 	a, bc := loggedCoord(t, b, "alice", time.Second, &alog), loggedCoord(t, b, "bob", time.Second, &blog)
@@ -136,8 +134,7 @@ func TestLeaseLogLines(t *testing.T) {
 // it took it over.
 func TestHandOffAndTakeOverLogLines(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	_, b := startBucket(t)
 	ctx := ctxFor(t, 60*time.Second)
 	var alog, blog logBuf
 	alice := loggedCoord(t, b, "alice", 3*time.Second, &alog)

@@ -15,7 +15,6 @@ import (
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink"
-	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 func TestLockNameEncoding(t *testing.T) {
@@ -118,8 +117,7 @@ func TestLockHandOff(t *testing.T) {
 // and the resource holds B's value.
 func TestLockZombieRefusedBySink(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	_, b := startBucket(t)
 	a, bw := newCoord(t, b, "a", time.Second), newCoord(t, b, "b", time.Second)
 	ctx := ctxFor(t, 30*time.Second)
 	s := sink.NewMemory(sink.MemoryConfig{Verifier: b})
@@ -174,8 +172,7 @@ func TestLockZombieRefusedBySink(t *testing.T) {
 func TestManyLocks(t *testing.T) {
 	t.Parallel()
 	oneOf(t, busy)
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	_, b := startBucket(t)
 	ctx := ctxFor(t, 120*time.Second)
 	const locks, workers = 5000, 8
 	var (
@@ -226,8 +223,7 @@ func TestManyLocks(t *testing.T) {
 // Snapshot and FenceLock on a held lock.
 func TestFenceLock(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	_, b := startBucket(t)
 	ctx := ctxFor(t, 20*time.Second)
 	la, err := newCoord(t, b, "a", 10*time.Second).TryLock(ctx, "nightly", coordinator.ManualRenew())
 	if err != nil {
@@ -261,8 +257,7 @@ func TestFenceLock(t *testing.T) {
 // campaigns again. Both return nil when their context ends.
 func TestRunSingleton(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	_, b := startBucket(t)
 	ctx, cancel := context.WithCancel(ctxFor(t, 60*time.Second))
 	defer cancel()
 	type run struct {
@@ -320,8 +315,7 @@ func TestRunSingleton(t *testing.T) {
 // unchanged for a TTL.
 func TestLockTakesOverAForeignRecord(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	_, b := startBucket(t)
 	ctx := ctxFor(t, 20*time.Second)
 	key := "lock." + coordinator.EncodeLockName("nightly")
 	if _, err := b.KeyValue().Put(ctx, key, []byte(`{"holder":"ghost","token":"t","ttl_ms":1000}`)); err != nil {

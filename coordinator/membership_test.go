@@ -10,7 +10,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold/coordinator"
-	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 // A second process under a worker ID another live process holds stops at
@@ -21,8 +20,7 @@ import (
 func TestDuplicateWorkerIDFailsFast(t *testing.T) {
 	t.Parallel()
 	const n = 4
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	_, b := startBucket(t)
 	first := startMemberTTL(t, b, "twin", n, 30*time.Second)
 	waitFor(t, 20*time.Second, "the first twin holds the partitions", func() bool { return len(first.c.Held()) == n })
 
@@ -55,8 +53,7 @@ func TestDuplicateWorkerIDFailsFast(t *testing.T) {
 func TestRestartAfterCrashWaitsForOwnRegistration(t *testing.T) {
 	t.Parallel()
 	const n = 2
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	ctx := ctxFor(t, time.Minute)
 	// The crashed incarnation's registration: written once, never renewed.
 	ttl := 2 * time.Second

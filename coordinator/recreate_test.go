@@ -2,7 +2,6 @@ package coordinator_test
 
 import (
 	"errors"
-	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -13,26 +12,6 @@ import (
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/testing/natstest"
 )
-
-// jobStream creates the job stream of scope with n partitions, as
-// worker.ProvisionJobs records them, holding jobs messages.
-func jobStream(t *testing.T, js jetstream.JetStream, scope string, n, jobs int) {
-	t.Helper()
-	ctx := ctxFor(t, 10*time.Second)
-	_, err := js.CreateStream(ctx, jetstream.StreamConfig{
-		Name:     scope + "-jobs",
-		Subjects: []string{scope + ".jobs.>"},
-		Metadata: map[string]string{"leasehold.kind": "jobs", "leasehold.prefix": scope, "leasehold.partitions": fmt.Sprint(n)},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i := range jobs {
-		if _, err := js.Publish(ctx, fmt.Sprintf("%s.jobs.%d", scope, i%n), []byte("job")); err != nil {
-			t.Fatal(err)
-		}
-	}
-}
 
 // I1 and progress across the lease bucket's re-creation: a machine whose
 // clock is an hour behind deletes the lease bucket and provisions it

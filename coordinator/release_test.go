@@ -16,7 +16,7 @@ import (
 // partition again, under a new epoch, instead of counting it as held.
 func TestRunTakesAGivenUpPartitionAgain(t *testing.T) {
 	t.Parallel()
-	b := provision(t, natstest.Start(t).JetStream(t), 1)
+	_, b := startBucket(t)
 	leases := make(chan *coordinator.Lease, 4)
 	c, err := coordinator.New(b, coordinator.Config{
 		Worker: "a", Partitions: 1, TTL: 2 * time.Second,
@@ -25,15 +25,7 @@ func TestRunTakesAGivenUpPartitionAgain(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- c.Run(ctx) }()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run: %v", err)
-		}
-	}()
+	runGroup(t, context.Background(), c)
 	next := func(what string) *coordinator.Lease {
 		t.Helper()
 		select {

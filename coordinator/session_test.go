@@ -10,22 +10,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/testing/natstest"
 )
-
-func newSessionCoord(t *testing.T, b *coordinator.Bucket, worker string, ttl time.Duration) *coordinator.Coordinator {
-	t.Helper()
-	c, err := coordinator.New(b, coordinator.Config{Worker: worker, TTL: ttl, Partitions: 64})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return c
-}
 
 // sessionRecord is the part of a partition record the tests look at.
 type sessionRecord struct {
@@ -164,7 +154,7 @@ func TestSessionExpiredHolderIsTakenOnce(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		c := newSessionCoord(t, bi, fmt.Sprintf("taker-%d", i), 2*time.Second)
+		c := newCoord(t, bi, fmt.Sprintf("taker-%d", i), 2*time.Second)
 		s, err := c.RegisterSession(ctx)
 		if err != nil {
 			t.Fatal(err)
@@ -175,7 +165,7 @@ func TestSessionExpiredHolderIsTakenOnce(t *testing.T) {
 	}
 	var last leasehold.Epoch
 	for round := range rounds {
-		z := newSessionCoord(t, b, fmt.Sprintf("zombie-%d", round), 2*time.Second)
+		z := newCoord(t, b, fmt.Sprintf("zombie-%d", round), 2*time.Second)
 		zs, err := z.RegisterSession(ctx)
 		if err != nil {
 			t.Fatal(err)
@@ -281,16 +271,7 @@ func TestSessionFrozenMemberFailsOverAcrossLeaderKill(t *testing.T) {
 	leaderNode := cl.StreamLeader(t, "KV_"+b.Name(), 20*time.Second)
 	other := (leaderNode + 1) % 3
 	px := natstest.NewProxy(t, cl.Node(other).URL())
-	nc, err := nats.Connect(px.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	jsC, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	bC, err := coordinator.OpenBucket(ctx, jsC, b.Name())
+	bC, err := coordinator.OpenBucket(ctx, reconnectingJS(t, px.URL()), b.Name())
 	if err != nil {
 		t.Fatal(err)
 	}

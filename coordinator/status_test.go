@@ -8,7 +8,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 // A partition held by a member session is never written again after its
@@ -19,8 +18,7 @@ import (
 func TestSnapshotDatesSessionLeasesByTheirSession(t *testing.T) {
 	t.Parallel()
 	const n = 2
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	ctx := ctxFor(t, time.Minute)
 	m := startSessionMember(t, b, "steady", n, 2*time.Second)
 	waitFor(t, 30*time.Second, "the member holds both partitions", func() bool { return len(m.c.Held()) == n })

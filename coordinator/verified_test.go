@@ -41,8 +41,7 @@ func wantNotIssued(t *testing.T, what string, err error, r coordinator.NotIssued
 func TestVerifyAcquisition(t *testing.T) {
 	t.Parallel()
 	onEachTopology(t, func(t *testing.T, js jetstream.JetStream, replicas int) {
-		b := provision(t, js, replicas)
-		jobStream(t, js, b.Scope(), 8, 0)
+		b := provisionWithJobs(t, js, replicas, 8, 0)
 		ctx := ctxFor(t, 30*time.Second)
 		c := newCoord(t, b, "a", 5*time.Second)
 
@@ -113,9 +112,7 @@ func TestVerifyAcquisition(t *testing.T) {
 // nothing, although the epoch is below its own holder's.
 func TestVerifyAcquisitionReadsTheLeaseWrite(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
-	jobStream(t, js, b.Scope(), 8, 0)
+	_, b := startBucketWithJobs(t, 8, 0)
 	ctx := ctxFor(t, 30*time.Second)
 	c := newCoord(t, b, "a", 5*time.Second)
 	sess, err := c.RegisterSession(ctx)
@@ -157,9 +154,7 @@ func TestVerifyAcquisitionReadsTheLeaseWrite(t *testing.T) {
 // of them verifies, the one before is refused as forgotten, distinctly.
 func TestVerifyAcquisitionForgets(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
-	jobStream(t, js, b.Scope(), 8, 0)
+	_, b := startBucketWithJobs(t, 8, 0)
 	ctx := ctxFor(t, 60*time.Second)
 	c := newCoord(t, b, "a", 5*time.Second)
 	var infos []leasehold.Lease
@@ -188,9 +183,7 @@ func TestVerifyAcquisitionForgets(t *testing.T) {
 // release, it keeps them so, and adds the new acquisition with its token.
 func TestVerifyAcquisitionPreviousRelease(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
-	jobStream(t, js, b.Scope(), 8, 0)
+	_, b := startBucketWithJobs(t, 8, 0)
 	ctx := ctxFor(t, 30*time.Second)
 	c := newCoord(t, b, "a", 5*time.Second)
 	l0, err := c.Acquire(ctx, 4)
@@ -255,8 +248,7 @@ func TestVerifyAcquisitionPreviousRelease(t *testing.T) {
 // then holds the newest FenceHistory acquisitions, its own last.
 func TestBatchFencesFullHistories(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
+	js, b := startBucket(t)
 	ctx := ctxFor(t, 60*time.Second)
 	const n = 256
 	jobStream(t, js, b.Scope(), n, 0)
@@ -275,7 +267,7 @@ func TestBatchFencesFullHistories(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	c := newSessionCoord(t, b, "w", 10*time.Second)
+	c := newCoord(t, b, "w", 10*time.Second)
 	sess := renewedSession(t, c)
 	leases, errs := c.AcquireBatch(ctx, partitionsUpTo(n), sess)
 	if err := errors.Join(errs...); err != nil {
@@ -319,9 +311,7 @@ func TestBatchFencesFullHistories(t *testing.T) {
 // the holder out.
 func TestVerifyAcquisitionRecordRewrittenForAMoment(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	b := provision(t, js, 1)
-	jobStream(t, js, b.Scope(), 8, 0)
+	_, b := startBucketWithJobs(t, 8, 0)
 	ctx := ctxFor(t, 30*time.Second)
 	l, err := newCoord(t, b, "a", 5*time.Second).Acquire(ctx, 5)
 	if err != nil {
