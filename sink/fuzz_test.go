@@ -62,13 +62,19 @@ func FuzzAdmission(f *testing.F) {
 				st := stamp()
 				l := leasehold.Lease{Scope: st.Scope, Partition: st.Partition, Epoch: st.Epoch, Acquisition: st.Acquisition, Holder: "w"}
 				model.advance(t, m.Advance(ctx, l), l)
-			case 3: // an effect stamped from raw header text
+			case 3: // an effect stamped from raw header text, in either form
+				p := fmt.Sprint(next() % 3)
 				h := map[string][]string{
-					leasehold.HeaderScope:       {"orders"},
-					leasehold.HeaderPartition:   {fmt.Sprint(next() % 3)},
-					leasehold.HeaderEpoch:       {rawEpoch},
-					leasehold.HeaderAcquisition: {"x"},
-					leasehold.HeaderKey:         {rawKey},
+					leasehold.HeaderStamp: {"1 orders " + p + " " + rawEpoch + " x " + rawKey},
+				}
+				if next()%2 == 0 {
+					h = map[string][]string{
+						leasehold.HeaderScope:       {"orders"},
+						leasehold.HeaderPartition:   {p},
+						leasehold.HeaderEpoch:       {rawEpoch},
+						leasehold.HeaderAcquisition: {"x"},
+						leasehold.HeaderKey:         {rawKey},
+					}
 				}
 				st, err := leasehold.StampFromHeader(h)
 				if err != nil {
