@@ -44,6 +44,13 @@ const (
 	KindReleased = "released" // a worker drained and released a partition on purpose
 	KindLost     = "lost"     // a worker lost a partition's lease (Reason)
 	KindRefused  = "refused"  // a sink refused a write (Worker wrote at Epoch; Max and Holder are the fence's)
+	// KindAction is an action taken on the status page (Actor did Action
+	// on Target, with Result; Failed when it did not succeed).
+	KindAction = "action"
+	// KindEndpoint is an HTTP relay's endpoint going down (Down, with the
+	// last error in Reason, down Since its first failure), still being
+	// down, or answering again.
+	KindEndpoint = "endpoint"
 )
 
 // Bounds of the events stream and of one event.
@@ -68,15 +75,20 @@ func EventsStream(prefix string) string { return statusevents.Stream(prefix) }
 
 // EventSubject is the subject events of kind are published on.
 func EventSubject(prefix, kind string) string {
-	if kind == KindRefused {
+	switch kind {
+	case KindRefused:
 		return prefix + ".events.refused"
+	case KindAction:
+		return prefix + ".events.action"
+	case KindEndpoint:
+		return prefix + ".events.endpoint"
 	}
 	return prefix + ".events.lease." + kind
 }
 
 // kindOfSubject returns the kind a subject may carry, or "".
 func kindOfSubject(prefix, subject string) string {
-	for _, k := range []string{KindAcquired, KindReleased, KindLost, KindRefused} {
+	for _, k := range []string{KindAcquired, KindReleased, KindLost, KindRefused, KindAction, KindEndpoint} {
 		if subject == EventSubject(prefix, k) {
 			return k
 		}
@@ -106,7 +118,21 @@ type Event struct {
 	Holder  string `json:"holder,omitempty"`
 	Outcome string `json:"outcome,omitempty"`
 	Key     string `json:"key,omitempty"`
-	Reason  string `json:"reason,omitempty"` // for a loss
+	Reason  string `json:"reason,omitempty"` // for a loss; an endpoint's last error
+	// Actor, Action, Target, Result and Failed describe an action: who
+	// did what, to which dead letter or job, and how it went.
+	Actor  string `json:"actor,omitempty"`
+	Action string `json:"action,omitempty"`
+	Target string `json:"target,omitempty"`
+	Result string `json:"result,omitempty"`
+	Failed bool   `json:"failed,omitempty"`
+	// Relay, Endpoint, Origin, Down and Since describe an HTTP relay's
+	// endpoint: down since its first failure in a row, or up again.
+	Relay    string    `json:"relay,omitempty"`
+	Endpoint string    `json:"endpoint,omitempty"`
+	Origin   string    `json:"origin,omitempty"`
+	Down     bool      `json:"down,omitempty"`
+	Since    time.Time `json:"since,omitzero"`
 }
 
 // ErrBadEvent is matched by the errors of events that fail validation.
@@ -119,17 +145,30 @@ func (e *Event) Validate() error {
 		return fmt.Errorf("%w: %s", ErrBadEvent, fmt.Sprintf(format, args...))
 	}
 	switch e.Kind {
-	case KindAcquired, KindReleased, KindLost, KindRefused:
+	case KindAcquired, KindReleased, KindLost, KindRefused, KindAction, KindEndpoint:
 	default:
 		return bad("unknown kind %q", clip(e.Kind))
 	}
 	if e.Time.IsZero() {
 		return bad("no time")
 	}
-	for name, s := range map[string]string{"source": e.Source, "scope": e.Scope, "lock": e.Lock, "worker": e.Worker, "holder": e.Holder, "outcome": e.Outcome, "key": e.Key, "reason": e.Reason} {
+	for name, s := range map[string]string{"source": e.Source, "scope": e.Scope, "lock": e.Lock, "worker": e.Worker, "holder": e.Holder, "outcome": e.Outcome, "key": e.Key, "reason": e.Reason,
+		"actor": e.Actor, "action": e.Action, "target": e.Target, "result": e.Result, "relay": e.Relay, "endpoint": e.Endpoint, "origin": e.Origin} {
 		if err := checkText(s); err != nil {
 			return bad("%s: %v", name, err)
 		}
+	}
+	switch e.Kind {
+	case KindAction:
+		if e.Actor == "" || e.Action == "" {
+			return bad("an action without its actor or name")
+		}
+		return nil
+	case KindEndpoint:
+		if e.Endpoint == "" {
+			return bad("an endpoint event without the endpoint")
+		}
+		return nil
 	}
 	if e.Scope == "" {
 		return bad("no scope")

@@ -18,6 +18,7 @@ import (
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink"
+	"github.com/leasehold/leasehold/sink/httpsink"
 	"github.com/leasehold/leasehold/telemetry"
 	"github.com/leasehold/leasehold/worker"
 )
@@ -52,7 +53,21 @@ type Publisher struct {
 	once    sync.Once
 
 	lastWarn time.Time // owned by the publishing goroutine
+
+	epMu sync.Mutex
+	eps  map[[2]string]endpointSeen // by relay and endpoint
 }
+
+// endpointSeen is the last event published of an endpoint.
+type endpointSeen struct {
+	down bool
+	at   time.Time
+}
+
+// EndpointReminder is how often an endpoint that stays down is published
+// again, so that the page, which reads the last hour of events, keeps
+// showing it.
+const EndpointReminder = 10 * time.Minute
 
 // NewPublisher starts a Publisher; Close stops it.
 func NewPublisher(cfg PublisherConfig) *Publisher {
@@ -91,7 +106,8 @@ func (p *Publisher) Publish(e Event) {
 		e.Time = time.Now()
 	}
 	e.Source = p.cfg.Source
-	for _, s := range []*string{&e.Source, &e.Scope, &e.Lock, &e.Worker, &e.Holder, &e.Outcome, &e.Key, &e.Reason} {
+	for _, s := range []*string{&e.Source, &e.Scope, &e.Lock, &e.Worker, &e.Holder, &e.Outcome, &e.Key, &e.Reason,
+		&e.Actor, &e.Action, &e.Target, &e.Result, &e.Relay, &e.Endpoint, &e.Origin} {
 		*s = truncate(*s)
 	}
 	select {
@@ -175,6 +191,32 @@ func (p *Publisher) WorkerObserver(next worker.Observer) worker.Observer {
 		}
 		p.Publish(ev)
 	})
+}
+
+// EndpointObserver returns what an HTTP relay's Config.OnEndpoint takes:
+// it publishes an endpoint going down (its first failure, with the error)
+// and answering again, and, while it stays down, an event every
+// EndpointReminder with the last error. The page's Destinations panel
+// shows them.
+func (p *Publisher) EndpointObserver() func(httpsink.EndpointHealth) {
+	return func(h httpsink.EndpointHealth) {
+		k := [2]string{h.Relay, h.Endpoint}
+		now := time.Now()
+		p.epMu.Lock()
+		if p.eps == nil {
+			p.eps = map[[2]string]endpointSeen{}
+		}
+		last, seen := p.eps[k]
+		publish := !seen && h.Down || seen && last.down != h.Down || h.Down && now.Sub(last.at) >= EndpointReminder
+		if publish {
+			p.eps[k] = endpointSeen{down: h.Down, at: now}
+		}
+		p.epMu.Unlock()
+		if !publish {
+			return
+		}
+		p.Publish(Event{Kind: KindEndpoint, Time: now, Relay: h.Relay, Endpoint: h.Endpoint, Origin: h.Origin, Down: h.Down, Since: h.Since, Reason: oneLine(h.Err)})
+	}
 }
 
 // LockObserver returns a coordinator observer that publishes the

@@ -53,7 +53,11 @@ type ServeConfig struct {
 	// DeadLetters are the dead-letter streams the page shows. Default:
 	// DefaultDeadLetters(Prefix, true, true).
 	DeadLetters []DeadLetterStream
-	Logger      *slog.Logger
+	// Actions turns on the page's actions: replay or purge a dead letter,
+	// cancel a job, behind a token or a proxy's identity header. Off by
+	// default. Each is logged and published as an event.
+	Actions ActionsConfig
+	Logger  *slog.Logger
 }
 
 // Page is what Serve started: the publisher of this process's events,
@@ -143,7 +147,7 @@ func Serve(ctx context.Context, cfg ServeConfig) (*Page, error) {
 	mux := telemetry.Mux(metrics, checks...)
 	page := New(Config{
 		JetStream: cfg.JetStream, Bucket: cfg.Bucket, Prefix: cfg.Prefix, ServedBy: cfg.ServedBy, Lag: cfg.Lag,
-		DeadLetters: cfg.DeadLetters, Logger: cfg.Logger,
+		DeadLetters: cfg.DeadLetters, Logger: cfg.Logger, Actions: cfg.Actions, Events: p.Publisher,
 	})
 	page.Register(mux)
 	pctx, stop := context.WithCancel(context.WithoutCancel(ctx))

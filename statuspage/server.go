@@ -37,21 +37,31 @@ type Config struct {
 	Lag bool
 	// DeadLetters are the dead-letter streams to show.
 	DeadLetters []DeadLetterStream
-	Logger      *slog.Logger
+	// Actions turns on the page's actions (off by default); Events is
+	// where they are published as events (nil: they are only logged).
+	Actions ActionsConfig
+	Events  *Publisher
+	Logger  *slog.Logger
 }
 
 // DeadLetterStream is a dead-letter stream the page shows: its count, and
 // with Details its newest dead letters (which needs the right to read its
-// messages).
+// messages). With actions on, its dead letters can be replayed and purged
+// from the page, as `leasehold dlq replay` and `purge` do (with --sink
+// and --log for a sink's).
 type DeadLetterStream struct {
 	Stream  string
 	Details bool
+	// Sink says it holds a stream sink's dead letters (effects), which
+	// replay into Log (default <prefix>-effects).
+	Sink bool
+	Log  string
 }
 
 // DefaultDeadLetters are the dead-letter streams of the job streams under
 // prefix: the workers' and the stream sinks'.
 func DefaultDeadLetters(prefix string, workerDetails, sinkDetails bool) []DeadLetterStream {
-	return []DeadLetterStream{{worker.DLQStream(prefix), workerDetails}, {prefix + "-sink-dlq", sinkDetails}}
+	return []DeadLetterStream{{Stream: worker.DLQStream(prefix), Details: workerDetails}, {Stream: prefix + "-sink-dlq", Details: sinkDetails, Sink: true}}
 }
 
 // Server serves the page. Run feeds it; Register mounts it on a mux.
@@ -67,9 +77,11 @@ type Server struct {
 	stopped chan struct{} // closed when Run returns
 
 	wake     chan struct{} // a viewer came
-	viewers  int           // open event streams
-	lastSeen time.Time     // the last request of any viewer
-	snapAt   time.Time     // when snap was read
+	poke     chan struct{} // read again now: an action changed something
+	acts     *actions
+	viewers  int       // open event streams
+	lastSeen time.Time // the last request of any viewer
+	snapAt   time.Time // when snap was read
 
 	// The last lag counts, owned by refresh.
 	lagAt  time.Time
@@ -85,7 +97,18 @@ func New(cfg Config) *Server {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	return &Server{cfg: cfg, hist: newHistory(), changed: make(chan struct{}), stopped: make(chan struct{}), wake: make(chan struct{}, 1)}
+	s := &Server{cfg: cfg, hist: newHistory(), changed: make(chan struct{}), stopped: make(chan struct{}), wake: make(chan struct{}, 1), poke: make(chan struct{}, 1)}
+	s.acts = newActions(s, cfg.Actions)
+	return s
+}
+
+// Poke has the page read the lease bucket and the dead letters again
+// now, rather than at the next refresh.
+func (s *Server) Poke() {
+	select {
+	case s.poke <- struct{}{}:
+	default:
+	}
 }
 
 // idleAfter is how long the page keeps reading after its last viewer.
@@ -140,6 +163,7 @@ func (s *Server) serve(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-tick.C:
+		case <-s.poke:
 		}
 	}
 }
@@ -159,7 +183,9 @@ func (s *Server) touch(delta int) {
 // Register mounts the page on mux: GET / the page, /status.js and
 // /status.css its script and style, /status.json the state once and
 // /status/events the state as server-sent events, sent again on every
-// change.
+// change; and the actions (ActionsConfig): GET /actions/session, POST
+// /actions/login, /actions/logout, /actions/dlq/replay,
+// /actions/dlq/purge and /actions/jobs/cancel.
 func (s *Server) Register(mux *http.ServeMux) {
 	mux.HandleFunc("GET /{$}", s.index)
 	mux.HandleFunc("GET /status.js", s.asset("assets/page.js", "text/javascript; charset=utf-8"))
@@ -171,6 +197,7 @@ func (s *Server) Register(mux *http.ServeMux) {
 		_ = json.NewEncoder(w).Encode(s.State())
 	})
 	mux.HandleFunc("GET /status/events", s.serveEvents)
+	s.acts.register(mux)
 }
 
 // statePlaceholder is where the page's HTML takes the state it starts
@@ -320,6 +347,9 @@ func (s *Server) State() State {
 	st.Moves = newestFirst(s.hist.moves)
 	st.Losses = newestFirst(s.hist.losses)
 	st.Refusals = newestFirst(s.hist.refusals)
+	st.Actions = newestFirst(s.hist.actions)
+	st.Destinations = s.hist.destinations()
+	st.ActionsOn = s.cfg.Actions.Enabled()
 	st.Invalid = s.hist.invalid
 	st.Errors = append([]string{}, st.Errors...)
 	if s.evErr != "" {

@@ -1,6 +1,7 @@
 package statuspage
 
 import (
+	"maps"
 	"slices"
 	"strconv"
 	"strings"
@@ -25,6 +26,13 @@ type State struct {
 	Losses      []Event       `json:"losses"`
 	Refusals    []Event       `json:"refusals"`
 	DeadLetters []DeadLetters `json:"dead_letters"`
+	// Actions are the actions taken on status pages in the last hour,
+	// newest first; Destinations the HTTP relays' endpoints, each as its
+	// last event left it.
+	Actions      []Event       `json:"actions"`
+	Destinations []Destination `json:"destinations"`
+	// ActionsOn says this page takes actions (ActionsConfig).
+	ActionsOn bool `json:"actions_on"`
 	// Errors say what the page could not read, and why.
 	Errors []string `json:"errors"`
 	// Invalid counts events of the stream that failed validation and are
@@ -146,6 +154,18 @@ type DeadLetter struct {
 	Error     string    `json:"error"`
 }
 
+// Destination is an HTTP relay's endpoint as its last event left it.
+type Destination struct {
+	Relay    string    `json:"relay"`
+	Endpoint string    `json:"endpoint"`
+	Origin   string    `json:"origin"`
+	Down     bool      `json:"down"`
+	Since    time.Time `json:"since"`   // down since its first failure in a row; up since its answer
+	Error    string    `json:"error"`   // the last failure, while down
+	Updated  time.Time `json:"updated"` // the last event's time
+	Source   string    `json:"source"`  // the process that runs the relay
+}
+
 // maxListed bounds each list of events the page holds and sends.
 const maxListed = 200
 
@@ -155,10 +175,17 @@ type history struct {
 	moves    []Move
 	losses   []Event
 	refusals []Event
+	actions  []Event
+	dests    map[destKey]Destination
 	invalid  int
 }
 
-func newHistory() *history { return &history{last: map[leasehold.FenceID]Event{}} }
+// destKey names an endpoint of a relay run by a process.
+type destKey struct{ source, relay, endpoint string }
+
+func newHistory() *history {
+	return &history{last: map[leasehold.FenceID]Event{}, dests: map[destKey]Destination{}}
+}
 
 // add folds one validated event.
 func (h *history) add(e Event) {
@@ -193,7 +220,34 @@ func (h *history) add(e Event) {
 		h.losses = appendBounded(h.losses, e)
 	case KindRefused:
 		h.refusals = appendBounded(h.refusals, e)
+	case KindAction:
+		h.actions = appendBounded(h.actions, e)
+	case KindEndpoint:
+		k := destKey{e.Source, e.Relay, e.Endpoint}
+		if _, ok := h.dests[k]; !ok && len(h.dests) >= maxListed {
+			return
+		}
+		d := Destination{Relay: e.Relay, Endpoint: e.Endpoint, Origin: e.Origin, Down: e.Down, Since: e.Since, Updated: e.Time, Source: e.Source}
+		if d.Since.IsZero() {
+			d.Since = e.Time
+		}
+		if d.Down {
+			d.Error = e.Reason
+		}
+		h.dests[k] = d
 	}
+}
+
+// destinations lists the endpoints, by relay and name.
+func (h *history) destinations() []Destination {
+	out := make([]Destination, 0, len(h.dests))
+	for _, d := range h.dests {
+		out = append(out, d)
+	}
+	slices.SortFunc(out, func(a, b Destination) int {
+		return strings.Compare(a.Relay+"\x00"+a.Endpoint+"\x00"+a.Source, b.Relay+"\x00"+b.Endpoint+"\x00"+b.Source)
+	})
+	return out
 }
 
 // expire forgets what is older than the window.
@@ -201,6 +255,8 @@ func (h *history) expire(before time.Time) {
 	h.moves = slices.DeleteFunc(h.moves, func(m Move) bool { return m.Time.Before(before) })
 	h.losses = slices.DeleteFunc(h.losses, func(e Event) bool { return e.Time.Before(before) })
 	h.refusals = slices.DeleteFunc(h.refusals, func(e Event) bool { return e.Time.Before(before) })
+	h.actions = slices.DeleteFunc(h.actions, func(e Event) bool { return e.Time.Before(before) })
+	maps.DeleteFunc(h.dests, func(_ destKey, d Destination) bool { return d.Updated.Before(before) })
 }
 
 func appendBounded[T any](s []T, v T) []T {

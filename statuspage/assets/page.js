@@ -70,6 +70,7 @@
   const where = (e) => (e.lock ? "lock " + e.lock : e.partition);
 
   function render(st) {
+    last = st;
     $("prefix").textContent = st.prefix || "";
     $("served-by").textContent = st.served_by || "?";
     $("now").textContent = time(st.now);
@@ -87,6 +88,13 @@
     fill($("moves"), st.moves || [],
       [(m) => time(m.time), "kind", "scope", where, "from", "from_epoch", "to", "epoch"], (m) => m.kind === "take-over" ? "take-over" : "");
     fill($("losses"), st.losses || [], [(e) => time(e.time), "worker", "scope", where, "epoch", "reason"]);
+    $("destinations-section").hidden = !(st.destinations && st.destinations.length);
+    fill($("destinations"), st.destinations || [],
+      ["relay", "endpoint", "origin", (d) => (d.down ? "down" : "up"), (d) => time(d.since), "error", "source"],
+      (d) => (d.down ? "down" : "up"));
+    fill($("actions"), st.actions || [],
+      [(e) => time(e.time), "actor", "action", "target", "result", "source"], (e) => (e.failed ? "failed" : "done"));
+    actionsOn = !!st.actions_on;
     const dls = [];
     for (const d of st.dead_letters || []) {
       const h = document.createElement("h3");
@@ -95,13 +103,34 @@
       if (d.recent && d.recent.length) {
         const table = document.createElement("table");
         const head = document.createElement("tr");
-        for (const n of ["seq", "time", "subject", "partition", "id", "error"]) {
+        const acts = actionsOn && csrf !== "";
+        for (const n of acts ? ["seq", "time", "subject", "partition", "id", "error", ""] : ["seq", "time", "subject", "partition", "id", "error"]) {
           const th = document.createElement("th");
           th.textContent = n;
           head.appendChild(th);
         }
         const tbody = document.createElement("tbody");
         fill(tbody, d.recent, ["seq", (x) => time(x.time), "subject", "partition", "id", "error"]);
+        if (acts) {
+          for (const tr of tbody.rows) {
+            const x = d.recent[tr.sectionRowIndex];
+            if (!x) continue;
+            const td = document.createElement("td");
+            for (const a of ["replay", "purge"]) {
+              const b = document.createElement("button");
+              b.type = "button";
+              const key = a + " " + d.stream + " " + x.seq;
+              b.textContent = a === "purge" && armed === key ? "confirm purge" : a;
+              if (armed === key) b.className = "armed";
+              b.dataset.action = a;
+              b.dataset.stream = d.stream;
+              b.dataset.seq = String(x.seq);
+              td.appendChild(b);
+            }
+            tr.appendChild(td);
+          }
+        }
+        table.dataset.stream = d.stream;
         table.append(head, tbody);
         dls.push(table);
       }
@@ -116,6 +145,111 @@
     document.dispatchEvent(new CustomEvent("leasehold:state"));
   }
 
+  // Actions: off unless the server takes them; then a sign-in with the
+  // token (or the proxy's user), a CSRF token kept in memory and sent
+  // with every action, and the answer shown.
+  let actionsOn = false;
+  let csrf = "";
+  let armed = ""; // the purge waiting for its confirmation
+  let last = null; // the last state rendered
+
+  function message(ok, text) {
+    $("action-msg").textContent = text;
+    $("action-msg").className = ok ? "ok" : "bad";
+  }
+
+  async function post(path, body) {
+    const headers = { "Content-Type": "application/json" };
+    if (csrf) headers["X-CSRF-Token"] = csrf;
+    let res, out;
+    try {
+      res = await fetch("actions/" + path, { method: "POST", headers, body: JSON.stringify(body), credentials: "same-origin" });
+    } catch (e) {
+      return { status: 0, error: String(e) };
+    }
+    try {
+      out = await res.json();
+    } catch (e) {
+      out = { error: res.status + " " + res.statusText };
+    }
+    out.status = res.status;
+    return out;
+  }
+
+  function signedIn(who, token) {
+    csrf = token || "";
+    $("actions-section").hidden = false;
+    $("sign-in").hidden = !!csrf;
+    $("signed-in").hidden = !csrf;
+    $("actor").textContent = who || "";
+    if (last) render(last);
+  }
+
+  async function act(path, body, what) {
+    const out = await post(path, body);
+    const ok = out.status === 200 && out.ok;
+    message(ok, what + ": " + (ok ? out.result : (out.status || "no answer") + " " + (out.error || "")));
+    if (out.status === 401) signedIn("", "");
+    document.dispatchEvent(new CustomEvent("leasehold:action", { detail: out }));
+    return out;
+  }
+
+  async function session(auto) {
+    let s;
+    try {
+      const res = await fetch("actions/session", { credentials: "same-origin" });
+      s = await res.json();
+    } catch (e) {
+      return;
+    }
+    if (!s.enabled) return;
+    $("actions-section").hidden = false;
+    if (s.csrf) {
+      signedIn(s.who, s.csrf);
+    } else if (s.proxy && !s.token && auto) {
+      const out = await post("login", {});
+      if (out.ok) signedIn(out.who, out.csrf);
+      else message(false, "sign in: " + (out.error || out.status));
+    } else {
+      signedIn("", "");
+    }
+    document.dispatchEvent(new CustomEvent("leasehold:session"));
+  }
+
+  $("sign-in-button").addEventListener("click", async () => {
+    const out = await post("login", { token: $("token").value, name: $("actor-name").value });
+    $("token").value = "";
+    if (out.ok) {
+      signedIn(out.who, out.csrf);
+      message(true, "signed in as " + out.who);
+    } else {
+      message(false, "sign in: " + (out.status || "") + " " + (out.error || ""));
+    }
+    document.dispatchEvent(new CustomEvent("leasehold:session"));
+  });
+  $("sign-out-button").addEventListener("click", async () => {
+    await post("logout", {});
+    signedIn("", "");
+    message(true, "signed out");
+  });
+  $("cancel-button").addEventListener("click", () => {
+    const ref = $("cancel-ref").value.trim();
+    act("jobs/cancel", { ref }, "cancel job " + ref);
+  });
+  $("dead-letters").addEventListener("click", (ev) => {
+    const b = ev.target.closest("button[data-action]");
+    if (!b) return;
+    const key = b.dataset.action + " " + b.dataset.stream + " " + b.dataset.seq;
+    const body = { stream: b.dataset.stream, seq: Number(b.dataset.seq) };
+    if (b.dataset.action === "purge" && armed !== key) {
+      armed = key; // a purge is for good: a second click confirms it
+      if (last) render(last);
+      return;
+    }
+    armed = "";
+    act(b.dataset.action === "purge" ? "dlq/purge" : "dlq/replay", body, b.dataset.action + " " + b.dataset.stream + " " + b.dataset.seq);
+  });
+
   // The state the server read when it sent the page, so that the page
   // shows it from the start (a screenshot taken at load, say), before the
   // event stream delivers the next.
@@ -129,6 +263,7 @@
     }
   }
 
+  session(true);
   const es = new EventSource("status/events");
   es.addEventListener("state", (ev) => {
     let st;
