@@ -137,6 +137,7 @@ func runHTTPSink(ctx context.Context, js jetstream.JetStream, f sinkFlags, cfg s
 		return fmt.Errorf("--lock-ttl: %w", err)
 	}
 	hcfg.Coordinator, hcfg.Logger, hcfg.Telemetry = coord, log, f.tel
+	hcfg.OnEndpoint = page.EndpointObserver() // the status page's Destinations
 	relay, err := httpsink.New(hcfg)
 	if err != nil {
 		return err

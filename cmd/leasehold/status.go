@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -21,6 +22,7 @@ func newStatus() *cobra.Command {
 		conn     natsFlags
 		asJSON   bool
 		httpAddr string
+		acts     actionFlags
 	)
 	cmd := &cobra.Command{
 		Use:   "status",
@@ -37,7 +39,15 @@ With --http it serves the same as a live web page until interrupted, with
 each partition's lag, the take-overs, lease losses and refused writes of the
 last hour (from the <prefix>-events stream that workers and sinks publish
 to) and the dead letters. Workers and sinks serve the page on their own
---http address too.`,
+--http address too.
+
+Actions: with --actions-token-file (or the environment variable
+LEASEHOLD_ACTIONS_TOKEN) or --actions-identity-header, the page also replays
+and purges dead letters and cancels jobs, as ` + "`leasehold dlq replay`" + `, ` + "`dlq purge`" + `
+and ` + "`jobs cancel`" + ` do. A browser signs in with the token; a program sends it as
+"Authorization: Bearer <token>". Every action is a POST from the page's own
+origin with a CSRF token, is logged, and shows on every status page as an
+event: who, what, result. The token is never a flag value, which ps would show.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
@@ -51,7 +61,14 @@ to) and the dead letters. Workers and sinks serve the page on their own
 				return err
 			}
 			if httpAddr != "" {
-				return servePage(ctx, cmd.OutOrStdout(), js, b, conn.prefix, httpAddr)
+				actions, err := acts.config()
+				if err != nil {
+					return err
+				}
+				return servePage(ctx, cmd.OutOrStdout(), js, b, conn.prefix, httpAddr, actions)
+			}
+			if acts.set() {
+				return errors.New("the --actions-* flags need --http: actions are taken on the page")
 			}
 			st, err := b.Snapshot(ctx)
 			if err != nil {
@@ -69,6 +86,7 @@ to) and the dead letters. Workers and sinks serve the page on their own
 	conn.register(cmd.Flags())
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the snapshot as JSON")
 	cmd.Flags().StringVar(&httpAddr, "http", "", "serve a live status page on this address (such as :8090) instead of printing once")
+	acts.register(cmd)
 	return cmd
 }
 
@@ -97,10 +115,11 @@ func printStatus(out io.Writer, st coordinator.Status, now time.Time) {
 
 // servePage serves the live status page on addr until ctx ends, with
 // /livez and /readyz (NATS reachable), and logs where it is.
-func servePage(ctx context.Context, out io.Writer, js jetstream.JetStream, b *coordinator.Bucket, prefix, addr string) error {
+func servePage(ctx context.Context, out io.Writer, js jetstream.JetStream, b *coordinator.Bucket, prefix, addr string, actions statuspage.ActionsConfig) error {
 	p, err := startPage(ctx, statuspage.ServeConfig{
 		JetStream: js, Bucket: b, Prefix: prefix, Name: "leasehold status", Addr: addr, Lag: true,
 		DeadLetters: statuspage.DefaultDeadLetters(prefix, true, true), Logger: slog.New(slog.NewTextHandler(out, nil)),
+		Actions: actions,
 	})
 	if err != nil {
 		return err
