@@ -15,6 +15,12 @@
 // and one style sheet, embedded in the binary: no build step, no CDN, it
 // works offline.
 //
+// With ServeConfig.Actions the page also acts, behind a token or a
+// proxy's identity header: it replays and purges dead letters (package
+// deadletter, as `leasehold dlq` does) and cancels jobs; each action is an
+// event every page shows. An HTTP relay's endpoints that go down and come
+// back (Publisher.EndpointObserver) show in its Destinations.
+//
 // Everything read from the events stream is untrusted: anyone allowed to
 // publish there can write anything. Events are validated (kind, subject,
 // size, printable strings) before they are shown, the page sets every

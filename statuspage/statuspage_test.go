@@ -304,3 +304,53 @@ func TestLockHandOffShows(t *testing.T) {
 		}
 	}
 }
+
+// Actions and endpoint events are checked as every event is, and fold
+// into the page's lists: each action in turn, each endpoint as its last
+// event left it.
+func TestActionAndEndpointEvents(t *testing.T) {
+	t.Parallel()
+	now := time.Now()
+	action := Event{Kind: KindAction, Time: now, Source: "page-1", Actor: "ana (token)", Action: ActionReplay, Target: "shop-dlq 7", Result: "replayed as 0:12"}
+	down := Event{Kind: KindEndpoint, Time: now, Source: "sink-1", Relay: "orders-api", Endpoint: "default", Origin: "http://127.0.0.1:9", Down: true, Since: now.Add(-time.Minute), Reason: "connection refused"}
+	for _, e := range []Event{action, down} {
+		if _, err := decodeEvent("shop", EventSubject("shop", e.Kind), encode(t, e)); err != nil {
+			t.Errorf("a good %s event: %v", e.Kind, err)
+		}
+	}
+	with := func(e Event, f func(*Event)) Event { f(&e); return e }
+	for name, c := range map[string]struct {
+		subject string
+		e       Event
+	}{
+		"an action with no actor":        {EventSubject("shop", KindAction), with(action, func(e *Event) { e.Actor = "" })},
+		"an action on another's subject": {EventSubject("shop", KindRefused), action},
+		"an action with markup bytes":    {EventSubject("shop", KindAction), with(action, func(e *Event) { e.Result = "ok\x1b[2J" })},
+		"an endpoint with no name":       {EventSubject("shop", KindEndpoint), with(down, func(e *Event) { e.Endpoint = "" })},
+		"an endpoint on a lease subject": {EventSubject("shop", KindAcquired), down},
+	} {
+		if _, err := decodeEvent("shop", c.subject, encode(t, c.e)); !errors.Is(err, ErrBadEvent) {
+			t.Errorf("%s: %v, want ErrBadEvent", name, err)
+		}
+	}
+	h := newHistory()
+	h.add(action)
+	h.add(down)
+	up := with(down, func(e *Event) {
+		e.Down, e.Time, e.Since, e.Reason = false, now.Add(time.Second), now.Add(time.Second), ""
+	})
+	if d := h.destinations(); len(d) != 1 || !d[0].Down || d[0].Error != "connection refused" || !d[0].Since.Equal(down.Since) {
+		t.Fatalf("down: %+v", d)
+	}
+	h.add(up)
+	if d := h.destinations(); len(d) != 1 || d[0].Down || d[0].Error != "" {
+		t.Fatalf("up again: %+v", d)
+	}
+	if len(h.actions) != 1 {
+		t.Fatalf("actions %+v", h.actions)
+	}
+	h.expire(now.Add(time.Hour))
+	if len(h.actions)+len(h.destinations()) != 0 {
+		t.Errorf("nothing expired")
+	}
+}
