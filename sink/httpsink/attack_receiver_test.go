@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -39,17 +40,16 @@ func (h *hits) get(k string) []string {
 }
 
 // A relay allowed to follow redirects (MaxRedirects) follows them to its
-// endpoint's origin only. A 301, 302 or 303 answer to a POST makes Go's
-// client send a GET without a body to the new place; if that GET is
-// answered 2xx, the relay counts the effect delivered though its body
+// endpoint's origin only, and only those that keep the method and the
+// body (307, 308). A 301, 302 or 303 answer to a POST would make Go's
+// client send a GET without a body to the new place; were that GET
+// answered 2xx, the relay would count the effect delivered though its body
 // never reached the receiver's POST handler: a committed job's effect
 // lost. The test has a receiver move its hook to a path with a trailing
-// slash (as web frameworks do) and fails unless the effect's body is
-// POSTed there, or the effect is dead-lettered.
+// slash (as web frameworks do) and fails unless each effect's body is
+// POSTed there once (the 307), or the effect is dead-lettered with the
+// redirect's status (the others) and no GET is sent.
 func TestAttackRedirectedPostLosesItsBody(t *testing.T) {
-	if os.Getenv("LEASEHOLD_ATTACK_OPEN") == "" {
-		t.Skip("known defect: with MaxRedirects, a 301/302/303 answer turns the effect's POST into a GET without its body, and a 2xx to it counts as delivered")
-	}
 	t.Parallel()
 	e := newEnv(t, "redirpost")
 	h := &hits{seen: map[string][]string{}}
@@ -75,17 +75,28 @@ func TestAttackRedirectedPostLosesItsBody(t *testing.T) {
 	}
 	r := e.startRelay(httpsink.Config{URL: srv.URL + "/hook", MaxRedirects: 3, Coordinator: e.coord("relay-a")}, e.runnerConfig())
 	r.waitPosition(t, last)
-	dead := map[string]bool{}
+	dead := map[string]string{}
 	for _, m := range e.deadLetters() {
-		dead[m.Header.Get(leasehold.HeaderKey)] = true
+		dead[m.Header.Get(leasehold.HeaderKey)] = m.Header.Get("Leasehold-Sink-Error")
 	}
 	for _, k := range keys {
 		posted := h.get("POST /hook/ " + k)
-		if dead[k] || len(posted) == 1 && posted[0] == `{"effect":"`+k+`"}` {
+		if got := h.get("GET /hook/ " + k); len(got) != 0 {
+			t.Errorf("%s: the relay sent %d GETs without the effect's body", k, len(got))
+		}
+		if msg, ok := dead[k]; ok {
+			if k == "k307" || !strings.Contains(msg, k[1:]) || !strings.Contains(msg, "without its body") {
+				t.Errorf("%s: dead-lettered with %q; want the 307 delivered, and the others' dead letters to name their status and why", k, msg)
+			}
 			continue
 		}
-		t.Errorf("%s: not dead-lettered, and its body reached the receiver's POST handler as %q; what came instead: GET %q",
-			k, posted, h.get("GET /hook/ "+k))
+		if len(posted) == 1 && posted[0] == `{"effect":"`+k+`"}` {
+			if k != "k307" {
+				t.Errorf("%s: followed", k)
+			}
+			continue
+		}
+		t.Errorf("%s: not dead-lettered, and its body reached the receiver's POST handler as %q", k, posted)
 	}
 }
 

@@ -62,9 +62,13 @@ type Config struct {
 	MaxBodyBytes int
 	// MaxResponseHeaderBytes bounds a response's headers. Default 64 KiB.
 	MaxResponseHeaderBytes int
-	// MaxRedirects is how many redirects a request follows, and only to
-	// the same scheme, host and port. Default 0: a redirect is an answer
-	// like any 3xx, and the effect goes to the dead-letter stream.
+	// MaxRedirects is how many redirects a request follows: 307 and 308
+	// only, which keep the method and the body, and only to the same
+	// scheme, host and port. A 301, 302 or 303 would turn the request into
+	// a GET without the effect's body, so it is never followed: it is a
+	// permanent answer, and the effect goes to the dead-letter stream with
+	// it. Default 0: every redirect is an answer like any 3xx, and the
+	// effect goes to the dead-letter stream.
 	MaxRedirects int
 	// MaxRetryAfter bounds the wait a 429's Retry-After asks for. Default
 	// 60s.
@@ -429,6 +433,13 @@ func (c Config) client() (*http.Client, error) {
 			if len(via) > max {
 				return fmt.Errorf("%w: more than %d redirects", errRedirect, max)
 			}
+			if !keepsRequest(req, via[0]) {
+				// A 301, 302 or 303 has the client send a GET without
+				// the effect's body: a 2xx to that would count as
+				// delivered though the body never arrived. The
+				// redirect is the answer, and a permanent one.
+				return http.ErrUseLastResponse
+			}
 			first := via[0].URL
 			if req.URL.Scheme != first.Scheme || req.URL.Host != first.Host {
 				// Never to another origin: an endpoint that redirects
@@ -441,3 +452,25 @@ func (c Config) client() (*http.Client, error) {
 }
 
 var errRedirect = errors.New("redirect refused")
+
+// keepsRequest reports whether the redirected request req sends what the
+// first request, first, sent: a 307 or 308 keeps the method and the
+// body; a 301, 302 or 303 turns it into a GET without one.
+func keepsRequest(req, first *http.Request) bool {
+	if req.Response == nil {
+		return false
+	}
+	switch req.Response.StatusCode {
+	case http.StatusTemporaryRedirect, http.StatusPermanentRedirect:
+	default:
+		return false
+	}
+	return req.Method == first.Method && req.ContentLength == first.ContentLength &&
+		(first.ContentLength == 0 || req.GetBody != nil)
+}
+
+// redirectDrops reports whether a redirect with status code would change
+// the request's method or drop its body.
+func redirectDrops(code int) bool {
+	return code == http.StatusMovedPermanently || code == http.StatusFound || code == http.StatusSeeOther
+}

@@ -348,8 +348,11 @@ func (r *Relay) send(ctx context.Context, e sink.Effect, relay leasehold.Lease) 
 	default: // 1xx left over, 3xx, other 4xx
 		r.answered(ep)
 		de.Permanent = true
-		if code >= 300 && code < 400 {
-			de.Err = "a redirect, which the relay does not follow (Config.MaxRedirects), or not to this origin"
+		switch {
+		case code >= 300 && code < 400 && r.cfg.MaxRedirects > 0 && redirectDrops(code):
+			de.Err = "a redirect that would resend the effect as a GET without its body, which the relay never follows (it follows 307 and 308 only): configure the endpoint's final URL"
+		case code >= 300 && code < 400:
+			de.Err = "a redirect, which the relay does not follow (Config.MaxRedirects: 307 and 308 only)"
 		}
 	}
 	outcome := "retry"

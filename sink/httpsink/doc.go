@@ -47,7 +47,10 @@
 // the runner's dead-letter stream with the status and the start of the
 // body. Another 4xx, a 3xx and an effect no endpoint takes or too large
 // for Config.MaxBodyBytes are permanent (streamsink.ErrPoison):
-// dead-lettered at once. A 409 whose body is a Verifier's refusal of the
+// dead-lettered at once. With Config.MaxRedirects, a 307 or 308 to the
+// endpoint's own origin is followed with the same method and body; a 301,
+// 302 or 303, which would resend the effect as a GET without its body, is
+// never followed and is permanent. A 409 whose body is a Verifier's refusal of the
 // relay's epoch stops the relay (see above); any other 409 (the key's
 // first request still in progress, as the Idempotency-Key draft answers
 // it) is retried. A receiver that fails every request fails Ready, which says

@@ -25,7 +25,8 @@ var ErrRelaySuperseded = errors.New("httpsink: a receiver recorded a newer relay
 //
 // A permanent one matches streamsink.ErrPoison (the runner moves the
 // effect to its dead-letter stream at once): a 4xx other than 408, 409
-// and 429, a 3xx (redirects are off, or led elsewhere), an effect too
+// and 429, a 3xx (redirects are off, led elsewhere, or a 301, 302 or 303,
+// which would resend the effect as a GET without its body), an effect too
 // large, or one no endpoint takes. Any other (5xx, 408, 409, 429, a
 // timeout, a refused or reset connection) is retried by the runner with
 // its backoff, up to streamsink.Config.MaxDeliveries tries.
