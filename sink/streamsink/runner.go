@@ -31,11 +31,14 @@
 // nothing on their own: an abort marker concerns its own attempt only, an
 // attempt number supersedes no other attempt, and an attempt is dropped
 // only on proof that it can no longer complete: its job applied from
-// another attempt, a later job of its lease applied, a successor's stamp
-// admitted on its fence, or its partition's committed progress, read from
-// the fence record (Config.Progress; by default the Verifier). So no abort
-// marker and no attempt number, whoever sends it, drops a job the worker
-// committed; a marker the runner can tell is not a worker's is set aside,
+// another attempt, a successor's stamp admitted on its fence, or its
+// partition's committed progress, read from the fence record
+// (Config.Progress; by default the Verifier). So no abort marker, no
+// attempt number and no final's Leasehold-Floor, whoever sends it, drops
+// a job the worker committed or makes it a duplicate: a job's effects are
+// duplicates only once the job was applied, or the record shows it
+// committed and the runner has read every effect its lease committed it
+// with (chains.go); a marker the runner can tell is not a worker's is set aside,
 // counted in leasehold_sink_markers_suspicious_total, logged, and marked
 // on its decision (sink.Decision.Suspect, the Suspect* reasons). Without
 // a progress reader (no Verifier), markers and epochs are trusted as the
@@ -49,10 +52,11 @@
 // delivery went to the dead-letter stream stays open for its dead letters,
 // which apply on their own when they are replayed into the log, with their
 // job headers or without. The saved position stops short of the first
-// effect of a job still open, and where each fence and subject stands (the
-// last job applied, the dead-lettered ones) is saved beside it, so a
-// restart finds open jobs again and applies no job twice. Held effects are
-// bounded (Config.MaxHeldEffects and MaxHeldBytes, ErrGroupLimit). Effects
+// effect of a job still open, and where each fence and subject stands (its
+// floor and the jobs applied above it, the dead-lettered ones) is saved
+// beside it, so a restart finds open jobs again and applies no job twice.
+// Held effects are bounded (Config.MaxHeldEffects and MaxHeldBytes,
+// ErrGroupLimit), and so are the jobs a chain remembers above its floor. Effects
 // without job headers apply on their own. See groups.go, attempts.go and
 // proofs.go.
 //
