@@ -23,6 +23,14 @@ import (
 // has already over the jobs it writes (it chooses their data); what the
 // header adds is that it can pre-empt the effects of a job it did not
 // write, or have its own dropped. Keep job subjects to trusted publishers.
+//
+// One forgery is refused: an origin in the job's own stream and partition
+// at or after the job's place. A replay, or any other store again, is made
+// from a job stored earlier, so a true origin there comes before the job;
+// one that does not names a place that a job still to come will hold (or
+// holds), and running under its keys would pre-empt that job's effects at
+// a deduping sink. Such a job is dead-lettered saying why, and its dead
+// letter names its own place.
 
 // Origin is the job's identity: the scope, partition and sequence where it
 // was first stored. For a job that never moved, that is its own place.
@@ -43,10 +51,27 @@ func (j *Job) identity() (leasehold.Origin, error) {
 		case err != nil:
 			j.originErr = Permanent(fmt.Errorf("job %d of partition %d: %w", j.Seq, j.Partition, err))
 		case ok:
+			if err := originAhead(o, j.origin); err != nil {
+				if j.r != nil {
+					j.r.log.Warn("a job names an origin at or after its own place; dead-lettered", "seq", j.Seq, "origin", o.String(), "err", err)
+				}
+				j.originErr = Permanent(fmt.Errorf("job %d of partition %d: %w", j.Seq, j.Partition, err))
+				break
+			}
 			j.origin = o
 		}
 	})
 	return j.origin, j.originErr
+}
+
+// originAhead refuses the origin o of a job stored at place when o lies in
+// place's stream and partition at or after it: no replay or move stores a
+// job before the job it is made from.
+func originAhead(o, place leasehold.Origin) error {
+	if o.Scope != place.Scope || o.Partition != place.Partition || o.Seq < place.Seq {
+		return nil
+	}
+	return &leasehold.OriginError{Value: o.String(), Err: fmt.Errorf("it names sequence %d of the job's own partition, at or after the job's place (%d): an origin always comes before the job made from it", o.Seq, place.Seq)}
 }
 
 // beforeHandle refuses, before any handler runs, a job that cannot be run:
@@ -61,10 +86,11 @@ func beforeHandle(job *Job) error {
 
 // originOf is the origin of the job stored at seq of the runner's
 // partition with headers h: its own place unless h carries a readable
-// origin.
+// origin that comes before it (see originAhead).
 func (r *runner) originOf(h map[string][]string, seq uint64) leasehold.Origin {
-	if o, ok, err := leasehold.OriginFromHeader(h); ok && err == nil {
+	place := leasehold.OriginOf(r.info.Scope, r.p, seq)
+	if o, ok, err := leasehold.OriginFromHeader(h); ok && err == nil && originAhead(o, place) == nil {
 		return o
 	}
-	return leasehold.OriginOf(r.info.Scope, r.p, seq)
+	return place
 }

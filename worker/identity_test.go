@@ -44,7 +44,10 @@ func TestProducerRefusesLeaseholdHeaders(t *testing.T) {
 // would apply again what it applied at its origin. Its dead letter names
 // its place as its origin. A job stored with a readable origin (as a
 // replay or a move stores it) emits its origin's keys, and so do its abort
-// markers, and its dead letter carries that origin on.
+// markers, and its dead letter carries that origin on. A job whose origin
+// lies in its own partition after its place is forged (a job is stored
+// again only after it was stored first): it is dead-lettered at once too,
+// under its place, rather than take the keys of a job still to come.
 func TestJobOriginDecidesItsKeys(t *testing.T) {
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, time.Minute)
@@ -85,15 +88,16 @@ func TestJobOriginDecidesItsKeys(t *testing.T) {
 	}
 	garbled := publish("garbled", "jobs/0/007")
 	twice := publish("twice", "jobs/0/7", "jobs/0/8")
-	moved := publish("moved", "jobs/0/77")
-	rec.waitFor(t, 30*time.Second, "three dead letters", func() bool { return rec.count(kind(worker.EventJobDeadLettered)) == 3 })
+	moved := publish("moved", "old/0/77")
+	ahead := publish("ahead", "jobs/0/1000")
+	rec.waitFor(t, 30*time.Second, "four dead letters", func() bool { return rec.count(kind(worker.EventJobDeadLettered)) == 4 })
 	mu.Lock()
 	if len(ran) != 1 || ran[0] != "moved" {
 		t.Errorf("handlers ran for %v; want only the job whose origin can be read", ran)
 	}
 	mu.Unlock()
 	j := <-failed
-	if j.Origin() != leasehold.OriginOf(e.prefix, 0, 77) {
+	if j.Origin() != leasehold.OriginOf("old", 0, 77) {
 		t.Errorf("the moved job's origin is %s", j.Origin())
 	}
 
@@ -101,7 +105,8 @@ func TestJobOriginDecidesItsKeys(t *testing.T) {
 	for _, m := range readStream(t, e.js, worker.DLQStream(e.prefix)) {
 		dead[m.Headers().Get(worker.HeaderSeq)] = m
 	}
-	for seq, want := range map[uint64][]string{garbled: {"Leasehold-Origin", `"jobs/0/007"`, "leading zero"}, twice: {"Leasehold-Origin", "more than once"}} {
+	for seq, want := range map[uint64][]string{garbled: {"Leasehold-Origin", `"jobs/0/007"`, "leading zero"}, twice: {"Leasehold-Origin", "more than once"},
+		ahead: {"Leasehold-Origin", `"jobs/0/1000"`, "at or after the job's place"}} {
 		m := dead[itoa(seq)]
 		if m == nil {
 			t.Fatalf("no dead letter for job %d", seq)
@@ -116,8 +121,8 @@ func TestJobOriginDecidesItsKeys(t *testing.T) {
 			t.Errorf("dead letter of job %d names origin %q; want its place", seq, o)
 		}
 	}
-	if o := dead[itoa(moved)].Headers().Get(leasehold.HeaderOrigin); o != "jobs/0/77" {
-		t.Errorf("the moved job's dead letter names origin %q, want jobs/0/77", o)
+	if o := dead[itoa(moved)].Headers().Get(leasehold.HeaderOrigin); o != "old/0/77" {
+		t.Errorf("the moved job's dead letter names origin %q, want old/0/77", o)
 	}
 
 	var keys []string
@@ -126,8 +131,8 @@ func TestJobOriginDecidesItsKeys(t *testing.T) {
 			keys = append(keys, stampOf(t, m).Key)
 		}
 	}
-	want := []string{leasehold.EffectKey(e.prefix, 0, 77, 0), worker.AbortKey(e.prefix, 0, 77, uint64(j.Attempt))}
-	if len(keys) != 2 || keys[0] != want[0] || !strings.HasPrefix(keys[1], e.prefix+".0.77.abort.") {
+	want := []string{leasehold.EffectKey("old", 0, 77, 0), worker.AbortKey("old", 0, 77, uint64(j.Attempt))}
+	if len(keys) != 2 || keys[0] != want[0] || !strings.HasPrefix(keys[1], "old.0.77.abort.") {
 		t.Errorf("the moved job wrote keys %v; want its origin's %v", keys, want)
 	}
 }

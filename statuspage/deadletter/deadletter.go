@@ -221,7 +221,10 @@ type deadJob struct {
 // checked) is subject. The origin is the dead letter's Leasehold-Origin,
 // or for a dead letter written before origins were, the job's own place.
 // One that cannot be read is refused: a replay under the keys of its new
-// place would apply again what the job applied.
+// place would apply again what the job applied. So is one in the job's
+// own partition past its place: a job is first stored at or before where
+// it is dead-lettered, and a replay under the keys of a place still to
+// come would pre-empt the effects of the job stored there.
 func (d *Stream) jobOf(m *jetstream.RawStreamMsg, subject string) (deadJob, error) {
 	p, err := leasehold.ParsePartition(strings.TrimPrefix(subject, d.prefix+".jobs."))
 	if err != nil {
@@ -238,6 +241,12 @@ func (d *Stream) jobOf(m *jetstream.RawStreamMsg, subject string) (deadJob, erro
 	}
 	if !ok {
 		o = leasehold.OriginOf(d.prefix, p, seq)
+	}
+	if o.Scope == d.prefix && o.Partition == p && o.Seq > seq {
+		// The job was first stored at or before where it was
+		// dead-lettered: an origin past that names a job still to come,
+		// whose keys the replay would take.
+		return deadJob{}, fmt.Errorf("%w; its origin comes after the job it was dead-lettered as (sequence %d of partition %d): no job is made from one stored later, so it is forged", &leasehold.OriginError{Value: o.String(), Err: errors.New("an origin past its job")}, seq, p)
 	}
 	return deadJob{partition: p, seq: seq, origin: o, reason: replayReason(header(m.Header, worker.HeaderError))}, nil
 }
