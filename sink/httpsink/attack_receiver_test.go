@@ -6,17 +6,18 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink/httpsink"
+	"github.com/leasehold/leasehold/telemetry"
 )
 
 // hits records what a receiver was sent, by method, path and effect key.
@@ -154,33 +155,70 @@ func TestAttackReceiverStallsTheRelay(t *testing.T) {
 // A relay with two endpoints, one of which refuses every request as
 // superseded (its Verifier holds a relay epoch far above any the lease
 // bucket issued: a forged request with a huge relay epoch did it, as the
-// HTTP guide warns), while effects for the other keep coming. The relay
-// gives up its term at each refusal and campaigns again; it stops after
-// maxStaleTerms terms in a row "before any delivery", but a delivery to
-// the other endpoint within a term resets that count. Then it retakes its
-// lock for ever, Ready stays nil, and the refused effect is never
-// dead-lettered (a supersede is not a delivery attempt). Whether a
-// delivery lands within each term is a matter of timing: the test fails in
-// 1 to 4 of 10 runs under -race on a loaded 2-core machine
-// (LEASEHOLD_ATTACK_OPEN=1 go test -race -count=10 -run
-// TestAttackOneFencedReceiverChurnsTheRelay). It fails if the bad receiver sees ten terms
-// without the relay stopping or dead-lettering the refused effect.
+// HTTP guide warns), while the other takes its effects. Each refusal
+// ended the relay's term, and a delivery to the other endpoint reset the
+// bound on refused terms, so the relay gave up and retook its lock for
+// ever, Ready stayed nil, and the refused effect was never dead-lettered
+// (a refusal as superseded is not a try). The bound is now the
+// endpoint's, reset only by its own deliveries: past it, that endpoint is
+// fenced out (down in Ready, OnEndpoint and the gauge) and its effect is
+// dead-lettered saying why, while the relay goes on delivering.
+//
+// Nothing here depends on timing: the bad receiver answers its first
+// term only once the good one has seen two requests of that term, so the
+// relay has taken the first's answer (the good effects go one after
+// another); the test then waits for the dead letter, and fails if the bad
+// receiver sees more than three terms, or the relay stops.
 func TestAttackOneFencedReceiverChurnsTheRelay(t *testing.T) {
-	if os.Getenv("LEASEHOLD_ATTACK_OPEN") == "" {
-		t.Skip("known defect: one receiver that supersedes every relay epoch makes the relay give up and retake its lock for ever while another endpoint delivers; its effect is never dead-lettered and Ready stays nil")
-	}
 	t.Parallel()
 	e := newEnv(t, "churn")
-	good := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) }))
+	var (
+		mu       sync.Mutex
+		changed  = make(chan struct{})
+		goodSeen = map[string]int{} // requests by relay epoch
+		goodKeys = map[string]int{}
+		terms    []string // relay epochs the bad receiver refused, in order
+	)
+	note := func(f func()) {
+		mu.Lock()
+		f()
+		close(changed)
+		changed = make(chan struct{})
+		mu.Unlock()
+	}
+	good := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		note(func() {
+			goodSeen[r.Header.Get(httpsink.HeaderRelayEpoch)]++
+			goodKeys[r.Header.Get(leasehold.HeaderKey)]++
+		})
+		w.WriteHeader(http.StatusOK)
+	}))
 	defer good.Close()
-	var mu sync.Mutex
-	terms := map[string]bool{}
 	bad := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.Copy(io.Discard, r.Body)
-		ep, _ := strconv.ParseUint(r.Header.Get(httpsink.HeaderRelayEpoch), 10, 64)
-		mu.Lock()
-		terms[r.Header.Get(httpsink.HeaderRelayEpoch)] = true
-		mu.Unlock()
+		epoch := r.Header.Get(httpsink.HeaderRelayEpoch)
+		for {
+			mu.Lock()
+			first := len(terms) == 0 || terms[0] == epoch
+			ready := !first || goodSeen[epoch] >= 2
+			ch := changed
+			mu.Unlock()
+			if ready {
+				break
+			}
+			select {
+			case <-ch:
+			case <-r.Context().Done():
+				return
+			}
+		}
+		note(func() {
+			if len(terms) == 0 || terms[len(terms)-1] != epoch {
+				terms = append(terms, epoch)
+			}
+		})
+		ep, _ := strconv.ParseUint(epoch, 10, 64)
 		ref, _ := json.Marshal(map[string]any{"error": "stale_epoch", "fence": "relay", "scope": r.Header.Get(httpsink.HeaderRelayScope), "partition": 0,
 			"epoch": ep, "acquisition": r.Header.Get(httpsink.HeaderRelayAcquisition), "max": ep + 1_000_000, "holder": "relay-forged", "message": "superseded"})
 		w.Header().Set("Content-Type", "application/json")
@@ -193,50 +231,107 @@ func TestAttackOneFencedReceiverChurnsTheRelay(t *testing.T) {
 		e.publish("good", e.stamp(1, "kfirst"+strconv.Itoa(i)), []byte(`{}`), nil)
 	}
 	e.publish("bad", e.stamp(1, "kbad"), []byte(`{}`), nil)
-	stop := make(chan struct{})
-	feeding := make(chan struct{})
-	go func() { // effects for the good endpoint keep coming
-		defer close(feeding)
-		for i := 0; ; i++ {
-			select {
-			case <-stop:
-				return
-			case <-time.After(5 * time.Millisecond):
-			}
-			h := nats.Header{}
-			e.stamp(1, "kgood"+strconv.Itoa(i)).SetHeader(h)
-			if _, err := e.js.PublishMsg(context.Background(), &nats.Msg{Subject: e.prefix + ".out.good", Header: h, Data: []byte(`{}`)}); err != nil {
-				return
-			}
-		}
-	}()
-	defer func() { close(stop); <-feeding }()
-	rcfg := e.runnerConfig()
+	for i := range 20 {
+		e.publish("good", e.stamp(1, "kthen"+strconv.Itoa(i)), []byte(`{}`), nil)
+	}
+	reader := sdkmetric.NewManualReader()
+	heard := make(chan httpsink.EndpointHealth, 1024)
 	r := e.startRelay(httpsink.Config{URL: good.URL, Endpoints: map[string]string{"bad": bad.URL},
-		Routes: []httpsink.Route{{Subject: e.prefix + ".out.bad", Endpoint: "bad"}}, Coordinator: e.coord("relay-a")}, rcfg)
+		Routes: []httpsink.Route{{Subject: e.prefix + ".out.bad", Endpoint: "bad"}}, Coordinator: e.coord("relay-a"),
+		Telemetry:  telemetry.Config{MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))},
+		OnEndpoint: func(h httpsink.EndpointHealth) { heard <- h }}, e.runnerConfig())
 	deadline := time.After(time.Minute)
-	for {
+	for dead := false; !dead; {
 		mu.Lock()
-		n := len(terms)
+		n, ch := len(terms), changed
 		mu.Unlock()
+		if n > 3 {
+			t.Fatalf("the bad receiver refused %d terms of the relay, which retook its lock each time; Ready now: %v", n, r.Ready(context.Background()))
+		}
 		if _, err := e.js.Stream(context.Background(), e.prefix+"-sink-dlq"); err == nil {
 			for _, m := range e.deadLetters() {
-				if m.Header.Get(leasehold.HeaderKey) == "kbad" {
-					return // dead-lettered: it holds nothing up
+				if m.Header.Get(leasehold.HeaderKey) != "kbad" {
+					t.Fatalf("%s was dead-lettered: %s", m.Header.Get(leasehold.HeaderKey), m.Header.Get("Leasehold-Sink-Error"))
+				}
+				dead = true
+				if msg := m.Header.Get("Leasehold-Sink-Error"); !strings.Contains(msg, "refused every relay epoch") || !strings.Contains(msg, "endpoint bad") {
+					t.Errorf("kbad's dead letter says %q: want the endpoint, and that its receiver refused every relay epoch", msg)
 				}
 			}
 		}
-		if n >= 10 {
-			t.Fatalf("the bad receiver refused %d terms of the relay, which retook its lock each time and never dead-lettered the refused effect; Ready now: %v", n, r.Ready(context.Background()))
+		if dead {
+			break
 		}
 		select {
 		case err := <-r.done:
-			close(r.done)
-			t.Logf("the relay stopped: %v", err)
-			return
+			r.done <- err // for the cleanup
+			t.Fatalf("the relay stopped: %v", err)
 		case <-deadline:
-			t.Fatalf("neither ten terms, nor a stop, nor a dead letter within a minute (terms: %d)", n)
-		case <-time.After(50 * time.Millisecond):
+			t.Fatalf("kbad not dead-lettered within a minute (terms refused: %d; ready: %v)", n, r.Ready(context.Background()))
+		case <-ch:
+		case <-time.After(50 * time.Millisecond): // the dead-letter stream is polled
 		}
 	}
+	// The relay goes on delivering the good endpoint's effects, under the
+	// lock it holds, and the bad endpoint is down.
+	last := e.publish("good", e.stamp(1, "klast"), []byte(`{}`), nil)
+	r.waitPosition(t, last)
+	mu.Lock()
+	for _, k := range []string{"kfirst0", "kfirst19", "kthen0", "kthen19", "klast"} {
+		if goodKeys[k] == 0 {
+			t.Errorf("%s never reached the good receiver", k)
+		}
+	}
+	t.Logf("the bad receiver refused terms %v", terms)
+	mu.Unlock()
+	ready := r.Ready(context.Background())
+	if ready == nil || !strings.Contains(ready.Error(), "endpoint bad") || !strings.Contains(ready.Error(), "refused every relay epoch") {
+		t.Errorf("Ready says %v: want the bad endpoint named, fenced out", ready)
+	}
+	if err := r.Ready(context.Background()); err != nil && strings.Contains(err.Error(), "endpoint default") {
+		t.Errorf("Ready blames the good endpoint: %v", err)
+	}
+	var down *httpsink.EndpointHealth
+	for len(heard) > 0 {
+		h := <-heard
+		if h.Endpoint == "default" && h.Down {
+			t.Errorf("OnEndpoint heard the good endpoint down: %+v", h)
+		}
+		if h.Endpoint == "bad" {
+			down = &h
+		}
+	}
+	if down == nil || !down.Down || !strings.Contains(down.Err, "refused every relay epoch") || down.Origin != bad.URL {
+		t.Errorf("OnEndpoint last heard of the bad endpoint %+v: want it down, fenced out", down)
+	}
+	if g := downGauge(t, reader); g["bad"] != 1 || g["default"] != 0 {
+		t.Errorf("leasehold.http.endpoint.down: %v, want bad 1 and default 0", g)
+	}
+	select {
+	case err := <-r.done:
+		r.done <- err
+		t.Errorf("the relay stopped: %v", err)
+	default:
+	}
+}
+
+// downGauge reads leasehold.http.endpoint.down by endpoint.
+func downGauge(t *testing.T, reader *sdkmetric.ManualReader) map[string]int64 {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	if err := reader.Collect(context.Background(), &rm); err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]int64{}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if g, ok := m.Data.(metricdata.Gauge[int64]); ok && m.Name == "leasehold.http.endpoint.down" {
+				for _, p := range g.DataPoints {
+					v, _ := p.Attributes.Value("leasehold.endpoint")
+					out[v.AsString()] = p.Value
+				}
+			}
+		}
+	}
+	return out
 }

@@ -99,8 +99,10 @@ type Config struct {
 	// failing and back. Default slog.Default().
 	Logger *slog.Logger
 	// OnEndpoint, when set, hears of the endpoints' health: each request
-	// that fails while a receiver is down (no response, or a 5xx), and the
-	// first answer after. It runs on the delivering goroutine and must
+	// that fails while a receiver is down (no response, or a 5xx, or a
+	// refusal of every relay epoch that fenced the endpoint out), and the
+	// first answer after (for a fenced-out endpoint, the first request it
+	// takes). It runs on the delivering goroutine and must
 	// not block (statuspage.Publisher.EndpointObserver queues).
 	OnEndpoint func(EndpointHealth)
 	// Telemetry selects the providers of the request spans (a client span

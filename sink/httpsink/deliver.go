@@ -30,7 +30,12 @@ import (
 // permanent), or ctx's. A receiver's answer that a newer relay's epoch is
 // recorded ends the relay's term (ErrRelaySuperseded): Deliver then waits
 // for the lock again and sends anew under the new epoch, unless ctx
-// (under RunSink, the term's) ends first.
+// (under RunSink, the term's) ends first. An endpoint whose receiver
+// refused maxStaleTerms terms in a row, while another endpoint took a
+// request under one of those epochs or a later one, is fenced out: its
+// refusals end no term, they fail the effect for good (the dead-letter
+// stream), and the endpoint is down (Ready, Config.OnEndpoint, the
+// endpoint gauge) until its receiver takes a request again.
 func (r *Relay) Deliver(ctx context.Context, e sink.Effect) error {
 	if r.wasAcked(e.Stamp) {
 		return nil
@@ -291,6 +296,7 @@ func (r *Relay) send(ctx context.Context, e sink.Effect, relay leasehold.Lease) 
 	body, _ := io.ReadAll(io.LimitReader(resp.Body, maxRefusal))
 	code := resp.StatusCode
 	if code >= 200 && code < 300 {
+		ep.health.took(relay.Epoch)
 		if r.answered(ep) {
 			r.log.Info("httpsink: the receiver answers again", "endpoint", ep.name, "origin", ep.origin)
 		}
@@ -304,9 +310,17 @@ func (r *Relay) send(ctx context.Context, e sink.Effect, relay leasehold.Lease) 
 		ref, ok := parseRefusal(body)
 		switch {
 		case ok && ref.supersedes(relay):
-			span.SetStatus(codes.Error, "superseded")
 			span.SetAttributes(attribute.String("error.type", telemetry.ErrorTypeStaleEpoch),
 				attribute.Int64(string(telemetry.AttrMaxEpoch), int64(ref.Max)))
+			if why, fenced := r.fencedOut(ep, relay, ref); fenced {
+				// This receiver alone refuses every term: it holds
+				// the effect, not the relay.
+				de.Err, de.Permanent = why, true
+				r.counted(ctx, ep, "permanent")
+				span.SetStatus(codes.Error, de.Error())
+				return de
+			}
+			span.SetStatus(codes.Error, "superseded")
 			r.counted(ctx, ep, "superseded")
 			return &superseded{ref: ref}
 		case ok && ref.Error == CodeInProgress:

@@ -50,13 +50,17 @@
 // dead-lettered at once. With Config.MaxRedirects, a 307 or 308 to the
 // endpoint's own origin is followed with the same method and body; a 301,
 // 302 or 303, which would resend the effect as a GET without its body, is
-// never followed and is permanent. A 409 whose body is a Verifier's refusal of the
-// relay's epoch stops the relay (see above); any other 409 (the key's
-// first request still in progress, as the Idempotency-Key draft answers
-// it) is retried. A receiver that fails every request fails Ready, which says
-// since when and why, until it answers again; nothing is lost meanwhile,
-// since the runner moves on only once an effect is delivered or
-// dead-lettered.
+// never followed and is permanent. A 409 whose body is a Verifier's
+// refusal of the relay's epoch stops the relay (see above); any other 409
+// (the key's first request still in progress, as the Idempotency-Key
+// draft answers it) is retried. A receiver that refuses the relay's epoch
+// three terms in a row, while other endpoints take requests, records
+// epochs the lease bucket never issued: that endpoint is fenced out, and
+// its effects go to the dead-letter stream, until it takes a request
+// again. A receiver that fails every request, or is fenced out, fails
+// Ready, which says since when and why, until it answers again; nothing is
+// lost meanwhile, since the runner moves on only once an effect is
+// delivered or dead-lettered.
 //
 // Errors and logs name an endpoint by its name and origin (scheme, host,
 // port), never its path or query, and never show Config.Header's values:

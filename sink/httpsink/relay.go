@@ -55,10 +55,12 @@ type Relay struct {
 // maxAcked bounds Relay.acked.
 const maxAcked = 1 << 14
 
-// maxStaleTerms bounds the terms in a row that a receiver may refuse as
-// superseded before any delivery succeeds: the lease bucket issues each
-// new term an epoch above every earlier one, so a receiver that keeps
-// refusing records relay epochs this bucket never issued.
+// maxStaleTerms bounds the terms in a row that receivers may refuse as
+// superseded: the lease bucket issues each new term an epoch above every
+// earlier one, so a receiver that keeps refusing records relay epochs
+// this bucket never issued. Terms refused before any delivery to any
+// endpoint stop the relay (Run); terms one endpoint refused while another
+// took requests fence that endpoint out (Relay.fencedOut).
 const maxStaleTerms = 3
 
 // maxFailedCampaigns bounds the campaigns in a row that fail without an
@@ -93,7 +95,7 @@ func New(cfg Config) (*Relay, error) {
 		return nil, fmt.Errorf("httpsink: metrics: %w", err)
 	}
 	down, err := meter.Int64ObservableGauge("leasehold.http.endpoint.down",
-		metric.WithDescription("1 for each endpoint of a relay that has failed every request since its last answer (no response, or a 5xx); Ready says since when and why."))
+		metric.WithDescription("1 for each endpoint of a relay that has failed every request since its last answer (no response, or a 5xx), or is fenced out (its receiver refused every relay epoch); Ready says since when and why."))
 	if err != nil {
 		return nil, fmt.Errorf("httpsink: metrics: %w", err)
 	}
@@ -143,8 +145,10 @@ func (r *Relay) Runner() *streamsink.Runner {
 // while the lock is held, stamped with its epoch. Run returns nil when
 // ctx ends, fn's error when fn fails while the lock is held, and an error
 // when campaigns keep failing without an answer from the server, or
-// receivers keep refusing every new epoch (maxStaleTerms). One Run at a
-// time.
+// receivers keep refusing every new epoch before any delivery
+// (maxStaleTerms). A receiver that refuses every new epoch while other
+// endpoints take them stops nothing: that endpoint is fenced out, and its
+// effects go to the dead-letter stream (see Deliver). One Run at a time.
 func (r *Relay) Run(ctx context.Context, fn func(ctx context.Context) error) error {
 	r.mu.Lock()
 	if r.running {
@@ -260,6 +264,49 @@ func (r *Relay) delivered() {
 	r.mu.Unlock()
 }
 
+// fencedOut counts a refusal by ep's receiver of relay lease relay as
+// superseded, and reports whether ep is fenced out: its receiver refused
+// maxStaleTerms terms in a row (reset only by a request it took), and
+// another endpoint took a request under the first of them or a later one,
+// while relay is still the relay's lease. The relay then holds its
+// lock rightly and that receiver records relay epochs the lease bucket
+// never issued: ending the term again would only churn the lock, so the
+// effect fails for good instead, and ep is down until its receiver takes
+// a request. why says so, for the dead letter. Refusals that no other
+// endpoint's delivery contradicts end the term, and Run stops after
+// maxStaleTerms of them.
+func (r *Relay) fencedOut(ep *endpoint, relay leasehold.Lease, ref Refusal) (why string, fenced bool) {
+	n, first, last := ep.health.refusedTerm(relay.Epoch)
+	if n < maxStaleTerms || !r.holds(relay) {
+		return "", false
+	}
+	tookElsewhere := false
+	for _, o := range r.eps {
+		if o != ep && o.health.tookSince(first) {
+			tookElsewhere = true
+		}
+	}
+	if !tookElsewhere {
+		return "", false
+	}
+	why = fmt.Sprintf("the receiver refused every relay epoch: %d terms in a row (epochs %d to %d) while other endpoints took them; it records relay epoch %d (holder %q), which this lease bucket never issued: fix its fence store, then replay its dead letters",
+		n, first, last, ref.Max, excerpt([]byte(ref.Holder), 64))
+	if ep.health.fence(why) {
+		r.log.Error("httpsink: a receiver refuses every epoch of this relay while other endpoints take them; its effects go to the dead-letter stream and /readyz fails until it takes one",
+			"endpoint", ep.name, "origin", ep.origin, "terms", n, "recorded", ref.Max)
+	}
+	r.report(ep)
+	return why, true
+}
+
+// holds reports whether relay is the lease the relay holds now.
+func (r *Relay) holds(relay leasehold.Lease) bool {
+	r.mu.Lock()
+	l := r.lease
+	r.mu.Unlock()
+	return l != nil && l.Err() == nil && l.Info().Acquisition == relay.Acquisition
+}
+
 // holding waits until the relay holds its lock and returns it: a relay
 // that does not hold it delivers nothing. It waits as long as ctx allows;
 // Ready says why it waits.
@@ -373,8 +420,10 @@ type EndpointHealth struct {
 	Relay    string // Config.Name
 	Endpoint string // the endpoint's name
 	Origin   string // scheme://host[:port]: no path or query, which may hold a secret
-	// Down: every request since the last answer failed, since Since, Fails
-	// of them, the last with Err. Up again: Since is the answer's time.
+	// Down: every request since the last answer failed, or the endpoint
+	// is fenced out (its receiver refused every relay epoch), since Since,
+	// Fails of them, the last with Err. Up again: Since is the answer's
+	// time.
 	Down  bool
 	Since time.Time
 	Fails int
@@ -412,6 +461,15 @@ type health struct {
 	fails     int
 	last      string
 	notBefore time.Time // a 429's Retry-After
+
+	// Relay epochs: the highest the receiver took a request under, and
+	// the terms in a row it refused as superseded since (refused, the
+	// first and the last of their epochs). fenced: refused past the
+	// bound while other endpoints took requests (Relay.fencedOut).
+	tookEpoch                 leasehold.Epoch
+	refused                   int
+	firstRefused, lastRefused leasehold.Epoch
+	fenced                    bool
 }
 
 // failed records a request that got no answer, or a 5xx.
@@ -427,13 +485,64 @@ func (h *health) failed(why string) (first bool) {
 	return first
 }
 
-// answered records an answer that says the receiver is up (any but a 5xx).
+// answered records an answer that says the receiver is up (any but a
+// 5xx). A fenced receiver stays down until it takes a request (took).
 func (h *health) answered() (back bool) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	if h.fenced {
+		return false
+	}
 	back = h.failing
 	h.failing, h.fails, h.last = false, 0, ""
 	return back
+}
+
+// took records a request the receiver took (2xx) under relay epoch ep: it
+// ends a run of refused terms, and the fence.
+func (h *health) took(ep leasehold.Epoch) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.tookEpoch = max(h.tookEpoch, ep)
+	h.refused, h.fenced = 0, false
+}
+
+// tookSince reports whether the receiver took a request under relay epoch
+// ep or a later one.
+func (h *health) tookSince(ep leasehold.Epoch) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.refused == 0 && h.tookEpoch >= ep
+}
+
+// refusedTerm counts a refusal of relay epoch ep as superseded: one per
+// term (epoch). It returns the terms in a row refused and the first and
+// last of their epochs.
+func (h *health) refusedTerm(ep leasehold.Epoch) (n int, first, last leasehold.Epoch) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if ep > h.lastRefused {
+		if h.refused == 0 {
+			h.firstRefused = ep
+		}
+		h.refused++
+		h.lastRefused = ep
+	}
+	return h.refused, h.firstRefused, h.lastRefused
+}
+
+// fence marks the receiver fenced out and down, for why.
+func (h *health) fence(why string) (first bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	first = !h.fenced
+	if !h.failing {
+		h.failing, h.since, h.fails = true, time.Now(), 0
+	}
+	h.fenced = true
+	h.fails++
+	h.last = why
+	return first
 }
 
 // down reports whether every request since the last answer failed.
@@ -446,6 +555,10 @@ func (h *health) down() bool {
 func (h *health) ready(name, origin string) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	if h.fenced {
+		return fmt.Errorf("httpsink: endpoint %s (%s) is fenced out: its effects go to the dead-letter stream until it takes one (%d refused for %v): %s",
+			name, origin, h.fails, time.Since(h.since).Round(time.Second), h.last)
+	}
 	if h.failing {
 		return fmt.Errorf("httpsink: endpoint %s (%s) has failed every request for %v (%d tries), the last: %s",
 			name, origin, time.Since(h.since).Round(time.Second), h.fails, h.last)
