@@ -8,10 +8,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/internal/leader"
@@ -229,6 +232,25 @@ func (p *Producer) reserve(ctx context.Context, kv jetstream.KeyValue, name stri
 			last = errors.New("the key was freed or expired in between")
 			continue
 		}
+		if ttl := entry.Header.Get(jetstream.MsgTTLHeader); ttl == "" || ttl == "never" {
+			// Every entry an enqueue writes carries the period as its TTL:
+			// one without is no producer's, and would hold the key for
+			// ever. Refuse it for as long as a stranger's reservation,
+			// then take it over.
+			if age := time.Since(entry.Time); age < p.uniqueReserveFor() {
+				return 0, fmt.Errorf("%w: the bucket %s holds %s without a TTL, which no producer writes; it is taken over in %v", ErrDuplicateJob, UniqueBucket(p.cfg.Prefix), name, (p.uniqueReserveFor() - age).Round(time.Second))
+			}
+			rev, err := p.takeOver(ctx, subject, entry.Seq, val, period)
+			if err == nil {
+				p.untimedTaken(ctx, name, entry)
+				return rev, nil
+			}
+			if !casConflict(err) {
+				return 0, fmt.Errorf("worker: take over a unique job's entry without a TTL: %w", err)
+			}
+			last = err
+			continue
+		}
 		have, err := p.parseUnique(entry.Data)
 		if err != nil {
 			// Not a record an enqueue wrote: it holds the key all the same.
@@ -243,12 +265,9 @@ func (p *Producer) reserve(ctx context.Context, kv jetstream.KeyValue, name stri
 		}
 		// A reservation its producer gave up on (or this job's own):
 		// take it over.
-		actx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
-		ack, err := p.js.PublishMsg(actx, &nats.Msg{Subject: subject, Data: val},
-			jetstream.WithExpectLastSequencePerSubject(entry.Seq), jetstream.WithMsgTTL(ttlSeconds(period)))
-		cancel()
+		rev, err = p.takeOver(ctx, subject, entry.Seq, val, period)
 		if err == nil {
-			return ack.Sequence, nil
+			return rev, nil
 		}
 		if !casConflict(err) {
 			return 0, fmt.Errorf("worker: take over a unique job's reservation: %w", err)
@@ -256,6 +275,37 @@ func (p *Producer) reserve(ctx context.Context, kv jetstream.KeyValue, name stri
 		last = err
 	}
 	return 0, fmt.Errorf("worker: reserve a unique job: its key kept changing: %w", last)
+}
+
+// takeOver replaces the unique key's entry at seq with val, if it is still
+// the last, and returns the new revision.
+func (p *Producer) takeOver(ctx context.Context, subject string, seq uint64, val []byte, period time.Duration) (uint64, error) {
+	actx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
+	defer cancel()
+	ack, err := p.js.PublishMsg(actx, &nats.Msg{Subject: subject, Data: val},
+		jetstream.WithExpectLastSequencePerSubject(seq), jetstream.WithMsgTTL(ttlSeconds(period)))
+	if err != nil {
+		return 0, err
+	}
+	return ack.Sequence, nil
+}
+
+// untimedTaken reports that the entry of the unique key name, written
+// without a TTL (by hand, or by a credential that may write the bucket),
+// was taken over: on the enqueue's span and in the log, since whoever
+// wrote it may try again.
+func (p *Producer) untimedTaken(ctx context.Context, name string, entry *leader.Msg) {
+	trace.SpanFromContext(ctx).AddEvent("leasehold.unique.untimed_taken_over", trace.WithAttributes(attribute.String("leasehold.unique.key", name)))
+	slog.Default().Warn("a unique job's key held an entry without a TTL, which no producer writes; taken over",
+		"bucket", UniqueBucket(p.cfg.Prefix), "key", name, "written", entry.Time, "value", truncate(string(entry.Data), 200))
+}
+
+// truncate cuts s to at most n bytes, for a log line.
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "..."
 }
 
 // parseUnique reads a unique key's value strictly: anyone allowed to
