@@ -103,8 +103,18 @@ func TestStampTwoForms(t *testing.T) {
 			t.Errorf("metadata %s beside %s: read %+v, %v", legacy, leasehold.HeaderStamp, s, err)
 		}
 	}
+	// Whole stamps in both forms: agreeing, and a forger's two epochs,
+	// one per form, for readers that would prefer one form.
 	later := wireStamp
 	later.Epoch++
+	for _, compact := range []leasehold.Stamp{wireStamp, later} {
+		h := map[string][]string{}
+		wireStamp.SetHeader(h)
+		h[leasehold.HeaderStamp] = []string{compact.Compact()}
+		if s, err := leasehold.StampFromHeader(h); !errors.Is(err, leasehold.ErrBadStamp) {
+			t.Errorf("a whole stamp in each form, epochs %d and %d: read %+v, %v", wireStamp.Epoch, compact.Epoch, s, err)
+		}
+	}
 	h := map[string][]string{leasehold.HeaderStamp: {wireStamp.Compact()}, "leasehold-stamp": {later.Compact()}}
 	if s, err := leasehold.StampFromHeader(h); !errors.Is(err, leasehold.ErrBadStamp) {
 		t.Fatalf("two compact stamps: read %+v, %v", s, err)
@@ -227,6 +237,12 @@ func TestJobMarkTwoForms(t *testing.T) {
 		if m, err := leasehold.JobMarkFromMetadata(md); !errors.Is(err, leasehold.ErrBadJobMark) {
 			t.Errorf("metadata %s beside %s: read %+v, %v", legacy, leasehold.HeaderMark, m, err)
 		}
+	}
+	whole := map[string][]string{leasehold.HeaderMark: {"1 7 1 1 5"}}
+	leasehold.JobMark{Job: 7, Attempt: 1, Effects: 1, After: 5}.SetHeaderAs(whole, leasehold.StampLegacy)
+	whole[leasehold.HeaderMark] = []string{"1 7 1 1 5"}
+	if m, err := leasehold.JobMarkFromHeader(whole); !errors.Is(err, leasehold.ErrBadJobMark) {
+		t.Errorf("a whole mark in each form: read %+v, %v", m, err)
 	}
 	h := map[string][]string{leasehold.HeaderMark: {"1 7 1"}, "LEASEHOLD-MARK": {"1 7 2"}}
 	if m, err := leasehold.JobMarkFromHeader(h); !errors.Is(err, leasehold.ErrBadJobMark) {
