@@ -219,7 +219,7 @@ func (f *fetcher) pull(ctx context.Context, name string, batch int, next uint64)
 			// meanwhile wait in msgs.
 			timer.Reset(quiet)
 		}
-		if n == 0 && expired {
+		if n == 0 && expired && f.r.committedSeq.Load()+1 >= next {
 			// Nothing waits: the partition is caught up. A request whose
 			// end was lost says nothing of the kind (the connection may have
 			// gone silent), so that a stall shows for as long as it lasts.
