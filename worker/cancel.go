@@ -12,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
@@ -30,6 +31,25 @@ import (
 // progress passes it and Status says JobCancelled. A handler that returns
 // nil after its cancel arrived is cancelled all the same, as long as the
 // runner has not sent its finals; one whose finals were sent is done.
+//
+// A record names one job, not every job at its key: a sequence record
+// carries the time the job stream stored its job (a stream deleted and
+// made again numbers its jobs from 1 again, and its new jobs are not the
+// ones cancelled), and an ID record carries the delayed job's due time,
+// which the job its schedule fires carries in HeaderDue (a later job with
+// the same ID, delayed to another time or not delayed at all, is not the
+// one cancelled). A record that does not name the job is ignored, by the
+// runner and by Status, and a Cancel of the job there replaces it.
+//
+// A cancel is best effort against an attempt that has completed. Under
+// one lease, a job whose finals were sent is done, and its cancel comes
+// too late. Across a fail-over it cannot be told: a job stored before the
+// successor took the partition, beyond the progress its predecessor
+// committed, may have completed under the predecessor (its effects and
+// finals are in the effect log, and sinks apply them) without its progress
+// being committed. The successor skips it, and its outcome says so
+// (cancelOutcome.Earlier): Status says cancelled, and its Detail that an
+// attempt under an earlier epoch may have completed it.
 
 // ErrJobCancelled is the cause of a cancelled job's context
 // (context.Cause(ctx)), and is matched by what the cancelled attempt
@@ -48,11 +68,16 @@ func CancelBucket(prefix string) string { return prefix + "-cancels" }
 // cancelRecord is a cancel's value. Anyone allowed to write the bucket can
 // write one: parseCancel checks it against its key.
 type cancelRecord struct {
-	Ref       string    `json:"ref"`
-	ID        string    `json:"id,omitempty"` // a delayed job's
-	Partition uint32    `json:"partition"`
-	Seq       uint64    `json:"seq"`
-	At        time.Time `json:"at"`
+	Ref       string `json:"ref"`
+	ID        string `json:"id,omitempty"`  // a delayed job's
+	Due       int64  `json:"due,omitempty"` // a delayed job's due time, Unix seconds
+	Partition uint32 `json:"partition"`
+	Seq       uint64 `json:"seq"`
+	// Stored is when the job stream stored the job (a job's, not a
+	// delayed job's): the job at Seq is the one cancelled only if it was
+	// stored then.
+	Stored time.Time `json:"stored,omitzero"`
+	At     time.Time `json:"at"`
 	// Cancelled is written by the runner that skipped or stopped the job.
 	Cancelled *cancelOutcome `json:"cancelled,omitempty"`
 }
@@ -62,6 +87,35 @@ type cancelOutcome struct {
 	Epoch   leasehold.Epoch `json:"epoch"`
 	Worker  string          `json:"worker"`
 	Running bool            `json:"running"` // its handler had started
+	// Earlier: the job was stored before Epoch's lease was taken, beyond
+	// the progress it started from, so an attempt under an earlier epoch
+	// may have completed it before the hand-off.
+	Earlier bool `json:"earlier,omitempty"`
+}
+
+// cancelSkew is how much earlier than its job a cancel record of an older
+// release (one without Stored) may have been written and still be taken
+// for that job's: the clocks of the servers that lead the job stream and
+// the bucket may differ by that much.
+const cancelSkew = 2 * time.Second
+
+// names reports whether rec, stored at key at created, names the job
+// stored at seq of partition p at stored with headers h: see the package
+// comment on cancels.
+func (rec cancelRecord) names(prefix, key string, created time.Time, p leasehold.Partition, seq uint64, stored time.Time, h nats.Header) bool {
+	if rec.ID != "" {
+		if firstValue(h, hdrScheduler) != ScheduleSubject(prefix, rec.ID) || jobIDOf(h) != rec.ID {
+			return false // not fired by the schedule of its ID
+		}
+		return rec.Due == 0 || firstValue(h, HeaderDue) == time.Unix(rec.Due, 0).UTC().Format(time.RFC3339)
+	}
+	if key != cancelSeqKey(p, seq) {
+		return false
+	}
+	if !rec.Stored.IsZero() {
+		return rec.Stored.Equal(stored)
+	}
+	return created.IsZero() || stored.IsZero() || !created.Before(stored.Add(-cancelSkew))
 }
 
 func cancelSeqKey(p leasehold.Partition, seq uint64) string {
@@ -101,6 +155,11 @@ func parseCancel(p leasehold.Partition, key string, b []byte) (cancelRecord, err
 		if validID(r.ID) != nil || cancelIDKey(p, r.ID) != key {
 			return r, errors.New("its job ID does not match its key")
 		}
+		if r.Due < 0 {
+			return r, errors.New("a negative due time")
+		}
+	case r.Due != 0:
+		return r, errors.New("a due time without a job ID")
 	case r.Seq == 0 || cancelSeqKey(p, r.Seq) != key:
 		return r, errors.New("its sequence does not match its key")
 	}
@@ -131,13 +190,50 @@ func (p *Producer) Cancel(ctx context.Context, ref Enqueued) (JobStatus, error) 
 	}
 	rec := cancelRecord{Ref: ref.Ref(), Partition: uint32(ref.Partition), Seq: ref.Seq, At: time.Now().UTC()}
 	if !ref.Due.IsZero() {
-		rec.ID = ref.ID
+		rec.ID, rec.Due = ref.ID, ref.Due.Unix()
+	} else if rec.Stored, err = p.storedAt(ctx, ref); err != nil {
+		return st, fmt.Errorf("worker: cancel job %s: %w", st.Ref, err)
 	}
 	val, _ := json.Marshal(rec)
-	if _, err := kv.Create(ctx, cancelKeyOf(ref), val); err != nil && !casConflict(err) {
+	key := cancelKeyOf(ref)
+	_, err = kv.Create(ctx, key, val)
+	for range 3 {
+		if err == nil || !casConflict(err) {
+			break
+		}
+		// A record is there: this job's (a second cancel), or one of
+		// another job at its key, which it replaces.
+		var e jetstream.KeyValueEntry
+		e, err = kv.Get(ctx, key)
+		if errors.Is(err, jetstream.ErrKeyNotFound) || errors.Is(err, jetstream.ErrKeyDeleted) {
+			_, err = kv.Create(ctx, key, val)
+			continue
+		}
+		if err != nil {
+			break
+		}
+		if have, perr := parseCancel(ref.Partition, key, e.Value()); perr == nil && have.ID == rec.ID && have.Due == rec.Due && have.Stored.Equal(rec.Stored) {
+			return st, nil
+		}
+		_, err = kv.Update(ctx, key, val, e.Revision())
+	}
+	if err != nil {
 		return st, fmt.Errorf("worker: cancel job %s: %w", st.Ref, err)
 	}
 	return st, nil
+}
+
+// storedAt is when the job stream stored the job ref.
+func (p *Producer) storedAt(ctx context.Context, ref Enqueued) (time.Time, error) {
+	s, err := p.jobs(ctx)
+	if err != nil {
+		return time.Time{}, err
+	}
+	m, err := s.GetMsg(ctx, ref.Seq)
+	if err != nil {
+		return time.Time{}, fmt.Errorf("read the job: %w", err)
+	}
+	return m.Time, nil
 }
 
 // Status tells where the job ref is: scheduled, pending, running (by whom,
@@ -193,6 +289,13 @@ func (p *Producer) cancelsOf(ctx context.Context, refs []Enqueued, sts []JobStat
 		if err != nil {
 			continue // not a cancel this producer wrote: it says nothing
 		}
+		if !ref.Due.IsZero() {
+			if rec.Due != 0 && rec.Due != ref.Due.Unix() {
+				continue // a cancel of another job with its ID
+			}
+		} else if stored, err := p.storedAt(ctx, ref); err == nil && !rec.names(p.cfg.Prefix, key, e.Created(), ref.Partition, ref.Seq, stored, nil) {
+			continue // a cancel of a job that held its place before (its stream was made again)
+		}
 		switch {
 		case rec.Cancelled != nil && st.State != JobScheduled && st.State != JobUnknown:
 			// Pending or running: the runner has cancelled it, and its
@@ -203,6 +306,9 @@ func (p *Producer) cancelsOf(ctx context.Context, refs []Enqueued, sts []JobStat
 			}
 			st.State = JobCancelled
 			st.Detail = fmt.Sprintf("cancelled at %s; %s %s it under epoch %d", rec.At.Format(time.RFC3339), rec.Cancelled.Worker, verb, rec.Cancelled.Epoch)
+			if rec.Cancelled.Earlier {
+				st.Detail += ", but an attempt under an earlier epoch may have completed it before that hand-off, and sinks then applied its effects (its progress was not committed)"
+			}
 		case st.State != JobDone:
 			st.Detail = "a cancel was requested at " + rec.At.Format(time.RFC3339) + "; it is skipped or stopped when its partition's worker sees it"
 		}
@@ -255,8 +361,9 @@ type cancels struct {
 }
 
 type cancelEntry struct {
-	rec cancelRecord
-	rev uint64
+	rec     cancelRecord
+	rev     uint64
+	created time.Time // when the bucket stored it
 }
 
 // watchCancels starts the watch of the partition's cancels and waits for
@@ -334,19 +441,17 @@ func (c *cancels) update(e jetstream.KeyValueEntry) {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	c.recs[key] = cancelEntry{rec: rec, rev: e.Revision()}
+	ce := cancelEntry{rec: rec, rev: e.Revision(), created: e.Created()}
+	c.recs[key] = ce
 	for job, cc := range c.running {
-		if c.matches(job, key, rec) {
+		if c.matches(job, key, ce) {
 			cc(ErrJobCancelled)
 		}
 	}
 }
 
-func (c *cancels) matches(job *Job, key string, rec cancelRecord) bool {
-	if rec.ID != "" {
-		return rec.ID == job.ID
-	}
-	return key == cancelSeqKey(job.Partition, job.Seq)
+func (c *cancels) matches(job *Job, key string, e cancelEntry) bool {
+	return e.rec.names(c.r.w.cfg.Prefix, key, e.created, job.Partition, job.Seq, job.Enqueued, job.Header)
 }
 
 // of returns the cancel of job, if any.
@@ -356,13 +461,12 @@ func (c *cancels) of(job *Job) (string, cancelEntry, bool) {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if e, ok := c.recs[cancelSeqKey(job.Partition, job.Seq)]; ok {
-		return cancelSeqKey(job.Partition, job.Seq), e, true
+	if k := cancelSeqKey(job.Partition, job.Seq); c.recs[k].rev != 0 && c.matches(job, k, c.recs[k]) {
+		return k, c.recs[k], true
 	}
 	if job.ID != "" {
-		k := cancelIDKey(job.Partition, job.ID)
-		if e, ok := c.recs[k]; ok && e.rec.ID == job.ID {
-			return k, e, true
+		if k := cancelIDKey(job.Partition, job.ID); c.recs[k].rev != 0 && c.matches(job, k, c.recs[k]) {
+			return k, c.recs[k], true
 		}
 	}
 	return "", cancelEntry{}, false
@@ -419,7 +523,8 @@ func (r *runner) cancelled(j *jobRun, job *Job, st retryState, ran bool) (*Job, 
 	}
 	if e.rec.Cancelled == nil {
 		rec := e.rec
-		rec.Cancelled = &cancelOutcome{Seq: job.Seq, Epoch: r.info.Epoch, Worker: r.info.Holder, Running: ran}
+		rec.Cancelled = &cancelOutcome{Seq: job.Seq, Epoch: r.info.Epoch, Worker: r.info.Holder, Running: ran,
+			Earlier: !r.info.Acquired.IsZero() && job.Enqueued.Before(r.info.Acquired.Add(cancelSkew))}
 		val, _ := json.Marshal(rec)
 		ctx, cancel := context.WithTimeout(r.ctx, r.w.cfg.EffectTimeout)
 		_, err := r.cancels.kv.Update(ctx, key, val, e.rev)
