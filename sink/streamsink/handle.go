@@ -82,7 +82,14 @@ func (r *Runner) handle(ctx context.Context, msgs []*logMsg) error {
 			_ = m.msg.NakWithDelay(time.Second)
 		}
 	}
-	if w.seq > start {
+	// A batch that decided nothing new (redeliveries of messages already
+	// decided, or a first message whose decision failed) may still have
+	// changed the groups: a round of records applied at it, or a rise
+	// that abandoned a lease's groups. What it applied and dropped is
+	// delivered, reported and saved like any batch's: left undone, the
+	// chains would hold the jobs applied and the saved position pass
+	// them, and they would be lost.
+	if w.seq > start || w.grouped {
 		r.startSpans(ctx, outs, began)
 		err := r.settle(ctx, outs, w)
 		endSpans(outs, err)
