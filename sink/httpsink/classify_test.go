@@ -64,12 +64,14 @@ func hang(w http.ResponseWriter, r *http.Request) {
 	<-r.Context().Done()
 }
 
-// Each answer is classified: 5xx, 408, 429 (with its Retry-After), 409
-// (a Verifier's in-progress answer, or a receiver's own) and a timeout
-// are retried and delivered when the receiver takes them; a 5xx for
-// ever, a 409 for ever and a timeout for ever are dead-lettered after
-// MaxDeliveries tries with the status and a bounded excerpt of the body;
-// other 4xx and a 3xx are dead-lettered at once.
+// Each answer is classified: 5xx, 408, 429 (with its Retry-After) and
+// 409 (a Verifier's in-progress answer, or a receiver's own) are retried
+// and delivered when the receiver takes them; a 5xx for ever and a 409 for
+// ever are dead-lettered after MaxDeliveries tries with the status and a
+// bounded excerpt of the body; other 4xx and a 3xx are dead-lettered at
+// once. The requests' Timeout is a minute, which no loaded scheduler
+// reaches, so each answer counts as what it is (timeouts:
+// TestClassificationTimeout).
 func TestClassification(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, "classify")
@@ -90,22 +92,20 @@ func TestClassification(t *testing.T) {
 		"k400":      {status(400, "bad payload")},
 		"k404":      {status(404, "no such hook")},
 		"k301":      {status(301, "", "Location", other.URL+"/elsewhere")},
-		"kslow":     {hang, status(200, "")},
-		"kslowever": {hang},
 	}}
 	srv := httptest.NewServer(sc)
 	defer srv.Close()
-	retried := map[string]int{"k503": 3, "k408": 2, "k429": 2, "k409busy": 2, "k409plain": 2, "kslow": 2}
+	retried := map[string]int{"k503": 3, "k408": 2, "k429": 2, "k409busy": 2, "k409plain": 2}
 	atOnce := []string{"k400", "k404", "k301"}
-	exhausted := []string{"k500", "k409ever", "kslowever"}
+	exhausted := []string{"k500", "k409ever"}
 	e.barrier(1)
 	var last uint64
-	for _, k := range []string{"k500", "k503", "k408", "k429", "k409busy", "k409plain", "k409ever", "k400", "k404", "k301", "kslow", "kslowever"} {
+	for _, k := range []string{"k500", "k503", "k408", "k429", "k409busy", "k409plain", "k409ever", "k400", "k404", "k301"} {
 		last = e.publish("hook", e.stamp(1, k), []byte(`{}`), nil)
 	}
 	rcfg := e.runnerConfig()
 	rcfg.MaxDeliveries = 4
-	r := e.startRelay(httpsink.Config{URL: srv.URL, Coordinator: e.coord("relay-a"), Timeout: 300 * time.Millisecond}, rcfg)
+	r := e.startRelay(httpsink.Config{URL: srv.URL, Coordinator: e.coord("relay-a"), Timeout: time.Minute}, rcfg)
 	r.waitPosition(t, last)
 	for k, n := range retried {
 		if got := sc.count(k); got != n {
@@ -148,9 +148,71 @@ func TestClassification(t *testing.T) {
 	if msg := dead["k301"].Get("Leasehold-Sink-Error"); !strings.Contains(msg, "301") || !strings.Contains(msg, "redirect") {
 		t.Errorf("the 301's dead letter says %q", msg)
 	}
-	if msg := dead["kslowever"].Get("Leasehold-Sink-Error"); !strings.Contains(msg, "Timeout") {
-		t.Errorf("the timeout's dead letter says %q", msg)
-	}
+}
+
+// A request its receiver never answers times out after Config.Timeout and
+// counts as a try: retried, and dead-lettered after MaxDeliveries tries
+// with the timeout named; an effect whose first request timed out is
+// delivered when the receiver answers a later one. Every timeout here is
+// a handler that never answers, so it times out however slow the machine;
+// the answered tries have MaxDeliveries (1000) to land within Timeout.
+func TestClassificationTimeout(t *testing.T) {
+	t.Parallel()
+	t.Run("for ever", func(t *testing.T) {
+		t.Parallel()
+		e := newEnv(t, "timeoutever")
+		sc := &script{tries: map[string]int{}, auth: map[string]string{}, answers: map[string][]func(http.ResponseWriter, *http.Request){
+			"kslowever": {hang},
+		}}
+		srv := httptest.NewServer(sc)
+		defer srv.Close()
+		e.barrier(1)
+		last := e.publish("hook", e.stamp(1, "kslowever"), []byte(`{}`), nil)
+		rcfg := e.runnerConfig()
+		rcfg.MaxDeliveries = 4
+		r := e.startRelay(httpsink.Config{URL: srv.URL, Coordinator: e.coord("relay-a"), Timeout: 100 * time.Millisecond}, rcfg)
+		r.waitPosition(t, last)
+		dl := e.deadLetters()
+		if len(dl) != 1 || dl[0].Header.Get(leasehold.HeaderKey) != "kslowever" {
+			t.Fatalf("%d dead letters, want kslowever's", len(dl))
+		}
+		h := dl[0].Header
+		// A try in the batch call, and MaxDeliveries alone: the runner
+		// hands a failed batch's effects over one by one.
+		if h.Get("Leasehold-Sink-Tries") != "4" || sc.count("kslowever") < 4 || sc.count("kslowever") > 5 {
+			t.Errorf("dead-lettered after %s tries (%d requests), want MaxDeliveries (4)", h.Get("Leasehold-Sink-Tries"), sc.count("kslowever"))
+		}
+		if msg := h.Get("Leasehold-Sink-Error"); !strings.Contains(msg, "Timeout") {
+			t.Errorf("the timeout's dead letter says %q", msg)
+		}
+	})
+	t.Run("once", func(t *testing.T) {
+		t.Parallel()
+		e := newEnv(t, "timeoutonce")
+		gaveUp := make(chan struct{})
+		sc := &script{tries: map[string]int{}, auth: map[string]string{}, answers: map[string][]func(http.ResponseWriter, *http.Request){
+			"kslow": {func(w http.ResponseWriter, r *http.Request) { hang(w, r); close(gaveUp) }, status(200, "")},
+		}}
+		srv := httptest.NewServer(sc)
+		defer srv.Close()
+		e.barrier(1)
+		last := e.publish("hook", e.stamp(1, "kslow"), []byte(`{}`), nil)
+		rcfg := e.runnerConfig()
+		rcfg.MaxDeliveries = 1000
+		r := e.startRelay(httpsink.Config{URL: srv.URL, Coordinator: e.coord("relay-a"), Timeout: 200 * time.Millisecond}, rcfg)
+		r.waitPosition(t, last)
+		select {
+		case <-gaveUp: // the server saw the relay close the request
+		case <-time.After(time.Minute):
+			t.Errorf("the relay did not give up on the request its receiver never answered")
+		}
+		if n := sc.count("kslow"); n < 2 {
+			t.Errorf("%d requests, want the one that timed out and a retry", n)
+		}
+		if dl := e.deadLetters(); len(dl) != 0 {
+			t.Errorf("%d dead letters (first: %s), want kslow delivered", len(dl), dl[0].Header.Get("Leasehold-Sink-Error"))
+		}
+	})
 }
 
 // Credentials in configuration never show: not in logs, errors, dead
