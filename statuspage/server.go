@@ -501,10 +501,15 @@ func (s *Server) deadLetters(ctx context.Context, d DeadLetterStream) DeadLetter
 		}
 		dl := DeadLetter{Seq: m.Sequence, Time: m.Time, Subject: truncate(m.Subject)}
 		h := m.Header
-		dl.Partition = truncate(h.Get(leasehold.HeaderPartition))
+		// The stamp comes in either form; read it through the parser.
+		partition, key := h.Get(leasehold.HeaderPartition), h.Get(leasehold.HeaderKey)
+		if st, err := leasehold.StampFromHeader(h); err == nil {
+			partition, key = st.Partition.String(), st.Key
+		}
+		dl.Partition = truncate(partition)
 		dl.ID = truncate(h.Get(worker.HeaderJobID))
 		if dl.ID == "" {
-			dl.ID = truncate(h.Get(leasehold.HeaderKey))
+			dl.ID = truncate(key)
 		}
 		dl.Error = truncate(h.Get(worker.HeaderError))
 		if dl.Error == "" {

@@ -195,8 +195,13 @@ type summary struct{ partition, id, kind, attempts, err string }
 func (d *dlq) summarize(m *jetstream.RawStreamMsg) summary {
 	h := m.Header
 	s := summary{partition: header(h, leasehold.HeaderPartition)}
+	key := header(h, leasehold.HeaderKey)
+	// The stamp comes in either form; read it through the parser.
+	if st, err := leasehold.StampFromHeader(h); err == nil {
+		s.partition, key = st.Partition.String(), st.Key
+	}
 	if d.sink {
-		s.id = header(h, leasehold.HeaderKey)
+		s.id = key
 		s.attempts = sinkHeader(h, sinkHeaderTries, "Tries", "Attempts", "Deliveries")
 		s.err = sinkHeader(h, sinkHeaderError, "Error")
 	} else {
