@@ -11,10 +11,10 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-	"go.uber.org/goleak"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/internal/testleak"
 	"github.com/leasehold/leasehold/internal/testpar"
 	"github.com/leasehold/leasehold/testing/natstest"
 )
@@ -24,7 +24,7 @@ import (
 // a two-core machine gets by default.
 func TestMain(m *testing.M) {
 	testpar.Raise(4)
-	goleak.VerifyTestMain(m)
+	testleak.VerifyTestMain(m)
 }
 
 func ctxFor(t *testing.T, d time.Duration) context.Context {

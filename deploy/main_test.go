@@ -17,14 +17,14 @@ import (
 	"strings"
 	"testing"
 
-	"go.uber.org/goleak"
 	kjson "sigs.k8s.io/json"
 	"sigs.k8s.io/yaml"
 
+	"github.com/leasehold/leasehold/internal/testleak"
 	"github.com/leasehold/leasehold/internal/testskip"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(testskip.Summarize(m)) }
+func TestMain(m *testing.M) { testleak.VerifyTestMain(testskip.Summarize(m)) }
 
 // readFile reads a file of this directory (tests run in it).
 func readFile(t *testing.T, name string) []byte {

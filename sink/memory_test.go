@@ -7,14 +7,13 @@ import (
 	"strings"
 	"testing"
 
-	"go.uber.org/goleak"
-
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/testleak"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/testing/sinktest"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { testleak.VerifyTestMain(m) }
 
 func TestMemoryConformance(t *testing.T) {
 	sinktest.Run(t, sinktest.Features{AtomicBatch: true, Dedupe: true, VerifiedEpochs: true}, func(t *testing.T, s sinktest.Setup) sinktest.Instance {

@@ -11,11 +11,10 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
-
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/fleet"
+	"github.com/leasehold/leasehold/internal/testleak"
 	"github.com/leasehold/leasehold/internal/testpar"
 	"github.com/leasehold/leasehold/internal/testskip"
 	"github.com/leasehold/leasehold/sink/kvsink"
@@ -33,7 +32,7 @@ func TestMain(m *testing.M) {
 		os.Exit(0)
 	}
 	testpar.Raise(4)
-	goleak.VerifyTestMain(testskip.Summarize(m))
+	testleak.VerifyTestMain(testskip.Summarize(m))
 }
 
 // run executes the command line args and returns what it printed.

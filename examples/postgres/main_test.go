@@ -8,15 +8,15 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"go.uber.org/goleak"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/testleak"
 	"github.com/leasehold/leasehold/internal/testskip"
 	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/testing/pgtest"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(testskip.Summarize(m)) }
+func TestMain(m *testing.M) { testleak.VerifyTestMain(testskip.Summarize(m)) }
 
 // The example runs to the end against a real PostgreSQL (skipped without
 // one unless LEASEHOLD_REQUIRE_POSTGRES=1) on a given NATS server, then on

@@ -10,14 +10,13 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
-
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/testleak"
 	"github.com/leasehold/leasehold/sink/kvsink"
 	"github.com/leasehold/leasehold/testing/natstest"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { testleak.VerifyTestMain(m) }
 
 // The walk-through runs to the end, and the server, read without the
 // program's help, holds host-b's report, stamped in the lock's scope at an

@@ -7,13 +7,12 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
-
+	"github.com/leasehold/leasehold/internal/testleak"
 	"github.com/leasehold/leasehold/sink/httpsink"
 	"github.com/leasehold/leasehold/testing/natstest"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { testleak.VerifyTestMain(m) }
 
 // The example runs to the end on a given NATS server, then on its own;
 // each time relay-a's late request was refused by the verifier with 409,

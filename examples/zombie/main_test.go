@@ -7,13 +7,12 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
-
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/testleak"
 	"github.com/leasehold/leasehold/testing/natstest"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { testleak.VerifyTestMain(m) }
 
 // The walk-through runs to the end, and the server, read without the
 // program's help, holds worker-b's balance, not the zombie's.

@@ -13,10 +13,10 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-	"go.uber.org/goleak"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/internal/testleak"
 	"github.com/leasehold/leasehold/internal/testpar"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/httpsink"
@@ -26,7 +26,7 @@ import (
 
 func TestMain(m *testing.M) {
 	testpar.Raise(4)
-	goleak.VerifyTestMain(m)
+	testleak.VerifyTestMain(m)
 }
 
 func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }

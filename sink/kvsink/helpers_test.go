@@ -8,8 +8,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
-	"go.uber.org/goleak"
 
+	"github.com/leasehold/leasehold/internal/testleak"
 	"github.com/leasehold/leasehold/internal/testpar"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/testing/natstest"
@@ -21,7 +21,7 @@ import (
 // once than the two a two-core machine gets by default.
 func TestMain(m *testing.M) {
 	testpar.Raise(4)
-	goleak.VerifyTestMain(m)
+	testleak.VerifyTestMain(m)
 }
 
 func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }

@@ -7,9 +7,9 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
-	"go.uber.org/goleak"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/testleak"
 	"github.com/leasehold/leasehold/internal/testpar"
 	"github.com/leasehold/leasehold/internal/testskip"
 	"github.com/leasehold/leasehold/sink"
@@ -25,7 +25,7 @@ import (
 // a two-core machine gets by default.
 func TestMain(m *testing.M) {
 	testpar.Raise(4)
-	goleak.VerifyTestMain(testskip.Summarize(m))
+	testleak.VerifyTestMain(testskip.Summarize(m))
 }
 
 // startDB starts a PostgreSQL server of the test's own and a pool on its

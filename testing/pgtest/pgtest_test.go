@@ -6,13 +6,13 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"go.uber.org/goleak"
 
+	"github.com/leasehold/leasehold/internal/testleak"
 	"github.com/leasehold/leasehold/internal/testskip"
 	"github.com/leasehold/leasehold/testing/pgtest"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(testskip.Summarize(m)) }
+func TestMain(m *testing.M) { testleak.VerifyTestMain(testskip.Summarize(m)) }
 
 func TestRestartKeepsData(t *testing.T) {
 	t.Parallel()

@@ -12,10 +12,10 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
+	"github.com/leasehold/leasehold/internal/testleak"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { testleak.VerifyTestMain(m) }
 
 // The benchmarks' server configuration, as bench's --cluster and --sync
 // set it: go test ./internal/bench -run '^$' -bench ScaleMax -benchtime 1x
