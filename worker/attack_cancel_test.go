@@ -144,18 +144,32 @@ func TestAttackCancelAfterCompletionBeforeHandOff(t *testing.T) {
 	emit := worker.HandlerFunc(func(ctx context.Context, job *worker.Job) error {
 		return job.Emit(ctx, []byte("effect of "+string(job.Data)))
 	})
+	// A's y runs until A's lease is lost: its partition is never caught
+	// up, so A commits only on its tick, an hour away.
+	emitA := worker.HandlerFunc(func(ctx context.Context, job *worker.Job) error {
+		if string(job.Data) == "y" {
+			<-ctx.Done()
+			return ctx.Err()
+		}
+		return emit(ctx, job)
+	})
 	recA := newRecorder()
-	cfgA := e.config("a", emit)
+	cfgA := e.config("a", emitA)
 	cfgA.JetStream, cfgA.Bucket = jsA, bucketA
 	cfgA.Coordinator.TTL, cfgA.Coordinator.Margin = time.Second, 100*time.Millisecond
 	cfgA.CommitEvery = time.Hour // nothing committed before the pause
 	cfgA.Observer = recA
-	a := start(t, cfgA)
 
+	// Both are stored before A starts, so A reads them together; without
+	// a key they run in partition order, y after x.
 	x, err := p.EnqueueTo(ctx, 0, []byte("x"))
 	if err != nil {
 		t.Fatal(err)
 	}
+	if _, err := p.EnqueueTo(ctx, 0, []byte("y")); err != nil {
+		t.Fatal(err)
+	}
+	a := start(t, cfgA)
 	select {
 	case <-appliedX:
 	case <-ctx.Done():
