@@ -5,9 +5,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
+	"github.com/leasehold/leasehold/internal/jspub"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -154,7 +154,7 @@ func (f *fetcher) pull(ctx context.Context, name string, batch int, next uint64)
 	if err != nil {
 		return next, err
 	}
-	subject := apiPrefix(cfg.JetStream) + "CONSUMER.MSG.NEXT." + JobsStream(cfg.Prefix) + "." + name
+	subject := jspub.APIPrefix(cfg.JetStream) + "CONSUMER.MSG.NEXT." + JobsStream(cfg.Prefix) + "." + name
 	timer := time.NewTimer(quiet)
 	defer timer.Stop()
 	var delivered uint64
@@ -232,19 +232,6 @@ func (f *fetcher) pull(ctx context.Context, name string, batch int, next uint64)
 			f.r.log.Warn("a pull request expired while jobs were waiting", "pending", pending, "received", n)
 		}
 	}
-}
-
-// apiPrefix is the JetStream API prefix js sends its requests under, with
-// its trailing dot.
-func apiPrefix(js jetstream.JetStream) string {
-	o := js.Options()
-	switch {
-	case o.APIPrefix != "":
-		return strings.TrimSuffix(o.APIPrefix, ".") + "."
-	case o.Domain != "":
-		return "$JS." + o.Domain + ".API."
-	}
-	return jetstream.DefaultAPIPrefix
 }
 
 // jobMsg is a job as the fetcher's pull requests receive it. The consumer

@@ -19,6 +19,7 @@ package jspub
 import (
 	"context"
 	"fmt"
+	"strings"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -46,4 +47,18 @@ func Publish(ctx context.Context, js jetstream.JetStream, msg *nats.Msg, opts ..
 		// connection drops, or the JetStream context's async timeout.
 		return nil, fmt.Errorf("%w: %w", nats.ErrTimeout, context.Cause(ctx))
 	}
+}
+
+// APIPrefix is the JetStream API prefix js sends its requests under, with
+// its trailing dot: what a request sent by hand (a pull request on a
+// subscription of one's own) is published under.
+func APIPrefix(js jetstream.JetStream) string {
+	o := js.Options()
+	switch {
+	case o.APIPrefix != "":
+		return strings.TrimSuffix(o.APIPrefix, ".") + "."
+	case o.Domain != "":
+		return "$JS." + o.Domain + ".API."
+	}
+	return jetstream.DefaultAPIPrefix
 }

@@ -8,7 +8,6 @@ import (
 	"sort"
 	"time"
 
-	"github.com/nats-io/nats.go/jetstream"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
@@ -16,6 +15,7 @@ import (
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/telemetry"
+	"github.com/nats-io/nats.go"
 )
 
 // outcome is the decision about one log message, before it is delivered
@@ -43,7 +43,7 @@ func (r *Runner) handle(ctx context.Context, msgs []*logMsg) error {
 	w := &work{seq: r.seq}
 	start := w.seq
 	var outs []outcome
-	var handled []jetstream.Msg // at or below the saved position: ack only
+	var handled []*nats.Msg // at or below the saved position: ack only
 	var stopErr error
 	rest := len(msgs)
 	for i, m := range msgs {
@@ -107,7 +107,7 @@ func (r *Runner) handle(ctx context.Context, msgs []*logMsg) error {
 				continue
 			}
 			if o.term {
-				_ = o.m.msg.TermWithReason(o.d.Outcome.String())
+				_ = o.m.msg.Respond([]byte("+TERM " + o.d.Outcome.String()))
 			} else {
 				_ = o.m.msg.Ack()
 			}

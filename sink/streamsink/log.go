@@ -5,7 +5,6 @@ import (
 	"strings"
 
 	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
 )
@@ -17,7 +16,7 @@ type logMsg struct {
 	subject string
 	header  nats.Header
 	data    []byte
-	msg     jetstream.Msg // nil when read from the stream
+	msg     *nats.Msg // a delivery of the consumer; nil when read from the stream
 }
 
 // next reads, from the stream leader, the first log message at or after

@@ -2,13 +2,15 @@ package streamsink
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/leasehold/leasehold/internal/jspub"
 )
 
 // The runner's batch cycle is serial: decide, deliver, save the position,
@@ -27,8 +29,13 @@ import (
 // and a successor has the rest of the consumer's MaxAckPending (four
 // batches) while a dead runner's messages wait for AckWait.
 //
-// A Fetch loop rather than Consume: Consume can stall a consumer with a
-// backlog until its heartbeat check fires.
+// Its pull requests share one subscription, which lives as long as the
+// prefetcher, and each ends when the server says so (its expiry, or a
+// full batch). Not Consume, which can stall a consumer with a backlog until
+// its heartbeat check fires; nor Fetch, which ends its subscription at a
+// deadline of the client's own: a message the server sent just before a
+// pull's expiry (a large one, or any on a busy machine) reached no
+// subscriber, and the runner sat idle for AckWait until it came again.
 type prefetcher struct {
 	out  chan fetched
 	stop context.CancelFunc
@@ -38,6 +45,17 @@ type prefetcher struct {
 	taken chan struct{}
 	// nak, set before stop: hand what it holds back to the server.
 	nak atomic.Bool
+
+	// Owned by the fetching goroutine.
+	msgs    chan *nats.Msg // the subscription's
+	sub     *nats.Subscription
+	subject string // the consumer's pull request subject
+	request []byte
+	// quiet is how long a pull may go without word from the server:
+	// two heartbeats, or with none (a short FetchWait) its expiry and a
+	// second.
+	quiet     time.Duration
+	heartbeat bool
 }
 
 // fetched is one message, or the error of a failed fetch.
@@ -46,12 +64,31 @@ type fetched struct {
 	err error
 }
 
+// pullSlack is the room the subscription has beyond the deliveries the
+// consumer allows unacked, for heartbeats and the statuses that end pulls.
+const pullSlack = 16
+
 // startPrefetch starts fetching; stop it with halt.
 func (r *Runner) startPrefetch(ctx context.Context) *prefetcher {
 	ctx, cancel := context.WithCancel(ctx)
 	// A pull's messages and an error fit: the fetcher never blocks on a
 	// send while its pull is open.
 	p := &prefetcher{out: make(chan fetched, r.cfg.Batch+1), stop: cancel, done: make(chan struct{}), taken: make(chan struct{}, 1)}
+	req := struct {
+		Batch     int           `json:"batch"`
+		Expires   time.Duration `json:"expires"`
+		Heartbeat time.Duration `json:"idle_heartbeat,omitempty"`
+	}{Batch: r.cfg.Batch, Expires: r.cfg.FetchWait}
+	p.quiet = r.cfg.FetchWait + time.Second
+	if r.cfg.FetchWait >= time.Second {
+		req.Heartbeat = min(r.cfg.FetchWait/5, 5*time.Second)
+		p.quiet, p.heartbeat = 2*req.Heartbeat, true
+	}
+	p.request, _ = json.Marshal(req)
+	p.subject = jspub.APIPrefix(r.js) + "CONSUMER.MSG.NEXT." + r.cfg.Stream + "." + r.cfg.Consumer
+	// The consumer sends no more than MaxAckPending deliveries unacked,
+	// and every one in msgs is: the subscription never drops one.
+	p.msgs = make(chan *nats.Msg, 4*r.cfg.Batch+pullSlack)
 	go func() {
 		defer close(p.done)
 		r.prefetch(ctx, p)
@@ -61,7 +98,29 @@ func (r *Runner) startPrefetch(ctx context.Context) *prefetcher {
 
 // prefetch fetches until ctx ends. A failed fetch is handed on, for Run to
 // count, log and show in Ready, and tried again after a backoff.
+//
+// When it ends, its subscription goes (the server sends a pull with no
+// subscriber nothing more), and with nak what came and nobody took goes
+// back to the server. A message already on its way then waits for
+// AckWait, as a crashed runner's do.
 func (r *Runner) prefetch(ctx context.Context, p *prefetcher) {
+	defer func() {
+		if p.sub != nil {
+			_ = p.sub.Unsubscribe()
+		}
+		for {
+			select {
+			case m := <-p.msgs:
+				if p.nak.Load() && m.Reply != "" {
+					_ = m.Nak()
+				}
+			default:
+				return
+			}
+		}
+	}()
+	timer := time.NewTimer(p.quiet)
+	defer timer.Stop()
 	failures := 0
 	for ctx.Err() == nil {
 		if len(p.out) > 0 {
@@ -75,7 +134,7 @@ func (r *Runner) prefetch(ctx context.Context, p *prefetcher) {
 				return
 			}
 		}
-		err := r.fetchInto(ctx, p)
+		err := r.fetchInto(ctx, p, timer)
 		if err == nil {
 			failures = 0
 			continue
@@ -99,92 +158,79 @@ func (r *Runner) prefetch(ctx context.Context, p *prefetcher) {
 }
 
 // fetchInto runs one pull request of up to Config.Batch messages, open for
-// up to Config.FetchWait, and hands each message on as it arrives.
-//
-// The pull outlives ctx while messages still come, up to stopGrace:
-// ending it at once would drop the messages the server had sent it and the
-// client had not read, and those would wait for AckWait, not be handed
-// back, when the runner stops. (Once the pull's subscription is gone the
-// server sends it nothing more.)
-func (r *Runner) fetchInto(ctx context.Context, p *prefetcher) error {
+// up to Config.FetchWait, and hands each message on as it arrives. It
+// returns when the server ends the pull, or when the pull has gone quiet
+// for longer than it may.
+func (r *Runner) fetchInto(ctx context.Context, p *prefetcher, timer *time.Timer) error {
 	r.lastPull.Store(time.Now().UnixNano())
 	if err := r.fetchHook("fetch"); err != nil {
 		return fmt.Errorf("fetch from %s: %w", r.cfg.Stream, err)
 	}
-	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.FetchWait)
-	defer cancel()
-	var got atomic.Int64 // messages the pull brought
-	defer context.AfterFunc(ctx, func() {
-		// Stopped: read on while messages still come (ones the server
-		// sent before the stop), ending the pull once none has come for
-		// stopQuiet, and at stopGrace at most.
-		grace := time.NewTimer(stopGrace)
-		defer grace.Stop()
-		quiet := time.NewTicker(stopQuiet)
-		defer quiet.Stop()
-		last := got.Load()
-		for {
-			select {
-			case <-fctx.Done():
-				return
-			case <-grace.C:
-				cancel()
-				return
-			case <-quiet.C:
-				if n := got.Load(); n != last {
-					last = n
-					continue
-				}
-				cancel()
-				return
+	nc := r.js.Conn()
+	if p.sub == nil {
+		sub, err := nc.ChanSubscribe(nc.NewInbox(), p.msgs)
+		if err != nil {
+			return fmt.Errorf("fetch from %s: subscribe: %w", r.cfg.Stream, err)
+		}
+		p.sub = sub
+	}
+	if err := nc.PublishRequest(p.subject, p.sub.Subject, p.request); err != nil {
+		return fmt.Errorf("fetch from %s: pull request: %w", r.cfg.Stream, err)
+	}
+	timer.Reset(p.quiet)
+	for n := 0; n < r.cfg.Batch; {
+		var m *nats.Msg
+		select {
+		case m = <-p.msgs:
+		case <-timer.C:
+			if p.heartbeat {
+				return fmt.Errorf("fetch from %s: %w for %v", r.cfg.Stream, errMissedHeartbeat, p.quiet)
+			}
+			return nil // its end was lost: send the next
+		case <-ctx.Done():
+			return nil
+		}
+		// A status comes without a reply subject; a delivery always has
+		// one (its metadata is in it), whatever its headers say.
+		if m.Reply == "" {
+			switch status := m.Header.Get("Status"); status {
+			case "100": // idle heartbeat
+				timer.Reset(p.quiet)
+				continue
+			case "404", "408": // the pull expired
+				return nil
+			case "":
+				continue // not the server's: nothing to do with it
+			default:
+				return fmt.Errorf("fetch from %s: pull request ended: status %s %s", r.cfg.Stream, status, m.Header.Get("Description"))
 			}
 		}
-	})()
-	batch, err := r.cons.Fetch(r.cfg.Batch, jetstream.FetchContext(fctx))
-	if err != nil {
-		return fmt.Errorf("fetch from %s: %w", r.cfg.Stream, err)
-	}
-	n := 0
-	for m := range batch.Messages() {
 		meta, err := m.Metadata()
 		if err != nil {
 			continue
 		}
 		n++
-		got.Add(1)
 		select {
-		case p.out <- fetched{m: &logMsg{seq: meta.Sequence.Stream, subject: m.Subject(), header: m.Headers(), data: m.Data(), msg: m}}:
+		case p.out <- fetched{m: &logMsg{seq: meta.Sequence.Stream, subject: m.Subject, header: m.Header, data: m.Data, msg: m}}:
 		case <-ctx.Done():
-			// Stopped: this message and the rest of the pull (which
-			// ends once no message has come for stopQuiet) go back to
-			// the server, or wait for AckWait.
 			if p.nak.Load() {
 				_ = m.Nak()
-				for m := range batch.Messages() {
-					_ = m.Nak()
-				}
 			}
 			return nil
 		}
-	}
-	if err := batch.Error(); err != nil && n == 0 && ctx.Err() == nil &&
-		!errors.Is(err, nats.ErrTimeout) && !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, jetstream.ErrNoMessages) {
-		return fmt.Errorf("fetch from %s: %w", r.cfg.Stream, err)
+		// However long the hand-over took, the heartbeats that came
+		// meanwhile wait in msgs.
+		timer.Reset(p.quiet)
 	}
 	return nil
 }
 
-// A stopping runner reads the rest of an open pull until no message has
-// come for stopQuiet, for stopGrace at most.
-const (
-	stopQuiet = 250 * time.Millisecond
-	stopGrace = 2 * time.Second
-)
+// errMissedHeartbeat reports a pull request the server stopped answering.
+var errMissedHeartbeat = errors.New("no heartbeat from the pull request")
 
-// halt stops the prefetcher and waits for it, up to the end of an open
-// pull (see fetchInto). With nak, the messages it holds are handed back to
-// the server for redelivery at once (a runner that stops); without, they
-// wait for AckWait, as a crashed runner's do.
+// halt stops the prefetcher and waits for it. With nak, the messages it
+// holds are handed back to the server for redelivery at once (a runner
+// that stops); without, they wait for AckWait, as a crashed runner's do.
 func (p *prefetcher) halt(nak bool) {
 	p.nak.Store(nak)
 	p.stop()
