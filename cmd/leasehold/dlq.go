@@ -24,13 +24,12 @@ import (
 )
 
 // Headers of the stream sink's dead letters. They are also read loosely
-// (any Leasehold-Sink-* header ending in Error, Tries or Subject), so that
-// the dead letters of another release list and replay too.
+// (any Leasehold-Sink-* header ending in Error or Tries, see
+// deadletter.SinkHeader), so that the dead letters of another release list
+// too; replay reads them in package deadletter.
 const (
-	sinkHeaderPrefix  = "Leasehold-Sink-"
-	sinkHeaderError   = "Leasehold-Sink-Error"
-	sinkHeaderTries   = "Leasehold-Sink-Tries"
-	sinkHeaderSubject = "Leasehold-Sink-Subject"
+	sinkHeaderError = "Leasehold-Sink-Error"
+	sinkHeaderTries = "Leasehold-Sink-Tries"
 )
 
 func newDLQ() *cobra.Command {
@@ -194,21 +193,21 @@ type summary struct{ partition, id, kind, attempts, err string }
 
 func (d *dlq) summarize(m *jetstream.RawStreamMsg) summary {
 	h := m.Header
-	s := summary{partition: header(h, leasehold.HeaderPartition)}
-	key := header(h, leasehold.HeaderKey)
+	s := summary{partition: deadletter.Header(h, leasehold.HeaderPartition)}
+	key := deadletter.Header(h, leasehold.HeaderKey)
 	// The stamp comes in either form; read it through the parser.
 	if st, err := leasehold.StampFromHeader(h); err == nil {
 		s.partition, key = st.Partition.String(), st.Key
 	}
 	if d.sink {
 		s.id = key
-		s.attempts = sinkHeader(h, sinkHeaderTries, "Tries", "Attempts", "Deliveries")
-		s.err = sinkHeader(h, sinkHeaderError, "Error")
+		s.attempts = deadletter.SinkHeader(h, sinkHeaderTries, "Tries", "Attempts", "Deliveries")
+		s.err = deadletter.SinkHeader(h, sinkHeaderError, "Error")
 	} else {
-		s.id = header(h, worker.HeaderJobID)
-		s.kind = header(h, worker.HeaderKind)
-		s.attempts = header(h, worker.HeaderAttempts)
-		s.err = header(h, worker.HeaderError)
+		s.id = deadletter.Header(h, worker.HeaderJobID)
+		s.kind = deadletter.Header(h, worker.HeaderKind)
+		s.attempts = deadletter.Header(h, worker.HeaderAttempts)
+		s.err = deadletter.Header(h, worker.HeaderError)
 		if s.partition == "" {
 			s.partition = m.Subject[strings.LastIndexByte(m.Subject, '.')+1:]
 		}
@@ -356,7 +355,7 @@ It only reads.`,
 
 func (d *dlq) show(ctx context.Context, out io.Writer, m *jetstream.RawStreamMsg) {
 	fmt.Fprintf(out, "dead letter %d of %s\n", m.Sequence, d.name)
-	fmt.Fprintf(out, "  subject: %s\n", clean(m.Subject))
+	fmt.Fprintf(out, "  subject: %s\n", deadletter.Clean(m.Subject))
 	fmt.Fprintf(out, "  stored:  %s\n", m.Time.UTC().Format(time.RFC3339Nano))
 	if msg, target, err := d.lib.Plan(ctx, m); err != nil {
 		fmt.Fprintf(out, "  replay:  refused: %v\n", err)
@@ -380,17 +379,17 @@ func (d *dlq) show(ctx context.Context, out io.Writer, m *jetstream.RawStreamMsg
 				// printed whole below.
 				if s, err := strconv.Unquote(v); err == nil && s != "" {
 					stack = s
-					fmt.Fprintf(out, "  %s: (the stack of the handler's panic, below)\n", clean(k))
+					fmt.Fprintf(out, "  %s: (the stack of the handler's panic, below)\n", deadletter.Clean(k))
 					continue
 				}
 			}
-			fmt.Fprintf(out, "  %s: %s\n", clean(k), clean(v))
+			fmt.Fprintf(out, "  %s: %s\n", deadletter.Clean(k), deadletter.Clean(v))
 		}
 	}
 	if stack != "" {
 		fmt.Fprintln(out, "stack of the handler's panic:")
 		for line := range strings.SplitSeq(strings.TrimRight(stack, "\n"), "\n") {
-			fmt.Fprintf(out, "  %s\n", clean(strings.ReplaceAll(line, "\t", "    ")))
+			fmt.Fprintf(out, "  %s\n", deadletter.Clean(strings.ReplaceAll(line, "\t", "    ")))
 		}
 	}
 	if isText(m.Data) {
@@ -420,67 +419,12 @@ func parseSeqs(args []string) ([]uint64, error) {
 	return seqs, nil
 }
 
-// header returns h's first value of name, matched without case.
-func header(h nats.Header, name string) string {
-	if vs := h[name]; len(vs) > 0 {
-		return vs[0]
-	}
-	for k, vs := range h {
-		if strings.EqualFold(k, name) && len(vs) > 0 {
-			return vs[0]
-		}
-	}
-	return ""
-}
-
-// sinkHeader returns the sink header name, or else the first (by name)
-// Leasehold-Sink-* header ending in one of suffixes.
-func sinkHeader(h nats.Header, name string, suffixes ...string) string {
-	if v := header(h, name); v != "" {
-		return v
-	}
-	var names []string
-	for k, vs := range h {
-		if len(vs) > 0 && hasPrefixFold(k, sinkHeaderPrefix) {
-			names = append(names, k)
-		}
-	}
-	slices.Sort(names)
-	for _, k := range names {
-		for _, s := range suffixes {
-			if len(k) >= len(s) && strings.EqualFold(k[len(k)-len(s):], s) {
-				return h[k][0]
-			}
-		}
-	}
-	return ""
-}
-
-func hasPrefixFold(s, prefix string) bool {
-	return len(s) >= len(prefix) && strings.EqualFold(s[:len(prefix)], prefix)
-}
-
-// clean returns s as is when it is printable text, and quoted with Go
-// escapes otherwise, so that a header cannot move the cursor, fake a line
-// or colour the terminal.
-func clean(s string) string {
-	if !utf8.ValidString(s) {
-		return strconv.Quote(s)
-	}
-	for _, r := range s {
-		if !unicode.IsPrint(r) {
-			return strconv.Quote(s)
-		}
-	}
-	return s
-}
-
-// cell is clean(s) cut to n runes for a table, "-" when empty.
+// cell is deadletter.Clean(s) cut to n runes for a table, "-" when empty.
 func cell(s string, n int) string {
 	if s == "" {
 		return "-"
 	}
-	s = clean(s)
+	s = deadletter.Clean(s)
 	if utf8.RuneCountInString(s) > n {
 		s = string([]rune(s)[:n-3]) + "..."
 	}

@@ -127,16 +127,16 @@ func (d *Stream) Plan(ctx context.Context, m *jetstream.RawStreamMsg) (*nats.Msg
 // letter they replay and why it failed.
 func (d *Stream) ReplayMsg(m *jetstream.RawStreamMsg) (*nats.Msg, error) {
 	name := worker.HeaderSubject
-	subject := header(m.Header, name)
+	subject := Header(m.Header, name)
 	if d.sink {
 		name = sinkHeaderSubject
-		subject = sinkHeader(m.Header, name, "Subject")
+		subject = SinkHeader(m.Header, name, "Subject")
 	}
 	if subject == "" {
 		return nil, fmt.Errorf("it has no %s header naming the subject it came from", name)
 	}
 	if err := literalSubject(subject); err != nil {
-		return nil, fmt.Errorf("its %s header %s: %w", name, clean(subject), err)
+		return nil, fmt.Errorf("its %s header %s: %w", name, Clean(subject), err)
 	}
 	msg := &nats.Msg{Subject: subject, Data: m.Data, Header: nats.Header{}}
 	var reason string
@@ -157,14 +157,14 @@ func (d *Stream) ReplayMsg(m *jetstream.RawStreamMsg) (*nats.Msg, error) {
 				msg.Header[k] = vs
 			}
 		}
-		reason = sinkHeader(m.Header, sinkHeaderError, "Error")
+		reason = SinkHeader(m.Header, sinkHeaderError, "Error")
 	} else {
 		for k, vs := range m.Header {
 			if keepJobHeader(k) {
 				msg.Header[k] = vs
 			}
 		}
-		reason = header(m.Header, worker.HeaderError)
+		reason = Header(m.Header, worker.HeaderError)
 	}
 	msg.Header.Set(leasehold.HeaderReplayOf, worker.ReplayOf(d.name, m.Sequence))
 	if reason = replayReason(reason); reason != "" {
@@ -230,10 +230,10 @@ func (d *Stream) jobOf(m *jetstream.RawStreamMsg, subject string) (deadJob, erro
 	if err != nil {
 		return deadJob{}, fmt.Errorf("its subject %s names no partition", subject)
 	}
-	v := header(m.Header, worker.HeaderSeq)
+	v := Header(m.Header, worker.HeaderSeq)
 	seq, err := strconv.ParseUint(v, 10, 64)
 	if err != nil || seq == 0 || strconv.FormatUint(seq, 10) != v {
-		return deadJob{}, fmt.Errorf("its %s header %s names no job sequence, so the job's identity (the keys of its effects) cannot be told", worker.HeaderSeq, clean(strconv.Quote(v)))
+		return deadJob{}, fmt.Errorf("its %s header %s names no job sequence, so the job's identity (the keys of its effects) cannot be told", worker.HeaderSeq, Clean(strconv.Quote(v)))
 	}
 	o, ok, err := leasehold.OriginFromHeader(m.Header)
 	if err != nil {
@@ -248,7 +248,7 @@ func (d *Stream) jobOf(m *jetstream.RawStreamMsg, subject string) (deadJob, erro
 		// whose keys the replay would take.
 		return deadJob{}, fmt.Errorf("%w; its origin comes after the job it was dead-lettered as (sequence %d of partition %d): no job is made from one stored later, so it is forged", &leasehold.OriginError{Value: o.String(), Err: errors.New("an origin past its job")}, seq, p)
 	}
-	return deadJob{partition: p, seq: seq, origin: o, reason: replayReason(header(m.Header, worker.HeaderError))}, nil
+	return deadJob{partition: p, seq: seq, origin: o, reason: replayReason(Header(m.Header, worker.HeaderError))}, nil
 }
 
 // Records reports whether replays and purges of this stream leave
@@ -297,7 +297,7 @@ func (d *Stream) Replay(ctx context.Context, m *jetstream.RawStreamMsg) (Replaye
 			return r, fmt.Errorf("dead letter %d: %s calls its replay a duplicate of sequence %d, which cannot be read (%w); the dead letter is kept", m.Sequence, ack.Stream, ack.Sequence, err)
 		}
 		if got.Subject != msg.Subject || !bytes.Equal(got.Data, msg.Data) {
-			return r, fmt.Errorf("dead letter %d: %s holds another message (sequence %d, subject %s) under its replay's message ID; the dead letter is kept: look at both before replaying it", m.Sequence, ack.Stream, ack.Sequence, clean(got.Subject))
+			return r, fmt.Errorf("dead letter %d: %s holds another message (sequence %d, subject %s) under its replay's message ID; the dead letter is kept: look at both before replaying it", m.Sequence, ack.Stream, ack.Sequence, Clean(got.Subject))
 		}
 		r.Duplicate = true
 	}
@@ -388,7 +388,7 @@ func (d *Stream) RecordPurges(ctx context.Context, ms []*jetstream.RawStreamMsg)
 		return nil
 	}
 	for i, m := range ms {
-		subject := header(m.Header, worker.HeaderSubject)
+		subject := Header(m.Header, worker.HeaderSubject)
 		if literalSubject(subject) != nil || d.jobPartition(ctx, subject) != nil {
 			continue
 		}

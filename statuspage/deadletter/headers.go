@@ -10,8 +10,8 @@ import (
 	"github.com/nats-io/nats.go"
 )
 
-// header returns h's first value of name, matched without case.
-func header(h nats.Header, name string) string {
+// Header returns h's first value of name, matched without case.
+func Header(h nats.Header, name string) string {
 	if vs := h[name]; len(vs) > 0 {
 		return vs[0]
 	}
@@ -23,10 +23,11 @@ func header(h nats.Header, name string) string {
 	return ""
 }
 
-// sinkHeader returns the sink header name, or else the first (by name)
-// Leasehold-Sink-* header ending in one of suffixes.
-func sinkHeader(h nats.Header, name string, suffixes ...string) string {
-	if v := header(h, name); v != "" {
+// SinkHeader returns the sink header name, or else the first (by name)
+// Leasehold-Sink-* header ending in one of suffixes, so that the dead
+// letters of another release read too.
+func SinkHeader(h nats.Header, name string, suffixes ...string) string {
+	if v := Header(h, name); v != "" {
 		return v
 	}
 	var names []string
@@ -50,9 +51,10 @@ func hasPrefixFold(s, prefix string) bool {
 	return len(s) >= len(prefix) && strings.EqualFold(s[:len(prefix)], prefix)
 }
 
-// clean returns s as is when it is printable text, and quoted with Go
-// escapes otherwise.
-func clean(s string) string {
+// Clean returns s as is when it is printable text, and quoted with Go
+// escapes otherwise, so that a header cannot move the cursor, fake a line
+// or colour the terminal.
+func Clean(s string) string {
 	if !utf8.ValidString(s) {
 		return strconv.Quote(s)
 	}
