@@ -31,21 +31,8 @@ func FuzzStampHeadersLegacy(f *testing.F) {
 			h[kv[0]] = append(h[kv[0]], kv[1])
 		}
 		s, err := leasehold.StampFromHeader(h)
-		if err != nil {
-			var se *leasehold.StampError
-			if !errors.As(err, &se) || !errors.Is(err, leasehold.ErrBadStamp) {
-				t.Fatalf("error %v is not a StampError matching ErrBadStamp", err)
-			}
-			if s != (leasehold.Stamp{}) {
-				t.Fatalf("error %v came with a partial stamp %+v", err, s)
-			}
-			if !strings.Contains(err.Error(), se.Header) {
-				t.Fatalf("error %q does not name header %s", err, se.Header)
-			}
+		if !stampRead(t, s, err) {
 			return
-		}
-		if err := s.Validate(); err != nil {
-			t.Fatalf("read %+v, which does not validate: %v", s, err)
 		}
 		for k := range h {
 			if strings.EqualFold(k, leasehold.HeaderStamp) {
@@ -62,11 +49,7 @@ func FuzzStampHeadersLegacy(f *testing.F) {
 				}
 			}
 		}
-		out := map[string][]string{}
-		s.SetHeader(out)
-		if back, err := leasehold.StampFromHeader(out); err != nil || back != s {
-			t.Fatalf("round trip: %+v, %v; want %+v", back, err, s)
-		}
+		stampRoundTrip(t, s, leasehold.StampLegacy)
 	})
 }
 
@@ -142,17 +125,7 @@ func FuzzJobMarkHeadersLegacy(f *testing.F) {
 			h[kv[0]] = append(h[kv[0]], kv[1])
 		}
 		m, err := leasehold.JobMarkFromHeader(h)
-		if err != nil {
-			var je *leasehold.JobMarkError
-			if !errors.As(err, &je) || !errors.Is(err, leasehold.ErrBadJobMark) {
-				t.Fatalf("error %v is not a JobMarkError matching ErrBadJobMark", err)
-			}
-			if m != (leasehold.JobMark{}) {
-				t.Fatalf("error %v came with a partial mark %+v", err, m)
-			}
-			if !strings.Contains(err.Error(), je.Header) {
-				t.Fatalf("error %q does not name header %s", err, je.Header)
-			}
+		if !markRead(t, m, err) {
 			return
 		}
 		if !m.Standalone() && (m.Attempt == 0 || m.Attempt > leasehold.MaxAttempt) {
@@ -170,14 +143,7 @@ func FuzzJobMarkHeadersLegacy(f *testing.F) {
 		if compact && legacy {
 			t.Fatalf("accepted %+v from both forms: %v", m, h)
 		}
-		if m.Final() && (m.Effects > leasehold.MaxJobEffects || m.After == m.Job || m.Abort) {
-			t.Fatalf("accepted final %+v", m)
-		}
-		// Only a final says it completes out of order, and then its floor
-		// is below it; without one, After is below the job.
-		if m.Floored != m.Floors() || (m.Floored && m.Floor >= m.Job) || (!m.Floored && (m.Floor != 0 || m.After > m.Job)) {
-			t.Fatalf("accepted %+v", m)
-		}
+		markRules(t, m)
 		for k, vs := range h {
 			var want string
 			switch {
@@ -196,9 +162,7 @@ func FuzzJobMarkHeadersLegacy(f *testing.F) {
 		}
 		out := map[string][]string{}
 		m.SetHeader(out)
-		if back, err := leasehold.JobMarkFromHeader(out); err != nil || back != m {
-			t.Fatalf("round trip: %+v, %v; want %+v", back, err, m)
-		}
+		markRoundTrip(t, m, out)
 	})
 }
 
@@ -233,21 +197,8 @@ func FuzzStampHeaders(f *testing.F) {
 		}
 		h[extraName] = append(h[extraName], extraValue)
 		s, err := leasehold.StampFromHeader(h)
-		if err != nil {
-			var se *leasehold.StampError
-			if !errors.As(err, &se) || !errors.Is(err, leasehold.ErrBadStamp) {
-				t.Fatalf("error %v is not a StampError matching ErrBadStamp", err)
-			}
-			if s != (leasehold.Stamp{}) {
-				t.Fatalf("error %v came with a partial stamp %+v", err, s)
-			}
-			if !strings.Contains(err.Error(), se.Header) {
-				t.Fatalf("error %q does not name header %s", err, se.Header)
-			}
+		if !stampRead(t, s, err) {
 			return
-		}
-		if err := s.Validate(); err != nil {
-			t.Fatalf("read %+v, which does not validate: %v", s, err)
 		}
 		if len(v) > leasehold.MaxStampLen {
 			t.Fatalf("read %+v from %d bytes", s, len(v))
@@ -264,16 +215,8 @@ func FuzzStampHeaders(f *testing.F) {
 				t.Fatalf("read %+v beside the legacy header %s", s, k)
 			}
 		}
-		out := map[string][]string{}
-		s.SetHeaderAs(out, leasehold.StampCompact)
-		if back, err := leasehold.StampFromHeader(out); err != nil || back != s {
-			t.Fatalf("round trip: %+v, %v; want %+v", back, err, s)
-		}
-		out = map[string][]string{}
-		s.SetHeaderAs(out, leasehold.StampLegacy)
-		if back, err := leasehold.StampFromHeader(out); err != nil || back != s {
-			t.Fatalf("legacy round trip: %+v, %v; want %+v", back, err, s)
-		}
+		stampRoundTrip(t, s, leasehold.StampCompact)
+		stampRoundTrip(t, s, leasehold.StampLegacy)
 	})
 }
 
@@ -292,28 +235,13 @@ func FuzzJobMarkHeaders(f *testing.F) {
 		h := map[string][]string{leasehold.HeaderMark: {v}}
 		h[name2] = append(h[name2], v2)
 		m, err := leasehold.JobMarkFromHeader(h)
-		if err != nil {
-			var je *leasehold.JobMarkError
-			if !errors.As(err, &je) || !errors.Is(err, leasehold.ErrBadJobMark) {
-				t.Fatalf("error %v is not a JobMarkError matching ErrBadJobMark", err)
-			}
-			if m != (leasehold.JobMark{}) {
-				t.Fatalf("error %v came with a partial mark %+v", err, m)
-			}
-			if !strings.Contains(err.Error(), je.Header) {
-				t.Fatalf("error %q does not name header %s", err, je.Header)
-			}
+		if !markRead(t, m, err) {
 			return
 		}
 		if m.Standalone() || m.Attempt == 0 || m.Attempt > leasehold.MaxAttempt || len(v) > leasehold.MaxMarkLen {
 			t.Fatalf("accepted %+v from %q", m, v)
 		}
-		if m.Final() && (m.Effects > leasehold.MaxJobEffects || m.After == m.Job || m.Abort) {
-			t.Fatalf("accepted final %+v", m)
-		}
-		if m.Floored != m.Floors() || (m.Floored && m.Floor >= m.Job) || (!m.Floored && (m.Floor != 0 || m.After > m.Job)) {
-			t.Fatalf("accepted %+v", m)
-		}
+		markRules(t, m)
 		for k, vs := range h {
 			switch {
 			case strings.EqualFold(k, leasehold.HeaderMark):
@@ -328,8 +256,83 @@ func FuzzJobMarkHeaders(f *testing.F) {
 		}
 		out := map[string][]string{leasehold.HeaderStamp: {"1 orders 7 5 a1 k"}}
 		m.SetHeader(out)
-		if back, err := leasehold.JobMarkFromHeader(out); err != nil || back != m {
-			t.Fatalf("round trip: %+v, %v; want %+v", back, err, m)
-		}
+		markRoundTrip(t, m, out)
 	})
+}
+
+// stampRead checks what StampFromHeader returned: an error is a
+// StampError matching ErrBadStamp that names its header and comes with no
+// partial stamp (false); a stamp read validates (true).
+func stampRead(t *testing.T, s leasehold.Stamp, err error) bool {
+	t.Helper()
+	if err != nil {
+		var se *leasehold.StampError
+		if !errors.As(err, &se) || !errors.Is(err, leasehold.ErrBadStamp) {
+			t.Fatalf("error %v is not a StampError matching ErrBadStamp", err)
+		}
+		if s != (leasehold.Stamp{}) {
+			t.Fatalf("error %v came with a partial stamp %+v", err, s)
+		}
+		if !strings.Contains(err.Error(), se.Header) {
+			t.Fatalf("error %q does not name header %s", err, se.Header)
+		}
+		return false
+	}
+	if err := s.Validate(); err != nil {
+		t.Fatalf("read %+v, which does not validate: %v", s, err)
+	}
+	return true
+}
+
+// stampRoundTrip writes s in form f and reads it back.
+func stampRoundTrip(t *testing.T, s leasehold.Stamp, f leasehold.StampFormat) {
+	t.Helper()
+	out := map[string][]string{}
+	s.SetHeaderAs(out, f)
+	if back, err := leasehold.StampFromHeader(out); err != nil || back != s {
+		t.Fatalf("round trip (form %v): %+v, %v; want %+v", f, back, err, s)
+	}
+}
+
+// markRead is stampRead for JobMarkFromHeader: an error is a
+// JobMarkError matching ErrBadJobMark that names its header and comes
+// with no partial mark (false).
+func markRead(t *testing.T, m leasehold.JobMark, err error) bool {
+	t.Helper()
+	if err == nil {
+		return true
+	}
+	var je *leasehold.JobMarkError
+	if !errors.As(err, &je) || !errors.Is(err, leasehold.ErrBadJobMark) {
+		t.Fatalf("error %v is not a JobMarkError matching ErrBadJobMark", err)
+	}
+	if m != (leasehold.JobMark{}) {
+		t.Fatalf("error %v came with a partial mark %+v", err, m)
+	}
+	if !strings.Contains(err.Error(), je.Header) {
+		t.Fatalf("error %q does not name header %s", err, je.Header)
+	}
+	return false
+}
+
+// markRules checks the rules a mark read in either form keeps: a final
+// has effects within the bound, an After that is not the job and no
+// abort; only a final says it completes out of order, and then its floor
+// is below it; without one, After is below the job.
+func markRules(t *testing.T, m leasehold.JobMark) {
+	t.Helper()
+	if m.Final() && (m.Effects > leasehold.MaxJobEffects || m.After == m.Job || m.Abort) {
+		t.Fatalf("accepted final %+v", m)
+	}
+	if m.Floored != m.Floors() || (m.Floored && m.Floor >= m.Job) || (!m.Floored && (m.Floor != 0 || m.After > m.Job)) {
+		t.Fatalf("accepted %+v", m)
+	}
+}
+
+// markRoundTrip reads back the headers out that m was written to.
+func markRoundTrip(t *testing.T, m leasehold.JobMark, out map[string][]string) {
+	t.Helper()
+	if back, err := leasehold.JobMarkFromHeader(out); err != nil || back != m {
+		t.Fatalf("round trip: %+v, %v; want %+v", back, err, m)
+	}
 }
