@@ -354,8 +354,13 @@ type cancels struct {
 	w   jetstream.KeyWatcher
 	end chan struct{} // closed when the watch's goroutine returns
 
-	mu      sync.Mutex
-	recs    map[string]cancelEntry
+	mu   sync.Mutex
+	recs map[string]cancelEntry
+	// The keys of recs by what they name: a job is looked up by its
+	// sequence and its ID, without formatting its keys (an ID's is a
+	// digest), since nearly every job has no cancel.
+	bySeq   map[uint64]string
+	byID    map[string]string
 	running map[*Job]context.CancelCauseFunc
 	stand   map[*Job]bool // the empty attempts that complete cancelled jobs
 }
@@ -383,7 +388,8 @@ func (r *runner) watchCancels() *cancels {
 		r.log.Warn("jobs cannot be cancelled: watching the cancels failed", "err", err)
 		return nil
 	}
-	c := &cancels{r: r, kv: kv, w: w, end: make(chan struct{}), recs: map[string]cancelEntry{}, running: map[*Job]context.CancelCauseFunc{}, stand: map[*Job]bool{}}
+	c := &cancels{r: r, kv: kv, w: w, end: make(chan struct{}), recs: map[string]cancelEntry{}, bySeq: map[uint64]string{}, byID: map[string]string{},
+		running: map[*Job]context.CancelCauseFunc{}, stand: map[*Job]bool{}}
 	for {
 		select {
 		case e, ok := <-w.Updates():
@@ -430,7 +436,7 @@ func (c *cancels) update(e jetstream.KeyValueEntry) {
 		// Deleted or purged by an operator: the job is not cancelled
 		// (one already skipped or stopped stays so).
 		c.mu.Lock()
-		delete(c.recs, key)
+		c.forget(key)
 		c.mu.Unlock()
 		return
 	}
@@ -442,11 +448,35 @@ func (c *cancels) update(e jetstream.KeyValueEntry) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	ce := cancelEntry{rec: rec, rev: e.Revision(), created: e.Created()}
+	c.forget(key)
 	c.recs[key] = ce
+	// parseCancel checked the key against what the record names: an ID
+	// record's key is its ID's, a sequence record's its sequence's.
+	if rec.ID != "" {
+		c.byID[rec.ID] = key
+	} else {
+		c.bySeq[rec.Seq] = key
+	}
 	for job, cc := range c.running {
 		if c.matches(job, key, ce) {
 			cc(ErrJobCancelled)
 		}
+	}
+}
+
+// forget drops the record at key, if any; c.mu is held.
+func (c *cancels) forget(key string) {
+	e, ok := c.recs[key]
+	if !ok {
+		return
+	}
+	delete(c.recs, key)
+	if e.rec.ID != "" {
+		if c.byID[e.rec.ID] == key {
+			delete(c.byID, e.rec.ID)
+		}
+	} else if c.bySeq[e.rec.Seq] == key {
+		delete(c.bySeq, e.rec.Seq)
 	}
 }
 
@@ -461,11 +491,14 @@ func (c *cancels) of(job *Job) (string, cancelEntry, bool) {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if k := cancelSeqKey(job.Partition, job.Seq); c.recs[k].rev != 0 && c.matches(job, k, c.recs[k]) {
+	if len(c.recs) == 0 {
+		return "", cancelEntry{}, false
+	}
+	if k, ok := c.bySeq[job.Seq]; ok && c.matches(job, k, c.recs[k]) {
 		return k, c.recs[k], true
 	}
 	if job.ID != "" {
-		if k := cancelIDKey(job.Partition, job.ID); c.recs[k].rev != 0 && c.matches(job, k, c.recs[k]) {
+		if k, ok := c.byID[job.ID]; ok && c.matches(job, k, c.recs[k]) {
 			return k, c.recs[k], true
 		}
 	}
