@@ -48,13 +48,32 @@ func headerSize(h nats.Header) int {
 }
 
 // finalRoom is what marking an effect of the job at seq as its attempt's
-// final adds to the headers the plain mark wrote, at the most: the count
-// of effects (up to leasehold.MaxJobEffects) and the job before it (below
-// seq, or with several jobs in flight any job, and then the floor, below
-// seq). An effect is sized as the final it may become without writing the
-// final's headers only to take them off again.
-func (r *runner) finalRoom(seq uint64) int { return finalRoom(seq, r.policy.floored()) }
+// final adds to the headers the plain mark wrote, at the most, in the form
+// the worker writes: the count of effects (up to leasehold.MaxJobEffects)
+// and the job before it (below seq, or with several jobs in flight any
+// job, and then the floor, below seq). An effect is sized as the final it
+// may become without writing the final's headers only to take them off
+// again.
+func (r *runner) finalRoom(seq uint64) int {
+	if r.w.cfg.StampFormat == leasehold.StampLegacy {
+		return finalRoom(seq, r.policy.floored())
+	}
+	return compactFinalRoom(seq, r.policy.floored())
+}
 
+// compactFinalRoom is finalRoom in the compact form: the final's fields
+// follow the plain mark's in its one HeaderMark value, each after a
+// space.
+func compactFinalRoom(seq uint64, floored bool) int {
+	room := len(" ") + decimalLen(leasehold.MaxJobEffects) + len(" ")
+	if !floored {
+		return room + decimalLen(seq-1)
+	}
+	return room + decimalLen(1<<63) + len(" ") + decimalLen(seq-1)
+}
+
+// finalRoom is what the final adds in the legacy form: a header per
+// field.
 func finalRoom(seq uint64, floored bool) int {
 	const line = len(": \r\n")
 	room := len(leasehold.HeaderEffects) + line + decimalLen(leasehold.MaxJobEffects) + len(leasehold.HeaderAfter) + line

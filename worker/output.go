@@ -90,7 +90,7 @@ func (j *Job) hold(msg *nats.Msg) (*nats.Msg, error) {
 		o = j.addOutput(msg.Subject)
 	}
 	if o.count >= leasehold.MaxJobEffects {
-		return nil, Permanent(&EffectError{Subject: msg.Subject, Key: msg.Header.Get(leasehold.HeaderKey),
+		return nil, Permanent(&EffectError{Subject: msg.Subject, Key: effectKey(msg),
 			Err: fmt.Errorf("the attempt emitted %d effects on this subject, the most a job may (leasehold.MaxJobEffects): split the work into more jobs", o.count)})
 	}
 	prev := o.held
