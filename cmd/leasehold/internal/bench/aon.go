@@ -61,33 +61,52 @@ func (e *env) allOrNone(ctx context.Context) ([]Row, error) {
 // returns jobs per second, from the first enqueue to the last effect
 // applied.
 func (e *env) aonThroughput(ctx context.Context, prefix string, n, k int) (float64, error) {
+	r, _, err := e.aonRun(ctx, prefix, n, k, false)
+	return r, err
+}
+
+// aonRun is aonThroughput, and with lag it also returns the share of the
+// effects the sink had applied when the log first held them all: near 1,
+// the sink kept up and the workers set the pace; well below, the sink
+// did, and the rest of the run was the sink catching up.
+func (e *env) aonRun(ctx context.Context, prefix string, n, k int, lag bool) (float64, float64, error) {
 	ap := newApplied(n*k, false)
 	nc, js, err := e.connect("bench setup " + prefix)
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	defer e.release(nc)
 	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: prefix, Partitions: pipePartitions, Replicas: e.replicas()}); err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	defer e.dropStreams(ctx, js, prefix+"-")
 	stop, err := e.startAON(ctx, js, prefix, ap, k)
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	defer stop()
 	prod, err := worker.NewProducer(js, worker.ProducerConfig{Prefix: prefix, Partitions: pipePartitions})
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	t0 := time.Now()
 	if err := enqueueAll(ctx, prod, n); err != nil {
-		return 0, err
+		return 0, 0, err
+	}
+	share := make(chan float64, 1)
+	if lag {
+		wctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		go func() { share <- appliedWhenStored(wctx, js, worker.EffectsStream(prefix), ap) }()
 	}
 	if err := ap.wait(ctx, time.Minute); err != nil {
-		return 0, fmt.Errorf("pipeline %s: %w", prefix, err)
+		return 0, 0, fmt.Errorf("pipeline %s: %w", prefix, err)
 	}
-	return float64(n) / time.Since(t0).Seconds(), nil
+	rate := float64(n) / time.Since(t0).Seconds()
+	if !lag {
+		return rate, 0, nil
+	}
+	return rate, <-share, nil
 }
 
 // startAON starts the pipeline of startLeasehold with a handler that
@@ -174,4 +193,28 @@ func (e *env) startAON(ctx context.Context, js jetstream.JetStream, prefix strin
 		return nil, err
 	}
 	return stopAll, nil
+}
+
+// appliedWhenStored polls the effects stream until it holds every effect
+// ap waits for, and returns the share of them applied by then (1 when ctx
+// ends first).
+func appliedWhenStored(ctx context.Context, js jetstream.JetStream, stream string, ap *applied) float64 {
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return 1
+		case <-tick.C:
+		}
+		applied := ap.n.Load()
+		st, err := js.Stream(ctx, stream)
+		if err != nil {
+			continue
+		}
+		info, err := st.Info(ctx)
+		if err == nil && int64(info.State.Msgs) >= ap.want {
+			return float64(applied) / float64(ap.want)
+		}
+	}
 }

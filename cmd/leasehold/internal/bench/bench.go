@@ -74,7 +74,9 @@ type Config struct {
 }
 
 // Scenarios names what Run can measure, in the order it measures them.
-var Scenarios = []string{"e2e", "latency", "tracing", "fence", "failover", "scaleout", "scale", "io", "partitions"}
+// "aon" is the all-or-none row of "e2e" alone (jobs of several effects
+// against jobs of one), measured once when both are asked for.
+var Scenarios = []string{"e2e", "aon", "latency", "tracing", "fence", "failover", "scaleout", "scale", "io", "partitions"}
 
 func (c *Config) setDefaults() {
 	if c.Runs == 0 {
@@ -157,6 +159,11 @@ func Run(ctx context.Context, cfg Config) ([]Row, error) {
 		switch s {
 		case "e2e":
 			got, err = env.endToEndAll(ctx)
+		case "aon":
+			if slices.Contains(cfg.Scenarios, "e2e") {
+				continue
+			}
+			got, err = env.allOrNone(ctx)
 		case "latency":
 			got, err = env.latency(ctx)
 		case "tracing":
