@@ -7,10 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
-
-	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
@@ -127,20 +123,7 @@ func TestAttackCancelAfterCompletionBeforeHandOff(t *testing.T) {
 		return nil
 	})
 
-	px := natstest.NewProxy(t, e.srv.URL())
-	ncA, err := nats.Connect(px.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(ncA.Close)
-	jsA, err := jetstream.New(ncA)
-	if err != nil {
-		t.Fatal(err)
-	}
-	bucketA, err := coordinator.OpenBucket(ctxFor(t, 10*time.Second), jsA, e.bucket.Name())
-	if err != nil {
-		t.Fatal(err)
-	}
+	px, _, jsA, bucketA := e.proxied(t)
 	emit := worker.HandlerFunc(func(ctx context.Context, job *worker.Job) error {
 		return job.Emit(ctx, []byte("effect of "+string(job.Data)))
 	})

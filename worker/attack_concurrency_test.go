@@ -2,20 +2,14 @@ package worker_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
-
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/streamsink"
-	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -91,23 +85,7 @@ func (d *dedupeDest) waitKeys(t *testing.T, within time.Duration, keys []string,
 // does, and a decision observer.
 func verifyingSink(t *testing.T, e *env, h func(context.Context, sink.Effect) error, obs sink.Observer) *streamsink.Runner {
 	t.Helper()
-	r, err := streamsink.New(ctxFor(t, time.Minute), e.js, streamsink.Config{
-		Prefix: e.prefix, Handler: h, Verifier: e.bucket, Observer: obs, MaxBackoff: 10 * time.Millisecond,
-		Logger: testLogger().With("test", "sink"),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
-			t.Errorf("sink Run: %v", err)
-		}
-	})
-	return r
+	return runSink(t, e, streamsink.Config{Handler: h, Verifier: e.bucket, Observer: obs})
 }
 
 // staleSeen records the effects the runner refused as stale or split
@@ -179,20 +157,7 @@ func TestAttackZombieWithManyJobsInFlight(t *testing.T) {
 	seen := newStaleSeen()
 	r := verifyingSink(t, e, dest.handle, seen)
 
-	px := natstest.NewProxy(t, e.srv.URL())
-	ncA, err := nats.Connect(px.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(ncA.Close)
-	jsA, err := jetstream.New(ncA)
-	if err != nil {
-		t.Fatal(err)
-	}
-	bucketA, err := coordinator.OpenBucket(ctxFor(t, 10*time.Second), jsA, e.bucket.Name())
-	if err != nil {
-		t.Fatal(err)
-	}
+	px, ncA, jsA, bucketA := e.proxied(t)
 
 	const n = 8
 	paused := make(chan uint64, n)

@@ -34,35 +34,13 @@ func TestAttackUniqueGarbageWithoutTTLIsTakenOver(t *testing.T) {
 func uniqueForgedWithoutTTL(t *testing.T, forged string) {
 	e := newEnv(t, 2)
 	ctx := ctxFor(t, 60*time.Second)
-	// The bound on a stranger's reservation: 2 × (Retries+1) × AckTimeout = 3s.
-	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, AckTimeout: 250 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	kv, err := e.js.KeyValue(ctx, worker.UniqueBucket(e.prefix))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := p.EnqueueTo(ctx, 0, []byte("x"), worker.UniqueKey("nightly", time.Minute)); err != nil {
-		t.Fatal(err)
-	}
-	keys, err := kv.ListKeys(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var name string
-	for k := range keys.Keys() {
-		name = k
-	}
-	if err := kv.Purge(ctx, name); err != nil {
-		t.Fatal(err)
-	}
+	p, kv, name := freedUniqueness(t, ctx, e, time.Minute) // bound: 3s
 	if _, err := kv.Put(ctx, name, []byte(forged)); err != nil {
 		t.Fatal(err)
 	}
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		_, err = p.EnqueueTo(ctx, 0, []byte("x"), worker.UniqueKey("nightly", time.Minute))
+		_, err := p.EnqueueTo(ctx, 0, []byte("x"), worker.UniqueKey("nightly", time.Minute))
 		if err == nil {
 			return
 		}

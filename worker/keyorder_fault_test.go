@@ -13,10 +13,8 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/streamsink"
-	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -194,37 +192,9 @@ func TestZombieWithManyJobsInFlight(t *testing.T) {
 	seqs := enqueueBodies(t, e, bodies)
 	applied := newAppliedOrder()
 	var dec decisions
-	r, err := streamsink.New(ctxFor(t, time.Minute), e.js, streamsink.Config{
-		Prefix: e.prefix, Handler: applied.handle, Verifier: e.bucket, Observer: &dec, MaxBackoff: 10 * time.Millisecond,
-		Logger: testLogger().With("test", "sink"),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	sctx, scancel := context.WithCancel(context.Background())
-	sdone := make(chan error, 1)
-	go func() { sdone <- r.Run(sctx) }()
-	t.Cleanup(func() {
-		scancel()
-		if err := <-sdone; err != nil && !errors.Is(err, context.Canceled) {
-			t.Errorf("sink Run: %v", err)
-		}
-	})
+	runSink(t, e, streamsink.Config{Handler: applied.handle, Verifier: e.bucket, Observer: &dec})
 
-	px := natstest.NewProxy(t, e.srv.URL())
-	ncA, err := nats.Connect(px.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(ncA.Close)
-	jsA, err := jetstream.New(ncA)
-	if err != nil {
-		t.Fatal(err)
-	}
-	bucketA, err := coordinator.OpenBucket(ctxFor(t, 10*time.Second), jsA, e.bucket.Name())
-	if err != nil {
-		t.Fatal(err)
-	}
+	px, _, jsA, bucketA := e.proxied(t)
 	var (
 		mu       sync.Mutex
 		stamps   []leasehold.Stamp // A's writes stamped before the pause

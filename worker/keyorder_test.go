@@ -14,10 +14,8 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/streamsink"
-	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -197,22 +195,7 @@ func (a *appliedOrder) check(t *testing.T, k *keyJobs) {
 // startSink runs a stream sink runner on the env's effect log.
 func startSink(t *testing.T, e *env, h func(context.Context, sink.Effect) error) *streamsink.Runner {
 	t.Helper()
-	r, err := streamsink.New(ctxFor(t, time.Minute), e.js, streamsink.Config{
-		Prefix: e.prefix, Handler: h, Progress: e.bucket, MaxBackoff: 10 * time.Millisecond, Logger: testLogger().With("test", "sink"),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
-			t.Errorf("sink Run: %v", err)
-		}
-	})
-	return r
+	return runSink(t, e, streamsink.Config{Handler: h, Progress: e.bucket})
 }
 
 // The jobs of one key run one after another in stream order, and their
@@ -257,20 +240,7 @@ func TestKeyOrder(t *testing.T) {
 		return nil
 	})
 
-	px := natstest.NewProxy(t, e.srv.URL())
-	ncA, err := nats.Connect(px.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(ncA.Close)
-	jsA, err := jetstream.New(ncA)
-	if err != nil {
-		t.Fatal(err)
-	}
-	bucketA, err := coordinator.OpenBucket(ctx, jsA, e.bucket.Name())
-	if err != nil {
-		t.Fatal(err)
-	}
+	px, _, jsA, bucketA := e.proxied(t)
 	recA, recB := newRecorder(), newRecorder()
 	cfgA := e.config("a", h)
 	cfgA.JetStream, cfgA.Bucket, cfgA.Observer = jsA, bucketA, recA

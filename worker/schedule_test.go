@@ -8,11 +8,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
@@ -198,20 +196,7 @@ func TestPeriodicJobFiresOncePerTick(t *testing.T) {
 	}
 
 	// The frozen worker connects through a proxy that can freeze it.
-	px := natstest.NewProxy(t, e.srv.URL())
-	nc, err := nats.Connect(px.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
-	jsF, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	bucketF, err := coordinator.OpenBucket(ctx, jsF, e.bucket.Name())
-	if err != nil {
-		t.Fatal(err)
-	}
+	px, _, jsF, bucketF := e.proxied(t)
 	var releaseOnce sync.Once
 	unblock := func() { releaseOnce.Do(func() { close(release) }) }
 

@@ -2,7 +2,6 @@ package worker_test
 
 import (
 	"context"
-	"errors"
 	"sync"
 	"testing"
 	"time"
@@ -59,8 +58,8 @@ func TestMixedFleetStampFormats(t *testing.T) {
 	e := newEnv(t, 4, natstestListen()...)
 	ctx := ctxFor(t, 3*time.Minute)
 	s := &mixedSink{applied: map[string]int{}, stale: map[string]bool{}, changed: make(chan struct{}, 1)}
-	r, err := streamsink.New(ctx, e.js, streamsink.Config{
-		Prefix: e.prefix, Progress: e.bucket, MaxBackoff: 10 * time.Millisecond, Logger: testLogger().With("test", "sink"),
+	runSink(t, e, streamsink.Config{
+		Progress: e.bucket,
 		Handler: func(_ context.Context, eff sink.Effect) error {
 			s.mu.Lock()
 			s.applied[eff.Stamp.Key]++
@@ -76,18 +75,6 @@ func TestMixedFleetStampFormats(t *testing.T) {
 				s.note()
 			}
 		}),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(rctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
-			t.Errorf("sink Run: %v", err)
-		}
 	})
 
 	h := worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error { return j.Emit(ctx, j.Data) })

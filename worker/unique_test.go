@@ -122,31 +122,9 @@ func TestUniqueEndsWithItsPeriod(t *testing.T) {
 func TestUniqueReservationOfACrashedProducer(t *testing.T) {
 	e := newEnv(t, 2)
 	ctx := ctxFor(t, 60*time.Second)
-	// Bound: 2 × (Retries+1) × AckTimeout = 3s.
-	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, AckTimeout: 250 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	kv, err := e.js.KeyValue(ctx, worker.UniqueBucket(e.prefix))
-	if err != nil {
-		t.Fatal(err)
-	}
-	// Learn the key's name from a job of its own, then free it and put a
-	// crashed producer's reservation in its place.
-	if _, err := p.EnqueueTo(ctx, 0, []byte("x"), worker.UniqueKey("nightly", time.Hour)); err != nil {
-		t.Fatal(err)
-	}
-	keys, err := kv.ListKeys(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var name string
-	for k := range keys.Keys() {
-		name = k
-	}
-	if err := kv.Purge(ctx, name); err != nil {
-		t.Fatal(err)
-	}
+	// Free the key (bound: 3s) and put a crashed producer's reservation
+	// in its place.
+	p, kv, name := freedUniqueness(t, ctx, e, time.Hour)
 	res, _ := json.Marshal(map[string]any{"id": "crashed-1", "partition": 1})
 	put, err := kv.Create(ctx, name, res, jetstream.KeyTTL(time.Hour))
 	if err != nil {

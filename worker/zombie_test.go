@@ -12,8 +12,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/coordinator"
-	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -30,20 +28,7 @@ func TestZombieCannotSkipWork(t *testing.T) {
 	enq := e.enqueue(t, 0, 10)
 	blockAt := enq[4].Seq
 
-	px := natstest.NewProxy(t, e.srv.URL())
-	ncA, err := nats.Connect(px.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(ncA.Close)
-	jsA, err := jetstream.New(ncA)
-	if err != nil {
-		t.Fatal(err)
-	}
-	bucketA, err := coordinator.OpenBucket(ctxFor(t, 10*time.Second), jsA, e.bucket.Name())
-	if err != nil {
-		t.Fatal(err)
-	}
+	px, _, jsA, bucketA := e.proxied(t)
 
 	var (
 		blocked  = make(chan struct{})
