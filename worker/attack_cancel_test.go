@@ -38,10 +38,7 @@ func newShortDupEnv(t *testing.T, n int) *env {
 func TestAttackCancelOfDelayedJobSkipsLaterJobOfItsID(t *testing.T) {
 	e := newShortDupEnv(t, 1)
 	ctx := ctxFor(t, 90*time.Second)
-	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, Bucket: e.bucket})
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := e.statusProducer(t)
 	var mu sync.Mutex
 	ran := map[string]int{}
 	start(t, e.config("w1", worker.HandlerFunc(func(ctx context.Context, job *worker.Job) error {
@@ -106,10 +103,7 @@ func TestAttackCancelOfDelayedJobSkipsLaterJobOfItsID(t *testing.T) {
 func TestAttackCancelAfterCompletionBeforeHandOff(t *testing.T) {
 	e := newEnv(t, 1, natstestListen()...)
 	ctx := ctxFor(t, 2*time.Minute)
-	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, Bucket: e.bucket})
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := e.statusProducer(t)
 	var mu sync.Mutex
 	applied := map[string]int{}
 	appliedX := make(chan struct{}, 16)
@@ -200,10 +194,7 @@ func TestAttackCancelAfterCompletionBeforeHandOff(t *testing.T) {
 func TestAttackCancelOutlivesItsJobStream(t *testing.T) {
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, 90*time.Second)
-	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, Bucket: e.bucket})
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := e.statusProducer(t)
 	var mu sync.Mutex
 	ran := map[string]int{}
 	h := worker.HandlerFunc(func(ctx context.Context, job *worker.Job) error {
@@ -239,10 +230,7 @@ func TestAttackCancelOutlivesItsJobStream(t *testing.T) {
 		_ = e.js.DeleteKeyValue(ctx, b)
 	}
 	e.bucket = e.provisionBucket(t)
-	p, err = worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, Bucket: e.bucket})
-	if err != nil {
-		t.Fatal(err)
-	}
+	p = e.statusProducer(t)
 	fresh, err := p.EnqueueTo(ctx, 0, []byte("new"))
 	if err != nil {
 		t.Fatal(err)

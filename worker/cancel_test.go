@@ -18,10 +18,7 @@ import (
 func TestCancelJobs(t *testing.T) {
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, 90*time.Second)
-	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, Bucket: e.bucket})
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := e.statusProducer(t)
 	started, cause := make(chan struct{}), make(chan error, 1)
 	var mu sync.Mutex
 	ran := map[string]int{}
@@ -127,10 +124,7 @@ func TestCancelJobs(t *testing.T) {
 func TestForgedCancelIsIgnored(t *testing.T) {
 	e := newEnv(t, 2)
 	ctx := ctxFor(t, 60*time.Second)
-	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, Bucket: e.bucket})
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := e.statusProducer(t)
 	x, err := p.EnqueueTo(ctx, 1, []byte("x"))
 	if err != nil {
 		t.Fatal(err)

@@ -35,10 +35,7 @@ func TestCaughtUpPartitionCommitsAtOnce(t *testing.T) {
 		}
 		return true
 	})
-	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, Bucket: e.bucket})
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := e.statusProducer(t)
 	sts, err := p.Wait(ctxFor(t, 30*time.Second), enq...)
 	if err != nil {
 		t.Fatal(err)
@@ -59,10 +56,7 @@ func TestWaitLocatesManyJobsStrictly(t *testing.T) {
 		return j.Emit(ctx, j.Data)
 	})))
 	enq := e.enqueue(t, 0, 100)
-	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, Bucket: e.bucket})
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := e.statusProducer(t)
 	ctx := ctxFor(t, 60*time.Second)
 	sts, err := p.Wait(ctx, enq...)
 	if err != nil {

@@ -98,3 +98,14 @@ func freedUniqueness(t testing.TB, ctx context.Context, e *env, period time.Dura
 	}
 	return p, kv, name
 }
+
+// statusProducer is a producer of e's jobs that also knows e's lease
+// bucket, as Cancel, Status and Wait need.
+func (e *env) statusProducer(t testing.TB) *worker.Producer {
+	t.Helper()
+	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, Bucket: e.bucket})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}

@@ -17,10 +17,7 @@ import (
 func TestStatusOfAJobThatIsNotThere(t *testing.T) {
 	e := newEnv(t, 2)
 	ctx := ctxFor(t, time.Minute)
-	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, Bucket: e.bucket})
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := e.statusProducer(t)
 	// Partition 1's job first, then partition 0's, which partition 0's
 	// worker finishes: its progress passes partition 1's sequence.
 	other, err := p.EnqueueTo(ctx, 1, []byte("x"), worker.WithKind("slow"))
@@ -70,10 +67,7 @@ func TestStatusOfAJobThatIsNotThere(t *testing.T) {
 func TestStatusOfAJobRemovedUnrun(t *testing.T) {
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, time.Minute)
-	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, Bucket: e.bucket})
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := e.statusProducer(t)
 	gone, err := p.EnqueueTo(ctx, 0, []byte("x"))
 	if err != nil {
 		t.Fatal(err)

@@ -20,10 +20,7 @@ import (
 func TestJobStatusThroughEveryState(t *testing.T) {
 	e := newEnv(t, 2)
 	ctx := ctxFor(t, time.Minute)
-	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, Bucket: e.bucket})
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := e.statusProducer(t)
 	status := func(ref worker.Enqueued) worker.JobStatus {
 		t.Helper()
 		st, err := p.Status(ctx, ref)
@@ -166,10 +163,7 @@ func TestJobStatusThroughEveryState(t *testing.T) {
 func TestWaitForManyJobs(t *testing.T) {
 	e := newEnv(t, 4)
 	ctx := ctxFor(t, 2*time.Minute)
-	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: e.n, Bucket: e.bucket})
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := e.statusProducer(t)
 	b := p.Batch()
 	for i := range 1000 {
 		k := "email"
