@@ -19,7 +19,13 @@ type lanes struct {
 	queued  int      // jobs waiting
 	// partition is set while a job ordered by partition runs.
 	partition bool
+	// free are emptied lanes, used again: most jobs have a key of their
+	// own, and a lane of their own for as long as they wait and run.
+	free []*lane
 }
+
+// maxFreeLanes bounds the emptied lanes kept for use again.
+const maxFreeLanes = 64
 
 // lane is the queue of one order key.
 type lane struct {
@@ -27,6 +33,9 @@ type lane struct {
 	jobs []*jobRun // waiting, in stream order
 	busy bool      // its job runs: the next waits
 	at   int       // index in ready; -1 when not in it
+	// first holds the jobs of a lane that has one waiting at a time, as
+	// most have.
+	first [1]*jobRun
 }
 
 func newLanes() *lanes { return &lanes{byKey: map[laneKey]*lane{}} }
@@ -35,7 +44,7 @@ func newLanes() *lanes { return &lanes{byKey: map[laneKey]*lane{}} }
 func (ls *lanes) push(j *jobRun) {
 	l := ls.byKey[j.lane]
 	if l == nil {
-		l = &lane{key: j.lane, at: -1}
+		l = ls.newLane(j.lane)
 		ls.byKey[j.lane] = l
 	}
 	l.jobs = append(l.jobs, j)
@@ -43,6 +52,20 @@ func (ls *lanes) push(j *jobRun) {
 	if !l.busy && l.at < 0 {
 		heap.Push(&ls.ready, l)
 	}
+}
+
+// newLane returns an empty lane of key k, an emptied one if there is one.
+func (ls *lanes) newLane(k laneKey) *lane {
+	if n := len(ls.free); n > 0 {
+		l := ls.free[n-1]
+		ls.free[n-1] = nil
+		ls.free = ls.free[:n-1]
+		l.key = k
+		return l
+	}
+	l := &lane{key: k, at: -1}
+	l.jobs = l.first[:0]
+	return l
 }
 
 // next is the job to start next, or nil when none may start now.
@@ -86,6 +109,13 @@ func (ls *lanes) returned(j *jobRun) {
 	}
 	if len(l.jobs) == 0 {
 		delete(ls.byKey, l.key)
+		if len(ls.free) < maxFreeLanes {
+			// Not in ready (it was busy), and no job names it: its
+			// jobs name its key, which it gives up here.
+			*l = lane{at: -1}
+			l.jobs = l.first[:0]
+			ls.free = append(ls.free, l)
+		}
 		return
 	}
 	heap.Push(&ls.ready, l)
