@@ -12,10 +12,8 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/streamsink"
-	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -99,47 +97,16 @@ func (fw *forgeryWorld) forgeBarrier(ctx context.Context, l leasehold.Lease) uin
 
 func newForgeryWorld(t *testing.T, topo string) *forgeryWorld {
 	t.Helper()
-	var js jetstream.JetStream
-	replicas := 1
-	if topo == "cluster" {
-		js, replicas = natstest.StartCluster(t).JetStream(t), 3
-	} else {
-		js = natstest.Start(t).JetStream(t)
-	}
+	js, replicas := startTopo(t, topo)
 	const prefix = "forgery"
-	ctx := ctxFor(t, time.Minute)
-	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: prefix, Partitions: 1, Replicas: replicas}); err != nil {
-		t.Fatal(err)
-	}
-	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: prefix + "-leases", Replicas: replicas, MarkerTTL: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	bucket := provisionJobs(t, js, prefix, replicas)
 	fw := &forgeryWorld{js: js, prefix: prefix, decided: &decisions{}, applied: map[string]int{},
 		forged: make(chan uint64, 1), events: make(chan worker.Event, 1024)}
 	fw.sink = start(t, js, streamsink.Config{Prefix: prefix, Replicas: replicas, Handler: fw.handler, Verifier: bucket,
 		Observer: fw.decided, MaxBackoff: 10 * time.Millisecond})
-	w, err := worker.New(worker.Config{
-		JetStream: js, Prefix: prefix, Partitions: 1, Bucket: bucket,
-		Handler: worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
-			return j.Emit(ctx, []byte(fmt.Sprintf("effect of %s", j.Data)))
-		}),
-		Coordinator: coordinator.Config{Worker: "w1", TTL: 2 * time.Second, RebalanceDelay: 100 * time.Millisecond, Logger: quiet()},
-		Backoff:     func(int) time.Duration { return 10 * time.Millisecond },
-		Observer:    fw, Logger: quiet(),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	wctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- w.Run(wctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("worker Run: %v", err)
-		}
-	})
+	cfg := workerConfig(js, prefix, bucket, "w1", emitEffectOf)
+	cfg.Observer = fw
+	runWorker(t, cfg)
 	return fw
 }
 
@@ -163,42 +130,10 @@ func TestForgedBarrierBeforeHolderIsRefused(t *testing.T) {
 			if forgedAt == 0 {
 				t.Fatal("the forged barrier could not be published")
 			}
-			p, err := worker.NewProducer(fw.js, worker.ProducerConfig{Prefix: fw.prefix, Partitions: 1})
-			if err != nil {
-				t.Fatal(err)
-			}
-			const jobs = 5
-			var seqs []uint64
-			for i := range jobs {
-				e, err := p.Enqueue(ctx, []byte(fmt.Sprint(i)), []byte(fmt.Sprintf("job-%d", i)))
-				if err != nil {
-					t.Fatal(err)
-				}
-				seqs = append(seqs, e.Seq)
-			}
+			seqs := enqueueJobs(t, ctx, fw.js, fw.prefix, 5)
 			// Every job is committed by the worker.
-			committed := uint64(0)
-			for committed < seqs[len(seqs)-1] {
-				select {
-				case e := <-fw.events:
-					if e.Kind == worker.EventProgressCommitted && e.Seq > committed {
-						committed = e.Seq
-					}
-				case <-ctx.Done():
-					t.Fatalf("the worker committed up to %d within a minute, want %d", committed, seqs[len(seqs)-1])
-				}
-			}
-			s, err := fw.js.Stream(ctx, worker.EffectsStream(fw.prefix))
-			if err != nil {
-				t.Fatal(err)
-			}
-			info, err := s.Info(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := fw.sink.WaitPosition(ctx, info.State.LastSeq); err != nil {
-				t.Fatal(err)
-			}
+			awaitCommitted(t, ctx, fw.events, seqs[len(seqs)-1])
+			settleLog(t, fw.js, fw.prefix, fw.sink)
 			d, ok := fw.decided.at(forgedAt)
 			if !ok || d.Outcome != sink.Unverified || !errors.Is(d.Err, sink.ErrUnverifiedEpoch) {
 				t.Errorf("the forged barrier at position %d was decided %v (%v), want unverified", forgedAt, d.Outcome, d.Err)

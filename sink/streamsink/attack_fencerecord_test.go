@@ -139,13 +139,7 @@ func TestAttackFenceRecordRewrittenForAMoment(t *testing.T) {
 	js := natstest.Start(t).JetStream(t)
 	const prefix = "recforge"
 	ctx := ctxFor(t, 2*time.Minute)
-	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: prefix, Partitions: 1}); err != nil {
-		t.Fatal(err)
-	}
-	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: prefix + "-leases", MarkerTTL: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	bucket := provisionJobs(t, js, prefix, 1)
 	var mu sync.Mutex
 	applied := map[string]int{}
 	decided := &attackDecisions{at: map[uint64]sink.Decision{}, new: make(chan struct{}, 1)}
@@ -158,27 +152,9 @@ func TestAttackFenceRecordRewrittenForAMoment(t *testing.T) {
 		}})
 	f := &recordForger{js: js, bucket: bucket, prefix: prefix, decided: decided, events: make(chan worker.Event, 1024),
 		forgedAt: make(chan uint64, 1), err: make(chan error, 1)}
-	w, err := worker.New(worker.Config{
-		JetStream: js, Prefix: prefix, Partitions: 1, Bucket: bucket,
-		Handler: worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
-			return j.Emit(ctx, []byte(fmt.Sprintf("effect of %s", j.Data)))
-		}),
-		Coordinator: coordinator.Config{Worker: "w1", TTL: 2 * time.Second, RebalanceDelay: 100 * time.Millisecond, Logger: quiet()},
-		Backoff:     func(int) time.Duration { return 10 * time.Millisecond },
-		Observer:    f, Logger: quiet(),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	wctx, stop := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- w.Run(wctx) }()
-	defer func() {
-		stop()
-		if err := <-done; err != nil {
-			t.Errorf("worker Run: %v", err)
-		}
-	}()
+	cfg := workerConfig(js, prefix, bucket, "w1", emitEffectOf)
+	cfg.Observer = f
+	defer runWorker(t, cfg)()
 	var forgedAt uint64
 	select {
 	case forgedAt = <-f.forgedAt:
@@ -189,40 +165,9 @@ func TestAttackFenceRecordRewrittenForAMoment(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	p, err := worker.NewProducer(js, worker.ProducerConfig{Prefix: prefix, Partitions: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var seqs []uint64
-	for i := range 5 {
-		e, err := p.Enqueue(ctx, []byte(fmt.Sprint(i)), []byte(fmt.Sprintf("job-%d", i)))
-		if err != nil {
-			t.Fatal(err)
-		}
-		seqs = append(seqs, e.Seq)
-	}
-	committed := uint64(0)
-	for committed < seqs[len(seqs)-1] {
-		select {
-		case e := <-f.events:
-			if e.Kind == worker.EventProgressCommitted && e.Seq > committed {
-				committed = e.Seq
-			}
-		case <-ctx.Done():
-			t.Fatalf("the worker committed up to %d, want %d", committed, seqs[len(seqs)-1])
-		}
-	}
-	s, err := js.Stream(ctx, worker.EffectsStream(prefix))
-	if err != nil {
-		t.Fatal(err)
-	}
-	info, err := s.Info(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := runner.WaitPosition(ctx, info.State.LastSeq); err != nil {
-		t.Fatal(err)
-	}
+	seqs := enqueueJobs(t, ctx, js, prefix, 5)
+	awaitCommitted(t, ctx, f.events, seqs[len(seqs)-1])
+	settleLog(t, js, prefix, runner)
 	if d, _ := decided.wait(ctx, forgedAt); d.Outcome != sink.Unverified {
 		t.Errorf("the forged barrier at position %d was decided %v (%v), want unverified", forgedAt, d.Outcome, d.Err)
 	}

@@ -50,7 +50,7 @@ type floorWorld struct {
 	paused chan uint64
 	resume map[uint64]chan struct{}
 	rmu    sync.Mutex
-	log    chan jetstream.Msg
+	log    <-chan jetstream.Msg
 
 	mu      sync.Mutex
 	forged  map[uint64]bool // log positions the forger wrote
@@ -67,22 +67,12 @@ func newFloorWorld(t *testing.T) *floorWorld { return newFloorWorldWith(t, 4) }
 func newFloorWorldWith(t *testing.T, concurrency int) *floorWorld {
 	t.Helper()
 	js := natstest.Start(t).JetStream(t)
-	ctx := ctxFor(t, time.Minute)
-	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: floorPrefix, Partitions: 1}); err != nil {
-		t.Fatal(err)
-	}
-	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: floorPrefix + "-leases", MarkerTTL: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	bucket := provisionJobs(t, js, floorPrefix, 1)
 	fw := &floorWorld{js: js, bucket: bucket, prefix: floorPrefix,
 		dec:    &attackDecisions{at: map[uint64]sink.Decision{}, new: make(chan struct{}, 1)},
 		events: make(chan worker.Event, 4096), paused: make(chan uint64, 16), resume: map[uint64]chan struct{}{},
-		values: map[string][]string{}, forged: map[uint64]bool{}, applies: make(chan struct{}, 1), log: make(chan jetstream.Msg, 4096)}
-	fw.prod, err = worker.NewProducer(js, worker.ProducerConfig{Prefix: floorPrefix, Partitions: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
+		values: map[string][]string{}, forged: map[uint64]bool{}, applies: make(chan struct{}, 1)}
+	fw.prod = producerOf(t, js, floorPrefix)
 	fw.sink = start(t, js, streamsink.Config{Prefix: floorPrefix, Verifier: bucket, Observer: fw.dec, MaxBackoff: 10 * time.Millisecond,
 		Handler: func(_ context.Context, e sink.Effect) error {
 			fw.mu.Lock()
@@ -94,45 +84,11 @@ func newFloorWorldWith(t *testing.T, concurrency int) *floorWorld {
 			}
 			return nil
 		}})
-	es, err := js.Stream(ctx, worker.EffectsStream(floorPrefix))
-	if err != nil {
-		t.Fatal(err)
-	}
-	oc, err := es.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	cc, err := oc.Consume(func(m jetstream.Msg) { fw.log <- m })
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(cc.Stop)
-	w, err := worker.New(worker.Config{
-		JetStream: js, Prefix: floorPrefix, Partitions: 1, Bucket: bucket,
-		Handler:              worker.HandlerFunc(fw.handle),
-		PartitionConcurrency: concurrency,
-		Coordinator:          coordinator.Config{Worker: "w1", TTL: 2 * time.Second, RebalanceDelay: 100 * time.Millisecond, Logger: quiet()},
-		Backoff:              func(int) time.Duration { return 10 * time.Millisecond },
-		Observer: worker.ObserverFunc(func(_ context.Context, e worker.Event) {
-			select {
-			case fw.events <- e:
-			default:
-			}
-		}),
-		Logger: quiet(),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	wctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- w.Run(wctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("worker Run: %v", err)
-		}
-	})
+	fw.log = tailLog(t, js, floorPrefix)
+	cfg := workerConfig(js, floorPrefix, bucket, "w1", worker.HandlerFunc(fw.handle))
+	cfg.PartitionConcurrency = concurrency
+	cfg.Observer = forwardEvents(fw.events)
+	runWorker(t, cfg)
 	// Before the worker stops: handlers still paused return.
 	t.Cleanup(func() {
 		fw.rmu.Lock()
@@ -199,51 +155,21 @@ func (fw *floorWorld) enqueue(t *testing.T, key, mode string) uint64 {
 // waitPaused waits until job seq's handler has paused.
 func (fw *floorWorld) waitPaused(t *testing.T, seq uint64) {
 	t.Helper()
-	ctx := ctxFor(t, 30*time.Second)
-	select {
-	case got := <-fw.paused:
-		if got != seq {
-			t.Fatalf("job %d paused, want %d", got, seq)
-		}
-	case <-ctx.Done():
-		t.Fatalf("job %d did not reach its pause", seq)
-	}
+	awaitPause(t, fw.paused, seq)
 }
 
 // stampOf waits until an effect of job seq is in the log (its final, when
 // final) and returns it as the forger read it.
 func (fw *floorWorld) stampOf(t *testing.T, seq uint64, final bool) logMsg {
 	t.Helper()
-	ctx := ctxFor(t, 30*time.Second)
-	for {
-		select {
-		case m := <-fw.log:
-			mark, err := leasehold.JobMarkFromHeader(m.Headers())
-			if err != nil || mark.Job != seq || mark.Final() != final || mark.Abort {
-				continue
-			}
-			md, err := m.Metadata()
-			if err != nil {
-				t.Fatal(err)
-			}
-			return logMsg{seq: md.Sequence.Stream, subject: m.Subject(), header: m.Headers()}
-		case <-ctx.Done():
-			t.Fatalf("no effect of job %d (final %v) reached the log", seq, final)
-		}
-	}
+	return effectInLog(t, fw.log, seq, final)
 }
 
 // publish stores a message with m's stamp (key replaced) and the given
 // job headers, written raw so that malformed values go out as they are.
 func (fw *floorWorld) publish(t *testing.T, m logMsg, key string, jobHeaders map[string]string, data []byte) uint64 {
 	t.Helper()
-	st, err := leasehold.StampFromHeader(m.header)
-	if err != nil {
-		t.Fatal(err)
-	}
-	st.Key = key
-	h := nats.Header{}
-	st.SetHeader(h)
+	h := restamp(t, m, key)
 	for k, v := range jobHeaders {
 		h.Set(k, v)
 	}
@@ -310,17 +236,7 @@ func (fw *floorWorld) settle(t *testing.T, seq uint64) {
 			t.Fatalf("the worker did not commit job %d", seq)
 		}
 	}
-	s, err := fw.js.Stream(ctx, worker.EffectsStream(fw.prefix))
-	if err != nil {
-		t.Fatal(err)
-	}
-	info, err := s.Info(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := fw.sink.WaitPosition(ctx, info.State.LastSeq); err != nil {
-		t.Fatal(err)
-	}
+	settleLog(t, fw.js, fw.prefix, fw.sink)
 }
 
 func (fw *floorWorld) applied(seq uint64, i int) []string {

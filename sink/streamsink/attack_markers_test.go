@@ -42,9 +42,9 @@ type stepWorld struct {
 	decided *attackDecisions
 	events  chan worker.Event
 
-	paused chan uint64        // a job's attempt has put its first effect in the log
-	resume chan struct{}      // let it go on
-	log    chan jetstream.Msg // the effect log, as the forger reads it
+	paused chan uint64          // a job's attempt has put its first effect in the log
+	resume chan struct{}        // let it go on
+	log    <-chan jetstream.Msg // the effect log, as the forger reads it
 	// stopFirst stops the first worker, gracefully.
 	stopFirst func()
 	mu        sync.Mutex          // guards values
@@ -61,14 +61,7 @@ func newStepWorld(t *testing.T) *stepWorld { return newStepWorldWith(t, nil) }
 func newStepWorldWith(t *testing.T, wrap func(sink.ProgressReader) sink.ProgressReader) *stepWorld {
 	t.Helper()
 	js := natstest.Start(t).JetStream(t)
-	ctx := ctxFor(t, time.Minute)
-	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: stepPrefix, Partitions: 1}); err != nil {
-		t.Fatal(err)
-	}
-	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: stepPrefix + "-leases", MarkerTTL: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	bucket := provisionJobs(t, js, stepPrefix, 1)
 	mw := &stepWorld{js: js, bucket: bucket, prefix: stepPrefix,
 		decided: &attackDecisions{at: map[uint64]sink.Decision{}, new: make(chan struct{}, 1)},
 		events:  make(chan worker.Event, 4096), paused: make(chan uint64, 16), resume: make(chan struct{}, 16),
@@ -89,22 +82,8 @@ func newStepWorldWith(t *testing.T, wrap func(sink.ProgressReader) sink.Progress
 			return nil
 		}})
 	// The forger reads the effect log as it is written.
-	es, err := js.Stream(ctx, worker.EffectsStream(stepPrefix))
-	if err != nil {
-		t.Fatal(err)
-	}
-	oc, err := es.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	mw.log = make(chan jetstream.Msg, 4096)
-	cc, err := oc.Consume(func(m jetstream.Msg) { mw.log <- m })
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(cc.Stop)
+	mw.log = tailLog(t, js, stepPrefix)
 	mw.stopFirst = mw.startWorker(t, "w1")
-	t.Cleanup(mw.stopFirst)
 	return mw
 }
 
@@ -112,34 +91,9 @@ func newStepWorldWith(t *testing.T, wrap func(sink.ProgressReader) sink.Progress
 // function stops it (gracefully: it drains and releases the partition).
 func (mw *stepWorld) startWorker(t *testing.T, id string) (stop func()) {
 	t.Helper()
-	w, err := worker.New(worker.Config{
-		JetStream: mw.js, Prefix: stepPrefix, Partitions: 1, Bucket: mw.bucket,
-		Handler:     worker.HandlerFunc(mw.handle),
-		Coordinator: coordinator.Config{Worker: id, TTL: 2 * time.Second, RebalanceDelay: 100 * time.Millisecond, Logger: quiet()},
-		Backoff:     func(int) time.Duration { return 10 * time.Millisecond },
-		Observer: worker.ObserverFunc(func(_ context.Context, e worker.Event) {
-			select {
-			case mw.events <- e:
-			default:
-			}
-		}),
-		Logger: quiet(),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	wctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- w.Run(wctx) }()
-	var once sync.Once
-	return func() {
-		once.Do(func() {
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("worker %s Run: %v", id, err)
-			}
-		})
-	}
+	cfg := workerConfig(mw.js, stepPrefix, mw.bucket, id, worker.HandlerFunc(mw.handle))
+	cfg.Observer = forwardEvents(mw.events)
+	return runWorker(t, cfg)
 }
 
 var errStepFails = errors.New("this attempt fails on purpose")
@@ -171,10 +125,7 @@ func (mw *stepWorld) handle(ctx context.Context, j *worker.Job) error {
 // enqueue enqueues a job whose payload steers the handler.
 func (mw *stepWorld) enqueue(t *testing.T, mode string) uint64 {
 	t.Helper()
-	p, err := worker.NewProducer(mw.js, worker.ProducerConfig{Prefix: mw.prefix, Partitions: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := producerOf(t, mw.js, mw.prefix)
 	e, err := p.EnqueueTo(ctxFor(t, 10*time.Second), 0, []byte(mode))
 	if err != nil {
 		t.Fatal(err)
@@ -182,57 +133,19 @@ func (mw *stepWorld) enqueue(t *testing.T, mode string) uint64 {
 	return e.Seq
 }
 
-// logMsg is a message of the effect log as the forger read it.
-type logMsg struct {
-	seq     uint64
-	subject string
-	header  nats.Header
-}
-
 // pausedAt waits until the handler of job seq has paused and its first
 // effect is in the log, and returns that message as the forger read it.
 func (mw *stepWorld) pausedAt(t *testing.T, seq uint64) logMsg {
 	t.Helper()
-	ctx := ctxFor(t, 30*time.Second)
-	select {
-	case got := <-mw.paused:
-		if got != seq {
-			t.Fatalf("job %d paused, want %d", got, seq)
-		}
-	case <-ctx.Done():
-		t.Fatalf("job %d did not reach its pause", seq)
-	}
-	for {
-		select {
-		case m := <-mw.log:
-			mark, err := leasehold.JobMarkFromHeader(m.Headers())
-			if err != nil || mark.Job != seq || mark.Final() || mark.Abort {
-				continue
-			}
-			md, err := m.Metadata()
-			if err != nil {
-				t.Fatal(err)
-			}
-			return logMsg{seq: md.Sequence.Stream, subject: m.Subject(), header: m.Headers()}
-		case <-ctx.Done():
-			t.Fatalf("job %d's first effect did not reach the log", seq)
-		}
-	}
+	awaitPause(t, mw.paused, seq)
+	return effectInLog(t, mw.log, seq, false)
 }
 
 // forge publishes a copy of m with its job marks replaced by mark, its key
 // by key (when set), and data.
 func (mw *stepWorld) forge(t *testing.T, m logMsg, mark leasehold.JobMark, key string, data []byte) uint64 {
 	t.Helper()
-	st, err := leasehold.StampFromHeader(m.header)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if key != "" {
-		st.Key = key
-	}
-	h := nats.Header{}
-	st.SetHeader(h)
+	h := restamp(t, m, key)
 	mark.SetHeader(h)
 	ack, err := mw.js.PublishMsg(ctxFor(t, 10*time.Second), &nats.Msg{Subject: m.subject, Header: h, Data: data})
 	if err != nil {
@@ -245,29 +158,8 @@ func (mw *stepWorld) forge(t *testing.T, m logMsg, mark leasehold.JobMark, key s
 // the whole log.
 func (mw *stepWorld) settle(t *testing.T, seq uint64) {
 	t.Helper()
-	ctx := ctxFor(t, time.Minute)
-	var committed uint64
-	for committed < seq {
-		select {
-		case e := <-mw.events:
-			if e.Kind == worker.EventProgressCommitted {
-				committed = max(committed, e.Seq)
-			}
-		case <-ctx.Done():
-			t.Fatalf("the worker committed up to %d, want %d", committed, seq)
-		}
-	}
-	s, err := mw.js.Stream(ctx, worker.EffectsStream(mw.prefix))
-	if err != nil {
-		t.Fatal(err)
-	}
-	info, err := s.Info(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := mw.sink.WaitPosition(ctx, info.State.LastSeq); err != nil {
-		t.Fatal(err)
-	}
+	awaitCommitted(t, ctxFor(t, time.Minute), mw.events, seq)
+	settleLog(t, mw.js, mw.prefix, mw.sink)
 }
 
 // applied is what the runner applied for job seq's effect index i.

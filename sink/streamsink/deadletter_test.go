@@ -28,145 +28,139 @@ import (
 // effect is dead-lettered.
 func TestDeadLetterAfterMaxDeliveries(t *testing.T) {
 	srv := natstest.Start(t)
-	for _, batch := range []bool{false, true} {
-		name := "each"
-		if batch {
-			name = "batch"
-		}
-		t.Run(name, func(t *testing.T) {
-			ctx := ctxFor(t, time.Minute)
-			js := srv.JetStream(t)
-			prefix := "dl" + name
-			var (
-				mu      sync.Mutex
-				got     []string
-				tries   int
-				largest int
-			)
-			refuse := errors.New("the destination refuses this one")
-			apply := func(e sink.Effect) error {
-				if e.Stamp.Key == "bad" {
-					tries++
-					return fmt.Errorf("key %s: %w", e.Stamp.Key, refuse)
-				}
-				return nil
+	eachAndBatch(t, func(t *testing.T, batch bool, name string) {
+		ctx := ctxFor(t, time.Minute)
+		js := srv.JetStream(t)
+		prefix := "dl" + name
+		var (
+			mu      sync.Mutex
+			got     []string
+			tries   int
+			largest int
+		)
+		refuse := errors.New("the destination refuses this one")
+		apply := func(e sink.Effect) error {
+			if e.Stamp.Key == "bad" {
+				tries++
+				return fmt.Errorf("key %s: %w", e.Stamp.Key, refuse)
 			}
-			rec := &positions{}
-			cfg := streamsink.Config{Prefix: prefix, Provision: true, MaxDeliveries: 3, MaxBackoff: 10 * time.Millisecond, Observer: rec, Logger: quiet()}
-			if batch {
-				cfg.BatchHandler = func(_ context.Context, effects []sink.Effect) error {
-					mu.Lock()
-					defer mu.Unlock()
-					largest = max(largest, len(effects))
-					for _, e := range effects {
-						if err := apply(e); err != nil {
-							return err
-						}
-					}
-					for _, e := range effects {
-						got = append(got, e.Stamp.Key)
-					}
-					return nil
-				}
-			} else {
-				cfg.Handler = func(_ context.Context, e sink.Effect) error {
-					mu.Lock()
-					defer mu.Unlock()
+			return nil
+		}
+		rec := &positions{}
+		cfg := streamsink.Config{Prefix: prefix, Provision: true, MaxDeliveries: 3, MaxBackoff: 10 * time.Millisecond, Observer: rec, Logger: quiet()}
+		if batch {
+			cfg.BatchHandler = func(_ context.Context, effects []sink.Effect) error {
+				mu.Lock()
+				defer mu.Unlock()
+				largest = max(largest, len(effects))
+				for _, e := range effects {
 					if err := apply(e); err != nil {
 						return err
 					}
+				}
+				for _, e := range effects {
 					got = append(got, e.Stamp.Key)
-					return nil
 				}
+				return nil
 			}
-			r, err := streamsink.New(ctx, js, cfg)
+		} else {
+			cfg.Handler = func(_ context.Context, e sink.Effect) error {
+				mu.Lock()
+				defer mu.Unlock()
+				if err := apply(e); err != nil {
+					return err
+				}
+				got = append(got, e.Stamp.Key)
+				return nil
+			}
+		}
+		r, err := streamsink.New(ctx, js, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		const traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+		var bad, last uint64
+		for _, key := range []string{"e0", "e1", "bad", "e3", "e4"} {
+			h := nats.Header{}
+			leasehold.Stamp{Scope: prefix, Epoch: 3, Acquisition: "a3", Key: key, Worker: "w3"}.SetHeader(h)
+			h.Set("Traceparent", traceparent)
+			h.Set("Leasehold-Note", "kept")
+			h.Set("X-Other", "dropped")
+			h.Set(jetstream.MsgIDHeader, "id-"+key)
+			ack, err := js.PublishMsg(ctx, &nats.Msg{Subject: prefix + ".out.p0", Header: h, Data: []byte("data of " + key)})
 			if err != nil {
 				t.Fatal(err)
 			}
-			const traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-			var bad, last uint64
-			for _, key := range []string{"e0", "e1", "bad", "e3", "e4"} {
-				h := nats.Header{}
-				leasehold.Stamp{Scope: prefix, Epoch: 3, Acquisition: "a3", Key: key, Worker: "w3"}.SetHeader(h)
-				h.Set("Traceparent", traceparent)
-				h.Set("Leasehold-Note", "kept")
-				h.Set("X-Other", "dropped")
-				h.Set(jetstream.MsgIDHeader, "id-"+key)
-				ack, err := js.PublishMsg(ctx, &nats.Msg{Subject: prefix + ".out.p0", Header: h, Data: []byte("data of " + key)})
-				if err != nil {
-					t.Fatal(err)
-				}
-				if key == "bad" {
-					bad = ack.Sequence
-				}
-				last = ack.Sequence
+			if key == "bad" {
+				bad = ack.Sequence
 			}
-			rr := run(t, r)
-			if err := rr.WaitPosition(ctx, last); err != nil {
-				t.Fatal(err)
-			}
-			mu.Lock()
-			if want := []string{"e0", "e1", "e3", "e4"}; !slices.Equal(got, want) {
-				t.Errorf("applied %v, want %v", got, want)
-			}
-			if batch && largest < 2 {
-				t.Errorf("the batch handler was never given more than %d effects: the test did not batch", largest)
-			}
-			if tries < 3 {
-				t.Errorf("the bad effect was tried %d times, want at least MaxDeliveries (3)", tries)
-			}
-			mu.Unlock()
-			if d, ok := rec.at(bad); !ok || d.Outcome != sink.DeadLettered || !errors.Is(d.Err, refuse) {
-				t.Errorf("decision at %d: %+v (%v), want dead_lettered with the handler's error", bad, d, ok)
-			}
-			if d, ok := rec.at(last); !ok || d.Outcome != sink.Accepted {
-				t.Errorf("decision at %d: %+v, want accepted", last, d)
-			}
+			last = ack.Sequence
+		}
+		rr := run(t, r)
+		if err := rr.WaitPosition(ctx, last); err != nil {
+			t.Fatal(err)
+		}
+		mu.Lock()
+		if want := []string{"e0", "e1", "e3", "e4"}; !slices.Equal(got, want) {
+			t.Errorf("applied %v, want %v", got, want)
+		}
+		if batch && largest < 2 {
+			t.Errorf("the batch handler was never given more than %d effects: the test did not batch", largest)
+		}
+		if tries < 3 {
+			t.Errorf("the bad effect was tried %d times, want at least MaxDeliveries (3)", tries)
+		}
+		mu.Unlock()
+		if d, ok := rec.at(bad); !ok || d.Outcome != sink.DeadLettered || !errors.Is(d.Err, refuse) {
+			t.Errorf("decision at %d: %+v (%v), want dead_lettered with the handler's error", bad, d, ok)
+		}
+		if d, ok := rec.at(last); !ok || d.Outcome != sink.Accepted {
+			t.Errorf("decision at %d: %+v, want accepted", last, d)
+		}
 
-			dlq, err := js.Stream(ctx, prefix+"-sink-dlq")
-			if err != nil {
-				t.Fatal(err)
+		dlq, err := js.Stream(ctx, prefix+"-sink-dlq")
+		if err != nil {
+			t.Fatal(err)
+		}
+		info, err := dlq.Info(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.State.Msgs != 1 {
+			t.Fatalf("%d dead letters, want 1", info.State.Msgs)
+		}
+		m, err := dlq.GetMsg(ctx, info.State.FirstSeq)
+		if err != nil {
+			t.Fatal(err)
+		}
+		st, err := leasehold.StampFromHeader(m.Header)
+		if err != nil || st.Key != "bad" || st.Scope != prefix {
+			t.Errorf("dead letter's stamp %+v (%v), want the effect's", st, err)
+		}
+		if m.Subject != prefix+".sinkdlq."+prefix+"-sink" || string(m.Data) != "data of bad" {
+			t.Errorf("dead letter on %s with %q", m.Subject, m.Data)
+		}
+		for k, want := range map[string]string{
+			"Traceparent":                       traceparent,
+			"Leasehold-Note":                    "kept",
+			streamsink.HeaderSinkName:           "stream",
+			streamsink.HeaderSinkLog:            prefix + "-effects",
+			streamsink.HeaderSinkSubject:        prefix + ".out.p0",
+			streamsink.HeaderSinkPosition:       strconv.FormatUint(bad, 10),
+			streamsink.HeaderSinkTries:          "3",
+			streamsink.HeaderSinkError + "~sub": refuse.Error(),
+		} {
+			k, sub := strings.CutSuffix(k, "~sub")
+			if v := m.Header.Get(k); v != want && !(sub && strings.Contains(v, want)) {
+				t.Errorf("dead letter header %s: %q, want %q", k, v, want)
 			}
-			info, err := dlq.Info(ctx)
-			if err != nil {
-				t.Fatal(err)
+		}
+		for k := range m.Header {
+			if strings.HasPrefix(strings.ToLower(k), "nats-") || k == "X-Other" {
+				t.Errorf("dead letter carries header %s: %v", k, m.Header[k])
 			}
-			if info.State.Msgs != 1 {
-				t.Fatalf("%d dead letters, want 1", info.State.Msgs)
-			}
-			m, err := dlq.GetMsg(ctx, info.State.FirstSeq)
-			if err != nil {
-				t.Fatal(err)
-			}
-			st, err := leasehold.StampFromHeader(m.Header)
-			if err != nil || st.Key != "bad" || st.Scope != prefix {
-				t.Errorf("dead letter's stamp %+v (%v), want the effect's", st, err)
-			}
-			if m.Subject != prefix+".sinkdlq."+prefix+"-sink" || string(m.Data) != "data of bad" {
-				t.Errorf("dead letter on %s with %q", m.Subject, m.Data)
-			}
-			for k, want := range map[string]string{
-				"Traceparent":                       traceparent,
-				"Leasehold-Note":                    "kept",
-				streamsink.HeaderSinkName:           "stream",
-				streamsink.HeaderSinkLog:            prefix + "-effects",
-				streamsink.HeaderSinkSubject:        prefix + ".out.p0",
-				streamsink.HeaderSinkPosition:       strconv.FormatUint(bad, 10),
-				streamsink.HeaderSinkTries:          "3",
-				streamsink.HeaderSinkError + "~sub": refuse.Error(),
-			} {
-				k, sub := strings.CutSuffix(k, "~sub")
-				if v := m.Header.Get(k); v != want && !(sub && strings.Contains(v, want)) {
-					t.Errorf("dead letter header %s: %q, want %q", k, v, want)
-				}
-			}
-			for k := range m.Header {
-				if strings.HasPrefix(strings.ToLower(k), "nats-") || k == "X-Other" {
-					t.Errorf("dead letter carries header %s: %v", k, m.Header[k])
-				}
-			}
-		})
-	}
+		}
+	})
 }
 
 // A handler's error matching ErrPoison dead-letters the effect at once.

@@ -13,7 +13,6 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
-	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink"
@@ -24,23 +23,7 @@ import (
 
 // gapGauge reads leasehold.sink.gap for sink name: 0 when not reported.
 func gapGauge(t *testing.T, reader *sdkmetric.ManualReader, name string) int64 {
-	t.Helper()
-	var rm metricdata.ResourceMetrics
-	if err := reader.Collect(context.Background(), &rm); err != nil {
-		t.Fatal(err)
-	}
-	for _, sm := range rm.ScopeMetrics {
-		for _, m := range sm.Metrics {
-			if g, ok := m.Data.(metricdata.Gauge[int64]); ok && m.Name == "leasehold.sink.gap" {
-				for _, p := range g.DataPoints {
-					if v, _ := p.Attributes.Value(telemetry.AttrSink); v.AsString() == name {
-						return p.Value
-					}
-				}
-			}
-		}
-	}
-	return 0
+	return max(sinkMetric(t, reader, name, "leasehold.sink.gap"), 0)
 }
 
 // applied records the keys a Handler was given, in order.
@@ -186,19 +169,12 @@ func TestGapAfterTrimStopsTheRunner(t *testing.T) {
 		t.Fatalf("applied after the resume: %v", now)
 	}
 	// The saved state records the skip.
-	kv, err := js.KeyValue(ctx, prefix+"-sink-state")
-	if err != nil {
-		t.Fatal(err)
-	}
-	e, err := kv.Get(ctx, prefix+"-sink")
-	if err != nil {
-		t.Fatal(err)
-	}
+	state := savedState(t, js, prefix)
 	var saved struct {
 		Skipped []struct{ From, To uint64 } `json:"skipped"`
 	}
-	if err := json.Unmarshal(e.Value(), &saved); err != nil || len(saved.Skipped) != 1 || saved.Skipped[0].From != from || saved.Skipped[0].To != to {
-		t.Fatalf("saved state %s (%v): want the skip of %d to %d recorded", e.Value(), err, from, to)
+	if err := json.Unmarshal(state, &saved); err != nil || len(saved.Skipped) != 1 || saved.Skipped[0].From != from || saved.Skipped[0].To != to {
+		t.Fatalf("saved state %s (%v): want the skip of %d to %d recorded", state, err, from, to)
 	}
 	// The resume is idempotent: a runner started again with the same
 	// resume (a flag left in place) finds nothing to skip.

@@ -11,7 +11,6 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
-	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink"
@@ -287,7 +286,7 @@ func TestJobEffectsLimit(t *testing.T) {
 		t.Fatalf("Ready: %v, want ErrGroupLimit", err)
 	}
 	wl.want(map[string]int{})
-	if n := heldGauge(t, reader, "limit"); n != 2 {
+	if n := sinkMetric(t, reader, "limit", "leasehold.sink.job_effects_held"); n != 2 {
 		t.Errorf("leasehold.sink.job_effects_held is %d, want the 2 effects held", n)
 	}
 	if err := r.stop(); err != nil && !errors.Is(err, streamsink.ErrGroupLimit) {
@@ -364,25 +363,4 @@ func readLog(t *testing.T, js jetstream.JetStream, stream string) []*jetstream.R
 		out = append(out, m)
 	}
 	return out
-}
-
-// heldGauge reads leasehold.sink.job_effects_held for sink name.
-func heldGauge(t *testing.T, reader *sdkmetric.ManualReader, name string) int64 {
-	t.Helper()
-	var rm metricdata.ResourceMetrics
-	if err := reader.Collect(context.Background(), &rm); err != nil {
-		t.Fatal(err)
-	}
-	for _, sm := range rm.ScopeMetrics {
-		for _, m := range sm.Metrics {
-			if g, ok := m.Data.(metricdata.Gauge[int64]); ok && m.Name == "leasehold.sink.job_effects_held" {
-				for _, p := range g.DataPoints {
-					if v, _ := p.Attributes.Value(telemetry.AttrSink); v.AsString() == name {
-						return p.Value
-					}
-				}
-			}
-		}
-	}
-	return -1
 }

@@ -10,7 +10,6 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/streamsink"
 	"github.com/leasehold/leasehold/testing/natstest"
@@ -64,46 +63,20 @@ func (jw *jobWorld) WorkerEvent(_ context.Context, e worker.Event) {
 
 func newJobWorld(t *testing.T, prefix string, maxAttempts int, h worker.HandlerFunc) *jobWorld {
 	t.Helper()
-	srv := natstest.Start(t)
-	js := srv.JetStream(t)
-	ctx := ctxFor(t, time.Minute)
-	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: prefix, Partitions: 1}); err != nil {
-		t.Fatal(err)
-	}
-	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: prefix + "-leases", MarkerTTL: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	js := natstest.Start(t).JetStream(t)
+	bucket := provisionJobs(t, js, prefix, 1)
 	jw := &jobWorld{js: js, prefix: prefix, applied: &appliedLog{}, events: make(chan worker.Event, 1024)}
 	jw.sink = start(t, js, streamsink.Config{Prefix: prefix, Handler: jw.applied.handler, MaxBackoff: 10 * time.Millisecond})
-	w, err := worker.New(worker.Config{
-		JetStream: js, Prefix: prefix, Partitions: 1, Handler: h, Bucket: bucket,
-		Coordinator: coordinator.Config{Worker: "w1", TTL: 2 * time.Second, RebalanceDelay: 100 * time.Millisecond},
-		Backoff:     func(int) time.Duration { return 10 * time.Millisecond },
-		MaxAttempts: maxAttempts, Observer: jw, Logger: quiet(),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	wctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- w.Run(wctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("worker Run: %v", err)
-		}
-	})
+	cfg := workerConfig(js, prefix, bucket, "w1", h)
+	cfg.MaxAttempts, cfg.Observer = maxAttempts, jw
+	runWorker(t, cfg)
 	return jw
 }
 
 // enqueue stores one job and returns its sequence.
 func (jw *jobWorld) enqueue(t *testing.T, body string) uint64 {
 	t.Helper()
-	p, err := worker.NewProducer(jw.js, worker.ProducerConfig{Prefix: jw.prefix, Partitions: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := producerOf(t, jw.js, jw.prefix)
 	e, err := p.Enqueue(ctxFor(t, 30*time.Second), []byte(body), []byte(body))
 	if err != nil {
 		t.Fatal(err)
@@ -130,18 +103,7 @@ func (jw *jobWorld) await(t *testing.T, k worker.EventKind, seq uint64) {
 // settle waits until the sink has handled the whole effect log.
 func (jw *jobWorld) settle(t *testing.T) {
 	t.Helper()
-	ctx := ctxFor(t, time.Minute)
-	s, err := jw.js.Stream(ctx, worker.EffectsStream(jw.prefix))
-	if err != nil {
-		t.Fatal(err)
-	}
-	info, err := s.Info(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := jw.sink.WaitPosition(ctx, info.State.LastSeq); err != nil {
-		t.Fatal(err)
-	}
+	settleLog(t, jw.js, jw.prefix, jw.sink)
 }
 
 // A job that emits effects and fails every attempt is dead-lettered: none

@@ -14,11 +14,9 @@ import (
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/leasehold/leasehold"
-	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/streamsink"
 	"github.com/leasehold/leasehold/telemetry"
-	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
 
@@ -96,21 +94,8 @@ func newMarkerWorld(t *testing.T, topo, prefix string, maxAttempts int, tune fun
 // newMarkerWorldOrdered is newMarkerWorld with a worker that keeps order.
 func newMarkerWorldOrdered(t *testing.T, topo, prefix string, maxAttempts int, tune func(*streamsink.Config), order worker.Order, h worker.HandlerFunc) *markerWorld {
 	t.Helper()
-	var js jetstream.JetStream
-	replicas := 1
-	if topo == "cluster" {
-		js, replicas = natstest.StartCluster(t).JetStream(t), 3
-	} else {
-		js = natstest.Start(t).JetStream(t)
-	}
-	ctx := ctxFor(t, time.Minute)
-	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: prefix, Partitions: 1, Replicas: replicas}); err != nil {
-		t.Fatal(err)
-	}
-	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: prefix + "-leases", Replicas: replicas, MarkerTTL: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	js, replicas := startTopo(t, topo)
+	bucket := provisionJobs(t, js, prefix, replicas)
 	mw := &markerWorld{t: t, js: js, prefix: prefix, applied: map[string][]string{}, reader: sdkmetric.NewManualReader(),
 		events: make(chan worker.Event, 4096), acquired: make(chan leasehold.Lease, 1), progress: make(chan struct{}, 1)}
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(mw.reader))
@@ -121,24 +106,10 @@ func newMarkerWorldOrdered(t *testing.T, topo, prefix string, maxAttempts int, t
 		tune(&mw.cfg)
 	}
 	mw.sink = start(t, js, mw.cfg)
-	w, err := worker.New(worker.Config{
-		JetStream: js, Prefix: prefix, Partitions: 1, Handler: h, Bucket: bucket,
-		Coordinator: coordinator.Config{Worker: "w1", TTL: 5 * time.Second, RebalanceDelay: 100 * time.Millisecond, Logger: quiet()},
-		Backoff:     func(int) time.Duration { return 10 * time.Millisecond },
-		MaxAttempts: maxAttempts, Observer: mw, Logger: quiet(), Order: order,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	wctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- w.Run(wctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("worker Run: %v", err)
-		}
-	})
+	cfg := workerConfig(js, prefix, bucket, "w1", h)
+	cfg.Coordinator.TTL = 5 * time.Second
+	cfg.MaxAttempts, cfg.Observer, cfg.Order = maxAttempts, mw, order
+	runWorker(t, cfg)
 	return mw
 }
 
@@ -161,10 +132,7 @@ func (mw *markerWorld) lease() leasehold.Lease {
 
 func (mw *markerWorld) enqueue(body string) uint64 {
 	mw.t.Helper()
-	p, err := worker.NewProducer(mw.js, worker.ProducerConfig{Prefix: mw.prefix, Partitions: 1})
-	if err != nil {
-		mw.t.Fatal(err)
-	}
+	p := producerOf(mw.t, mw.js, mw.prefix)
 	e, err := p.Enqueue(ctxFor(mw.t, 30*time.Second), []byte(body), []byte(body))
 	if err != nil {
 		mw.t.Fatal(err)
@@ -258,18 +226,7 @@ func (mw *markerWorld) forge(m *jetstream.RawStreamMsg, mark leasehold.JobMark, 
 // settle waits until the runner has decided the whole effect log.
 func (mw *markerWorld) settle() {
 	mw.t.Helper()
-	ctx := ctxFor(mw.t, time.Minute)
-	s, err := mw.js.Stream(ctx, worker.EffectsStream(mw.prefix))
-	if err != nil {
-		mw.t.Fatal(err)
-	}
-	info, err := s.Info(ctx)
-	if err != nil {
-		mw.t.Fatal(err)
-	}
-	if err := mw.sink.WaitPosition(ctx, info.State.LastSeq); err != nil {
-		mw.t.Fatal(err)
-	}
+	settleLog(mw.t, mw.js, mw.prefix, mw.sink)
 }
 
 // awaitApplied waits until every key in want has been applied, then
@@ -333,22 +290,12 @@ func (mw *markerWorld) decisionAt(pos uint64) (sink.Decision, bool) {
 // suspicious reads leasehold.sink.markers.suspicious for reason.
 func (mw *markerWorld) suspicious(reason string) int64 {
 	mw.t.Helper()
-	var rm metricdata.ResourceMetrics
-	if err := mw.reader.Collect(context.Background(), &rm); err != nil {
-		mw.t.Fatal(err)
-	}
 	var n int64
-	for _, sm := range rm.ScopeMetrics {
-		for _, m := range sm.Metrics {
-			if s, ok := m.Data.(metricdata.Sum[int64]); ok && m.Name == "leasehold.sink.markers.suspicious" {
-				for _, p := range s.DataPoints {
-					if v, _ := p.Attributes.Value(telemetry.AttrReason); v.AsString() == reason {
-						n += p.Value
-					}
-				}
-			}
+	eachPoint(mw.t, mw.reader, "leasehold.sink.markers.suspicious", func(p metricdata.DataPoint[int64]) {
+		if v, _ := p.Attributes.Value(telemetry.AttrReason); v.AsString() == reason {
+			n += p.Value
 		}
-	}
+	})
 	return n
 }
 

@@ -12,7 +12,6 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
-	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
@@ -51,16 +50,26 @@ func newProofLog(t *testing.T, scope string) *proofLog {
 // newProofLogWith is newProofLog with the runner's Config changed by set.
 func newProofLogWith(t *testing.T, scope string, set func(*streamsink.Config)) *proofLog {
 	t.Helper()
+	pl, observer := newProofWorld(t, scope)
+	cfg := streamsink.Config{Prefix: scope, Verifier: pl.bucket, Observer: observer, MaxBackoff: 10 * time.Millisecond,
+		Handler: func(_ context.Context, e sink.Effect) error {
+			pl.apply(e)
+			return nil
+		}}
+	if set != nil {
+		set(&cfg)
+	}
+	pl.runner = start(t, pl.js, cfg)
+	return pl
+}
+
+// newProofWorld starts a server with a job stream of one partition under
+// scope and its lease bucket, and returns the proofLog of it, without a
+// runner, and the observer that records the runner's decisions in it.
+func newProofWorld(t *testing.T, scope string) (*proofLog, sink.Observer) {
+	t.Helper()
 	js := natstest.Start(t).JetStream(t)
-	ctx := ctxFor(t, time.Minute)
-	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: scope, Partitions: 1}); err != nil {
-		t.Fatal(err)
-	}
-	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: scope + "-leases", MarkerTTL: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	pl := &proofLog{t: t, js: js, scope: scope, bucket: bucket, rec: &positions{}, data: map[string]string{},
+	pl := &proofLog{t: t, js: js, scope: scope, bucket: provisionJobs(t, js, scope, 1), rec: &positions{}, data: map[string]string{},
 		applies: make(chan struct{}, 1), decisions: make(chan struct{}, 1)}
 	notify := sink.ObserverFunc(func(context.Context, sink.Decision) {
 		select {
@@ -68,23 +77,21 @@ func newProofLogWith(t *testing.T, scope string, set func(*streamsink.Config)) *
 		default:
 		}
 	})
-	cfg := streamsink.Config{Prefix: scope, Verifier: bucket, Observer: sink.Observers{pl.rec, notify}, MaxBackoff: 10 * time.Millisecond,
-		Handler: func(_ context.Context, e sink.Effect) error {
-			pl.mu.Lock()
-			pl.keys = append(pl.keys, e.Stamp.Key)
-			pl.data[e.Stamp.Key] = string(e.Data)
-			pl.mu.Unlock()
-			select {
-			case pl.applies <- struct{}{}:
-			default:
-			}
-			return nil
-		}}
-	if set != nil {
-		set(&cfg)
+	return pl, sink.Observers{pl.rec, notify}
+}
+
+// apply records effects as applied, in order, and signals applies.
+func (pl *proofLog) apply(effects ...sink.Effect) {
+	pl.mu.Lock()
+	for _, e := range effects {
+		pl.keys = append(pl.keys, e.Stamp.Key)
+		pl.data[e.Stamp.Key] = string(e.Data)
 	}
-	pl.runner = start(t, js, cfg)
-	return pl
+	pl.mu.Unlock()
+	select {
+	case pl.applies <- struct{}{}:
+	default:
+	}
 }
 
 // acquire takes partition 0 for worker id and writes the lease's barrier.
@@ -274,7 +281,7 @@ func TestProvenFloorRisesWithTheRecord(t *testing.T) {
 		last = pl.pub(l, leasehold.JobMark{Job: job, Attempt: job, Effects: 1, After: job - 1}, 0) // no floor
 	}
 	pl.decided(last)
-	if n := gauge(t, reader, "orise", "leasehold.sink.jobs_above_floor"); n != 5 {
+	if n := sinkMetric(t, reader, "orise", "leasehold.sink.jobs_above_floor"); n != 5 {
 		t.Errorf("leasehold.sink.jobs_above_floor is %d, want 5 before the worker commits", n)
 	}
 	if err := l.Commit(ctxFor(t, 30*time.Second), 5); err != nil {
@@ -283,7 +290,7 @@ func TestProvenFloorRisesWithTheRecord(t *testing.T) {
 	ctx := ctxFor(t, time.Minute)
 	tick := time.NewTicker(20 * time.Millisecond)
 	defer tick.Stop()
-	for gauge(t, reader, "orise", "leasehold.sink.jobs_above_floor") != 0 {
+	for sinkMetric(t, reader, "orise", "leasehold.sink.jobs_above_floor") != 0 {
 		select {
 		case <-tick.C:
 		case <-ctx.Done():
@@ -431,33 +438,12 @@ func TestForgedFinalThatNeverAppliesIsVisible(t *testing.T) {
 	if !strings.Contains(err.Error(), "job 3 ") {
 		t.Errorf("Ready: %v, want it to name job 3", err)
 	}
-	if n := gauge(t, reader, "ostuck", "leasehold.sink.jobs_stuck"); n != 1 {
+	if n := sinkMetric(t, reader, "ostuck", "leasehold.sink.jobs_stuck"); n != 1 {
 		t.Errorf("leasehold.sink.jobs_stuck is %d, want 1", n)
 	}
 	if _, ok := pl.rec.at(forged); ok {
 		t.Error("the forged final was decided: applied or dropped")
 	}
-}
-
-// counter reads the int64 counter metric of sink name.
-func counter(t *testing.T, reader *sdkmetric.ManualReader, name, metric string) int64 {
-	t.Helper()
-	var rm metricdata.ResourceMetrics
-	if err := reader.Collect(context.Background(), &rm); err != nil {
-		t.Fatal(err)
-	}
-	for _, sm := range rm.ScopeMetrics {
-		for _, m := range sm.Metrics {
-			if s, ok := m.Data.(metricdata.Sum[int64]); ok && m.Name == metric {
-				for _, p := range s.DataPoints {
-					if v, _ := p.Attributes.Value(telemetry.AttrSink); v.AsString() == name {
-						return p.Value
-					}
-				}
-			}
-		}
-	}
-	return -1
 }
 
 // With committed progress to read, a chain at its bound of jobs above its
@@ -482,10 +468,10 @@ func TestProvenChainAtItsBoundForgets(t *testing.T) {
 	for _, f := range finals {
 		pl.outcome(f, sink.Accepted)
 	}
-	if n := gauge(t, reader, "oforget", "leasehold.sink.jobs_above_floor"); n != 3 {
+	if n := sinkMetric(t, reader, "oforget", "leasehold.sink.jobs_above_floor"); n != 3 {
 		t.Errorf("leasehold.sink.jobs_above_floor is %d, want 3", n)
 	}
-	if n := counter(t, reader, "oforget", "leasehold.sink.jobs_forgotten"); n != 2 {
+	if n := sinkMetric(t, reader, "oforget", "leasehold.sink.jobs_forgotten"); n != 2 {
 		t.Errorf("leasehold.sink.jobs_forgotten is %d, want 2", n)
 	}
 	if err := pl.runner.Ready(context.Background()); err != nil {
@@ -499,7 +485,7 @@ func TestProvenChainAtItsBoundForgets(t *testing.T) {
 	ctx := ctxFor(t, time.Minute)
 	tick := time.NewTicker(20 * time.Millisecond)
 	defer tick.Stop()
-	for gauge(t, reader, "oforget", "leasehold.sink.jobs_above_floor") != 0 {
+	for sinkMetric(t, reader, "oforget", "leasehold.sink.jobs_above_floor") != 0 {
 		select {
 		case <-tick.C:
 		case <-ctx.Done():

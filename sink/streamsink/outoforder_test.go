@@ -9,7 +9,6 @@ import (
 
 	"github.com/nats-io/nats.go"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
-	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink"
@@ -211,7 +210,7 @@ func TestOutOfOrderBound(t *testing.T) {
 	wl.floorFinal(3, 3, 0, 2, 0)
 	f := wl.floorFinal(4, 4, 0, 3, 0)
 	wl.wait(r, f)
-	if n := gauge(t, reader, "bound", "leasehold.sink.jobs_above_floor"); n != 3 {
+	if n := sinkMetric(t, reader, "bound", "leasehold.sink.jobs_above_floor"); n != 3 {
 		t.Errorf("leasehold.sink.jobs_above_floor is %d, want 3", n)
 	}
 	over := wl.floorFinal(5, 5, 0, 4, 0)
@@ -229,25 +228,4 @@ func TestOutOfOrderBound(t *testing.T) {
 	again := start(t, wl.js, cfg)
 	wl.wait(again, over)
 	wl.want(map[string]int{"bound.0.2.0": 1, "bound.0.3.0": 1, "bound.0.4.0": 1, "bound.0.5.0": 1})
-}
-
-// gauge reads the int64 gauge metric of sink name.
-func gauge(t *testing.T, reader *sdkmetric.ManualReader, name, metric string) int64 {
-	t.Helper()
-	var rm metricdata.ResourceMetrics
-	if err := reader.Collect(context.Background(), &rm); err != nil {
-		t.Fatal(err)
-	}
-	for _, sm := range rm.ScopeMetrics {
-		for _, m := range sm.Metrics {
-			if g, ok := m.Data.(metricdata.Gauge[int64]); ok && m.Name == metric {
-				for _, p := range g.DataPoints {
-					if v, _ := p.Attributes.Value(telemetry.AttrSink); v.AsString() == name {
-						return p.Value
-					}
-				}
-			}
-		}
-	}
-	return -1
 }

@@ -246,7 +246,7 @@ func TestFailingJobsDoNotHoldTheRunner(t *testing.T) {
 	end := logPos()
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		held := heldGauge(t, mw.reader, mw.prefix)
+		held := sinkMetric(t, mw.reader, mw.prefix, "leasehold.sink.job_effects_held")
 		saved := savedPosition(t, mw.js, mw.prefix)
 		if held == 0 && saved >= end {
 			break
@@ -269,19 +269,10 @@ func TestFailingJobsDoNotHoldTheRunner(t *testing.T) {
 // savedPosition reads the position the runner saved for a restart.
 func savedPosition(t *testing.T, js jetstream.JetStream, prefix string) uint64 {
 	t.Helper()
-	ctx := ctxFor(t, 10*time.Second)
-	kv, err := js.KeyValue(ctx, prefix+"-sink-state")
-	if err != nil {
-		t.Fatal(err)
-	}
-	e, err := kv.Get(ctx, prefix+"-sink")
-	if err != nil {
-		t.Fatal(err)
-	}
 	var p struct {
 		Seq uint64 `json:"seq"`
 	}
-	if err := json.Unmarshal(e.Value(), &p); err != nil {
+	if err := json.Unmarshal(savedState(t, js, prefix), &p); err != nil {
 		t.Fatal(err)
 	}
 	return p.Seq

@@ -13,8 +13,6 @@ import (
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/streamsink"
-	"github.com/leasehold/leasehold/testing/natstest"
-	"github.com/leasehold/leasehold/worker"
 )
 
 // A relay (`leasehold sink --kind http`) runs the runner with a handler
@@ -134,42 +132,18 @@ func (w *watchedProgress) watch(job uint64, settled func()) {
 // second attempt, the first is reported aborted, and nothing is lost.
 func TestRedeliveredBatchDeliversWhatTheRecordsSettle(t *testing.T) {
 	const scope = "redeliv"
-	js := natstest.Start(t).JetStream(t)
 	ctx := ctxFor(t, 2*time.Minute)
-	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: scope, Partitions: 1}); err != nil {
-		t.Fatal(err)
-	}
-	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: scope + "-leases", MarkerTTL: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	pl := &proofLog{t: t, js: js, scope: scope, bucket: bucket, rec: &positions{}, data: map[string]string{},
-		applies: make(chan struct{}, 1), decisions: make(chan struct{}, 1)}
-	notify := sink.ObserverFunc(func(context.Context, sink.Decision) {
-		select {
-		case pl.decisions <- struct{}{}:
-		default:
-		}
-	})
-	progress := &watchedProgress{b: bucket}
+	pl, observer := newProofWorld(t, scope)
+	progress := &watchedProgress{b: pl.bucket}
 	gate := newFetchGate()
-	cfg := streamsink.Config{Prefix: scope, Verifier: bucket, Progress: progress, Observer: sink.Observers{pl.rec, notify},
+	cfg := streamsink.Config{Prefix: scope, Verifier: pl.bucket, Progress: progress, Observer: observer,
 		MaxBackoff: 10 * time.Millisecond, FetchWait: time.Second, Logger: quiet(),
 		// The relay's way: a job's effects in one call, a request each.
 		BatchHandler: func(_ context.Context, effects []sink.Effect) error {
-			pl.mu.Lock()
-			for _, e := range effects {
-				pl.keys = append(pl.keys, e.Stamp.Key)
-				pl.data[e.Stamp.Key] = string(e.Data)
-			}
-			pl.mu.Unlock()
-			select {
-			case pl.applies <- struct{}{}:
-			default:
-			}
+			pl.apply(effects...)
 			return nil
 		}}
-	r, err := streamsink.New(ctx, js, cfg)
+	r, err := streamsink.New(ctx, pl.js, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -183,7 +157,7 @@ func TestRedeliveredBatchDeliversWhatTheRecordsSettle(t *testing.T) {
 	gate.close()
 	gate.await(t)
 	f1 := pl.final(l, 1, 1, 0, 0, 0)
-	cons, err := js.Consumer(ctx, scope+"-effects", scope+"-sink")
+	cons, err := pl.js.Consumer(ctx, scope+"-effects", scope+"-sink")
 	if err != nil {
 		t.Fatal(err)
 	}
