@@ -1,11 +1,12 @@
 package streamsink
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
-	"sort"
+	"slices"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -37,12 +38,14 @@ type outcome struct {
 // saves the progress, and only then acks.
 func (r *Runner) handle(ctx context.Context, msgs []*logMsg) error {
 	began := time.Now()
-	sort.Slice(msgs, func(i, j int) bool { return msgs[i].seq < msgs[j].seq })
+	slices.SortFunc(msgs, func(a, b *logMsg) int { return cmp.Compare(a.seq, b.seq) })
 	// Only this goroutine changes the position and the fence table, so it
 	// reads them without the lock.
 	w := &work{seq: r.seq}
 	start := w.seq
-	var outs []outcome
+	// An outcome is large: the batch's are made room for at once, and
+	// walked in place.
+	outs := make([]outcome, 0, len(msgs))
 	var handled []*nats.Msg // at or below the saved position: ack only
 	var stopErr error
 	rest := len(msgs)
@@ -102,7 +105,8 @@ func (r *Runner) handle(ctx context.Context, msgs []*logMsg) error {
 			}
 			return err
 		}
-		for _, o := range outs {
+		for i := range outs {
+			o := &outs[i]
 			if o.m.msg == nil {
 				continue
 			}
@@ -148,8 +152,9 @@ func (r *Runner) settle(ctx context.Context, outs []outcome, w *work) error {
 	if err := r.at("delivered"); err != nil {
 		return err
 	}
-	for _, o := range outs {
-		if o.report && !r.reportedBefore(o) {
+	for i := range outs {
+		// Looked up only after a failed save: an outcome is large to copy.
+		if o := &outs[i]; o.report && (len(r.unsaved) == 0 || !r.reportedBefore(*o)) {
 			r.rep.Report(o.ctx, o.d)
 		}
 	}
@@ -203,8 +208,8 @@ func (r *Runner) keepReported(outs []outcome) {
 	if r.unsaved == nil {
 		r.unsaved = map[uint64]sink.Outcome{}
 	}
-	for _, o := range outs {
-		if o.report {
+	for i := range outs {
+		if o := &outs[i]; o.report {
 			r.unsaved[o.m.seq] = o.d.Outcome
 		}
 	}
