@@ -123,7 +123,7 @@ type demo struct {
 	out   io.Writer
 
 	mu           sync.Mutex
-	enqueued     map[string]leasehold.Partition // effect key -> partition
+	enqueued     map[string]demoJob // effect key -> the job
 	perPart      map[leasehold.Partition][]uint64
 	accepted     int
 	duplicates   int
@@ -211,7 +211,7 @@ func (d *demo) Decided(_ context.Context, dec sink.Decision) {
 func runDemo(ctx context.Context, out io.Writer, cfg demoConfig) (demoSummary, error) {
 	d := &demo{
 		cfg: cfg, start: time.Now(), out: out,
-		enqueued: map[string]leasehold.Partition{}, perPart: map[leasehold.Partition][]uint64{},
+		enqueued: map[string]demoJob{}, perPart: map[leasehold.Partition][]uint64{},
 		maxSeen: map[leasehold.Partition]leasehold.Epoch{}, holder: map[leasehold.Partition]string{}, applied: map[string]bool{},
 		pausedEpoch: map[leasehold.Partition]leasehold.Epoch{}, recovered: map[leasehold.Partition]time.Time{},
 	}
@@ -339,7 +339,7 @@ func runDemo(ctx context.Context, out io.Writer, cfg demoConfig) (demoSummary, e
 		sleepCtx(wctx, 100*time.Millisecond)
 	}
 	stopView()
-	return d.summary(context.WithoutCancel(ctx), kv), nil
+	return d.summary(context.WithoutCancel(ctx), kv, bucket), nil
 }
 
 // stack runs cleanup functions in reverse order, once.

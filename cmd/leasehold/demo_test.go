@@ -26,8 +26,11 @@ func TestDemoJSON(t *testing.T) {
 		t.Fatalf("demo --json printed something that is not one JSON object: %v\n%s", err, out)
 	}
 	t.Logf("%+v", sum)
-	if sum.JobsEnqueued != 600 || sum.JobsProcessed != 600 || sum.JobsLost != 0 {
-		t.Errorf("jobs: %d enqueued, %d processed, %d lost", sum.JobsEnqueued, sum.JobsProcessed, sum.JobsLost)
+	// On a busy machine the 20 s may end before every job is enqueued or
+	// run: those are unfinished, not lost. Lost is committed and not
+	// applied, and never happens.
+	if sum.JobsLost != 0 || sum.JobsProcessed == 0 || sum.JobsProcessed+sum.JobsUnfinished != sum.JobsEnqueued {
+		t.Errorf("jobs: %d enqueued, %d processed, %d unfinished, %d lost", sum.JobsEnqueued, sum.JobsProcessed, sum.JobsUnfinished, sum.JobsLost)
 	}
 	if sum.StaleApplied != 0 {
 		t.Errorf("%d stale effects applied", sum.StaleApplied)
@@ -57,7 +60,7 @@ func TestDemoJSON(t *testing.T) {
 	if fromZombie == 0 {
 		t.Errorf("no take-over of the frozen worker %s's partitions reported: %+v", sum.ZombieWorker, sum.Takeovers)
 	}
-	for _, key := range []string{"jobs_enqueued", "jobs_processed", "jobs_lost", "effects_accepted", "effects_rejected_stale", "stale_applied", "zombie_pauses"} {
+	for _, key := range []string{"jobs_enqueued", "jobs_processed", "jobs_lost", "jobs_unfinished", "effects_accepted", "effects_rejected_stale", "stale_applied", "zombie_pauses"} {
 		if !strings.Contains(out, `"`+key+`"`) {
 			t.Errorf("summary lacks %s", key)
 		}

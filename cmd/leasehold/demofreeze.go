@@ -44,7 +44,7 @@ func (d *demo) produce(ctx context.Context, js jetstream.JetStream, prefix strin
 			continue
 		}
 		d.mu.Lock()
-		d.enqueued[leasehold.EffectKey(prefix, e.Partition, e.Seq, 0)] = e.Partition
+		d.enqueued[leasehold.EffectKey(prefix, e.Partition, e.Seq, 0)] = demoJob{e.Partition, e.Seq}
 		d.perPart[e.Partition] = append(d.perPart[e.Partition], e.Seq)
 		d.mu.Unlock()
 	}

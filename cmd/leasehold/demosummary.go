@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/sink/kvsink"
 )
 
@@ -16,6 +17,7 @@ type demoSummary struct {
 	JobsEnqueued         int         `json:"jobs_enqueued"`
 	JobsProcessed        int         `json:"jobs_processed"`
 	JobsLost             int         `json:"jobs_lost"`
+	JobsUnfinished       int         `json:"jobs_unfinished"`
 	EffectsAccepted      int         `json:"effects_accepted"`
 	EffectsDuplicate     int         `json:"effects_duplicate"`
 	EffectsRejectedStale int         `json:"effects_rejected_stale"`
@@ -55,7 +57,13 @@ type takeover struct {
 	EpochShort string `json:"epoch_short"`
 }
 
-func (d *demo) summary(ctx context.Context, kv *kvsink.Sink) demoSummary {
+// demoJob is an enqueued job: its partition and sequence.
+type demoJob struct {
+	p   leasehold.Partition
+	seq uint64
+}
+
+func (d *demo) summary(ctx context.Context, kv *kvsink.Sink, b *coordinator.Bucket) demoSummary {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	s := demoSummary{
@@ -79,14 +87,33 @@ func (d *demo) summary(ctx context.Context, kv *kvsink.Sink) demoSummary {
 		s.Takeovers = []takeover{}
 	}
 	// A job is processed when its effect is in the sink's bucket; the
-	// bucket, not the runner's bookkeeping, is the proof.
+	// bucket, not the runner's bookkeeping, is the proof. One that is not
+	// is lost when its partition's fence record says it was committed,
+	// and otherwise unfinished: the run ended before a worker ran it
+	// (a slow machine), and it waits in the job stream.
 	rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	for key := range d.enqueued {
+	committed := map[leasehold.Partition]coordinator.Committed{}
+	for key, j := range d.enqueued {
 		if _, ok, err := kv.Get(rctx, key); err == nil && ok {
 			s.JobsProcessed++
-		} else {
+			continue
+		}
+		c, read := committed[j.p]
+		if !read {
+			var err error
+			if c, err = b.PartitionCommitted(rctx, j.p); err != nil {
+				// Unknown is not unfinished: count it lost, saying why
+				// (on stderr: d.mu is held, and --json owns stdout).
+				fmt.Fprintf(os.Stderr, "demo: partition %d's committed progress: %v; its jobs not applied count as lost\n", j.p, err)
+				c = coordinator.Committed{Seq: ^uint64(0)}
+			}
+			committed[j.p] = c
+		}
+		if c.Includes(j.seq) {
 			s.JobsLost++
+		} else {
+			s.JobsUnfinished++
 		}
 	}
 	for _, r := range d.stale {
@@ -102,7 +129,8 @@ func printSummary(out io.Writer, s demoSummary) {
 == summary (%s, %d workers, %d partitions)
 jobs enqueued            %d
 jobs processed           %d
-jobs lost                %d
+jobs lost                %d (committed, and no effect in the sink)
+jobs unfinished          %d (not run when the run ended; they wait in the stream)
 effects accepted         %d
   of them repeats        %d (jobs re-run after the take-over; the sink keyed them once)
 zombie writes refused    %d
@@ -110,7 +138,7 @@ stale effects applied    %d
 take-overs               %d
 worker freezes           %d
 fail-over                %.0f ms (from the freeze to the last of the frozen worker's partitions handling a job again)
-`, s.Elapsed, s.Workers, s.Partitions, s.JobsEnqueued, s.JobsProcessed, s.JobsLost, s.EffectsAccepted, s.EffectsDuplicate,
+`, s.Elapsed, s.Workers, s.Partitions, s.JobsEnqueued, s.JobsProcessed, s.JobsLost, s.JobsUnfinished, s.EffectsAccepted, s.EffectsDuplicate,
 		s.EffectsRejectedStale, s.StaleApplied, len(s.Takeovers), s.ZombiePauses, s.FailoverMillis)
 	if len(s.Rejected) > 0 {
 		fmt.Fprintf(out, "\nThe frozen worker woke up and wrote with epochs it no longer held; the sink refused %s.\n", plural(len(s.Rejected), "that write", "all %d of those writes"))
