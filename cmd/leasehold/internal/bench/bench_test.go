@@ -121,7 +121,9 @@ func TestWriters(t *testing.T) {
 // at the quick sizes, and checks the rows they produce.
 func TestInProcessScenarios(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	// The bound is for a stuck run: at load 25 the quick scenarios took
+	// more than 5 minutes.
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
 	rows, err := Run(ctx, Config{Quick: true, Runs: 1, Scenarios: []string{"e2e", "tracing", "fence"}, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	if err != nil {
