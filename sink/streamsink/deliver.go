@@ -58,51 +58,91 @@ func effectOf(o *outcome) sink.Effect {
 	return sink.Effect{Stamp: o.d.Stamp, Subject: o.m.subject, Data: o.m.data, Header: o.m.header}
 }
 
-// deliverBatch hands the accepted effects to the BatchHandler in one call.
-// Its error fails the whole batch without saying which effect failed, so
-// after one failure the effects are handed over one by one, each call a
-// batch of one: the handler's errors are then each effect's own, and only
-// an effect that fails MaxDeliveries times is dead-lettered. A failure
-// that is NATS's own blames no effect: the batch is tried again whole.
+// deliverBatch hands the accepted effects to the BatchHandler, in calls
+// of at most HandlerBatch effects each that never split a job's effects
+// on a subject: a job whose effects are more than HandlerBatch comes in a
+// call of its own, so that a destination that writes one call atomically
+// applies each job whole. A call's error fails the whole call without
+// saying which effect failed, so after one failure the effects of that
+// call and those after it are handed over one by one, each call a batch
+// of one: the handler's errors are then each effect's own, and only an
+// effect that fails MaxDeliveries times is dead-lettered. A failure that
+// is NATS's own blames no effect: the call is tried again whole.
 func (r *Runner) deliverBatch(ctx context.Context, outs []outcome) error {
 	var effects []sink.Effect
+	var at []int // the index in outs of each of effects
 	for i := range outs {
 		if o := &outs[i]; o.deliver {
 			effects = append(effects, effectOf(o))
+			at = append(at, i)
 		}
 	}
-	if len(effects) == 0 {
-		return nil
-	}
-	for attempt := 0; ; attempt++ {
-		err := r.cfg.BatchHandler(ctx, effects)
-		if err == nil {
-			for i := range outs {
-				if outs[i].deliver {
+	for from := 0; from < len(effects); {
+		to := r.handlerCall(outs, at, from)
+		call := effects[from:to]
+		for attempt := 0; ; attempt++ {
+			err := r.cfg.BatchHandler(ctx, call)
+			if err == nil {
+				for _, i := range at[from:to] {
 					r.delivered(outs[i].m.seq)
 				}
+				break
 			}
-			return nil
-		}
-		if ctx.Err() != nil {
-			return ctx.Err()
-		}
-		if len(effects) == 1 || !r.natsAway(err) {
-			if len(effects) > 1 {
-				r.log.LogAttrs(ctx, slog.LevelWarn, "streamsink: the batch handler failed; handing the batch's effects over one by one to find the one that fails",
-					slog.String("sink", r.cfg.Name), slog.Int("effects", len(effects)), slog.Any("error", err))
+			if ctx.Err() != nil {
+				return ctx.Err()
 			}
+			if len(call) == 1 || !r.natsAway(err) {
+				if len(call) > 1 {
+					r.log.LogAttrs(ctx, slog.LevelWarn, "streamsink: the batch handler failed; handing the batch's effects over one by one to find the one that fails",
+						slog.String("sink", r.cfg.Name), slog.Int("effects", len(call)), slog.Any("error", err))
+				}
+				// The calls before this one were delivered.
+				return r.deliverEach(ctx, outs[at[from]:], "batch handler", func(o *outcome) error {
+					return r.cfg.BatchHandler(o.ctx, []sink.Effect{effectOf(o)})
+				})
+			}
+			// NATS is away: no effect is to blame, and the call is tried
+			// again whole.
+			if err := r.backoff(ctx, attempt, "batch handler", err); err != nil {
+				return err
+			}
+		}
+		from = to
+	}
+	return nil
+}
+
+// handlerCall returns the end (in at) of the BatchHandler call that begins
+// with the effect at[from]: as many whole jobs' effects as HandlerBatch
+// allows, and at least the first job's, however many. A job's effects on
+// a subject are handed on together, one after another (see Runner.apply);
+// an effect of no job is a unit of its own.
+func (r *Runner) handlerCall(outs []outcome, at []int, from int) int {
+	to := from
+	for to < len(at) {
+		end := to + 1
+		for end < len(at) && sameJob(&outs[at[end-1]], &outs[at[end]]) {
+			end++
+		}
+		if to > from && end-from > r.cfg.HandlerBatch {
 			break
 		}
-		// NATS is away: no effect is to blame, and the batch is tried
-		// again whole.
-		if err := r.backoff(ctx, attempt, "batch handler", err); err != nil {
-			return err
+		to = end
+		if to-from >= r.cfg.HandlerBatch {
+			break
 		}
 	}
-	return r.deliverEach(ctx, outs, "batch handler", func(o *outcome) error {
-		return r.cfg.BatchHandler(o.ctx, []sink.Effect{effectOf(o)})
-	})
+	return to
+}
+
+// sameJob reports whether a and b are effects of one job's group: one job
+// of one lease on one fence and subject.
+func sameJob(a, b *outcome) bool {
+	if a.job == 0 || a.job != b.job || a.m.subject != b.m.subject {
+		return false
+	}
+	sa, sb := a.d.Stamp, b.d.Stamp
+	return sa.Fence() == sb.Fence() && sa.Epoch == sb.Epoch && sa.Acquisition == sb.Acquisition
 }
 
 // deliverEach hands the accepted effects over one at a time with apply,
