@@ -2,12 +2,9 @@ package worker
 
 import (
 	"context"
-	crand "crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -107,8 +104,6 @@ type runner struct {
 	// wire numbers the attempts run under the lease: an attempt's number
 	// on the wire.
 	wire atomic.Uint64
-	// nonces draws the attempts' nonces.
-	nonces *nonces
 
 	// Read by the stall watch while the runner's goroutine works.
 	progressAt   atomic.Int64  // unix nanoseconds of the last progress, or of being caught up
@@ -167,38 +162,7 @@ func newRunner(w *Worker, l *coordinator.Lease, prev *runner) *runner {
 	}
 	r.spans = newSpans(r)
 	r.abandoned = make(chan struct{})
-	r.nonces = newNonces()
 	return r
-}
-
-// nonces draws the nonces of a runner's attempts (see stampHeader), which
-// no one may know before the attempt runs: from a cryptographically
-// strong generator seeded once from crypto/rand, rather than with a
-// system call per attempt, which cost a worker more CPU per job than
-// anything else it does of its own.
-type nonces struct {
-	mu sync.Mutex
-	g  *rand.ChaCha8
-}
-
-func newNonces() *nonces {
-	var seed [32]byte
-	_, _ = crand.Read(seed[:])
-	return &nonces{g: rand.NewChaCha8(seed)}
-}
-
-// next returns 8 bytes of the generator, hex-encoded, as newNonce does.
-func (n *nonces) next() string {
-	if n == nil {
-		return newNonce()
-	}
-	var b [8]byte
-	var s [16]byte
-	n.mu.Lock()
-	_, _ = n.g.Read(b[:])
-	n.mu.Unlock()
-	hex.Encode(s[:], b[:])
-	return string(s[:])
 }
 
 func (r *runner) event(ctx context.Context, e Event) {
@@ -355,7 +319,7 @@ func (r *runner) newJob(m jetstream.Msg, md *jetstream.MsgMetadata, attempt int)
 		ID:        jobIDOf(h),
 		Enqueued:  md.Timestamp,
 		r:         r,
-		nonce:     r.nonces.next(),
+		nonce:     newNonce(),
 	}
 }
 
