@@ -51,11 +51,7 @@ func TestPreemptedMessageIDsCannotHideEffects(t *testing.T) {
 		}
 	}
 	enq := e.enqueue(t, 0, n)
-	rec.waitFor(t, 30*time.Second, "progress past every job", func() bool {
-		return rec.count(func(ev worker.Event) bool {
-			return ev.Kind == worker.EventProgressCommitted && ev.Seq == enq[n-1].Seq
-		}) > 0
-	})
+	rec.waitCommitted(t, 30*time.Second, enq[n-1].Seq)
 	stored := map[string]string{}
 	for _, m := range readStream(t, e.js, worker.EffectsStream(e.prefix)) {
 		if k := keyOf(m.Headers()); k != "" && m.Headers().Get(leasehold.HeaderBarrier) == "" {
@@ -93,11 +89,7 @@ func TestEffectTooLargeIsDeadLettered(t *testing.T) {
 	}))
 	cfg.Observer = rec
 	start(t, cfg)
-	rec.waitFor(t, 30*time.Second, "progress past every job", func() bool {
-		return rec.count(func(ev worker.Event) bool {
-			return ev.Kind == worker.EventProgressCommitted && ev.Seq == enq[2].Seq
-		}) > 0
-	})
+	rec.waitCommitted(t, 30*time.Second, enq[2].Seq)
 	if !errors.Is(emitErr, worker.ErrEffectTooLarge) || !strings.Contains(emitErr.Error(), "max payload") {
 		t.Fatalf("Emit of an oversized effect = %v, want ErrEffectTooLarge naming the limit", emitErr)
 	}
@@ -135,11 +127,7 @@ func TestEffectWithoutStreamIsDeadLettered(t *testing.T) {
 	cfg.TransientFor = 200 * time.Millisecond
 	cfg.EffectTimeout = 500 * time.Millisecond
 	start(t, cfg)
-	rec.waitFor(t, time.Minute, "progress past every job", func() bool {
-		return rec.count(func(ev worker.Event) bool {
-			return ev.Kind == worker.EventProgressCommitted && ev.Seq == enq[2].Seq
-		}) > 0
-	})
+	rec.waitCommitted(t, time.Minute, enq[2].Seq)
 	dlq := readStream(t, e.js, worker.DLQStream(e.prefix))
 	if len(dlq) != 1 || dlq[0].Headers().Get(worker.HeaderSeq) != strconv.FormatUint(enq[1].Seq, 10) {
 		t.Fatalf("dead letters %d, want the job whose effect had nowhere to go", len(dlq))

@@ -86,11 +86,7 @@ func TestFailingJobIsRetriedThenDeadLettered(t *testing.T) {
 	cfg.MaxAttempts = 3
 	cfg.Observer = rec
 	start(t, cfg)
-	rec.waitFor(t, 30*time.Second, "progress past every job", func() bool {
-		return rec.count(func(ev worker.Event) bool {
-			return ev.Kind == worker.EventProgressCommitted && ev.Seq == enq[3].Seq
-		}) > 0
-	})
+	rec.waitCommitted(t, 30*time.Second, enq[3].Seq)
 	if n := attempts.Load(); n != 3 {
 		t.Fatalf("the failing job ran %d times, want 3", n)
 	}
@@ -367,11 +363,7 @@ func TestRefusedEffectFailsTheJob(t *testing.T) {
 	cfg.MaxAttempts = 3
 	cfg.Observer = rec
 	start(t, cfg)
-	rec.waitFor(t, 30*time.Second, "progress past every job", func() bool {
-		return rec.count(func(ev worker.Event) bool {
-			return ev.Kind == worker.EventProgressCommitted && ev.Seq == enq[5].Seq
-		}) > 0
-	})
+	rec.waitCommitted(t, 30*time.Second, enq[5].Seq)
 	n := 0
 	for _, r := range runs.all() {
 		if r.Seq == bad {

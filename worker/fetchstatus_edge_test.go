@@ -1,7 +1,6 @@
 package worker_test
 
 import (
-	"context"
 	"testing"
 	"time"
 
@@ -27,14 +26,7 @@ func TestJobWithAStatusHeaderIsAJob(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	var runs runLog
-	rec := newRecorder()
-	cfg := e.config("w", worker.HandlerFunc(func(_ context.Context, j *worker.Job) error {
-		runs.add(j)
-		return nil
-	}))
-	cfg.Observer = rec
-	start(t, cfg)
+	runs, rec := e.startRecorded(t)
 	rec.waitFor(t, 30*time.Second, "all six jobs to run", func() bool { return runs.n.Load() >= 6 })
 	for i, r := range runs.all() {
 		if r.Seq != uint64(i+1) {

@@ -109,3 +109,28 @@ func (e *env) statusProducer(t testing.TB) *worker.Producer {
 	}
 	return p
 }
+
+// waitCommitted waits until a commit of progress through seq, the last
+// job, is recorded.
+func (r *recorder) waitCommitted(t testing.TB, within time.Duration, seq uint64) {
+	t.Helper()
+	r.waitFor(t, within, "progress past every job", func() bool {
+		return r.count(func(ev worker.Event) bool {
+			return ev.Kind == worker.EventProgressCommitted && ev.Seq == seq
+		}) > 0
+	})
+}
+
+// startRecorded starts worker "w" on e with a handler that records each
+// run and returns, and a recorder of its events.
+func (e *env) startRecorded(t testing.TB) (*runLog, *recorder) {
+	t.Helper()
+	runs, rec := &runLog{}, newRecorder()
+	cfg := e.config("w", worker.HandlerFunc(func(_ context.Context, j *worker.Job) error {
+		runs.add(j)
+		return nil
+	}))
+	cfg.Observer = rec
+	start(t, cfg)
+	return runs, rec
+}

@@ -53,11 +53,7 @@ func TestOneInFlightKeepsJobOrderAcrossARewind(t *testing.T) {
 	if err := dest.DeleteMsg(ctx, blocker.Sequence); err != nil {
 		t.Fatal(err)
 	}
-	rec.waitFor(t, 30*time.Second, "progress past every job", func() bool {
-		return rec.count(func(ev worker.Event) bool {
-			return ev.Kind == worker.EventProgressCommitted && ev.Seq == enq[len(enq)-1].Seq
-		}) > 0
-	})
+	rec.waitCommitted(t, 30*time.Second, enq[len(enq)-1].Seq)
 	var order []string
 	for _, m := range readStream(t, e.js, "ORDER") {
 		if keyOf(m.Headers()) != "" {

@@ -120,11 +120,7 @@ func TestRewindKeepsTheChainOfFinals(t *testing.T) {
 	if _, err := e.js.UpdateStream(ctx, jetstream.StreamConfig{Name: "CHAIN", Subjects: []string{"chain.>"}, Storage: jetstream.FileStorage, MaxMsgs: -1, MaxBytes: -1}); err != nil {
 		t.Fatal(err)
 	}
-	rec.waitFor(t, 30*time.Second, "progress past every job", func() bool {
-		return rec.count(func(ev worker.Event) bool {
-			return ev.Kind == worker.EventProgressCommitted && ev.Seq == enq[len(enq)-1].Seq
-		}) > 0
-	})
+	rec.waitCommitted(t, 30*time.Second, enq[len(enq)-1].Seq)
 	last := map[uint64]leasehold.JobMark{}
 	for _, m := range readStream(t, e.js, "CHAIN") {
 		mk, err := leasehold.JobMarkFromHeader(m.Headers())
