@@ -5,12 +5,16 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
 
 	"github.com/leasehold/leasehold/internal/jspub"
+	"github.com/leasehold/leasehold/telemetry"
 )
 
 // The runner's batch cycle is serial: decide, deliver, save the position,
@@ -49,6 +53,9 @@ type prefetcher struct {
 	// Owned by the fetching goroutine.
 	msgs    chan *nats.Msg // the subscription's
 	sub     *nats.Subscription
+	inbox   string // the subscription is to inbox.*; pull n answers to inbox.n
+	pulls   uint64
+	dropped int    // by the subscription, as last counted
 	subject string // the consumer's pull request subject
 	request []byte
 	// quiet is how long a pull may go without word from the server:
@@ -65,8 +72,9 @@ type fetched struct {
 }
 
 // pullSlack is the room the subscription has beyond the deliveries the
-// consumer allows unacked, for heartbeats and the statuses that end pulls.
-const pullSlack = 16
+// consumer allows unacked, for heartbeats and the statuses that end pulls,
+// and for messages that are not the server's.
+const pullSlack = 256
 
 // startPrefetch starts fetching; stop it with halt.
 func (r *Runner) startPrefetch(ctx context.Context) *prefetcher {
@@ -168,13 +176,21 @@ func (r *Runner) fetchInto(ctx context.Context, p *prefetcher, timer *time.Timer
 	}
 	nc := r.js.Conn()
 	if p.sub == nil {
-		sub, err := nc.ChanSubscribe(nc.NewInbox(), p.msgs)
+		p.inbox = nc.NewInbox()
+		sub, err := nc.ChanSubscribe(p.inbox+".*", p.msgs)
 		if err != nil {
 			return fmt.Errorf("fetch from %s: subscribe: %w", r.cfg.Stream, err)
 		}
 		p.sub = sub
 	}
-	if err := nc.PublishRequest(p.subject, p.sub.Subject, p.request); err != nil {
+	defer r.countDropped(p)
+	// Each pull answers to a subject of its own: the status that ends
+	// it is the one sent there, not a late end of an earlier pull, nor
+	// anything else published on the inbox. Deliveries of earlier pulls
+	// are deliveries all the same.
+	p.pulls++
+	reply := p.inbox + "." + strconv.FormatUint(p.pulls, 10)
+	if err := nc.PublishRequest(p.subject, reply, p.request); err != nil {
 		return fmt.Errorf("fetch from %s: pull request: %w", r.cfg.Stream, err)
 	}
 	timer.Reset(p.quiet)
@@ -193,6 +209,9 @@ func (r *Runner) fetchInto(ctx context.Context, p *prefetcher, timer *time.Timer
 		// A status comes without a reply subject; a delivery always has
 		// one (its metadata is in it), whatever its headers say.
 		if m.Reply == "" {
+			if m.Subject != reply {
+				continue // an earlier pull's, or not the server's
+			}
 			switch status := m.Header.Get("Status"); status {
 			case "100": // idle heartbeat
 				timer.Reset(p.quiet)
@@ -201,6 +220,8 @@ func (r *Runner) fetchInto(ctx context.Context, p *prefetcher, timer *time.Timer
 				return nil
 			case "":
 				continue // not the server's: nothing to do with it
+			case "503":
+				return fmt.Errorf("fetch from %s: no responders to the pull request: the consumer %s does not exist (deleted?) or the stream is unavailable; a sink with Provision creates it when it starts", r.cfg.Stream, r.cfg.Consumer)
 			default:
 				return fmt.Errorf("fetch from %s: pull request ended: status %s %s", r.cfg.Stream, status, m.Header.Get("Description"))
 			}
@@ -221,6 +242,58 @@ func (r *Runner) fetchInto(ctx context.Context, p *prefetcher, timer *time.Timer
 		// However long the hand-over took, the heartbeats that came
 		// meanwhile wait in msgs.
 		timer.Reset(p.quiet)
+	}
+	return nil
+}
+
+// countDropped notes the messages the subscription dropped since it last
+// looked: it was full, which takes a flood of messages on its inbox (the
+// server's own never fill it). Deliveries among them come again only after
+// AckWait, and until then the consumer may hold back the rest: counted in
+// leasehold_sink_fetch_dropped_total, logged, and shown by Ready for
+// AckWait.
+func (r *Runner) countDropped(p *prefetcher) {
+	n, err := p.sub.Dropped()
+	if err != nil || n <= p.dropped {
+		return
+	}
+	d := n - p.dropped
+	p.dropped = n
+	r.dropped.Add(int64(d))
+	r.droppedAt.Store(time.Now().UnixNano())
+	r.log.Warn("streamsink: the fetcher's subscription was full and dropped messages: deliveries among them come again after AckWait; a flood of messages on its inbox fills it",
+		"sink", r.cfg.Name, "dropped", d, "inbox", p.inbox, "ack_wait", r.cfg.AckWait)
+}
+
+// fetchDropped is Ready's word on dropped deliveries: an error for
+// AckWait after the last drop.
+func (r *Runner) fetchDropped() error {
+	at := r.droppedAt.Load()
+	if at == 0 {
+		return nil
+	}
+	if d := time.Since(time.Unix(0, at)); d < r.cfg.AckWait {
+		return fmt.Errorf("streamsink: sink %s: its fetcher's subscription dropped %d messages in all, the last %v ago: deliveries among them come again after AckWait (%v), and the consumer may hold the rest back until then; a flood of messages on its inbox fills it", r.cfg.Name, r.dropped.Load(), d.Round(time.Second), r.cfg.AckWait)
+	}
+	return nil
+}
+
+// registerFetchMetrics reports the messages the fetcher's subscription
+// dropped, leasehold_sink_fetch_dropped_total{leasehold_sink}.
+func (r *Runner) registerFetchMetrics() error {
+	mp := r.cfg.Telemetry.MeterProvider
+	if mp == nil {
+		mp = otel.GetMeterProvider()
+	}
+	attrs := metric.WithAttributes(telemetry.AttrSink.String(r.cfg.Name))
+	_, err := mp.Meter("github.com/leasehold/leasehold/sink/streamsink").Int64ObservableCounter("leasehold.sink.fetch_dropped",
+		metric.WithDescription("Messages a stream sink's fetcher dropped because its subscription was full (a flood on its inbox): deliveries among them come again after AckWait, and Ready fails until then."),
+		metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
+			o.Observe(r.dropped.Load(), attrs)
+			return nil
+		}))
+	if err != nil {
+		return fmt.Errorf("streamsink: register the fetch dropped counter: %w", err)
 	}
 	return nil
 }

@@ -153,6 +153,9 @@ type Runner struct {
 	// for Ready: a fetcher held up leaves Run nothing to take, which
 	// looks to Run like a quiet log.
 	lastPull atomic.Int64
+	// Messages the fetcher's subscription dropped (it was full), and when
+	// it last did (Unix nanoseconds); see prefetch.go.
+	dropped, droppedAt atomic.Int64
 
 	mu         sync.Mutex
 	heldCount  int // effects held in open groups, for the gauge
@@ -214,6 +217,9 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Runner, erro
 	}
 	r.adoptApplied(ap, st.delta)
 	r.aboveCount = r.groups.above
+	if err := r.registerFetchMetrics(); err != nil {
+		return nil, err
+	}
 	if err := r.registerGauges(); err != nil {
 		return nil, err
 	}
@@ -472,6 +478,9 @@ func (r *Runner) Ready(context.Context) error {
 			why = "the last error: " + r.lastErr.Error()
 		}
 		return fmt.Errorf("streamsink: sink %s has made no progress for %v (Config.StallAfter %v) at log position %d; %s", r.cfg.Name, d.Round(time.Second), r.cfg.StallAfter, r.seq, why)
+	}
+	if err := r.fetchDropped(); err != nil {
+		return err
 	}
 	if d := time.Since(time.Unix(0, r.lastPull.Load())); d > r.cfg.StallAfter+r.cfg.FetchWait {
 		return fmt.Errorf("streamsink: sink %s has begun no fetch from %s for %v (Config.StallAfter %v after a FetchWait of %v) at log position %d: its fetcher is held up, and the runner sees a log with nothing to handle", r.cfg.Name, r.cfg.Stream, d.Round(time.Second), r.cfg.StallAfter, r.cfg.FetchWait, r.seq)
