@@ -60,19 +60,12 @@ func TestGroupRebalancesMinimally(t *testing.T) {
 			}
 			l3 := lapses(ms)
 
-			var wg sync.WaitGroup
-			var mu sync.Mutex
+			// Starting a member does not wait on the server (its Run goes
+			// on in a goroutine of its own), so the two start together
+			// from the test's goroutine, which alone may call t.Fatal.
 			for _, name := range []string{"w3", "w4"} {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					m := startMemberTTL(t, b, name, n, ttl)
-					mu.Lock()
-					ms[name] = m
-					mu.Unlock()
-				}()
+				ms[name] = startMemberTTL(t, b, name, n, ttl)
 			}
-			wg.Wait()
 			o5 := waitBalanced(t, ms, n, 2*time.Minute)
 			moved, handoffs := diff(o3, o5), acquisitions(ms)-a3
 			t.Logf("3 -> 5 workers: %d partitions moved in %d hand-offs", moved, handoffs)
@@ -88,6 +81,7 @@ func TestGroupRebalancesMinimally(t *testing.T) {
 			r5 := revocations(ms)
 			all := maps.Clone(ms)
 			l5 := ms["w0"].lapsed.Load() + ms["w1"].lapsed.Load()
+			var wg sync.WaitGroup
 			for _, name := range []string{"w2", "w3", "w4"} {
 				wg.Add(1)
 				go func(m *member) { defer wg.Done(); m.stop(t) }(ms[name])

@@ -76,17 +76,10 @@ func TestLockHandOff(t *testing.T) {
 		if h, ok, err := bw.LockHolder(ctx, "account:42"); err != nil || !ok || h.Holder != "a" || h.Epoch != info.Epoch {
 			t.Fatalf("LockHolder = %+v, %v, %v", h, ok, err)
 		}
-		got := make(chan *coordinator.Lease, 1)
-		go func() {
-			l, err := bw.Lock(ctx, "account:42")
-			if err != nil {
-				t.Error(err)
-			}
-			got <- l
-		}()
+		got := lockInBackground(t, ctx, bw, "account:42")
 		select {
-		case l := <-got:
-			t.Fatalf("B took the lock while A held it: %v", l)
+		case r := <-got:
+			t.Fatalf("B took the lock while A held it: %v, %v", r.l, r.err)
 		case <-time.After(100 * time.Millisecond):
 		}
 		if err := la.Release(ctx); err != nil {
@@ -94,7 +87,11 @@ func TestLockHandOff(t *testing.T) {
 		}
 		var lb *coordinator.Lease
 		select {
-		case lb = <-got:
+		case r := <-got:
+			if r.err != nil {
+				t.Fatalf("B's Lock: %v", r.err)
+			}
+			lb = r.l
 		case <-ctx.Done():
 			t.Fatal("B did not get the lock after A released it")
 		}
@@ -132,14 +129,7 @@ func TestLockZombieRefusedBySink(t *testing.T) {
 	if err := write(la.Info(), "a-1"); err != nil {
 		t.Fatal(err)
 	}
-	got := make(chan *coordinator.Lease, 1)
-	go func() {
-		l, err := bw.Lock(ctx, "report-generator")
-		if err != nil {
-			t.Error(err)
-		}
-		got <- l
-	}()
+	got := lockInBackground(t, ctx, bw, "report-generator")
 	select {
 	case <-la.Done():
 	case <-ctx.Done():
@@ -149,10 +139,11 @@ func TestLockZombieRefusedBySink(t *testing.T) {
 	if !errors.As(context.Cause(la.Context()), &lost) || lost.Lock != "report-generator" || !strings.Contains(lost.Error(), `lock "report-generator"`) {
 		t.Fatalf("A's cause: %v", context.Cause(la.Context()))
 	}
-	lb := <-got
-	if lb == nil {
-		t.FailNow()
+	r := <-got
+	if r.err != nil {
+		t.Fatalf("B's Lock: %v", r.err)
 	}
+	lb := r.l
 	defer lb.Release(ctx)
 	if err := write(lb.Info(), "b-1"); err != nil {
 		t.Fatal(err)
@@ -333,4 +324,32 @@ func TestLockTakesOverAForeignRecord(t *testing.T) {
 	if h, ok, err := c.LockHolder(ctx, "nightly"); err != nil || !ok || h.Holder != "a" {
 		t.Fatalf("after the take-over: %+v, %v, %v", h, ok, err)
 	}
+}
+
+type lockResult struct {
+	l   *coordinator.Lease
+	err error
+}
+
+// lockInBackground runs c.Lock(ctx, name) in a goroutine and hands its
+// outcome over on the returned channel. The goroutine does not touch t:
+// a test that fails before it reads the outcome ends while Lock still
+// waits, and a report from there would come after the test has completed.
+// When the test ends, the wait is called off and the goroutine waited
+// for, so that it does not outlive the test.
+func lockInBackground(t *testing.T, ctx context.Context, c *coordinator.Coordinator, name string) <-chan lockResult {
+	t.Helper()
+	ctx, cancel := context.WithCancel(ctx)
+	got := make(chan lockResult, 1)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		l, err := c.Lock(ctx, name)
+		got <- lockResult{l, err}
+	}()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+	})
+	return got
 }
