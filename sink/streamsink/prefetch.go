@@ -112,21 +112,7 @@ func (r *Runner) startPrefetch(ctx context.Context) *prefetcher {
 // back to the server. A message already on its way then waits for
 // AckWait, as a crashed runner's do.
 func (r *Runner) prefetch(ctx context.Context, p *prefetcher) {
-	defer func() {
-		if p.sub != nil {
-			_ = p.sub.Unsubscribe()
-		}
-		for {
-			select {
-			case m := <-p.msgs:
-				if p.nak.Load() && m.Reply != "" {
-					_ = m.Nak()
-				}
-			default:
-				return
-			}
-		}
-	}()
+	defer p.unsubscribe()
 	timer := time.NewTimer(p.quiet)
 	defer timer.Stop()
 	failures := 0
@@ -164,6 +150,55 @@ func (r *Runner) prefetch(ctx context.Context, p *prefetcher) {
 		}
 	}
 }
+
+// unsubscribe ends the subscription. With nak it drains it: the server
+// learns that the subscription is gone, and what it sent before that
+// (a pull's deliveries on their way) still comes in and is handed back;
+// ended at once, those would wait for AckWait. Without nak (a crash in a
+// test) it ends it at once, and hands nothing back.
+func (p *prefetcher) unsubscribe() {
+	nak := p.nak.Load()
+	handBack := func(m *nats.Msg) {
+		if nak && m.Reply != "" {
+			_ = m.Nak()
+		}
+	}
+	if p.sub != nil {
+		if !nak {
+			_ = p.sub.Unsubscribe()
+		} else {
+			closed := p.sub.StatusChanged(nats.SubscriptionClosed)
+			if err := p.sub.Drain(); err != nil {
+				_ = p.sub.Unsubscribe()
+			}
+			bound := time.NewTimer(stopGrace)
+		drain:
+			for {
+				select {
+				case m := <-p.msgs:
+					handBack(m)
+				case <-closed:
+					break drain
+				case <-bound.C:
+					_ = p.sub.Unsubscribe()
+					break drain
+				}
+			}
+			bound.Stop()
+		}
+	}
+	for {
+		select {
+		case m := <-p.msgs:
+			handBack(m)
+		default:
+			return
+		}
+	}
+}
+
+// stopGrace bounds how long a stopping runner drains its subscription.
+const stopGrace = 5 * time.Second
 
 // fetchInto runs one pull request of up to Config.Batch messages, open for
 // up to Config.FetchWait, and hands each message on as it arrives. It
