@@ -78,14 +78,14 @@ type Config struct {
 	// to the dead-letter stream at once.
 	Handler func(ctx context.Context, e sink.Effect) error
 	// BatchHandler, when set, receives the accepted effects of each batch
-	// the runner fetched, in log order, in one call, instead of the
-	// republish: for destinations where one write of many effects costs
-	// about what one write of one does (a KV sink's atomic batch, one
-	// database transaction). The same idempotency rule as Handler's holds,
-	// and an error fails the whole call: the runner then hands the
-	// batch's effects over again one per call, so that the error of each
-	// is its own (see MaxDeliveries). Set Handler or BatchHandler, not
-	// both.
+	// the runner fetched, in log order, in calls of at most HandlerBatch
+	// effects that never split a job, instead of the republish: for
+	// destinations where one write of many effects costs about what one
+	// write of one does (a KV sink's atomic batch, one database
+	// transaction). The same idempotency rule as Handler's holds, and an
+	// error fails the whole call: the runner then hands the effects from
+	// that call on over again one per call, so that the error of each is
+	// its own (see MaxDeliveries). Set Handler or BatchHandler, not both.
 	BatchHandler func(ctx context.Context, effects []sink.Effect) error
 	// Downstream is the stream accepted effects are republished into, with
 	// Nats-Msg-Id set to the scope and the idempotency key ("<scope>
@@ -115,9 +115,9 @@ type Config struct {
 	// a database unreachable or restarting) is not counted, as NATS's own
 	// are not (below): an effect goes there for what it is, not for the
 	// destination being away. A BatchHandler's
-	// error fails its whole batch: after one, the runner hands the batch's
-	// effects over one by one (batches of one), so that only the effect
-	// that fails is moved. An effect that can never be delivered (a
+	// error fails its whole call: after one, the runner hands the effects
+	// from that call on over one by one (calls of one), so that only the
+	// effect that fails is moved. An effect that can never be delivered (a
 	// republish larger than the server's max payload once the sink's
 	// headers are added, or a handler's error matching ErrPoison) goes
 	// there at once. A failure that is NATS's own (the connection is
