@@ -243,7 +243,8 @@ func TestDlqSinkListShowReplayPurge(t *testing.T) {
 	}
 	publish("sq.out.3") // 6: someone else took its replay's message ID
 	publish("sq.out.3") // 7: replayed before, but not deleted
-	for seq, forged := range map[uint64]bool{6: true, 7: false} {
+	publish("sq.out.3") // 8: someone else took it with the same subject and data
+	for seq, forged := range map[uint64]bool{6: true, 7: false, 8: true} {
 		dl, err := sinkDLQ.GetMsg(ctx, seq)
 		if err != nil {
 			t.Fatal(err)
@@ -252,18 +253,25 @@ func TestDlqSinkListShowReplayPurge(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if forged {
+		switch {
+		case forged && seq == 6:
 			first.Subject, first.Data = "sq.out.2", []byte("forged")
+		case forged:
+			// Only a header differs: the look-alike would run under
+			// another stamp while the dead letter went as replayed.
+			first.Header.Set("Leasehold-Kind", "other")
 		}
 		if _, err := js.PublishMsg(ctx, first); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if out, err := run(t, ctx, cli("replay", "6")...); err == nil || !strings.Contains(err.Error(), "holds another message") {
-		t.Errorf("replay over a forged message ID: %v\n%s", err, out)
+	for _, seq := range []string{"6", "8"} {
+		if out, err := run(t, ctx, cli("replay", seq)...); err == nil || !strings.Contains(err.Error(), "holds another message") {
+			t.Errorf("replay %s over a forged message ID: %v\n%s", seq, err, out)
+		}
 	}
 	wantIn(t, "replay of a replayed dead letter", mustRun(t, ctx, cli("replay", "7")...), "stored by an earlier replay); dead letter deleted")
-	wantIn(t, "list after the duplicate replays", mustRun(t, ctx, cli("list")...), "sq-sink-dlq holds 1 dead letters")
+	wantIn(t, "list after the duplicate replays", mustRun(t, ctx, cli("list")...), "sq-sink-dlq holds 2 dead letters")
 }
 
 // Headers come from the network: garbage lists and shows as is, quoted

@@ -18,6 +18,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"unicode"
@@ -296,7 +297,10 @@ func (d *Stream) Replay(ctx context.Context, m *jetstream.RawStreamMsg) (Replaye
 		if err != nil {
 			return r, fmt.Errorf("dead letter %d: %s calls its replay a duplicate of sequence %d, which cannot be read (%w); the dead letter is kept", m.Sequence, ack.Stream, ack.Sequence, err)
 		}
-		if got.Subject != msg.Subject || !bytes.Equal(got.Data, msg.Data) {
+		// Headers too: a look-alike with the replay's subject and data but
+		// another origin, kind or stamp would run as something else while
+		// the dead letter was deleted as replayed.
+		if got.Subject != msg.Subject || !bytes.Equal(got.Data, msg.Data) || !sameHeaders(got.Header, msg.Header) {
 			return r, fmt.Errorf("dead letter %d: %s holds another message (sequence %d, subject %s) under its replay's message ID; the dead letter is kept: look at both before replaying it", m.Sequence, ack.Stream, ack.Sequence, Clean(got.Subject))
 		}
 		r.Duplicate = true
@@ -462,4 +466,31 @@ func literalSubject(s string) error {
 		}
 	}
 	return nil
+}
+
+// sameHeaders reports whether a and b hold the same headers with the same
+// values, names compared without regard to case. The publish's own
+// expectations (Nats-Expected-*) are the publisher's, not the message's.
+func sameHeaders(a, b nats.Header) bool {
+	fold := func(h nats.Header) map[string][]string {
+		out := make(map[string][]string, len(h))
+		for k, vs := range h {
+			k = strings.ToLower(k)
+			if strings.HasPrefix(k, "nats-expected-") {
+				continue
+			}
+			out[k] = append(out[k], vs...)
+		}
+		return out
+	}
+	fa, fb := fold(a), fold(b)
+	if len(fa) != len(fb) {
+		return false
+	}
+	for k, va := range fa {
+		if !slices.Equal(va, fb[k]) {
+			return false
+		}
+	}
+	return true
 }
