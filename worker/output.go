@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"strconv"
-	"strings"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -200,15 +199,4 @@ func (r *runner) unwind() {
 	}
 	r.requeue(r.window)
 	r.window = nil
-}
-
-// isJobHeader reports whether name is one of the job headers, which the
-// worker alone writes.
-func isJobHeader(name string) bool {
-	for _, h := range []string{leasehold.HeaderJob, leasehold.HeaderAttempt, leasehold.HeaderEffects, leasehold.HeaderAfter, leasehold.HeaderAbort} {
-		if strings.EqualFold(name, h) {
-			return true
-		}
-	}
-	return false
 }
