@@ -48,7 +48,14 @@ func main() {
 // run plays the example. It returns the verifier's refusal of relay-a's
 // late request and how often the receiver charged each order.
 func run(ctx context.Context, out io.Writer, url string) (httpsink.Refusal, map[string]int, error) {
-	say := func(format string, args ...any) { fmt.Fprintf(out, format+"\n", args...) }
+	// The receiver's handler speaks from the server's goroutines, the
+	// rest from this one.
+	var sayMu sync.Mutex
+	say := func(format string, args ...any) {
+		sayMu.Lock()
+		defer sayMu.Unlock()
+		fmt.Fprintf(out, format+"\n", args...)
+	}
 	var none httpsink.Refusal
 	opts := []nats.Option{}
 	if url == "" {
