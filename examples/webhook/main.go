@@ -48,14 +48,7 @@ func main() {
 // run plays the example. It returns the verifier's refusal of relay-a's
 // late request and how often the receiver charged each order.
 func run(ctx context.Context, out io.Writer, url string) (httpsink.Refusal, map[string]int, error) {
-	// The receiver's handler speaks from the server's goroutines, the
-	// rest from this one.
-	var sayMu sync.Mutex
-	say := func(format string, args ...any) {
-		sayMu.Lock()
-		defer sayMu.Unlock()
-		fmt.Fprintf(out, format+"\n", args...)
-	}
+	say := log.New(out, "", 0).Printf // one line at a time, from the receiver's handler too
 	var none httpsink.Refusal
 	opts := []nats.Option{}
 	if url == "" {
