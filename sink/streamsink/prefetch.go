@@ -95,7 +95,8 @@ func (r *Runner) startPrefetch(ctx context.Context) *prefetcher {
 	p.request, _ = json.Marshal(req)
 	p.subject = jspub.APIPrefix(r.js) + "CONSUMER.MSG.NEXT." + r.cfg.Stream + "." + r.cfg.Consumer
 	// The consumer sends no more than MaxAckPending deliveries unacked,
-	// and every one in msgs is: the subscription never drops one.
+	// and every one in msgs is: the server's own messages never fill it.
+	// Messages of anyone else on the inbox can (see countDropped).
 	p.msgs = make(chan *nats.Msg, 4*r.cfg.Batch+pullSlack)
 	go func() {
 		defer close(p.done)
@@ -107,10 +108,9 @@ func (r *Runner) startPrefetch(ctx context.Context) *prefetcher {
 // prefetch fetches until ctx ends. A failed fetch is handed on, for Run to
 // count, log and show in Ready, and tried again after a backoff.
 //
-// When it ends, its subscription goes (the server sends a pull with no
-// subscriber nothing more), and with nak what came and nobody took goes
-// back to the server. A message already on its way then waits for
-// AckWait, as a crashed runner's do.
+// When it ends, its subscription goes (see unsubscribe): the server sends
+// a pull with no subscriber nothing more, and with nak what came and
+// nobody took goes back to the server.
 func (r *Runner) prefetch(ctx context.Context, p *prefetcher) {
 	defer p.unsubscribe()
 	timer := time.NewTimer(p.quiet)
