@@ -336,3 +336,84 @@ func markRoundTrip(t *testing.T, m leasehold.JobMark, out map[string][]string) {
 		t.Fatalf("round trip: %+v, %v; want %+v", back, err, m)
 	}
 }
+
+// FuzzUnpack feeds packed bodies as they arrive off the wire, with any
+// count. What is read keeps every rule of the form (see
+// leasehold.HeaderPack): exactly the counted entries, valid distinct keys,
+// header names that are tokens and none of leasehold's or the server's; and
+// written again it takes as many bytes as it came in, and reads back the
+// same. Everything else is an error matching ErrBadPack.
+func FuzzUnpack(f *testing.F) {
+	add := func(n int, es ...leasehold.PackedEffect) {
+		var body []byte
+		for _, e := range es {
+			body = leasehold.AppendPacked(body, e)
+		}
+		f.Add(body, n)
+	}
+	tp := map[string][]string{"Traceparent": {"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}}
+	add(2, leasehold.PackedEffect{Key: "orders.3.17.0", Header: tp, Data: []byte("a")}, leasehold.PackedEffect{Key: "orders.3.17.1", Data: []byte("b")})
+	add(3, leasehold.PackedEffect{Key: "a"}, leasehold.PackedEffect{Key: "b", Header: map[string][]string{"X": {"1", "2"}, "y": {""}}}, leasehold.PackedEffect{Key: "c", Data: make([]byte, 200)})
+	add(2, leasehold.PackedEffect{Key: "a"}, leasehold.PackedEffect{Key: "a"})
+	add(2, leasehold.PackedEffect{Key: "a", Header: map[string][]string{"leasehold-stamp": {"1 orders 3 5 a1 a"}}}, leasehold.PackedEffect{Key: "b"})
+	add(2, leasehold.PackedEffect{Key: "a", Header: map[string][]string{"Nats-Msg-Id": {"x"}}}, leasehold.PackedEffect{Key: "b"})
+	add(2, leasehold.PackedEffect{Key: "a", Header: map[string][]string{"Leasehold-Pack": {"1 2"}}}, leasehold.PackedEffect{Key: "b"})
+	add(3, leasehold.PackedEffect{Key: "a"}, leasehold.PackedEffect{Key: "b"})
+	add(1, leasehold.PackedEffect{Key: "a"})
+	f.Add([]byte{1, 'a', 0, 0, 1, 'b', 0, 0, 0}, 2)
+	f.Add([]byte{1, 'a', 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x01, 0}, 2)
+	f.Add([]byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f, 'a', 0, 0, 1, 'b', 0, 0}, 2)
+	f.Add([]byte{1, 'a', 1, 1, ' ', 0, 0, 1, 'b', 0, 0}, 2)
+	f.Fuzz(func(t *testing.T, body []byte, n int) {
+		es, err := leasehold.Unpack(body, n)
+		if err != nil {
+			if !errors.Is(err, leasehold.ErrBadPack) || es != nil {
+				t.Fatalf("error %v (matches ErrBadPack: %t) came with %d entries", err, errors.Is(err, leasehold.ErrBadPack), len(es))
+			}
+			return
+		}
+		if len(es) != n || n < 2 || n > leasehold.MaxPackEffects {
+			t.Fatalf("read %d entries for a count of %d", len(es), n)
+		}
+		keys := map[string]bool{}
+		size := 0
+		for i, e := range es {
+			if keys[e.Key] {
+				t.Fatalf("entry %d repeats key %q", i, e.Key)
+			}
+			keys[e.Key] = true
+			if (leasehold.Stamp{Scope: "s", Epoch: 1, Acquisition: "a", Key: e.Key}).Validate() != nil {
+				t.Fatalf("entry %d: key %q is not a valid idempotency key", i, e.Key)
+			}
+			for k := range e.Header {
+				if k == "" || strings.ContainsAny(k, " :\r\n\x00") || leasehold.IsStampHeader(k) ||
+					strings.EqualFold(k, leasehold.HeaderPack) || strings.EqualFold(k, leasehold.HeaderBarrier) ||
+					(len(k) >= 5 && strings.EqualFold(k[:5], "Nats-")) {
+					t.Fatalf("entry %d: header %q accepted", i, k)
+				}
+			}
+			size += leasehold.PackedSize(e)
+		}
+		if size != len(body) {
+			t.Fatalf("entries take %d bytes written again; they came in %d", size, len(body))
+		}
+		var again []byte
+		for _, e := range es {
+			again = leasehold.AppendPacked(again, e)
+		}
+		back, err := leasehold.Unpack(again, n)
+		if err != nil {
+			t.Fatalf("written again: %v", err)
+		}
+		for i := range es {
+			if back[i].Key != es[i].Key || string(back[i].Data) != string(es[i].Data) || len(back[i].Header) != len(es[i].Header) {
+				t.Fatalf("entry %d read back as %+v; was %+v", i, back[i], es[i])
+			}
+			for k, vs := range es[i].Header {
+				if strings.Join(back[i].Header[k], "\x00") != strings.Join(vs, "\x00") || len(back[i].Header[k]) != len(vs) {
+					t.Fatalf("entry %d header %s read back as %q; was %q", i, k, back[i].Header[k], vs)
+				}
+			}
+		}
+	})
+}
