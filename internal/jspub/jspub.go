@@ -18,8 +18,10 @@ package jspub
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -46,6 +48,51 @@ func Publish(ctx context.Context, js jetstream.JetStream, msg *nats.Msg, opts ..
 		// The future stays with the client until its ack comes, the
 		// connection drops, or the JetStream context's async timeout.
 		return nil, fmt.Errorf("%w: %w", nats.ErrTimeout, context.Cause(ctx))
+	}
+}
+
+// PublishRetry is Publish, sent again whenever a try goes unanswered for
+// try or no stream answers, until one is acknowledged, the server refuses
+// the message, the connection drops, or ctx ends. It returns the
+// acknowledgement, how many times the message was sent, and the last
+// try's error. A dropped connection ends it as it ends Publish: what to
+// do then (send again once it is back, or let a later step supersede the
+// message) is the caller's choice.
+//
+// In a cluster, a request that reached a stream leader as it stepped
+// down is lost on a connection that stays up: Publish then waits for
+// its whole deadline, where a new leader is usually elected within a
+// second or two. msg must carry a Nats-Msg-Id, so that a copy the lost
+// leader stored is taken for a duplicate of the one sent again (the
+// acknowledgement then says Duplicate).
+func PublishRetry(ctx context.Context, js jetstream.JetStream, msg *nats.Msg, try time.Duration, opts ...jetstream.PublishOpt) (*jetstream.PubAck, int, error) {
+	if try <= 0 {
+		return nil, 0, fmt.Errorf("jspub: a try of %v", try)
+	}
+	wait := 50 * time.Millisecond
+	for tries := 1; ; tries++ {
+		tctx, cancel := context.WithTimeout(ctx, try)
+		ack, err := Publish(tctx, js, msg, opts...)
+		cancel()
+		if err == nil || ctx.Err() != nil {
+			return ack, tries, err
+		}
+		noStream := errors.Is(err, nats.ErrNoResponders) || errors.Is(err, jetstream.ErrNoStreamResponse)
+		if !noStream && !errors.Is(err, context.DeadlineExceeded) {
+			// Refused by the server, or the connection dropped or
+			// closed: not this function's to retry.
+			return ack, tries, err
+		}
+		if noStream {
+			// Nothing listens (a stream between leaders): the answer
+			// came at once, so wait before asking again.
+			select {
+			case <-ctx.Done():
+				return nil, tries, err
+			case <-time.After(wait):
+			}
+			wait = min(2*wait, time.Second)
+		}
 	}
 }
 

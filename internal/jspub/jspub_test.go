@@ -104,3 +104,67 @@ func blackHole(t *testing.T, s *natstest.Server, ch chan *nats.Msg) {
 		t.Fatal(err)
 	}
 }
+
+// An answer lost without the connection dropping (a stream leader that
+// stepped down as the request reached it) is asked for again under the
+// same message: the second copy is answered. A refusal is not sent again.
+func TestPublishRetrySendsAgainWhenAnAnswerIsLost(t *testing.T) {
+	t.Parallel()
+	s := natstest.Start(t)
+	js := s.JetStream(t)
+	nc := s.Connect(t)
+	ids := make(chan string, 16)
+	seen := 0
+	if _, err := nc.Subscribe("lossy", func(m *nats.Msg) {
+		ids <- m.Header.Get(jetstream.MsgIDHeader)
+		seen++
+		if seen > 1 {
+			_ = m.Respond([]byte(`{"stream":"S","seq":7}`))
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := nc.Subscribe("refused", func(m *nats.Msg) {
+		_ = m.Respond([]byte(`{"error":{"code":400,"err_code":10071,"description":"wrong last sequence: 3"}}`))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	msg := nats.NewMsg("lossy")
+	msg.Header.Set(jetstream.MsgIDHeader, "once")
+	ack, tries, err := jspub.PublishRetry(ctx, js, msg, 100*time.Millisecond)
+	if err != nil || ack.Sequence != 7 || tries < 2 {
+		t.Fatalf("PublishRetry with its first answer lost: %+v after %d tries, %v", ack, tries, err)
+	}
+	for range tries {
+		if id := <-ids; id != "once" {
+			t.Fatalf("a try was sent with Nats-Msg-Id %q, want the message's own", id)
+		}
+	}
+
+	_, tries, err = jspub.PublishRetry(ctx, js, nats.NewMsg("refused"), 100*time.Millisecond)
+	var apiErr *jetstream.APIError
+	if !errors.As(err, &apiErr) || apiErr.ErrorCode != jetstream.JSErrCodeStreamWrongLastSequence || tries != 1 {
+		t.Fatalf("PublishRetry refused by the server: %v after %d tries, want the API error after 1", err, tries)
+	}
+
+	// Unanswered for ever: it stops at its context, saying it timed out.
+	hole := make(chan *nats.Msg, 64)
+	blackHole(t, s, hole)
+	short, cancelShort := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() {
+		_, _, err := jspub.PublishRetry(short, js, nats.NewMsg("hole"), 20*time.Millisecond)
+		done <- err
+	}()
+	<-hole
+	<-hole // sent again
+	cancelShort()
+	if err := <-done; !errors.Is(err, nats.ErrTimeout) {
+		t.Fatalf("PublishRetry after its context ended: %v, want nats.ErrTimeout", err)
+	}
+}
