@@ -250,10 +250,24 @@ func effectTransient(err error) bool {
 
 // publishSync publishes msg and waits for its acknowledgement, at most
 // timeout, and no longer than the connection lasts: a server restart must
-// not hold the partition for the whole timeout (see jspub).
+// not hold the partition for the whole timeout (see jspub). An answer
+// lost on a connection that stays up (a stream leader that stepped down)
+// is asked for again every syncTry(timeout); msg carries a Nats-Msg-Id,
+// so a copy the old leader stored is taken for a duplicate.
 func (r *runner) publishSync(ctx context.Context, msg *nats.Msg, timeout time.Duration) error {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	_, err := jspub.Publish(ctx, r.w.cfg.JetStream, msg)
+	_, tries, err := jspub.PublishRetry(ctx, r.w.cfg.JetStream, msg, syncTry(timeout))
+	if tries > 1 {
+		r.log.Info("a marker's acknowledgement was lost and it was sent again", "subject", msg.Subject, "tries", tries, "err", err)
+	}
 	return err
+}
+
+// syncTry is how long publishSync waits for one try's answer: long
+// enough for a busy server's, short enough that a lost one costs little
+// more than the election of the stream's next leader. A copy sent again
+// too soon costs the server a duplicate to drop.
+func syncTry(timeout time.Duration) time.Duration {
+	return min(timeout, 2*time.Second)
 }

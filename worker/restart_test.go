@@ -158,3 +158,55 @@ func TestAbortMarkerLostInARestartDoesNotHoldThePartition(t *testing.T) {
 		}) > 0
 	})
 }
+
+// In a cluster, an abort marker that reaches the stream's leader as it
+// steps down is never answered, and the connection stays up. The marker
+// is sent again rather than waited for until EffectTimeout, which would
+// hold the partition that long. Here the subject's subscriber answers
+// only the marker's second copy.
+func TestAbortMarkerAnswerLostIsAskedForAgain(t *testing.T) {
+	e := newEnv(t, 1)
+	markers := make(chan string, 16)
+	nc := e.srv.Connect(t)
+	copies := 0
+	if _, err := nc.Subscribe("lossy", func(m *nats.Msg) {
+		if !markOf(m.Header).Abort {
+			_ = m.Respond([]byte(`{"stream":"lossy","seq":1}`))
+			return
+		}
+		markers <- m.Header.Get(jetstream.MsgIDHeader)
+		if copies++; copies > 1 {
+			_ = m.Respond([]byte(`{"stream":"lossy","seq":2}`))
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	rec := newRecorder()
+	cfg := e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
+		if j.Attempt > 1 {
+			return j.Emit(ctx, j.Data)
+		}
+		for _, d := range []string{"1", "2"} {
+			if err := j.Publish(ctx, "lossy", []byte(d)); err != nil {
+				return err
+			}
+		}
+		return errors.New("this attempt fails after publishing")
+	}))
+	cfg.EffectTimeout = 10 * time.Minute
+	cfg.Observer = rec
+	start(t, cfg)
+	enq := e.enqueue(t, 0, 1)
+	rec.waitFor(t, time.Minute, "the job's second attempt to finish", func() bool {
+		return rec.count(func(ev worker.Event) bool {
+			return ev.Kind == worker.EventJobFinished && ev.Seq == enq[0].Seq && ev.Attempt == 2
+		}) > 0
+	})
+	first, second := <-markers, <-markers
+	if first == "" || first != second {
+		t.Fatalf("the abort marker was sent again with Nats-Msg-Id %q, first %q: want the same", second, first)
+	}
+}
