@@ -40,26 +40,41 @@ const (
 // headers stay within leasehold.SinkHeaderRoom.
 const maxSinkError = 512
 
-// deadLettered marks, in Runner.tries, a position moved to the dead-letter
+// deadLettered marks, in Runner.tries, an effect moved to the dead-letter
 // stream whose progress is not saved yet: decided again after a failed
 // save, it is not tried or moved again.
 const deadLettered = -1
 
-// failed counts a failed delivery of the effect at seq and returns how many
-// failed in a row.
-func (r *Runner) failed(seq uint64) int {
-	r.tries[seq]++
-	return r.tries[seq]
+// effectAt names one effect of the log: its position and its idempotency
+// key. A packed message (leasehold.HeaderPack) holds several effects at
+// one position, so the position alone does not tell them apart.
+type effectAt struct {
+	seq uint64
+	key string
 }
 
-// delivered forgets the failures of the effect at seq.
-func (r *Runner) delivered(seq uint64) { delete(r.tries, seq) }
+// at names o's effect.
+func (o *outcome) at() effectAt { return effectAt{seq: o.m.seq, key: o.d.Stamp.Key} }
+
+// failed counts a failed delivery of effect e and returns how many failed
+// in a row.
+func (r *Runner) failed(e effectAt) int {
+	r.tries[e]++
+	return r.tries[e]
+}
+
+// delivered forgets the failures of effect e.
+func (r *Runner) delivered(e effectAt) {
+	if len(r.tries) > 0 {
+		delete(r.tries, e)
+	}
+}
 
 // forgetTries drops the counts of positions at or below the saved one.
 func (r *Runner) forgetTries(saved uint64) {
-	for seq := range r.tries {
-		if seq <= saved {
-			delete(r.tries, seq)
+	for e := range r.tries {
+		if e.seq <= saved {
+			delete(r.tries, e)
 		}
 	}
 }
@@ -76,12 +91,12 @@ func isSinkHeader(name string) bool {
 // It retries the publish until it is stored or ctx ends: the effect is
 // counted as handled only once its dead letter is stored.
 func (r *Runner) deadLetter(ctx context.Context, o *outcome, tries int, cause error) error {
-	seq := o.m.seq
+	seq, at := o.m.seq, o.at()
 	o.deliver = false
 	o.d.Outcome = sink.DeadLettered
 	o.d.Err = fmt.Errorf("streamsink: the effect at log position %d (subject %s, key %q) was moved to the dead-letter stream %s after %d failed tries: %w",
 		seq, o.m.subject, o.d.Stamp.Key, r.cfg.DeadLetter, tries, cause)
-	if r.tries[seq] == deadLettered {
+	if r.tries[at] == deadLettered {
 		return nil // stored by an earlier try of this batch
 	}
 	msg := r.deadLetterMsg(o, tries, cause)
@@ -103,7 +118,7 @@ func (r *Runner) deadLetter(ctx context.Context, o *outcome, tries int, cause er
 			return err
 		}
 	}
-	r.tries[seq] = deadLettered
+	r.tries[at] = deadLettered
 	r.log.LogAttrs(o.ctx, slog.LevelError, "streamsink: effect dead-lettered: it could not be delivered",
 		slog.String("sink", r.cfg.Name), slog.Uint64("position", seq), slog.String("subject", o.m.subject),
 		slog.String("scope", o.d.Stamp.Scope), slog.Uint64("partition", uint64(o.d.Stamp.Partition)), slog.String("key", o.d.Stamp.Key),

@@ -26,7 +26,7 @@ import (
 // stream (see Config.MaxDeliveries), or ctx ends.
 func (r *Runner) deliver(ctx context.Context, outs []outcome) error {
 	for i := range outs {
-		if o := &outs[i]; o.deliver && r.tries[o.m.seq] == deadLettered {
+		if o := &outs[i]; o.deliver && len(r.tries) > 0 && r.tries[o.at()] == deadLettered {
 			// Moved by an earlier try of this batch, whose progress was
 			// not saved: marked so, not moved again.
 			if err := r.deadLetter(ctx, o, r.cfg.MaxDeliveries, errors.New("dead-lettered before the progress was saved")); err != nil {
@@ -84,7 +84,7 @@ func (r *Runner) deliverBatch(ctx context.Context, outs []outcome) error {
 			err := r.cfg.BatchHandler(ctx, call)
 			if err == nil {
 				for _, i := range at[from:to] {
-					r.delivered(outs[i].m.seq)
+					r.delivered(outs[i].at())
 				}
 				break
 			}
@@ -156,15 +156,15 @@ func (r *Runner) deliverEach(ctx context.Context, outs []outcome, what string, a
 		for attempt := 0; ; attempt++ {
 			err := apply(o)
 			if err == nil {
-				r.delivered(o.m.seq)
+				r.delivered(o.at())
 				break
 			}
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
-			n := r.tries[o.m.seq]
+			n := r.tries[o.at()]
 			if !r.natsAway(err) {
-				n = r.failed(o.m.seq)
+				n = r.failed(o.at())
 			}
 			if n >= r.cfg.MaxDeliveries || errors.Is(err, ErrPoison) {
 				if err := r.deadLetter(ctx, o, n, err); err != nil {
@@ -229,19 +229,19 @@ func (r *Runner) republish(ctx context.Context, outs []outcome) error {
 			o := &outs[i]
 			err, failed := errs[i]
 			if !failed {
-				r.delivered(o.m.seq)
+				r.delivered(o.at())
 				continue
 			}
 			if errors.Is(err, nats.ErrMaxPayload) {
 				// The sink's headers took the effect over the server's
 				// max payload: no retry can make it fit.
-				if err := r.deadLetter(ctx, o, r.failed(o.m.seq), err); err != nil {
+				if err := r.deadLetter(ctx, o, r.failed(o.at()), err); err != nil {
 					return err
 				}
 				continue
 			}
 			if !r.natsAway(err) {
-				if n := r.failed(o.m.seq); n >= r.cfg.MaxDeliveries {
+				if n := r.failed(o.at()); n >= r.cfg.MaxDeliveries {
 					if err := r.deadLetter(ctx, o, n, err); err != nil {
 						return err
 					}

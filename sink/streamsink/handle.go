@@ -191,14 +191,26 @@ func (r *Runner) notDelivered(ctx context.Context, outs []outcome) {
 	}
 }
 
+// reported is a decision reported for an effect at a log position: a
+// packed message (leasehold.HeaderPack) holds several, told apart by
+// their keys.
+type reported struct {
+	key     string
+	outcome sink.Outcome
+}
+
 // reportedBefore reports whether this runner reported o's decision for
-// its message already, in a batch whose save failed.
+// its effect already, in a batch whose save failed.
 func (r *Runner) reportedBefore(o outcome) bool {
 	if len(r.unsaved) == 0 {
 		return false
 	}
-	d, ok := r.unsaved[o.m.seq]
-	return ok && d == o.d.Outcome
+	for _, d := range r.unsaved[o.m.seq] {
+		if d.key == o.d.Stamp.Key {
+			return d.outcome == o.d.Outcome
+		}
+	}
+	return false
 }
 
 // keepReported records the decisions of a batch whose save failed, which
@@ -206,11 +218,11 @@ func (r *Runner) reportedBefore(o outcome) bool {
 // record holds no more than the messages above that position.
 func (r *Runner) keepReported(outs []outcome) {
 	if r.unsaved == nil {
-		r.unsaved = map[uint64]sink.Outcome{}
+		r.unsaved = map[uint64][]reported{}
 	}
 	for i := range outs {
 		if o := &outs[i]; o.report {
-			r.unsaved[o.m.seq] = o.d.Outcome
+			r.keepOne(o)
 		}
 	}
 	for seq := range r.unsaved {
@@ -473,4 +485,16 @@ func (r *Runner) backoff(ctx context.Context, attempt int, what string, err erro
 	case <-time.After(wait):
 		return nil
 	}
+}
+
+// keepOne records o's decision, reported: the latest for its effect.
+func (r *Runner) keepOne(o *outcome) {
+	ds := r.unsaved[o.m.seq]
+	for i := range ds {
+		if ds[i].key == o.d.Stamp.Key {
+			ds[i].outcome = o.d.Outcome
+			return
+		}
+	}
+	r.unsaved[o.m.seq] = append(ds, reported{key: o.d.Stamp.Key, outcome: o.d.Outcome})
 }

@@ -136,18 +136,18 @@ type Runner struct {
 	// stepMu is held by Run for each batch and by ResumeAfterGap, which
 	// both move the saved position.
 	stepMu sync.Mutex
-	skips  []skip         // the operators' resumes the position record keeps
-	tries  map[uint64]int // failed deliveries by log position; deadLettered once moved
+	skips  []skip           // the operators' resumes the position record keeps
+	tries  map[effectAt]int // failed deliveries by effect; deadLettered once moved
 
 	// Job groups (groups.go), owned by Run's goroutine, and what the
 	// fence records proved of them (proofs.go).
 	groups       *groups
 	proofs       *proofs
-	saved        uint64                  // the saved position: seq, or short of the first effect of an open job
-	appliedRev   map[int]uint64          // revisions of the applied shards
-	needReload   bool                    // a batch that placed effects in groups was not saved
-	unsaved      map[uint64]sink.Outcome // decisions reported in batches whose save failed, by log position
-	forgotLogged time.Time               // when jobs forgotten at a chain's bound were last logged
+	saved        uint64                // the saved position: seq, or short of the first effect of an open job
+	appliedRev   map[int]uint64        // revisions of the applied shards
+	needReload   bool                  // a batch that placed effects in groups was not saved
+	unsaved      map[uint64][]reported // decisions reported in batches whose save failed, by log position
+	forgotLogged time.Time             // when jobs forgotten at a chain's bound were last logged
 
 	// lastPull is when the fetcher last began a pull (unix nanoseconds),
 	// for Ready: a fetcher held up leaves Run nothing to take, which
@@ -194,7 +194,7 @@ func New(ctx context.Context, js jetstream.JetStream, cfg Config) (*Runner, erro
 		proofs:   newProofs(cfg.Progress),
 		progress: make(chan struct{}),
 		resumed:  make(chan struct{}),
-		tries:    make(map[uint64]int),
+		tries:    make(map[effectAt]int),
 		filter:   cfg.FilterSubject,
 	}
 	if r.filter == "" {
