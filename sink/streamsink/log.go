@@ -49,11 +49,14 @@ func headerGet(h nats.Header, name string) (string, bool) {
 
 // keepHeader reports whether a log message's header travels with its
 // republished effect: leasehold's own (but the stamp's, which the stamp
-// writes in canonical form) and W3C trace context. Nothing else: a header
-// in the server's Nats- namespace changes how the server takes the write
+// writes in canonical form, and HeaderPack, which no single effect
+// carries) and W3C trace context. Nothing else: a header in the server's
+// Nats- namespace changes how the server takes the write
 // (Nats-Expected-Stream fails it for ever, a Nats-Msg-Id has a later
 // effect dropped as its duplicate), and other headers are the publisher's
-// business, not the sink's.
+// business, not the sink's. The job mark travels as it came: the effect's
+// own (an effect of a packed message carries the mark it would have
+// carried alone, see packed.go).
 func keepHeader(name string) bool {
 	const lh = "Leasehold-"
 	if len(name) > len(lh) && strings.EqualFold(name[:len(lh)], lh) {
@@ -62,24 +65,29 @@ func keepHeader(name string) bool {
 				return false
 			}
 		}
-		return !isStampHeader(name)
+		return !isStampHeader(name) && !(len(name) == len(leasehold.HeaderPack) && strings.EqualFold(name, leasehold.HeaderPack))
 	}
 	return strings.EqualFold(name, "traceparent") || strings.EqualFold(name, "tracestate") || strings.EqualFold(name, "baggage")
 }
 
 // isCanonicalStampHeader reports whether name is a stamp header spelled as
-// leasehold spells it: the common case, told without folding case.
+// leasehold spells it, in either form: the common case, told without
+// folding case, copied as it came (the stamp was read from it, and a
+// compact stamp has one spelling).
 func isCanonicalStampHeader(name string) bool {
 	switch name {
-	case leasehold.HeaderScope, leasehold.HeaderPartition, leasehold.HeaderEpoch, leasehold.HeaderAcquisition, leasehold.HeaderKey, leasehold.HeaderWorker:
+	case leasehold.HeaderScope, leasehold.HeaderPartition, leasehold.HeaderEpoch, leasehold.HeaderAcquisition, leasehold.HeaderKey, leasehold.HeaderWorker,
+		leasehold.HeaderStamp:
 		return true
 	}
 	return false
 }
 
+// isStampHeader reports whether name is a stamp header, in either form
+// and any spelling: the job mark's headers are not.
 func isStampHeader(name string) bool {
-	for _, h := range [...]string{leasehold.HeaderScope, leasehold.HeaderPartition, leasehold.HeaderEpoch, leasehold.HeaderAcquisition, leasehold.HeaderKey, leasehold.HeaderWorker} {
-		if strings.EqualFold(name, h) {
+	for _, h := range [...]string{leasehold.HeaderScope, leasehold.HeaderPartition, leasehold.HeaderEpoch, leasehold.HeaderAcquisition, leasehold.HeaderKey, leasehold.HeaderWorker, leasehold.HeaderStamp} {
+		if len(name) == len(h) && strings.EqualFold(name, h) {
 			return true
 		}
 	}
