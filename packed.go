@@ -40,8 +40,9 @@ import (
 //
 // A sink expands a packed message into the effects it holds, each with the
 // message's subject, its own headers, and the stamp and job mark it would
-// have carried alone, all at the message's log position; a sink of a
-// release before this form takes the message for one effect. Every sink
+// have carried alone, all at the message's log position. A sink of a
+// release before this form takes the message for one effect, its last,
+// with the packed body for data, and never applies the job: every sink
 // runner that reads a log is upgraded before workers pack effects into it.
 const HeaderPack = "Leasehold-Pack"
 
