@@ -69,12 +69,10 @@ func (r *Runner) handle(ctx context.Context, msgs []*logMsg) error {
 				}
 			}
 		}
-		o, err := r.decide(ctx, w, m, &outs)
-		if err != nil {
+		if err := r.decideLog(ctx, w, m, &outs); err != nil {
 			stopErr, rest = err, i
 			break
 		}
-		outs = append(outs, o)
 		w.seq = m.seq
 	}
 	if r.applyProofs(w.seq, &outs) {
@@ -300,11 +298,9 @@ func (r *Runner) fill(ctx context.Context, w *work, upto uint64, outs *[]outcome
 				return err
 			}
 		}
-		o, err := r.decide(ctx, w, m, outs)
-		if err != nil {
+		if err := r.decideLog(ctx, w, m, outs); err != nil {
 			return err
 		}
-		*outs = append(*outs, o)
 		w.seq = m.seq
 	}
 }
@@ -317,15 +313,26 @@ func (r *Runner) fill(ctx context.Context, w *work, upto uint64, outs *[]outcome
 // An effect of a job is placed in its group (see groups.go); what becomes
 // of the group's effects, applied or dropped, is appended to outs.
 func (r *Runner) decide(ctx context.Context, w *work, m *logMsg, outs *[]outcome) (outcome, error) {
-	o := outcome{m: m, report: true}
 	st, err := leasehold.StampFromHeader(m.header)
 	if err != nil {
-		o.term = true
-		o.d = sink.Decision{Outcome: sink.BadStamp, Stamp: st, Subject: m.subject, Position: m.seq,
-			Err: fmt.Errorf("streamsink: %s at log position %d (subject %s): %w", r.cfg.Stream, m.seq, m.subject, err)}
-		return o, nil
+		return r.badStamp(m, st, err), nil
 	}
 	_, barrier := headerGet(m.header, leasehold.HeaderBarrier)
+	return r.decideStamped(ctx, w, m, st, barrier, nil, outs)
+}
+
+// badStamp is the outcome of a message whose stamp, job mark or packed
+// effects (see packed.go) are malformed: terminated and reported.
+func (r *Runner) badStamp(m *logMsg, st leasehold.Stamp, err error) outcome {
+	return outcome{m: m, report: true, term: true, d: sink.Decision{Outcome: sink.BadStamp, Stamp: st, Subject: m.subject, Position: m.seq,
+		Err: fmt.Errorf("streamsink: %s at log position %d (subject %s): %w", r.cfg.Stream, m.seq, m.subject, err)}}
+}
+
+// decideStamped is decide for a message whose stamp st was read: a
+// barrier, or an effect whose job mark is known (an effect of a packed
+// message) or, when known is nil, read from its headers.
+func (r *Runner) decideStamped(ctx context.Context, w *work, m *logMsg, st leasehold.Stamp, barrier bool, known *leasehold.JobMark, outs *[]outcome) (outcome, error) {
+	o := outcome{m: m, report: true}
 	id := st.Fence()
 	cur, exists := w.fence(r.fences, id)
 	f := cur.state()
@@ -383,8 +390,11 @@ func (r *Runner) decide(ctx context.Context, w *work, m *logMsg, outs *[]outcome
 	}
 	o.d.Outcome = sink.Accepted
 	o.deliver = true
-	mark, err := leasehold.JobMarkFromHeader(m.header)
-	if err != nil {
+	var mark leasehold.JobMark
+	var err error
+	if known != nil {
+		mark = *known
+	} else if mark, err = leasehold.JobMarkFromHeader(m.header); err != nil {
 		o.term, o.deliver = true, false
 		o.d.Outcome = sink.BadStamp
 		o.d.Err = fmt.Errorf("streamsink: %s at log position %d (subject %s): %w", r.cfg.Stream, m.seq, m.subject, err)

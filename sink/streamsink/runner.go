@@ -60,6 +60,17 @@
 // without job headers apply on their own. See groups.go, attempts.go and
 // proofs.go.
 //
+// A worker may send an attempt's effects on a subject packed in one log
+// message (leasehold.HeaderPack). The runner expands it, at its log
+// position, into the effects it holds, each stamped and marked as it
+// would have been alone, and decides them as if they had come so; the
+// message is acked once, and a malformed one is refused whole as a bad
+// stamp (see packed.go). Every runner reading a log is upgraded before
+// workers pack effects into it: a runner of a release before packs takes a
+// packed message for one effect, its last, with the packed body for data,
+// and its job never holds all the effects its final counts, so it never
+// applies.
+//
 // Progress is crash-safe. After each batch the runner saves the fence
 // shards the batch changed (most batches change none), then the last log
 // position it handled, and only then acks. A runner that dies mid-batch

@@ -1,0 +1,197 @@
+package streamsink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/leasehold/leasehold"
+)
+
+// A packed message (leasehold.HeaderPack) carries several effects of one
+// attempt on one subject: a worker sends them as one log message, so that
+// the runner fetches, acks and positions one message where it would have
+// done as many. The runner expands it, in log order, into the effects it
+// holds, each as the worker would have sent it alone: the message's
+// subject, the effect's own headers and data, its own stamp (the
+// message's, with the effect's key, in the message's form), the message's
+// job mark on the last effect and the plain mark of the job and attempt on
+// the others (in the message's form), and the message's
+// leasehold.HeaderOrigin. Each is then decided as any effect is (its
+// fence, its job's group), all at the message's log position: positions
+// that decisions, dead letters and the saved position name are the
+// message's (sink.Decision.Position of each of its effects is the
+// message's position; their keys tell them apart). The message is acked,
+// or terminated, once, when the last of its effects is decided, and the
+// position moves past it only then.
+//
+// A packed message that breaks the form (see leasehold.HeaderPack: a
+// count, a length or a key that does not hold, an effect header that is
+// leasehold's or the server's), whose last key is not its stamp's, that
+// is a barrier, an abort marker or carries no job mark, or whose final
+// counts fewer effects than it packs, is malformed as a whole: refused as
+// sink.BadStamp, terminated and reported, and none of it applied. Nothing
+// else about a packed message is judged apart from its effects: an effect
+// whose key names another job is set aside (SuspectJobKey) as it would be
+// alone.
+
+// decideLog decides log message m and appends its outcomes to outs: one
+// for a message that stands for one effect (or barrier, or marker), and
+// one per effect for a packed message. An error means the decision could
+// not be taken, and m is decided again later; effects of a packed message
+// decided before it are found again then (an effect its attempt holds
+// already is not held twice, and a job applied is a duplicate).
+func (r *Runner) decideLog(ctx context.Context, w *work, m *logMsg, outs *[]outcome) error {
+	n, err := leasehold.PackCount(m.header)
+	if err == nil && n == 0 {
+		o, err := r.decide(ctx, w, m, outs)
+		if err != nil {
+			return err
+		}
+		*outs = append(*outs, o)
+		return nil
+	}
+	var p unpacked
+	if err == nil {
+		err = p.read(m, n)
+	}
+	if err != nil {
+		*outs = append(*outs, r.badStamp(m, p.stamp, fmt.Errorf("%w: a packed message (%s): %w", leasehold.ErrBadStamp, leasehold.HeaderPack, err)))
+		return nil
+	}
+	for i := range p.effects {
+		e := &p.effects[i]
+		o, err := r.decideStamped(ctx, w, e.m, e.stamp, false, &e.mark, outs)
+		if err != nil {
+			return err
+		}
+		*outs = append(*outs, o)
+	}
+	return nil
+}
+
+// unpacked is a packed message read and checked.
+type unpacked struct {
+	stamp   leasehold.Stamp // the message's: its last effect's
+	effects []unpackedEffect
+}
+
+// unpackedEffect is one effect of a packed message, as the worker would
+// have sent it alone.
+type unpackedEffect struct {
+	m     *logMsg
+	stamp leasehold.Stamp
+	mark  leasehold.JobMark
+}
+
+var (
+	errPackBarrier    = errors.New("is a barrier: a barrier is never packed")
+	errPackStandalone = errors.New("carries no job mark: only effects of a job's attempt are packed")
+	errPackAbort      = errors.New("is an abort marker: an abort marker is never packed")
+)
+
+// read checks packed message m of n effects and expands it.
+func (p *unpacked) read(m *logMsg, n int) error {
+	st, err := leasehold.StampFromHeader(m.header)
+	if err != nil {
+		return err
+	}
+	p.stamp = st
+	if _, barrier := headerGet(m.header, leasehold.HeaderBarrier); barrier {
+		return errPackBarrier
+	}
+	mark, err := leasehold.JobMarkFromHeader(m.header)
+	switch {
+	case err != nil:
+		return err
+	case mark.Standalone():
+		return errPackStandalone
+	case mark.Abort:
+		return errPackAbort
+	case mark.Final() && mark.Effects < n:
+		return fmt.Errorf("is its attempt's final, counting %d effects on the subject, and packs %d", mark.Effects, n)
+	}
+	entries, err := leasehold.Unpack(m.data, n)
+	if err != nil {
+		return err
+	}
+	if last := entries[n-1].Key; last != st.Key {
+		return fmt.Errorf("its last effect's key %q is not its stamp's %q: the stamp of a packed message is its last effect's", last, st.Key)
+	}
+	// The form the message writes its stamp and its mark in, which its
+	// effects take; its origin, which each of them carries.
+	_, compactStamp := headerGet(m.header, leasehold.HeaderStamp)
+	markForm := leasehold.StampLegacy
+	if _, ok := headerGet(m.header, leasehold.HeaderMark); ok {
+		markForm = leasehold.StampCompact
+	}
+	origin := headerValues(m.header, leasehold.HeaderOrigin)
+	plain := leasehold.JobMark{Job: mark.Job, Attempt: mark.Attempt}
+	var plainCompact string
+	if markForm == leasehold.StampCompact {
+		plainCompact = plain.Compact()
+	}
+	msgs := make([]logMsg, n)
+	p.effects = make([]unpackedEffect, n)
+	for i := range entries {
+		e := &entries[i]
+		h := make(nats.Header, len(e.Header)+4)
+		for k, vs := range e.Header {
+			h[k] = vs
+		}
+		if origin != nil {
+			deleteFold(h, leasehold.HeaderOrigin)
+			h[leasehold.HeaderOrigin] = origin
+		}
+		est := st
+		est.Key = e.Key
+		if compactStamp {
+			// The entry's headers hold no stamp header (Unpack refuses
+			// them): the compact stamp is written without a search.
+			h[leasehold.HeaderStamp] = []string{est.Compact()}
+		} else {
+			est.SetHeader(h)
+		}
+		em := plain
+		if i == n-1 {
+			em = mark
+		}
+		switch {
+		case markForm == leasehold.StampLegacy:
+			em.SetHeaderAs(h, leasehold.StampLegacy)
+		case i == n-1:
+			h[leasehold.HeaderMark] = []string{mark.Compact()}
+		default:
+			h[leasehold.HeaderMark] = []string{plainCompact}
+		}
+		msgs[i] = logMsg{seq: m.seq, subject: m.subject, header: h, data: e.Data}
+		p.effects[i] = unpackedEffect{m: &msgs[i], stamp: est, mark: em}
+	}
+	// The message is acked, or terminated, once: with its last effect.
+	msgs[n-1].msg = m.msg
+	return nil
+}
+
+// headerValues returns every value of name, matched without regard to
+// case, or nil.
+func headerValues(h nats.Header, name string) []string {
+	var out []string
+	for k, vs := range h {
+		if len(k) == len(name) && strings.EqualFold(k, name) {
+			out = append(out, vs...)
+		}
+	}
+	return out
+}
+
+// deleteFold deletes name from h in every spelling.
+func deleteFold(h nats.Header, name string) {
+	for k := range h {
+		if len(k) == len(name) && strings.EqualFold(k, name) {
+			delete(h, k)
+		}
+	}
+}
