@@ -339,15 +339,6 @@ func TestActionsInChromium(t *testing.T) {
 	}
 }
 
-func sleepCtx(ctx context.Context, d time.Duration) error {
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-time.After(d):
-		return nil
-	}
-}
-
 // The actions over HTTP, as a program or an attacker sends them: off
 // unless configured; 401 without the token, 403 from another origin or
 // without the CSRF token, 400 for bad input, 415 for what is not JSON; a
@@ -503,23 +494,13 @@ func TestActionsOverHTTP(t *testing.T) {
 		t.Fatalf("the replayed dead letter is still there: %v", err)
 	}
 	// The actions are events, with who did them and how they went.
-	for {
-		var st State
-		_, body := get(t, url+"status.json")
-		if err := json.Unmarshal([]byte(body), &st); err != nil {
-			t.Fatal(err)
-		}
+	waitState(t, ctx, url, "the actions as events", func(st State) bool {
 		// The replay of a missing dead letter got past the checks: it
 		// is an action that failed.
-		if len(st.Actions) == 3 && st.Actions[0].Actor == "token holder" && st.Actions[0].Action == ActionReplay && st.Actions[0].Target == fmt.Sprintf("shop-sink-dlq %d", ack.Sequence) &&
+		return len(st.Actions) == 3 && st.Actions[0].Actor == "token holder" && st.Actions[0].Action == ActionReplay && st.Actions[0].Target == fmt.Sprintf("shop-sink-dlq %d", ack.Sequence) &&
 			st.Actions[1].Action == ActionPurge && !st.Actions[0].Failed && !st.Actions[1].Failed &&
-			st.Actions[2].Failed && st.Actions[2].Target == fmt.Sprintf("shop-dlq %d", seq+1000) && strings.Contains(st.Actions[2].Result, "no dead letter at sequence") {
-			break
-		}
-		if err := sleepCtx(ctx, 50*time.Millisecond); err != nil {
-			t.Fatalf("the actions as events: %+v", st.Actions)
-		}
-	}
+			st.Actions[2].Failed && st.Actions[2].Target == fmt.Sprintf("shop-dlq %d", seq+1000) && strings.Contains(st.Actions[2].Result, "no dead letter at sequence")
+	})
 
 	// Behind a proxy: the user is the header's, and only with it.
 	p := newActionsEnv(t, ctx, ActionsConfig{IdentityHeader: "X-Forwarded-User"})

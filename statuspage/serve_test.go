@@ -2,12 +2,9 @@ package statuspage
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net"
-	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -18,17 +15,6 @@ import (
 	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
-
-func get(t *testing.T, url string) (int, string) {
-	t.Helper()
-	resp, err := http.Get(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return resp.StatusCode, string(b)
-}
 
 // One call gives a program of its own what the command has: a write its
 // sink refused reaches the page through the observer Serve hands out;
@@ -59,32 +45,12 @@ func TestServeGivesAProgramThePage(t *testing.T) {
 
 	// A zombie's write, refused by a sink built with the page's observer.
 	mem := sink.NewMemory(sink.MemoryConfig{Observer: p.SinkObserver(), Telemetry: p.Telemetry()})
-	stamp := func(e leasehold.Epoch, w string) leasehold.Stamp {
-		return leasehold.Stamp{Scope: "shop", Partition: 2, Epoch: e, Acquisition: fmt.Sprint("a", e), Key: fmt.Sprint("k", e), Worker: w}
-	}
-	if err := mem.Apply(ctx, sink.Effect{Subject: "x", Stamp: stamp(20, "w2"), Data: []byte("new")}); err != nil {
-		t.Fatal(err)
-	}
-	if err := mem.Apply(ctx, sink.Effect{Subject: "x", Stamp: stamp(10, "zombie"), Data: []byte("old")}); !errors.Is(err, leasehold.ErrStaleEpoch) {
-		t.Fatalf("the zombie's write: %v, want refused", err)
-	}
-	for {
-		_, body := get(t, p.URL()+"status.json")
-		var st State
-		if err := json.Unmarshal([]byte(body), &st); err != nil {
-			t.Fatal(err)
-		}
-		if len(st.Refusals) == 1 && st.Refusals[0].Worker == "zombie" && st.Refusals[0].Source == "shop-1" && st.Refusals[0].Max == 20 {
-			if st.ServedBy != "shop-1" || len(st.Errors) != 0 {
-				t.Errorf("served by %q, errors %q", st.ServedBy, st.Errors)
-			}
-			break
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("the refusal never reached the page: %s", body)
-		case <-time.After(100 * time.Millisecond):
-		}
+	refuseAZombie(t, ctx, mem, "shop", 2)
+	st := waitState(t, ctx, p.URL(), "the refusal", func(st State) bool {
+		return len(st.Refusals) == 1 && st.Refusals[0].Worker == "zombie" && st.Refusals[0].Source == "shop-1" && st.Refusals[0].Max == 20
+	})
+	if st.ServedBy != "shop-1" || len(st.Errors) != 0 {
+		t.Errorf("served by %q, errors %q", st.ServedBy, st.Errors)
 	}
 
 	if code, body := get(t, p.URL()+"metrics"); code != 200 || !strings.Contains(body, "leasehold_sink_effects_total") {
@@ -199,31 +165,11 @@ func TestProvisionJobsCreatesTheEventsStream(t *testing.T) {
 	}
 	defer p.Close()
 	mem := sink.NewMemory(sink.MemoryConfig{Observer: p.SinkObserver()})
-	stamp := func(e leasehold.Epoch, w string) leasehold.Stamp {
-		return leasehold.Stamp{Scope: "mine", Partition: 1, Epoch: e, Acquisition: fmt.Sprint("a", e), Key: fmt.Sprint("k", e), Worker: w}
-	}
-	if err := mem.Apply(ctx, sink.Effect{Subject: "x", Stamp: stamp(20, "w2"), Data: []byte("new")}); err != nil {
-		t.Fatal(err)
-	}
-	if err := mem.Apply(ctx, sink.Effect{Subject: "x", Stamp: stamp(10, "zombie"), Data: []byte("old")}); !errors.Is(err, leasehold.ErrStaleEpoch) {
-		t.Fatalf("the zombie's write: %v, want refused", err)
-	}
-	for {
-		_, body := get(t, p.URL()+"status.json")
-		var st State
-		if err := json.Unmarshal([]byte(body), &st); err != nil {
-			t.Fatal(err)
-		}
-		if len(st.Refusals) == 1 && st.Refusals[0].Worker == "zombie" {
-			if len(st.Errors) != 0 {
-				t.Errorf("the page says: %q", st.Errors)
-			}
-			return
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("the refusal never reached the page: %s", body)
-		case <-time.After(100 * time.Millisecond):
-		}
+	refuseAZombie(t, ctx, mem, "mine", 1)
+	st := waitState(t, ctx, p.URL(), "the refusal", func(st State) bool {
+		return len(st.Refusals) == 1 && st.Refusals[0].Worker == "zombie"
+	})
+	if len(st.Errors) != 0 {
+		t.Errorf("the page says: %q", st.Errors)
 	}
 }

@@ -136,12 +136,7 @@ func TestPublisherDropsRatherThanWaits(t *testing.T) {
 // own script.
 func TestPublishedEventsReachTheEventStream(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	if _, err := ProvisionEvents(ctx, js, "leasehold", 1); err != nil {
-		t.Fatal(err)
-	}
+	js, _, ctx := withEvents(t)
 	p := NewPublisher(PublisherConfig{JetStream: js, Prefix: "leasehold", Source: "sink\x00" + strings.Repeat("é", 300)})
 	p.Publish(Event{Kind: KindRefused, Scope: "orders", Worker: "zombie\n", Epoch: 1, Max: 2, Outcome: "stale"})
 	p.Close()
@@ -196,13 +191,7 @@ func TestPublishedEventsReachTheEventStream(t *testing.T) {
 // nothing: no lease bucket, no consumer on the events stream.
 func TestIdlePageReadsNothing(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	stream, err := ProvisionEvents(ctx, js, "leasehold", 1)
-	if err != nil {
-		t.Fatal(err)
-	}
+	js, stream, ctx := withEvents(t)
 	srv := New(Config{JetStream: js, Prefix: "leasehold", Refresh: 20 * time.Millisecond})
 	rctx, stop := context.WithCancel(ctx)
 	done := make(chan struct{})
@@ -248,12 +237,7 @@ func TestIdlePageReadsNothing(t *testing.T) {
 // of the lock's scope, and the page lists the lock with its holder.
 func TestLockHandOffShows(t *testing.T) {
 	t.Parallel()
-	js := natstest.Start(t).JetStream(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	if _, err := ProvisionEvents(ctx, js, "leasehold", 1); err != nil {
-		t.Fatal(err)
-	}
+	js, _, ctx := withEvents(t)
 	b, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{MarkerTTL: time.Second})
 	if err != nil {
 		t.Fatal(err)
