@@ -125,15 +125,13 @@ func TestAttackReceiverStallsTheRelay(t *testing.T) {
 			}
 		}
 	}
-	sc := &script{tries: map[string]int{}, auth: map[string]string{}, answers: map[string][]func(http.ResponseWriter, *http.Request){
+	sc, srv := serveScript(t, map[string][]func(http.ResponseWriter, *http.Request){
 		"k429years": {status(429, "", "Retry-After", "999999999"), status(200, "")},
 		"k429date":  {status(429, "", "Retry-After", "Fri, 31 Dec 9999 23:59:59 GMT"), status(200, "")},
 		"k503date":  {status(503, "", "Retry-After", "Fri, 31 Dec 9999 23:59:59 GMT"), status(200, "")},
 		"k429junk":  {status(429, "", "Retry-After", "soon, maybe"), status(200, "")},
 		"kdrip":     {drip},
-	}}
-	srv := httptest.NewServer(sc)
-	defer srv.Close()
+	})
 	e.barrier(1)
 	var last uint64
 	keys := []string{"k429years", "k429date", "k503date", "k429junk", "kdrip"}

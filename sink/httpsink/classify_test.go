@@ -3,7 +3,6 @@ package httpsink_test
 import (
 	"bytes"
 	"context"
-	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -16,53 +15,6 @@ import (
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink/httpsink"
 )
-
-// script answers each effect key's requests from a list of answers, the
-// last repeated; it counts the requests.
-type script struct {
-	mu      sync.Mutex
-	answers map[string][]func(w http.ResponseWriter, r *http.Request)
-	tries   map[string]int
-	auth    map[string]string
-}
-
-func (s *script) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	k := r.Header.Get(leasehold.HeaderKey)
-	s.mu.Lock()
-	s.tries[k]++
-	n := s.tries[k]
-	s.auth[k] = r.Header.Get("Authorization")
-	as := s.answers[k]
-	s.mu.Unlock()
-	if len(as) == 0 {
-		w.WriteHeader(http.StatusOK)
-		return
-	}
-	as[min(n, len(as))-1](w, r)
-}
-
-func (s *script) count(k string) int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.tries[k]
-}
-
-func status(code int, body string, header ...string) func(w http.ResponseWriter, r *http.Request) {
-	return func(w http.ResponseWriter, r *http.Request) {
-		for i := 0; i+1 < len(header); i += 2 {
-			w.Header().Set(header[i], header[i+1])
-		}
-		w.WriteHeader(code)
-		_, _ = w.Write([]byte(body))
-	}
-}
-
-// hang answers nothing until the client gives up.
-func hang(w http.ResponseWriter, r *http.Request) {
-	// The server notices a closed connection once the body is read.
-	_, _ = io.Copy(io.Discard, r.Body)
-	<-r.Context().Done()
-}
 
 // Each answer is classified: 5xx, 408, 429 (with its Retry-After) and
 // 409 (a Verifier's in-progress answer, or a receiver's own) are retried
@@ -81,7 +33,7 @@ func TestClassification(t *testing.T) {
 	defer other.Close()
 	inProgress := `{"error":"in_progress","partition":0,"key":"k409busy","message":"a request with this Idempotency-Key is being handled; try again"}`
 	long := strings.Repeat("x", 10000) + "THE-END"
-	sc := &script{tries: map[string]int{}, auth: map[string]string{}, answers: map[string][]func(http.ResponseWriter, *http.Request){
+	sc, srv := serveScript(t, map[string][]func(http.ResponseWriter, *http.Request){
 		"k500":      {status(500, long)},
 		"k503":      {status(503, "busy"), status(503, "busy"), status(200, "")},
 		"k408":      {status(408, ""), status(200, "")},
@@ -92,9 +44,7 @@ func TestClassification(t *testing.T) {
 		"k400":      {status(400, "bad payload")},
 		"k404":      {status(404, "no such hook")},
 		"k301":      {status(301, "", "Location", other.URL+"/elsewhere")},
-	}}
-	srv := httptest.NewServer(sc)
-	defer srv.Close()
+	})
 	retried := map[string]int{"k503": 3, "k408": 2, "k429": 2, "k409busy": 2, "k409plain": 2}
 	atOnce := []string{"k400", "k404", "k301"}
 	exhausted := []string{"k500", "k409ever"}
@@ -161,11 +111,9 @@ func TestClassificationTimeout(t *testing.T) {
 	t.Run("for ever", func(t *testing.T) {
 		t.Parallel()
 		e := newEnv(t, "timeoutever")
-		sc := &script{tries: map[string]int{}, auth: map[string]string{}, answers: map[string][]func(http.ResponseWriter, *http.Request){
+		sc, srv := serveScript(t, map[string][]func(http.ResponseWriter, *http.Request){
 			"kslowever": {hang},
-		}}
-		srv := httptest.NewServer(sc)
-		defer srv.Close()
+		})
 		e.barrier(1)
 		last := e.publish("hook", e.stamp(1, "kslowever"), []byte(`{}`), nil)
 		rcfg := e.runnerConfig()
@@ -190,11 +138,9 @@ func TestClassificationTimeout(t *testing.T) {
 		t.Parallel()
 		e := newEnv(t, "timeoutonce")
 		gaveUp := make(chan struct{})
-		sc := &script{tries: map[string]int{}, auth: map[string]string{}, answers: map[string][]func(http.ResponseWriter, *http.Request){
+		sc, srv := serveScript(t, map[string][]func(http.ResponseWriter, *http.Request){
 			"kslow": {func(w http.ResponseWriter, r *http.Request) { hang(w, r); close(gaveUp) }, status(200, "")},
-		}}
-		srv := httptest.NewServer(sc)
-		defer srv.Close()
+		})
 		e.barrier(1)
 		last := e.publish("hook", e.stamp(1, "kslow"), []byte(`{}`), nil)
 		rcfg := e.runnerConfig()
@@ -221,7 +167,7 @@ func TestClassificationTimeout(t *testing.T) {
 func TestCredentialsNeverShown(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, "secrets")
-	sc := &script{tries: map[string]int{}, auth: map[string]string{}, answers: map[string][]func(http.ResponseWriter, *http.Request){
+	sc, srv := serveScript(t, map[string][]func(http.ResponseWriter, *http.Request){
 		"k500": {status(500, "oops")},
 		"k401": {status(401, "who are you")},
 		"kcut": {func(w http.ResponseWriter, r *http.Request) {
@@ -230,9 +176,7 @@ func TestCredentialsNeverShown(t *testing.T) {
 				conn.Close()
 			}
 		}},
-	}}
-	srv := httptest.NewServer(sc)
-	defer srv.Close()
+	})
 	u, _ := url.Parse(srv.URL)
 	secrets := []string{"s3cr3t-bearer", "pa55word", "T0KENPATH", "QSECRET"}
 	endpoint := "http://hook-user:pa55word@" + u.Host + "/hooks/T0KENPATH?sig=QSECRET"

@@ -319,3 +319,60 @@ func (rc *receiver) waitCalls(t testing.TB, want map[string]int) {
 func effect(st leasehold.Stamp, subject string, data string) sink.Effect {
 	return sink.Effect{Stamp: st, Subject: subject, Data: []byte(data)}
 }
+
+// script answers each effect key's requests from a list of answers, the
+// last repeated; it counts the requests.
+type script struct {
+	mu      sync.Mutex
+	answers map[string][]func(w http.ResponseWriter, r *http.Request)
+	tries   map[string]int
+	auth    map[string]string
+}
+
+func (s *script) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	k := r.Header.Get(leasehold.HeaderKey)
+	s.mu.Lock()
+	s.tries[k]++
+	n := s.tries[k]
+	s.auth[k] = r.Header.Get("Authorization")
+	as := s.answers[k]
+	s.mu.Unlock()
+	if len(as) == 0 {
+		w.WriteHeader(http.StatusOK)
+		return
+	}
+	as[min(n, len(as))-1](w, r)
+}
+
+func (s *script) count(k string) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.tries[k]
+}
+
+func status(code int, body string, header ...string) func(w http.ResponseWriter, r *http.Request) {
+	return func(w http.ResponseWriter, r *http.Request) {
+		for i := 0; i+1 < len(header); i += 2 {
+			w.Header().Set(header[i], header[i+1])
+		}
+		w.WriteHeader(code)
+		_, _ = w.Write([]byte(body))
+	}
+}
+
+// hang answers nothing until the client gives up.
+func hang(w http.ResponseWriter, r *http.Request) {
+	// The server notices a closed connection once the body is read.
+	_, _ = io.Copy(io.Discard, r.Body)
+	<-r.Context().Done()
+}
+
+// serveScript serves a script of answers, by effect key, until the test
+// ends.
+func serveScript(t *testing.T, answers map[string][]func(http.ResponseWriter, *http.Request)) (*script, *httptest.Server) {
+	t.Helper()
+	sc := &script{tries: map[string]int{}, auth: map[string]string{}, answers: answers}
+	srv := httptest.NewServer(sc)
+	t.Cleanup(srv.Close)
+	return sc, srv
+}
