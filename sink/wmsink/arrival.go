@@ -68,19 +68,7 @@ func (f *Fencer) judgeArrivalLocked(ctx context.Context, st leasehold.Stamp) (ju
 	if full {
 		return judgement{unverified: fmt.Errorf("%w: %d fences kept, fence %s would be one more", ErrFenceLimit, MaxFences, id)}, nil
 	}
-	v, raise := leasehold.Judge(fs, st)
-	j := judgement{v: v, raise: raise, fence: fs}
-	if v != leasehold.Admit || !raise {
-		return j, nil
-	}
-	if err := f.check.Check(ctx, st); err != nil {
-		if errors.Is(err, sink.ErrUnverifiedEpoch) {
-			j.unverified = err
-			return j, nil
-		}
-		return j, err
-	}
-	return j, nil
+	return f.judgeChecked(ctx, fs, st)
 }
 
 // Fence runs apply if the stamp in metadata md is admitted in arrival

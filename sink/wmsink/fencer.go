@@ -277,6 +277,26 @@ type judgement struct {
 	unverified error                // the epoch was never issued: refused
 }
 
+// judgeChecked judges st against fs and, where st would raise the fence,
+// asks the Config's Verifier whether its acquisition was issued: an epoch
+// that never was is refused as unverified, and a check that cannot answer
+// is an error.
+func (f *Fencer) judgeChecked(ctx context.Context, fs leasehold.FenceState, st leasehold.Stamp) (judgement, error) {
+	v, raise := leasehold.Judge(fs, st)
+	j := judgement{v: v, raise: raise, fence: fs}
+	if v != leasehold.Admit || !raise {
+		return j, nil
+	}
+	if err := f.check.Check(ctx, st); err != nil {
+		if errors.Is(err, sink.ErrUnverifiedEpoch) {
+			j.unverified = err
+			return j, nil
+		}
+		return j, err
+	}
+	return j, nil
+}
+
 // decide judges one delivery of msg, reporting every outcome but an
 // admitted effect's, which is reported once its handler has run.
 func (f *Fencer) decide(msg *message.Message) decision {

@@ -172,16 +172,8 @@ func (f *Fencer) fold(ctx context.Context, l *logState, seq uint64, st leasehold
 	if err != nil {
 		return judgement{}, err
 	}
-	v, raise := leasehold.Judge(fs, st)
-	j := judgement{v: v, raise: raise, fence: fs}
-	if v != leasehold.Admit || !raise {
-		return j, nil
-	}
-	if err := f.check.Check(ctx, st); err != nil {
-		if errors.Is(err, sink.ErrUnverifiedEpoch) {
-			j.unverified = err
-			return j, nil
-		}
+	j, err := f.judgeChecked(ctx, fs, st)
+	if err != nil || j.unverified != nil || j.v != leasehold.Admit || !j.raise {
 		return j, err
 	}
 	if err := l.add(id, rise{at: seq, FenceState: leasehold.FenceState{Epoch: st.Epoch, Acquisition: st.Acquisition, Holder: st.Worker}}); err != nil {
