@@ -182,6 +182,24 @@ type Config struct {
 	// that reads the compact form, then switch (sinks first, then
 	// workers).
 	StampFormat leasehold.StampFormat
+	// PackEffects sends the effects an attempt emits on one subject as
+	// one message: the worker holds them all until the handler returns,
+	// and sends them packed (leasehold.HeaderPack), under the stamp of the
+	// last and marked as the attempt's final there, so that a stream sink
+	// fetches, decides and acknowledges one message for the job where it
+	// did one per effect. Jobs of many effects run at up to the pace of
+	// jobs of one; a job of one effect on a subject sends it as it does
+	// without packing. Effects that would not fit in one message (the
+	// server's max payload) leave in several. Only with StampCompact, and
+	// each effect's header names must be header field names (RFC 9110
+	// tokens); the server's Nats- headers a caller adds (EmitHeader) are
+	// dropped from a packed effect.
+	//
+	// Off by default: a sink runner of a release before it takes a packed
+	// message for one effect. Upgrade every sink runner that reads the
+	// effects first, then turn it on in the workers. Workers with it on
+	// and off may run side by side.
+	PackEffects bool
 
 	// Propagator injects trace context into effects and extracts it from
 	// jobs. Default otel.GetTextMapPropagator(). Telemetry.Propagator, when
@@ -329,6 +347,9 @@ func (c Config) Validate() error {
 	}
 	if err := c.StampFormat.Validate(); err != nil {
 		errs = append(errs, err)
+	}
+	if c.PackEffects && c.StampFormat == leasehold.StampLegacy {
+		errs = append(errs, errors.New("PackEffects with StampLegacy: packed effects carry the compact stamp, as every sink that reads them does; use StampCompact (upgrade sinks first, then switch workers to the compact stamp, then to packing)"))
 	}
 	for i, f := range c.Fences {
 		if f == nil {

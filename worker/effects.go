@@ -59,7 +59,9 @@ func (e *EffectError) Unwrap() error { return e.Err }
 // returns nil, that effect leaves marked final, so that a stream sink
 // applies the job's effects on the subject all together; if the attempt
 // fails, it never leaves, and the ones that did are closed by an abort
-// marker (see output.go). A job of one effect sends one message.
+// marker (see output.go). A job of one effect sends one message. With
+// Config.PackEffects, every effect of the attempt on a subject is held,
+// and they leave together, packed in one message (leasehold.HeaderPack).
 func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...EmitOption) error {
 	var extra nats.Header
 	if len(opts) > 0 {
@@ -83,32 +85,47 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 		// The stamp's and the job mark's headers, in either form and any
 		// spelling, are the worker's alone: a caller's copy beside the
 		// worker's would make the effect malformed (two forms, or two
-		// values), refused by every sink.
-		if !leasehold.IsStampHeader(k) {
+		// values), refused by every sink. So is HeaderPack: a sink would
+		// read the effect's data as packed effects, and refuse it.
+		if !leasehold.IsStampHeader(k) && !isPackName(k) {
 			msg.Header[k] = vs
 		}
 	}
 	sctx, span := j.r.startEffect(ctx, subject, stamp)
-	j.r.stampHeader(sctx, msg.Header, stamp, j.nonce)
+	j.r.w.tel.Propagator.Inject(sctx, telemetry.HeaderCarrier(msg.Header))
+	// What the effect adds to a packed body, measured while its headers
+	// are its own: trace context and the caller's.
+	var size int
+	if j.r.w.cfg.PackEffects {
+		if err := packableHeader(msg.Header); err != nil {
+			err = Permanent(&EffectError{Subject: subject, Key: stamp.Key, Err: err})
+			endSpan(span, err)
+			j.fail(err)
+			return err
+		}
+		size = leasehold.PackedSize(leasehold.PackedEffect{Key: stamp.Key, Header: msg.Header, Data: data})
+	}
+	j.r.setStamp(msg.Header, stamp, j.nonce)
 	leasehold.JobMark{Job: j.Seq, Attempt: j.wire}.SetHeaderAs(msg.Header, j.r.w.cfg.StampFormat)
-	if org := j.Origin(); org != leasehold.OriginOf(j.Lease.Scope, j.Partition, j.Seq) {
+	if j.replayed() {
 		// A job stored again (a replay) emits its origin's keys: the
 		// origin tells a sink whose keys they are.
-		org.SetHeader(msg.Header)
+		j.Origin().SetHeader(msg.Header)
 	}
 	// Sized as the final it may become: the final's headers are the
 	// largest.
-	if err := j.r.checkEffect(msg, j.r.finalRoom(j.Seq)); err != nil {
+	room := j.r.finalRoom(j.Seq)
+	if err := j.r.checkEffect(msg, room); err != nil {
 		err = &EffectError{Subject: subject, Key: stamp.Key, Err: err}
 		endSpan(span, err)
 		j.fail(err)
 		return err
 	}
-	// The subject's effect held so far is not its last: it goes now, and
+	// What the subject held so far and may no longer hold goes now, and
 	// this one is held until the handler returns (see output.go).
-	prev, err := j.hold(msg)
-	if err == nil && prev != nil {
-		err = j.send(ctx, prev)
+	rest, prev, err := j.hold(heldEffect{msg: msg, key: stamp.Key, size: size}, room)
+	if err == nil && prev.msg != nil {
+		err = j.sendHeld(ctx, rest, prev, leasehold.JobMark{Job: j.Seq, Attempt: j.wire})
 	}
 	if err != nil {
 		endSpan(span, err)
@@ -186,6 +203,11 @@ func (j *Job) Apply(ctx context.Context, s sink.Sink, subject string, data []byt
 // SetHeader writes the form of the stamp it finds).
 func (r *runner) stampHeader(ctx context.Context, h nats.Header, s leasehold.Stamp, nonce string) {
 	r.w.tel.Propagator.Inject(ctx, telemetry.HeaderCarrier(h))
+	r.setStamp(h, s, nonce)
+}
+
+// setStamp is stampHeader without the trace context.
+func (r *runner) setStamp(h nats.Header, s leasehold.Stamp, nonce string) {
 	s.SetHeaderAs(h, r.w.cfg.StampFormat)
 	h[jetstream.MsgIDHeader] = []string{MessageID(s, nonce)}
 }

@@ -24,7 +24,8 @@ import (
 // When the attempt fails, an abort marker closes each subject it already
 // published on; the held effects never leave. A job with one effect per
 // subject sends exactly what it did before the protocol: its one effect,
-// marked final.
+// marked final. With Config.PackEffects, all of an attempt's effects on a
+// subject are held, and leave packed in its final (see pack.go).
 //
 // Effects written through Job.Apply and Job.NextStamp, and messages
 // stamped by hand, carry no job: they apply on their own.
@@ -32,9 +33,21 @@ import (
 // subjectOutput is what one attempt emitted on one subject.
 type subjectOutput struct {
 	subject string
-	held    *nats.Msg // the latest effect, not sent yet
-	count   int       // effects emitted, the held one included
-	sent    bool      // at least one left
+	held    heldEffect // the latest effect, not sent yet
+	// With Config.PackEffects, the effects held before the latest, in the
+	// order they were held (see pack.go), and what all the held ones add
+	// to a packed body at the most.
+	packed []heldEffect
+	bytes  int
+	count  int  // effects emitted, the held ones included
+	sent   bool // at least one left
+}
+
+// heldEffect is an effect held back until the handler returns.
+type heldEffect struct {
+	msg  *nats.Msg // nil: none
+	key  string    // its idempotency key
+	size int       // its entry in a packed body, at the most (with Config.PackEffects)
 }
 
 // indexOutputs is how many subjects an attempt uses before they are found
@@ -76,47 +89,80 @@ func (j *Job) addOutput(subject string) *subjectOutput {
 	return &j.outs[len(j.outs)-1]
 }
 
-// hold makes msg the subject's held effect and returns the one it
-// replaces, to be sent now.
-func (j *Job) hold(msg *nats.Msg) (*nats.Msg, error) {
+// hold makes e the subject's held effect, and returns what may no longer
+// be held, to be sent now as one message (sendHeld): the effect e
+// replaces, and with Config.PackEffects, the ones held before it, when a
+// packed message of them all and e would be too large or hold too many
+// (see pack.go). room is what marking e final adds to its headers.
+func (j *Job) hold(e heldEffect, room int) ([]heldEffect, heldEffect, error) {
 	j.mu.Lock()
 	defer j.mu.Unlock()
 	if err := j.usable(); err != nil {
-		return nil, err
+		return nil, heldEffect{}, err
 	}
-	o := j.output(msg.Subject)
+	o := j.output(e.msg.Subject)
 	if o == nil {
-		o = j.addOutput(msg.Subject)
+		o = j.addOutput(e.msg.Subject)
 	}
 	if o.count >= leasehold.MaxJobEffects {
-		return nil, Permanent(&EffectError{Subject: msg.Subject, Key: effectKey(msg),
+		return nil, heldEffect{}, Permanent(&EffectError{Subject: e.msg.Subject, Key: e.key,
 			Err: fmt.Errorf("the attempt emitted %d effects on this subject, the most a job may (leasehold.MaxJobEffects): split the work into more jobs", o.count)})
 	}
+	o.count++
 	prev := o.held
-	o.held, o.count = msg, o.count+1
-	return prev, nil
+	o.held = e
+	if prev.msg == nil || !j.r.w.cfg.PackEffects {
+		o.bytes = e.size
+		return nil, prev, nil
+	}
+	if j.r.packFits(o, e, room) {
+		if o.packed == nil {
+			o.packed = make([]heldEffect, 0, 4)
+		}
+		o.packed = append(o.packed, prev)
+		o.bytes += e.size
+		return nil, heldEffect{}, nil
+	}
+	rest := o.packed
+	o.packed, o.bytes = nil, e.size
+	return rest, prev, nil
+}
+
+// sendHeld sends held effects as one message: last alone when rest is
+// empty, else rest and last packed, in that order; with mark, the job
+// mark of last, when it is the attempt's final.
+func (j *Job) sendHeld(ctx context.Context, rest []heldEffect, last heldEffect, mark leasehold.JobMark) error {
+	msg := last.msg
+	switch {
+	case len(rest) > 0:
+		msg = j.pack(rest, last)
+		mark.SetHeader(msg.Header)
+	case mark.Final():
+		mark.SetHeader(msg.Header)
+	}
+	return j.send(ctx, msg)
 }
 
 // finish sends, once the handler has returned nil, each subject's held
-// effect marked as the attempt's final, and returns the publishes to wait
-// for. after holds, per subject, the last job of this lease that completed
-// with effects there; finish records j in it and remembers what it
-// replaced, for a rewind to restore. A runner with several jobs in flight
-// marks each final with its watermark floor (leasehold.HeaderFloor). The
-// runner's goroutine alone calls it.
+// effects as the attempt's final (packed, with Config.PackEffects, when
+// there are several), and returns the publishes to wait for. after holds,
+// per subject, the last job of this lease that completed with effects
+// there; finish records j in it and remembers what it replaced, for a
+// rewind to restore. A runner with several jobs in flight marks each
+// final with its watermark floor (leasehold.HeaderFloor). The runner's
+// goroutine alone calls it.
 func (j *Job) finish(ctx context.Context, after map[string]uint64, floored bool, floor uint64) ([]jetstream.PubAckFuture, []afterUndo, error) {
 	var undo []afterUndo
 	// The attempt is closed: no subject is added while this runs.
 	for i := range j.outs {
 		o := &j.outs[i]
-		subject, msg := o.subject, o.held
-		o.held = nil
+		subject, last, rest := o.subject, o.held, o.packed
+		o.held, o.packed = heldEffect{}, nil
 		mark := leasehold.JobMark{Job: j.Seq, Attempt: j.wire, Effects: o.count, After: after[subject]}
 		if floored {
 			mark.Floor, mark.Floored = floor, true
 		}
-		mark.SetHeader(msg.Header)
-		if err := j.send(ctx, msg); err != nil {
+		if err := j.sendHeld(ctx, rest, last, mark); err != nil {
 			j.fail(err)
 			return nil, undo, err
 		}
