@@ -64,7 +64,7 @@ func (r *Runner) decideLog(ctx context.Context, w *work, m *logMsg, outs *[]outc
 	}
 	for i := range p.effects {
 		e := &p.effects[i]
-		o, err := r.decideStamped(ctx, w, e.m, e.stamp, false, &e.mark, outs)
+		o, err := r.decideStamped(ctx, w, &e.m, e.stamp, false, &e.mark, outs)
 		if err != nil {
 			return err
 		}
@@ -82,7 +82,7 @@ type unpacked struct {
 // unpackedEffect is one effect of a packed message, as the worker would
 // have sent it alone.
 type unpackedEffect struct {
-	m     *logMsg
+	m     logMsg
 	stamp leasehold.Stamp
 	mark  leasehold.JobMark
 }
@@ -121,58 +121,103 @@ func (p *unpacked) read(m *logMsg, n int) error {
 	if last := entries[n-1].Key; last != st.Key {
 		return fmt.Errorf("its last effect's key %q is not its stamp's %q: the stamp of a packed message is its last effect's", last, st.Key)
 	}
-	// The form the message writes its stamp and its mark in, which its
-	// effects take; its origin, which each of them carries.
-	_, compactStamp := headerGet(m.header, leasehold.HeaderStamp)
-	markForm := leasehold.StampLegacy
-	if _, ok := headerGet(m.header, leasehold.HeaderMark); ok {
-		markForm = leasehold.StampCompact
-	}
+	// The message's origin, which each of its effects carries.
 	origin := headerValues(m.header, leasehold.HeaderOrigin)
-	plain := leasehold.JobMark{Job: mark.Job, Attempt: mark.Attempt}
-	var plainCompact string
-	if markForm == leasehold.StampCompact {
-		plainCompact = plain.Compact()
-	}
-	msgs := make([]logMsg, n)
+	vals, stamps, marks := compact(m, entries, st, mark)
 	p.effects = make([]unpackedEffect, n)
+	plain := leasehold.JobMark{Job: mark.Job, Attempt: mark.Attempt}
 	for i := range entries {
 		e := &entries[i]
-		h := make(nats.Header, len(e.Header)+4)
-		for k, vs := range e.Header {
-			h[k] = vs
+		// The entry's header map is Unpack's, fresh: the effect's own.
+		h := nats.Header(e.Header)
+		if h == nil {
+			h = make(nats.Header, 3)
 		}
 		if origin != nil {
 			deleteFold(h, leasehold.HeaderOrigin)
 			h[leasehold.HeaderOrigin] = origin
 		}
-		est := st
-		est.Key = e.Key
-		if compactStamp {
-			// The entry's headers hold no stamp header (Unpack refuses
-			// them): the compact stamp is written without a search.
-			h[leasehold.HeaderStamp] = []string{est.Compact()}
-		} else {
-			est.SetHeader(h)
-		}
-		em := plain
+		u := &p.effects[i]
+		u.stamp, u.mark = st, plain
+		u.stamp.Key = e.Key
 		if i == n-1 {
-			em = mark
+			u.mark = mark
 		}
-		switch {
-		case markForm == leasehold.StampLegacy:
-			em.SetHeaderAs(h, leasehold.StampLegacy)
-		case i == n-1:
-			h[leasehold.HeaderMark] = []string{mark.Compact()}
-		default:
-			h[leasehold.HeaderMark] = []string{plainCompact}
+		// The entry's headers hold no stamp or mark header (Unpack
+		// refuses them): the compact ones are set without a search.
+		if stamps {
+			h[leasehold.HeaderStamp] = vals[i : i+1 : i+1]
+		} else {
+			u.stamp.SetHeader(h)
 		}
-		msgs[i] = logMsg{seq: m.seq, subject: m.subject, header: h, data: e.Data}
-		p.effects[i] = unpackedEffect{m: &msgs[i], stamp: est, mark: em}
+		if marks {
+			h[leasehold.HeaderMark] = vals[n+i : n+i+1 : n+i+1]
+		} else {
+			u.mark.SetHeaderAs(h, leasehold.StampLegacy)
+		}
+		u.m = logMsg{seq: m.seq, subject: m.subject, header: h, data: e.Data}
 	}
 	// The message is acked, or terminated, once: with its last effect.
-	msgs[n-1].msg = m.msg
+	p.effects[n-1].m.msg = m.msg
 	return nil
+}
+
+// compact returns the values of the compact stamp and mark headers of
+// the effects of packed message m, whose entries were read: vals[i] is
+// effect i's stamp, vals[n+i] its mark, each set only when m carries
+// that header in the compact form (the legacy form is written per
+// effect). The last effect's are m's own; the others' are parts of one
+// string.
+func compact(m *logMsg, entries []leasehold.PackedEffect, st leasehold.Stamp, mark leasehold.JobMark) (vals []string, stamps, marks bool) {
+	n := len(entries)
+	stampV, stamps := headerGet(m.header, leasehold.HeaderStamp)
+	markV, marks := headerGet(m.header, leasehold.HeaderMark)
+	if !stamps && !marks {
+		return nil, false, false
+	}
+	// A compact value that was read is the stamp's (the mark's) one
+	// spelling: the others' differ from it only in the key.
+	var head, tail string
+	if stamps {
+		// "1 <scope> <partition> <epoch> <acquisition> <key>[ <worker>]":
+		// the key starts after the fifth space.
+		at := 0
+		for range 5 {
+			at += strings.IndexByte(stampV[at:], ' ') + 1
+		}
+		head, tail = stampV[:at], stampV[at+len(st.Key):]
+	}
+	var plain string
+	if marks {
+		plain = leasehold.JobMark{Job: mark.Job, Attempt: mark.Attempt}.Compact()
+	}
+	vals = make([]string, 2*n)
+	if stamps {
+		size := 0
+		for i := range n - 1 {
+			size += len(head) + len(entries[i].Key) + len(tail)
+		}
+		var b strings.Builder
+		b.Grow(size)
+		for i := range n - 1 {
+			b.WriteString(head)
+			b.WriteString(entries[i].Key)
+			b.WriteString(tail)
+		}
+		all, from := b.String(), 0
+		for i := range n - 1 {
+			to := from + len(head) + len(entries[i].Key) + len(tail)
+			vals[i], from = all[from:to], to
+		}
+		vals[n-1] = stampV
+	}
+	if marks {
+		for i := range n - 1 {
+			vals[n+i] = plain
+		}
+		vals[2*n-1] = markV
+	}
+	return vals, stamps, marks
 }
 
 // headerValues returns every value of name, matched without regard to

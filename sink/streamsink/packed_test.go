@@ -372,3 +372,29 @@ func cloneHeader(h nats.Header) nats.Header {
 	}
 	return out
 }
+
+// A replayed job's effects carry the keys of its origin: a packed
+// message's leasehold.HeaderOrigin goes on each of its effects, which
+// apply as they would alone, not set aside for keys naming another job.
+func TestPackedReplayedJobCarriesOrigin(t *testing.T) {
+	js := natstest.Start(t).JetStream(t)
+	pl := newPackLog(t, js, "pkorig", leasehold.StampCompact)
+	r := start(t, js, pl.cfg)
+	org := leasehold.OriginOf("pkorig", 0, 7)
+	keys := []string{org.EffectKey(0), org.EffectKey(1), org.EffectKey(2)}
+	h, body := pl.packed(keys, "r1", leasehold.JobMark{Job: 50, Attempt: 1, Effects: 3})
+	org.SetHeader(h)
+	seq := pl.publish(h, body)
+	pl.wait(r, seq)
+	pl.want(map[string][]string{keys[0]: {"r1"}, keys[1]: {"r1"}, keys[2]: {"r1"}})
+	pl.mu.Lock()
+	defer pl.mu.Unlock()
+	if len(pl.calls) != 1 {
+		t.Fatalf("%d handler calls, want 1", len(pl.calls))
+	}
+	for _, e := range pl.calls[0] {
+		if o, ok, err := leasehold.OriginFromHeader(e.Header); !ok || err != nil || o != org {
+			t.Errorf("effect %s: origin %v, %v, %v; want %v", e.Stamp.Key, o, ok, err, org)
+		}
+	}
+}
