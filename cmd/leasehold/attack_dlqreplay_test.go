@@ -90,17 +90,7 @@ func TestAttackSinkDeadLetterReplayIsApplied(t *testing.T) {
 	out := mustRun(t, ctx, "dlq", "replay", "--all", "--sink", "--nats", s.URL(), "--prefix", prefix)
 	t.Logf("dlq replay --all --sink:\n%s", out)
 	wantIn(t, "replay", out, "1 replayed")
-	es, err := js.Stream(ctx, worker.EffectsStream(prefix))
-	if err != nil {
-		t.Fatal(err)
-	}
-	info, err := es.Info(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := r.WaitPosition(ctx, info.State.LastSeq); err != nil {
-		t.Fatal(err)
-	}
+	waitSinkSettled(t, ctx, js, prefix, r)
 	mu.Lock()
 	n := applied[key]
 	mu.Unlock()

@@ -165,17 +165,18 @@ func (rw *replayWorld) startWorker(t *testing.T, id string, maxAttempts int, h w
 // settle waits until the runner has decided the whole effect log.
 func (rw *replayWorld) settle(t *testing.T, ctx context.Context) {
 	t.Helper()
-	es, err := rw.js.Stream(ctx, worker.EffectsStream(rw.prefix))
-	if err != nil {
-		t.Fatal(err)
-	}
-	info, err := es.Info(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := rw.runner.WaitPosition(ctx, info.State.LastSeq); err != nil {
-		t.Fatal(err)
-	}
+	waitSinkSettled(t, ctx, rw.js, rw.prefix, rw.runner)
+}
+
+// replayAtSink runs `leasehold dlq replay --all --sink`, wants its output
+// to say want (what names the run in a failure), and waits until the
+// runner has decided what the replay put in the effect log.
+func (rw *replayWorld) replayAtSink(t *testing.T, ctx context.Context, what, want string) {
+	t.Helper()
+	out := mustRun(t, ctx, "dlq", "replay", "--all", "--sink", "--nats", rw.url, "--prefix", rw.prefix)
+	t.Logf("dlq replay --all --sink:\n%s", out)
+	wantIn(t, what, out, want)
+	rw.settle(t, ctx)
 }
 
 // waitDecided waits until the runner has made a decision on key that
@@ -360,10 +361,7 @@ func TestAttackSinkReplayAfterHandOff(t *testing.T) {
 	prog2.wait(t, ctx, 0, marker.Seq)
 	rw.wantOnce(t, ctx, leasehold.EffectKey(rw.prefix, 0, marker.Seq, 0), "the new holder's job")
 
-	out := mustRun(t, ctx, "dlq", "replay", "--all", "--sink", "--nats", rw.url, "--prefix", rw.prefix)
-	t.Logf("dlq replay --all --sink:\n%s", out)
-	wantIn(t, "replay", out, fmt.Sprintf("%d replayed", n))
-	rw.settle(t, ctx)
+	rw.replayAtSink(t, ctx, "replay", fmt.Sprintf("%d replayed", n))
 	wctx, wcancel := context.WithTimeout(ctx, 10*time.Second)
 	defer wcancel()
 	for _, e := range jobs {
@@ -382,7 +380,7 @@ func TestAttackSinkReplayAfterHandOff(t *testing.T) {
 	}
 	// Nothing lost: every dead letter is back, with its error.
 	rw.sinkDeadLetters(t, wctx, n)
-	out = mustRun(t, ctx, "dlq", "list", "--sink", "--nats", rw.url, "--prefix", rw.prefix)
+	out := mustRun(t, ctx, "dlq", "list", "--sink", "--nats", rw.url, "--prefix", rw.prefix)
 	if c := strings.Count(out, "stale"); c < n {
 		t.Errorf("dlq list --sink names %d stale replays, want %d:\n%s", c, n, out)
 	}
@@ -418,18 +416,13 @@ func TestAttackSinkReplayOutOfOrderSameLease(t *testing.T) {
 	prog.wait(t, ctx, 0, jobs[n-1].Seq)
 	rw.sinkDeadLetters(t, ctx, n)
 	rw.refusing.Store(false)
-	out := mustRun(t, ctx, "dlq", "replay", "--all", "--sink", "--nats", rw.url, "--prefix", rw.prefix)
-	t.Logf("dlq replay --all --sink:\n%s", out)
-	wantIn(t, "replay", out, fmt.Sprintf("%d replayed", n))
-	rw.settle(t, ctx)
+	rw.replayAtSink(t, ctx, "replay", fmt.Sprintf("%d replayed", n))
 	wctx, wcancel := context.WithTimeout(ctx, 10*time.Second)
 	defer wcancel()
 	for _, e := range jobs {
 		rw.wantOnce(t, wctx, leasehold.EffectKey(rw.prefix, 0, e.Seq, 0), fmt.Sprintf("job %d, completed out of order, dead-lettered at the sink and replayed", e.Seq))
 	}
-	out = mustRun(t, ctx, "dlq", "replay", "--all", "--sink", "--nats", rw.url, "--prefix", rw.prefix)
-	wantIn(t, "second replay", out, "0 replayed")
-	rw.settle(t, ctx)
+	rw.replayAtSink(t, ctx, "second replay", "0 replayed")
 	for _, e := range jobs {
 		rw.wantOnce(t, wctx, leasehold.EffectKey(rw.prefix, 0, e.Seq, 0), "after a second replay")
 	}

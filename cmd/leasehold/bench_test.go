@@ -13,14 +13,8 @@ import (
 // started as a child), and checks that the rows are well formed. It
 // asserts no timings: the machine is shared and noisy.
 func TestBenchQuickJSON(t *testing.T) {
-	t.Parallel()
-	defer oneFleet(t)()
-	if testing.Short() {
-		t.Skip("starts worker processes and a NATS server")
-	}
 	skipUnderRace(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-	defer cancel()
+	ctx := fleetTest(t, "starts worker processes and a NATS server", 10*time.Minute)
 	out, err := run(t, ctx, "bench", "--quick", "--json")
 	if err != nil {
 		t.Fatalf("bench --quick --json: %v\n%s", err, out)
@@ -75,14 +69,8 @@ func TestBenchQuickJSON(t *testing.T) {
 // 3-node cluster with every write synced, and checks that each comes with
 // its baseline and that the table names the configuration.
 func TestBenchClusterSync(t *testing.T) {
-	t.Parallel()
-	defer oneFleet(t)()
-	if testing.Short() {
-		t.Skip("starts a 3-node NATS cluster")
-	}
 	skipUnderRace(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-	defer cancel()
+	ctx := fleetTest(t, "starts a 3-node NATS cluster", 10*time.Minute)
 	out, err := run(t, ctx, "bench", "--quick", "--cluster", "--sync", "--only", "e2e,tracing,fence")
 	if err != nil {
 		t.Fatalf("bench --cluster --sync: %v\n%s", err, out)

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"encoding/json"
 	"strings"
 	"testing"
@@ -18,13 +17,7 @@ import (
 // checker at length; this one checks the command, its flags and its
 // report, with a few faults.
 func TestChaosCommand(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts a fleet of processes")
-	}
-	t.Parallel()
-	defer oneFleet(t)()
-	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
-	defer cancel()
+	ctx := fleetTest(t, "starts a fleet of processes", 8*time.Minute)
 	dir := t.TempDir()
 	out, err := run(t, ctx, "chaos", "--duration", "6s", "--fault-gap", "500ms", "--json", "--dir", dir)
 	var rep map[string]any
@@ -68,13 +61,7 @@ func TestChaosCommand(t *testing.T) {
 // really contain such writes, or it proves nothing; runs are repeated
 // (with new seeds) until one does.
 func TestChaosCheckerFailsWithoutFencing(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts a fleet of processes")
-	}
-	t.Parallel()
-	defer oneFleet(t)()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-	defer cancel()
+	ctx := fleetTest(t, "starts a fleet of processes", 10*time.Minute)
 	// Twenty seconds of pauses gave 9 pauses and 16 applied zombie writes:
 	// eight seconds give a few, and a run without one is repeated.
 	for attempt := 1; attempt <= 3; attempt++ {
@@ -122,13 +109,7 @@ func TestChaosCheckerFailsWithoutFencing(t *testing.T) {
 // the successor sent it too). Every relay pause whose relay had a request
 // to catch makes one, so one run suffices.
 func TestChaosCheckerFailsWithoutVerifier(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts a fleet of processes")
-	}
-	t.Parallel()
-	defer oneFleet(t)()
-	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
-	defer cancel()
+	ctx := fleetTest(t, "starts a fleet of processes", 8*time.Minute)
 	cfg := chaos.Config{
 		Duration:       8 * time.Second,
 		Faults:         []string{chaos.FaultRelayPause},
@@ -164,13 +145,7 @@ func TestChaosCheckerFailsWithoutVerifier(t *testing.T) {
 // reconnects and retries with backoff, and nothing is lost or applied
 // twice.
 func TestChaosServerRestartsLoseNothing(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts a fleet of processes")
-	}
-	t.Parallel()
-	defer oneFleet(t)()
-	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
-	defer cancel()
+	ctx := fleetTest(t, "starts a fleet of processes", 8*time.Minute)
 	// Several restarts in a row, closer together than CI's chaos run puts
 	// them (there a restart is one fault type among many), with the server
 	// up long enough between them for jobs to flow on a loaded machine:

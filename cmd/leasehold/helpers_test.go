@@ -11,6 +11,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/fleet"
@@ -18,10 +21,9 @@ import (
 	"github.com/leasehold/leasehold/internal/testpar"
 	"github.com/leasehold/leasehold/internal/testskip"
 	"github.com/leasehold/leasehold/sink/kvsink"
+	"github.com/leasehold/leasehold/sink/streamsink"
 	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 )
 
 func TestMain(m *testing.M) {
@@ -88,6 +90,22 @@ func oneFleet(t *testing.T) func() {
 	t.Helper()
 	fleets <- struct{}{}
 	return func() { <-fleets }
+}
+
+// fleetTest begins a test that starts a fleet: it is skipped under -short
+// (why says what it would start), runs in parallel with the others, holds
+// the fleet slot until it ends, and returns a context that ends after d or
+// with the test.
+func fleetTest(t *testing.T, why string, d time.Duration) context.Context {
+	t.Helper()
+	if testing.Short() {
+		t.Skip(why)
+	}
+	t.Parallel()
+	t.Cleanup(oneFleet(t))
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	t.Cleanup(cancel)
+	return ctx
 }
 
 // listening starts a server the command reaches over loopback TCP, as it
@@ -254,4 +272,21 @@ func kvSinkHolding(t *testing.T, key, worker string) (*natstest.Server, context.
 		t.Fatal(err)
 	}
 	return s, ctx, js
+}
+
+// waitSinkSettled waits until the stream sink runner r has decided the
+// whole of prefix's effect log as it stands now.
+func waitSinkSettled(t *testing.T, ctx context.Context, js jetstream.JetStream, prefix string, r *streamsink.Runner) {
+	t.Helper()
+	es, err := js.Stream(ctx, worker.EffectsStream(prefix))
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := es.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.WaitPosition(ctx, info.State.LastSeq); err != nil {
+		t.Fatal(err)
+	}
 }
