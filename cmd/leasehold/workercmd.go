@@ -44,6 +44,7 @@ type workerFlags struct {
 	pprofAddr    string
 	labels       bool
 	stampFormat  string
+	packEffects  bool
 }
 
 func newWorkerCmd() *cobra.Command {
@@ -73,6 +74,7 @@ what it has, commits progress and releases its partitions within
 	fs.IntVar(&f.partConc, "partition-concurrency", 16, fmt.Sprintf("jobs of one partition running at once under its lease, in the order --order keeps (1: one at a time, in stream order; at most %d)", worker.MaxPartitionConcurrency))
 	fs.StringVar(&f.order, "order", "key", "order among a partition's jobs running at once: key (the jobs of one order key one after another, in stream order; a job without an order key waits for every earlier job), partition (one job of the partition at a time) or none")
 	fs.StringVar(&f.stampFormat, "stamp-format", "compact", "the form effects carry their stamp and job mark in: compact (one Leasehold-Stamp and one Leasehold-Mark header) or legacy (one header per field, for sinks of the release before; upgrade sinks first, then switch workers to compact)")
+	fs.BoolVar(&f.packEffects, "pack-effects", false, "send the effects a job emits on one subject as one packed message, which a stream sink reads as many at the cost of one (needs --stamp-format compact, and every sink runner reading the effects upgraded to a release that reads packs first)")
 	fs.StringVar(&f.httpAddr, "http", ":8080", "address for the status page (/), /metrics, /livez and /readyz ('' to serve nothing)")
 	fs.DurationVar(&f.workTime, "work-time", 0, "time the example handler spends on each job")
 	fs.BoolVar(&f.writeBehind, "write-behind", false, "example handler takes its stamp before the work and publishes afterwards (makes zombie writes when paused)")
@@ -102,6 +104,9 @@ func runWorker(ctx context.Context, f workerFlags) error {
 	stampFormat, err := leasehold.ParseStampFormat(f.stampFormat)
 	if err != nil {
 		return fmt.Errorf("--stamp-format: %w", err)
+	}
+	if f.packEffects && stampFormat == leasehold.StampLegacy {
+		return fmt.Errorf("--pack-effects with --stamp-format legacy: packed effects carry the compact stamp; upgrade sinks, switch workers to --stamp-format compact, then to --pack-effects")
 	}
 	if f.partConc < 1 || f.partConc > worker.MaxPartitionConcurrency {
 		return fmt.Errorf("--partition-concurrency %d: use 1 to %d", f.partConc, worker.MaxPartitionConcurrency)
@@ -183,6 +188,7 @@ func runWorker(ctx context.Context, f workerFlags) error {
 		PartitionConcurrency: f.partConc,
 		Order:                order,
 		StampFormat:          stampFormat,
+		PackEffects:          f.packEffects,
 		StallAfter:           f.stallAfter,
 		HandleTimeout:        f.handleTO,
 		Logger:               log,
