@@ -1,7 +1,6 @@
 package coordinator_test
 
 import (
-	"encoding/json"
 	"errors"
 	"testing"
 	"time"
@@ -50,27 +49,12 @@ func TestAttackRewrittenFenceRecordNamesTheAcquisition(t *testing.T) {
 			}
 
 			// The attacker reads the record and rewrites its acquisition.
-			orig, err := b.FenceRecords().Get(ctx, "partition.1")
-			if err != nil {
-				t.Fatal(err)
-			}
-			var rec map[string]any
-			if err := json.Unmarshal(orig.Value(), &rec); err != nil {
-				t.Fatal(err)
-			}
-			rec["acquisition"] = "forgedacquisition"
-			if acqs, ok := rec["acquisitions"].([]any); ok && len(acqs) > 0 {
-				acqs[len(acqs)-1] = "forgedacquisition"
-			}
-			forged, _ := json.Marshal(rec)
-			if _, err := b.FenceRecords().Put(ctx, "partition.1", forged); err != nil {
-				t.Fatal(err)
-			}
+			orig := forgeRecordAcquisition(t, ctx, b, "partition.1", "forgedacquisition")
 			forgedErr := verify(ctx, b, info.Fence(), info.Epoch, "forgedacquisition")
 			holderErr := verify(ctx, b, info.Fence(), info.Epoch, info.Acquisition)
 
 			// It puts the record back; the holder commits on.
-			if _, err := b.FenceRecords().Put(ctx, "partition.1", orig.Value()); err != nil {
+			if _, err := b.FenceRecords().Put(ctx, "partition.1", orig); err != nil {
 				t.Fatal(err)
 			}
 			if err := l.Commit(ctx, 8); err != nil {

@@ -2,6 +2,7 @@ package coordinator_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"sync"
@@ -25,6 +26,41 @@ import (
 func TestMain(m *testing.M) {
 	testpar.Raise(4)
 	testleak.VerifyTestMain(m)
+}
+
+// verify asks b whether it issued epoch e of id to acquisition a.
+func verify(ctx context.Context, b *coordinator.Bucket, id leasehold.FenceID, e leasehold.Epoch, a string) error {
+	return b.VerifyAcquisition(ctx, id, e, a)
+}
+
+// forgeRecordAcquisition rewrites the fence record under key, as any
+// credential that may write the fence bucket can, so that its current
+// acquisition and the newest it remembers are acq. It returns the record
+// as it was, for the caller to put back.
+func forgeRecordAcquisition(t *testing.T, ctx context.Context, b *coordinator.Bucket, key, acq string) []byte {
+	t.Helper()
+	orig, err := b.FenceRecords().Get(ctx, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rec map[string]any
+	if err := json.Unmarshal(orig.Value(), &rec); err != nil {
+		t.Fatal(err)
+	}
+	acqs, ok := rec["acquisitions"].([]any)
+	if !ok || len(acqs) == 0 {
+		t.Fatalf("the record under %s remembers no acquisition: %s", key, orig.Value())
+	}
+	rec["acquisition"] = acq
+	acqs[len(acqs)-1] = acq
+	forged, err := json.Marshal(rec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.FenceRecords().Put(ctx, key, forged); err != nil {
+		t.Fatal(err)
+	}
+	return orig.Value()
 }
 
 func ctxFor(t *testing.T, d time.Duration) context.Context {

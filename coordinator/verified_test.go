@@ -1,7 +1,6 @@
 package coordinator_test
 
 import (
-	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -17,11 +16,6 @@ import (
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/testing/natstest"
 )
-
-// verify asks b whether it issued epoch e of id to acquisition a.
-func verify(ctx context.Context, b *coordinator.Bucket, id leasehold.FenceID, e leasehold.Epoch, a string) error {
-	return b.VerifyAcquisition(ctx, id, e, a)
-}
 
 // wantNotIssued fails unless err is a *NotIssuedError for reason r.
 func wantNotIssued(t *testing.T, what string, err error, r coordinator.NotIssuedReason) *coordinator.NotIssuedError {
@@ -319,21 +313,7 @@ func TestVerifyAcquisitionRecordRewrittenForAMoment(t *testing.T) {
 	}
 	defer l.Release(ctx)
 	info := l.Info()
-	orig, err := b.FenceRecords().Get(ctx, "partition.5")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var rec map[string]any
-	if err := json.Unmarshal(orig.Value(), &rec); err != nil {
-		t.Fatal(err)
-	}
-	rec["acquisition"] = "forged"
-	acqs := rec["acquisitions"].([]any)
-	acqs[len(acqs)-1] = "forged"
-	forged, _ := json.Marshal(rec)
-	if _, err := b.FenceRecords().Put(ctx, "partition.5", forged); err != nil {
-		t.Fatal(err)
-	}
+	orig := forgeRecordAcquisition(t, ctx, b, "partition.5", "forged")
 	for _, a := range []string{"forged", info.Acquisition} {
 		err := verify(ctx, b, info.Fence(), info.Epoch, a)
 		var ni *coordinator.NotIssuedError
@@ -341,7 +321,7 @@ func TestVerifyAcquisitionRecordRewrittenForAMoment(t *testing.T) {
 			t.Fatalf("acquisition %s while the record names another than the lease: %v, want an ErrTokenConflict that is no verdict", a, err)
 		}
 	}
-	if _, err := b.FenceRecords().Put(ctx, "partition.5", orig.Value()); err != nil {
+	if _, err := b.FenceRecords().Put(ctx, "partition.5", orig); err != nil {
 		t.Fatal(err)
 	}
 	wantNotIssued(t, "the forged acquisition once the record is back", verify(ctx, b, info.Fence(), info.Epoch, "forged"), coordinator.ReasonOtherAcquisition)
