@@ -1,47 +1,29 @@
 package coordinator_test
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/leasehold/leasehold/coordinator"
+	"github.com/leasehold/leasehold/internal/testbuf"
 	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 // logBuf is a log the test reads while coordinators write it.
-type logBuf struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *logBuf) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
+type logBuf struct{ testbuf.Buffer }
 
 func (b *logBuf) lines(msg string) []string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
 	var out []string
-	for _, l := range strings.Split(b.buf.String(), "\n") {
+	for _, l := range strings.Split(b.String(), "\n") {
 		if strings.Contains(l, "msg="+msg+" ") || strings.Contains(l, `msg="`+msg+`"`) {
 			out = append(out, l)
 		}
 	}
 	return out
-}
-
-func (b *logBuf) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }
 
 func loggedCoord(t *testing.T, b *coordinator.Bucket, worker string, ttl time.Duration, log *logBuf) *coordinator.Coordinator {
