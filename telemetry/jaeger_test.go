@@ -1,7 +1,6 @@
 package telemetry_test
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -13,12 +12,12 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
+	"github.com/leasehold/leasehold/internal/testbuf"
 	"github.com/leasehold/leasehold/telemetry"
 )
 
@@ -275,19 +274,8 @@ func freePort(t *testing.T) string {
 }
 
 // lockedBuffer collects a child process's output.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.Write(p)
-}
+type lockedBuffer struct{ testbuf.Buffer }
 
 func (b *lockedBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return fmt.Sprintf("--- jaeger output ---\n%s", b.b.String())
+	return fmt.Sprintf("--- jaeger output ---\n%s", b.Buffer.String())
 }
