@@ -1,18 +1,17 @@
 package httpsink_test
 
 import (
-	"bytes"
 	"context"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/testbuf"
 	"github.com/leasehold/leasehold/sink/httpsink"
 )
 
@@ -180,7 +179,7 @@ func TestCredentialsNeverShown(t *testing.T) {
 	u, _ := url.Parse(srv.URL)
 	secrets := []string{"s3cr3t-bearer", "pa55word", "T0KENPATH", "QSECRET"}
 	endpoint := "http://hook-user:pa55word@" + u.Host + "/hooks/T0KENPATH?sig=QSECRET"
-	logs := &syncWriter{w: &bytes.Buffer{}}
+	logs := &testbuf.Buffer{}
 	log := slog.New(slog.NewJSONHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	e.barrier(1)
 	var last uint64
@@ -215,21 +214,4 @@ func TestCredentialsNeverShown(t *testing.T) {
 	if got := sc.auth["kok"]; got != "Bearer s3cr3t-bearer" {
 		t.Errorf("the configured Authorization header was sent as %q", got)
 	}
-}
-
-type syncWriter struct {
-	mu sync.Mutex
-	w  *bytes.Buffer
-}
-
-func (s *syncWriter) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.w.Write(p)
-}
-
-func (s *syncWriter) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.w.String()
 }
