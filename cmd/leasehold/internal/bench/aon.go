@@ -13,9 +13,11 @@ import (
 	"github.com/leasehold/leasehold/worker"
 )
 
-// aonEffects is how many effects each job of the all-or-none row emits:
-// the worker holds the last back until the handler returns, and the
-// stream sink holds the first two until the last is in the log.
+// aonEffects is how many effects each job of the all-or-none rows emits:
+// without packing, the worker holds the last back until the handler
+// returns, and the stream sink holds the first two until the last is in
+// the log; with packing, the worker holds all three and sends them as one
+// message.
 const aonEffects = 3
 
 // endToEndAll measures the end-to-end row and, beside it, the same
@@ -29,39 +31,56 @@ func (e *env) endToEndAll(ctx context.Context) ([]Row, error) {
 	return append(rows, aon...), err
 }
 
-// allOrNone measures jobs per second with aonEffects effects per job
-// against jobs of one effect, interleaved, both through leasehold.
+// aonVariant is one pipeline of the all-or-none rows: jobs of k effects,
+// packed or not.
+type aonVariant struct {
+	k    int
+	pack bool
+}
+
+// allOrNone measures jobs per second with aonEffects effects per job,
+// packed (worker.Config.PackEffects) and not, against jobs of one
+// effect, interleaved, all through leasehold.
 func (e *env) allOrNone(ctx context.Context) ([]Row, error) {
 	n := e.pipeJobs()
-	var multi, one []float64
+	variants := []aonVariant{{aonEffects, true}, {1, false}, {aonEffects, false}}
+	got := make([][]float64, len(variants))
 	for i := range e.cfg.Runs {
-		order := []int{aonEffects, 1}
-		if i%2 == 1 {
-			order = []int{1, aonEffects}
-		}
-		for _, k := range order {
-			r, err := e.aonThroughput(ctx, fmt.Sprintf("aon%d-%d", k, i), n, k)
+		// Each run measures all three, starting from another each time, so
+		// that the machine's drift weighs on each alike.
+		for j := range variants {
+			v := (i + j) % len(variants)
+			r, err := e.aonThroughput(ctx, fmt.Sprintf("aon%d%s-%d", variants[v].k, packName(variants[v].pack), i), n, variants[v].k, variants[v].pack)
 			if err != nil {
 				return nil, err
 			}
-			if k == 1 {
-				one = append(one, r)
-			} else {
-				multi = append(multi, r)
-			}
+			got[v] = append(got[v], r)
 		}
-		e.progress("all-or-none run %d: %d effects a job %.0f jobs/s, one effect %.0f jobs/s", i+1, aonEffects, multi[i], one[i])
+		e.progress("all-or-none run %d: %d effects a job packed %.0f jobs/s, unpacked %.0f jobs/s, one effect %.0f jobs/s", i+1, aonEffects, got[0][i], got[2][i], got[1][i])
 	}
-	return []Row{paired("e2e_throughput_all_or_none", "jobs/s", multi, one,
-		fmt.Sprintf("end-to-end with all-or-none effects: %d jobs of %d effects of %d B each, %d partitions, %d workers, stream sink runner into memory; baseline: the same pipeline with one effect a job (%dx fewer effect messages)",
-			n, aonEffects, pipePayload, pipePartitions, pipeWorkers, aonEffects))}, nil
+	packed, one, plain := got[0], got[1], got[2]
+	return []Row{
+		paired("e2e_throughput_all_or_none", "jobs/s", packed, one,
+			fmt.Sprintf("end-to-end with all-or-none effects: %d jobs of %d effects of %d B each, packed in one message a job (worker.Config.PackEffects), %d partitions, %d workers, stream sink runner into memory; baseline: the same pipeline with one effect a job",
+				n, aonEffects, pipePayload, pipePartitions, pipeWorkers)),
+		paired("e2e_throughput_all_or_none_unpacked", "jobs/s", plain, one,
+			fmt.Sprintf("the all-or-none row without packing: %d jobs of %d effects, one message each (%dx the effect messages of the baseline, the same one-effect pipeline, measured in the same runs)",
+				n, aonEffects, aonEffects)),
+	}, nil
 }
 
-// aonThroughput runs the leasehold pipeline with jobs of k effects and
-// returns jobs per second, from the first enqueue to the last effect
-// applied.
-func (e *env) aonThroughput(ctx context.Context, prefix string, n, k int) (float64, error) {
-	r, _, err := e.aonRun(ctx, prefix, n, k, false)
+func packName(pack bool) string {
+	if pack {
+		return "p"
+	}
+	return ""
+}
+
+// aonThroughput runs the leasehold pipeline with jobs of k effects,
+// packed or not, and returns jobs per second, from the first enqueue to
+// the last effect applied.
+func (e *env) aonThroughput(ctx context.Context, prefix string, n, k int, pack bool) (float64, error) {
+	r, _, err := e.aonRun(ctx, prefix, n, k, pack, false)
 	return r, err
 }
 
@@ -69,7 +88,7 @@ func (e *env) aonThroughput(ctx context.Context, prefix string, n, k int) (float
 // effects the sink had applied when the log first held them all: near 1,
 // the sink kept up and the workers set the pace; well below, the sink
 // did, and the rest of the run was the sink catching up.
-func (e *env) aonRun(ctx context.Context, prefix string, n, k int, lag bool) (float64, float64, error) {
+func (e *env) aonRun(ctx context.Context, prefix string, n, k int, pack, lag bool) (float64, float64, error) {
 	ap := newApplied(n*k, false)
 	nc, js, err := e.connect("bench setup " + prefix)
 	if err != nil {
@@ -80,7 +99,7 @@ func (e *env) aonRun(ctx context.Context, prefix string, n, k int, lag bool) (fl
 		return 0, 0, err
 	}
 	defer e.dropStreams(ctx, js, prefix+"-")
-	stop, err := e.startAON(ctx, js, prefix, ap, k)
+	stop, err := e.startAON(ctx, js, prefix, ap, k, pack)
 	if err != nil {
 		return 0, 0, err
 	}
@@ -97,7 +116,12 @@ func (e *env) aonRun(ctx context.Context, prefix string, n, k int, lag bool) (fl
 	if lag {
 		wctx, cancel := context.WithCancel(ctx)
 		defer cancel()
-		go func() { share <- appliedWhenStored(wctx, js, worker.EffectsStream(prefix), ap) }()
+		// A job's effects are one message when packed.
+		msgs := int64(n * k)
+		if pack && k > 1 {
+			msgs = int64(n)
+		}
+		go func() { share <- appliedWhenStored(wctx, js, worker.EffectsStream(prefix), ap, msgs) }()
 	}
 	if err := ap.wait(ctx, time.Minute); err != nil {
 		return 0, 0, fmt.Errorf("pipeline %s: %w", prefix, err)
@@ -110,8 +134,8 @@ func (e *env) aonRun(ctx context.Context, prefix string, n, k int, lag bool) (fl
 }
 
 // startAON starts the pipeline of startLeasehold with a handler that
-// emits k effects a job.
-func (e *env) startAON(ctx context.Context, js jetstream.JetStream, prefix string, ap *applied, k int) (func(), error) {
+// emits k effects a job, packed or not.
+func (e *env) startAON(ctx context.Context, js jetstream.JetStream, prefix string, ap *applied, k int, pack bool) (func(), error) {
 	bucket, err := coordinator.Provision(ctx, js, coordinator.BucketConfig{Bucket: prefix + "-leases", MarkerTTL: time.Second, Replicas: e.replicas()})
 	if err != nil {
 		return nil, err
@@ -163,6 +187,7 @@ func (e *env) startAON(ctx context.Context, js jetstream.JetStream, prefix strin
 		}
 		w, err := worker.New(worker.Config{
 			JetStream: wjs, Prefix: prefix, Partitions: pipePartitions, Handler: handler, Bucket: bucket, FetchBatch: pipeBatch,
+			PackEffects: pack,
 			Coordinator: coordinator.Config{Worker: fmt.Sprintf("%s-w%d", prefix, i), RebalanceDelay: 50 * time.Millisecond, Logger: e.quiet()},
 			Logger:      e.quiet(),
 		})
@@ -195,10 +220,10 @@ func (e *env) startAON(ctx context.Context, js jetstream.JetStream, prefix strin
 	return stopAll, nil
 }
 
-// appliedWhenStored polls the effects stream until it holds every effect
-// ap waits for, and returns the share of them applied by then (1 when ctx
-// ends first).
-func appliedWhenStored(ctx context.Context, js jetstream.JetStream, stream string, ap *applied) float64 {
+// appliedWhenStored polls the effects stream until it holds msgs
+// messages, the effects ap waits for, and returns the share of them
+// applied by then (1 when ctx ends first).
+func appliedWhenStored(ctx context.Context, js jetstream.JetStream, stream string, ap *applied, msgs int64) float64 {
 	tick := time.NewTicker(50 * time.Millisecond)
 	defer tick.Stop()
 	for {
@@ -213,7 +238,7 @@ func appliedWhenStored(ctx context.Context, js jetstream.JetStream, stream strin
 			continue
 		}
 		info, err := st.Info(ctx)
-		if err == nil && int64(info.State.Msgs) >= ap.want {
+		if err == nil && int64(info.State.Msgs) >= msgs {
 			return float64(applied) / float64(ap.want)
 		}
 	}

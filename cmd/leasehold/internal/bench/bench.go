@@ -74,8 +74,9 @@ type Config struct {
 }
 
 // Scenarios names what Run can measure, in the order it measures them.
-// "aon" is the all-or-none row of "e2e" alone (jobs of several effects
-// against jobs of one), measured once when both are asked for.
+// "aon" is the all-or-none rows of "e2e" alone (jobs of several effects,
+// packed and not, against jobs of one), measured once when both are asked
+// for.
 var Scenarios = []string{"e2e", "aon", "latency", "tracing", "fence", "failover", "scaleout", "scale", "io", "partitions"}
 
 func (c *Config) setDefaults() {

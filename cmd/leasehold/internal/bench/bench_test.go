@@ -133,7 +133,7 @@ func TestInProcessScenarios(t *testing.T) {
 	for _, r := range rows {
 		names[r.Name] = r
 	}
-	for _, n := range []string{"e2e_throughput", "e2e_cpu", "tracing_default", "tracing_always", "tracing_default_cpu", "tracing_always_cpu", "tracing_always_floor_cpu",
+	for _, n := range []string{"e2e_throughput", "e2e_cpu", "e2e_throughput_all_or_none", "e2e_throughput_all_or_none_unpacked", "tracing_default", "tracing_always", "tracing_default_cpu", "tracing_always_cpu", "tracing_always_floor_cpu",
 		"fence_memory", "fence_kv", "fence_kv_batch", "fence_kv_batch_vs_idempotent", "kv_atomic_floor", "fence_postgres"} {
 		if _, ok := names[n]; !ok {
 			t.Errorf("no row %s in %+v", n, rows)
