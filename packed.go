@@ -196,6 +196,7 @@ func Unpack(body []byte, n int) ([]PackedEffect, error) {
 	// The values of names seen first in an entry share it; a name given
 	// again appends to its own.
 	var vals []string
+	var seen keySeen
 	off := 0
 	for i := range out {
 		e := &out[i]
@@ -209,10 +210,8 @@ func Unpack(body []byte, n int) ([]PackedEffect, error) {
 		if err := validKey(e.Key); err != nil {
 			return bad(err)
 		}
-		for j := range out[:i] {
-			if out[j].Key == e.Key {
-				return bad(fmt.Errorf("key %q is the key of entry %d too: a packed message's effects have distinct keys", e.Key, j))
-			}
+		if j, ok := seen.add(e.Key, i, out[:i]); !ok {
+			return bad(fmt.Errorf("key %q is the key of entry %d too: a packed message's effects have distinct keys", e.Key, j))
 		}
 		pairs, k, err := uvarint(body[off:])
 		if err != nil {
@@ -257,6 +256,41 @@ func Unpack(body []byte, n int) ([]PackedEffect, error) {
 		return nil, &PackError{Entry: -1, Err: fmt.Errorf("%d bytes follow the last of its %d effects", len(body)-off, n)}
 	}
 	return out, nil
+}
+
+// keySeen tells whether a pack's keys are distinct: by a look at each
+// key before it while they are few, through a map once they are many, so
+// that a pack of MaxPackEffects costs no more than a few times one of a
+// few.
+type keySeen struct {
+	m map[string]int
+}
+
+// keySearch is how many keys are searched one by one.
+const keySearch = 16
+
+// add notes key, of entry i, after the entries before; it returns the
+// entry that has the key already, and false, if there is one.
+func (s *keySeen) add(key string, i int, before []PackedEffect) (int, bool) {
+	if s.m == nil && i < keySearch {
+		for j := range before {
+			if before[j].Key == key {
+				return j, false
+			}
+		}
+		return 0, true
+	}
+	if s.m == nil {
+		s.m = make(map[string]int, 2*keySearch)
+		for j := range before {
+			s.m[before[j].Key] = j
+		}
+	}
+	if j, ok := s.m[key]; ok {
+		return j, false
+	}
+	s.m[key] = i
+	return 0, true
 }
 
 // field reads a length-prefixed field of body at off: its bounds, and the

@@ -119,6 +119,7 @@ func TestUnpackRefuses(t *testing.T) {
 		"key with a space":           {packOf(e("k 0", nil), e("k.1", nil)), 2, "space"},
 		"key too long":               {packOf(e(strings.Repeat("k", leasehold.MaxKeyLen+1), nil), e("k.1", nil)), 2, "limit"},
 		"duplicate keys":             {packOf(e("k.0", nil), e("k.0", nil)), 2, "distinct"},
+		"duplicate keys, many":       {packOf(manyKeys(40, 3, 37)...), 40, "entry 37: key \"k.3\" is the key of entry 3"},
 		"n of one":                   {packOf(e("k.0", nil)), 1, "outside"},
 		"n above the bound":          {good, leasehold.MaxPackEffects + 1, "outside"},
 	}
@@ -167,5 +168,33 @@ func TestUnpackAllocations(t *testing.T) {
 		}
 	}); n > 2+1+2*3 {
 		t.Fatalf("Unpack of 3 entries with a header each allocates %v times; want at most 9", n)
+	}
+}
+
+// manyKeys is n entries with keys k.0, k.1, ..., but entry dup's key is
+// entry of's.
+func manyKeys(n, of, dup int) []leasehold.PackedEffect {
+	es := make([]leasehold.PackedEffect, n)
+	for i := range es {
+		es[i] = leasehold.PackedEffect{Key: "k." + strconv.Itoa(i)}
+	}
+	es[dup].Key = es[of].Key
+	return es
+}
+
+// A pack of the most effects reads, and one whose last key repeats the
+// first is refused, without a look at every pair of keys.
+func TestUnpackMany(t *testing.T) {
+	es := make([]leasehold.PackedEffect, leasehold.MaxPackEffects)
+	for i := range es {
+		es[i] = leasehold.PackedEffect{Key: leasehold.EffectKey("orders", 3, 17, i), Data: []byte{byte(i)}}
+	}
+	got, err := leasehold.Unpack(packOf(es...), len(es))
+	if err != nil || len(got) != len(es) || got[len(es)-1].Key != es[len(es)-1].Key {
+		t.Fatalf("read %d entries, %v", len(got), err)
+	}
+	es[len(es)-1].Key = es[0].Key
+	if _, err := leasehold.Unpack(packOf(es...), len(es)); err == nil || !strings.Contains(err.Error(), "is the key of entry 0") {
+		t.Fatalf("a repeated key: %v", err)
 	}
 }
