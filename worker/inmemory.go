@@ -111,6 +111,9 @@ func NewInMemory(cfg Config, lease leasehold.Lease) (*InMemory, error) {
 	if cfg.MaxAttempts < 0 || cfg.HandleTimeout < 0 || cfg.PartitionConcurrency < 0 || cfg.Order < OrderKey || cfg.Order > OrderNone {
 		errs = append(errs, errors.New("MaxAttempts, HandleTimeout and PartitionConcurrency must not be negative, and Order must be OrderKey, OrderPartition or OrderNone"))
 	}
+	if cfg.PackEffects && cfg.StampFormat == leasehold.StampLegacy {
+		errs = append(errs, errors.New("PackEffects with StampLegacy: packed effects carry the compact stamp; use StampCompact"))
+	}
 	if err := lease.Stamp("k").Validate(); err != nil {
 		errs = append(errs, fmt.Errorf("lease: %w", err))
 	}

@@ -329,6 +329,10 @@ func TestPackedNeedsCompactStamp(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "PackEffects") {
 		t.Fatalf("Validate: %v, want PackEffects with StampLegacy refused", err)
 	}
+	_, err = worker.NewInMemory(cfg, leasehold.Lease{Scope: e.prefix, Epoch: 1, Acquisition: "a1", Holder: "w"})
+	if err == nil || !strings.Contains(err.Error(), "PackEffects") {
+		t.Fatalf("NewInMemory: %v, want PackEffects with StampLegacy refused", err)
+	}
 }
 
 // headerBytes is the size of h on the wire.
@@ -340,4 +344,45 @@ func headerBytes(h nats.Header) int {
 		}
 	}
 	return n
+}
+
+// With packing, an effect whose header name no packed body could carry
+// (not an RFC 9110 token) is refused when it is emitted, as permanent:
+// packed, it would make a sink refuse every effect beside it.
+func TestPackedRefusesHeaderNamesNotTokens(t *testing.T) {
+	var emitErr error
+	m, err := worker.NewInMemory(worker.Config{
+		Prefix: "jobs", Partitions: 1, PackEffects: true, MaxAttempts: 3, Logger: testLogger(),
+		Handler: worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
+			if err := j.Emit(ctx, []byte("fine")); err != nil {
+				return err
+			}
+			emitErr = j.Emit(ctx, []byte("bad"), worker.EmitHeader(nats.Header{"Bad Name": []string{"v"}}))
+			return emitErr
+		}),
+	}, leasehold.Lease{Scope: "jobs", Epoch: 1, Acquisition: "a1", Holder: "w"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := ctxFor(t, time.Minute)
+	if _, err := m.Producer().Enqueue(ctx, []byte("k"), []byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	res, ok := m.Next(ctx)
+	if !ok {
+		t.Fatal("no job ran")
+	}
+	if !worker.IsPermanent(emitErr) || !strings.Contains(fmt.Sprint(emitErr), "Bad Name") {
+		t.Errorf("emit with header \"Bad Name\": %v, want a permanent error naming it", emitErr)
+	}
+	if res.Done || res.DeadLetter == nil || len(res.Attempts) != 1 {
+		t.Errorf("the job: done %v, dead letter %v, %d attempts; want it dead-lettered after one", res.Done, res.DeadLetter != nil, len(res.Attempts))
+	}
+	for _, a := range res.Attempts {
+		for _, msg := range a.Published {
+			if mk, _ := leasehold.JobMarkFromHeader(msg.Header); !mk.Standalone() {
+				t.Errorf("the attempt sent %+v: it held everything and failed", mk)
+			}
+		}
+	}
 }
