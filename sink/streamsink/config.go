@@ -58,7 +58,8 @@ type Config struct {
 	MaxFences int
 	// MaxHeldEffects and MaxHeldBytes bound the effects of jobs the runner
 	// holds until the rest of their job is in the log (see groups.go), and
-	// their data. At the limit it stops, with an error matching
+	// their size: data and headers, as written on the wire. At the limit it
+	// stops, with an error matching
 	// ErrGroupLimit in its log lines and Ready. Defaults 65536 and 64 MiB.
 	MaxHeldEffects int
 	MaxHeldBytes   int

@@ -74,7 +74,7 @@ type groups struct {
 	delta   map[chainKey]applied // applied since the shards were written: saved in the position record
 	dirty   map[int]bool         // applied shards being written
 	held    int                  // effects held in open groups
-	bytes   int                  // their data
+	bytes   int                  // their data and headers (heldSize)
 	above   int                  // jobs the chains hold applied above their floors
 	crowded bool                 // a chain holds many of them: the records are read soon (proofs.go)
 	forgot  int                  // jobs the chains forgot at their bound since the last batch saved
@@ -201,7 +201,8 @@ func (r *Runner) decideJob(o *outcome, mark leasehold.JobMark, outs *[]outcome) 
 		setAside(o, SuspectFinalConflict, fmt.Errorf("streamsink: attempt %d of job %d has its final already; a second one at log position %d is not the worker's", mark.Attempt, mark.Job, o.m.seq))
 		return nil
 	}
-	if gs.held >= r.cfg.MaxHeldEffects || gs.bytes+len(o.m.data) > r.cfg.MaxHeldBytes {
+	size := heldSize(o.m)
+	if gs.held >= r.cfg.MaxHeldEffects || gs.bytes+size > r.cfg.MaxHeldBytes {
 		return fmt.Errorf("%w: %d effects (%d bytes) of jobs whose effects are not all in the log are held (Config.MaxHeldEffects %d, MaxHeldBytes %d); at log position %d, job %d of %s on %s: a worker that died mid-job and whose partition nobody took over leaves its job open, and so do effects of one job spread far apart in the log; raise the limits",
 			ErrGroupLimit, gs.held, gs.bytes, r.cfg.MaxHeldEffects, r.cfg.MaxHeldBytes, o.m.seq, mark.Job, chain.fence, chain.subject)
 	}
@@ -229,9 +230,9 @@ func (r *Runner) decideJob(o *outcome, mark leasehold.JobMark, outs *[]outcome) 
 	}
 	at.keys.add(st.Key)
 	at.held = append(at.held, held)
-	at.bytes += len(o.m.data)
+	at.bytes += size
 	gs.held++
-	gs.bytes += len(o.m.data)
+	gs.bytes += size
 	if !at.over && at.complete() && at.keys.len() > at.final.Effects {
 		at.over = true
 		h := &at.held[len(at.held)-1]
@@ -301,12 +302,26 @@ func (r *Runner) topAttempt(k groupKey) uint64 {
 func (r *Runner) applyAlone(o *outcome, k groupKey, mark leasehold.JobMark, a applied, outs *[]outcome) bool {
 	gs := r.groups
 	if mark.Effects != 1 || mark.Abort || mark.Attempt == 0 || !a.holds(mark.After) ||
-		gs.held >= r.cfg.MaxHeldEffects || gs.bytes+len(o.m.data) > r.cfg.MaxHeldBytes {
+		gs.held >= r.cfg.MaxHeldEffects || gs.bytes+heldSize(o.m) > r.cfg.MaxHeldBytes {
 		return false
 	}
 	*outs = append(*outs, heldCopy(o, k.job))
 	gs.advance(k, a, mark, mark.Attempt, !keyNamesJob(o.d.Stamp, k.job), !r.proven(k.fence))
 	return true
+}
+
+// heldSize is what holding m costs towards Config.MaxHeldBytes: its data
+// and its headers as written on the wire. The headers count: an effect can
+// carry its weight in them (up to the server's max payload, thousands of
+// pairs), and a held effect keeps them.
+func heldSize(m *logMsg) int {
+	n := len(m.data)
+	for k, vs := range m.header {
+		for _, v := range vs {
+			n += len(k) + len(v) + 4 // "k: v\r\n"
+		}
+	}
+	return n
 }
 
 // resetGroups forgets the open groups: the runner reads the log again from
