@@ -386,3 +386,40 @@ func TestPackedRefusesHeaderNamesNotTokens(t *testing.T) {
 		}
 	}
 }
+
+// A job stored again elsewhere (a move, a replay) packs its effects under
+// its origin's keys: the packed message carries the origin, as an effect
+// alone does, and its effects carry none of their own.
+func TestPackedEffectsOfAMovedJob(t *testing.T) {
+	e := newEnv(t, 1)
+	rec := newRecorder()
+	cfg := e.packConfig("w", emitN(3))
+	cfg.Observer = rec
+	start(t, cfg)
+	msg := nats.NewMsg(worker.JobSubject(e.prefix, 0))
+	msg.Data = []byte("moved")
+	msg.Header.Set(leasehold.HeaderOrigin, "old/0/77")
+	ack, err := e.js.PublishMsg(ctxFor(t, 30*time.Second), msg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec.waitCommitted(t, time.Minute, ack.Sequence)
+	msgs := effectLog(t, e)
+	if len(msgs) != 1 || msgs[0].pack != 3 {
+		t.Fatalf("%d messages (%+v), want one packing 3 effects", len(msgs), msgs)
+	}
+	m := msgs[0]
+	if o := m.header.Get(leasehold.HeaderOrigin); o != "old/0/77" {
+		t.Errorf("the packed message's origin %q, want old/0/77", o)
+	}
+	for i, eff := range m.effects(t) {
+		if k := leasehold.EffectKey("old", 0, 77, i); eff.Key != k {
+			t.Errorf("effect %d: key %s, want the origin's %s", i, eff.Key, k)
+		}
+		for name := range eff.Header {
+			if strings.EqualFold(name, leasehold.HeaderOrigin) {
+				t.Errorf("effect %s carries %s of its own", eff.Key, name)
+			}
+		}
+	}
+}
