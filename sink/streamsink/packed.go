@@ -121,8 +121,10 @@ func (p *unpacked) read(m *logMsg, n int) error {
 	if last := entries[n-1].Key; last != st.Key {
 		return fmt.Errorf("its last effect's key %q is not its stamp's %q: the stamp of a packed message is its last effect's", last, st.Key)
 	}
-	// The message's origin, which each of its effects carries.
+	// The message's origin, which each of its effects carries: one slice,
+	// full, so that an append to one effect's copy is its own.
 	origin := headerValues(m.header, leasehold.HeaderOrigin)
+	origin = origin[:len(origin):len(origin)]
 	vals, stamps, marks := compact(m, entries, st, mark)
 	p.effects = make([]unpackedEffect, n)
 	plain := leasehold.JobMark{Job: mark.Job, Attempt: mark.Attempt}
