@@ -6,6 +6,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -289,4 +290,61 @@ func waitSinkSettled(t *testing.T, ctx context.Context, js jetstream.JetStream, 
 	if err := r.WaitPosition(ctx, info.State.LastSeq); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// notifyBuffer is a command's output that tells when a line matching re
+// has been written.
+type notifyBuffer struct {
+	mu    sync.Mutex
+	buf   bytes.Buffer
+	re    *regexp.Regexp
+	match chan string // receives the first match's group, once
+	sent  bool
+}
+
+func (b *notifyBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.buf.Write(p)
+	if m := b.re.FindStringSubmatch(b.buf.String()); m != nil && !b.sent {
+		b.match <- m[1]
+		b.sent = true
+	}
+	return len(p), nil
+}
+
+func (b *notifyBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// startStatus runs `leasehold status` with args until the test ends and
+// returns its page's address.
+func startStatus(t *testing.T, ctx context.Context, args ...string) string {
+	t.Helper()
+	out := &notifyBuffer{re: regexp.MustCompile(`serving the status page at (http://\S+/)`), match: make(chan string, 1)}
+	sctx, stop := context.WithCancel(ctx)
+	root := newRoot()
+	root.SetOut(out)
+	root.SetErr(out)
+	root.SetArgs(append([]string{"status"}, args...))
+	done := make(chan error, 1)
+	go func() { done <- root.ExecuteContext(sctx) }()
+	t.Cleanup(func() {
+		stop()
+		if err := <-done; err != nil {
+			t.Errorf("status --http: %v", err)
+		}
+	})
+	select {
+	case url := <-out.match:
+		return url
+	case err := <-done:
+		done <- err
+		t.Fatalf("status --http stopped (%v):\n%s", err, out)
+	case <-ctx.Done():
+		t.Fatalf("status --http never said where its page is:\n%s", out)
+	}
+	return ""
 }

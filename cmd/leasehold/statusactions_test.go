@@ -1,46 +1,14 @@
 package main
 
 import (
-	"context"
 	"io"
 	"net/http"
 	"os"
 	"path/filepath"
-	"regexp"
 	"strings"
 	"testing"
 	"time"
 )
-
-// startStatus runs `leasehold status` with args until the test ends and
-// returns its page's address.
-func startStatus(t *testing.T, ctx context.Context, args ...string) string {
-	t.Helper()
-	out := &notifyBuffer{re: regexp.MustCompile(`serving the status page at (http://\S+/)`), match: make(chan string, 1)}
-	sctx, stop := context.WithCancel(ctx)
-	root := newRoot()
-	root.SetOut(out)
-	root.SetErr(out)
-	root.SetArgs(append([]string{"status"}, args...))
-	done := make(chan error, 1)
-	go func() { done <- root.ExecuteContext(sctx) }()
-	t.Cleanup(func() {
-		stop()
-		if err := <-done; err != nil {
-			t.Errorf("status --http: %v", err)
-		}
-	})
-	select {
-	case url := <-out.match:
-		return url
-	case err := <-done:
-		done <- err
-		t.Fatalf("status --http stopped (%v):\n%s", err, out)
-	case <-ctx.Done():
-		t.Fatalf("status --http never said where its page is:\n%s", out)
-	}
-	return ""
-}
 
 // postJSON posts body to url with a bearer token and the page's origin.
 func postJSON(t *testing.T, url, token, body string) (int, string) {
