@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"io"
 	"log/slog"
 	"os"
@@ -347,4 +348,32 @@ func startStatus(t *testing.T, ctx context.Context, args ...string) string {
 		t.Fatalf("status --http never said where its page is:\n%s", out)
 	}
 	return ""
+}
+
+// waitStatus runs `leasehold status --json` with args until done accepts
+// the status it prints, and returns that status. A run that fails or
+// prints no status fails the test, and so does ctx ending first (what
+// names the awaited state).
+func waitStatus(t *testing.T, ctx context.Context, what string, done func(coordinator.Status) bool, args ...string) coordinator.Status {
+	t.Helper()
+	args = append([]string{"status", "--json"}, args...)
+	cmd := strings.Join(args, " ")
+	for {
+		out, err := run(t, ctx, args...)
+		if err != nil {
+			t.Fatalf("%s: %v\n%s", cmd, err, out)
+		}
+		var st coordinator.Status
+		if err := json.Unmarshal([]byte(out), &st); err != nil {
+			t.Fatalf("%s: %v\n%s", cmd, err, out)
+		}
+		if done(st) {
+			return st
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("%s never showed %s:\n%s", cmd, what, out)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
 }

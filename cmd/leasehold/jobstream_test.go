@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"strings"
 	"testing"
 	"time"
@@ -66,18 +65,7 @@ func TestStatusRefusesAnUnknownPrefix(t *testing.T) {
 	if _, err := run(t, ctx, "fence", "1", "--nats", s.URL(), "--prefix", "nope"); err == nil || !strings.Contains(err.Error(), "--prefix nope") {
 		t.Fatalf("fence --prefix nope: %v", err)
 	}
-	for {
-		out, err := run(t, ctx, "status", "--nats", s.URL(), "--prefix", "leasehold", "--json")
-		var st coordinator.Status
-		if err != nil || json.Unmarshal([]byte(out), &st) != nil {
-			t.Fatalf("status --prefix leasehold: %v\n%s", err, out)
-		}
-		if len(st.Partitions) == 4 {
-			break
-		}
-		if ctx.Err() != nil {
-			t.Fatalf("status --prefix leasehold never showed the 4 partitions:\n%s", out)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	waitStatus(t, ctx, "the 4 partitions", func(st coordinator.Status) bool {
+		return len(st.Partitions) == 4
+	}, "--nats", s.URL(), "--prefix", "leasehold")
 }

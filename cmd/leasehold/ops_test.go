@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -21,30 +22,15 @@ func TestStatusAndFence(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 
-	var st coordinator.Status
-	for {
-		out, err := run(t, ctx, "status", "--nats", s.URL(), "--json")
-		if err != nil {
-			t.Fatalf("status: %v\n%s", err, out)
-		}
-		st = coordinator.Status{}
-		if err := json.Unmarshal([]byte(out), &st); err != nil {
-			t.Fatalf("status --json: %v\n%s", err, out)
-		}
+	st := waitStatus(t, ctx, "the fleet's two members owning all partitions", func(st coordinator.Status) bool {
 		owned := 0
 		for _, p := range st.Partitions {
 			if p.Holder != "" {
 				owned++
 			}
 		}
-		if owned == 4 && len(st.Members) == 2 {
-			break
-		}
-		if ctx.Err() != nil {
-			t.Fatalf("fleet never owned all partitions: %+v", st)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return owned == 4 && len(st.Members) == 2
+	}, "--nats", s.URL())
 	before := st.Partitions[1]
 
 	// A partition the job stream does not have is refused, and no record
@@ -69,21 +55,13 @@ func TestStatusAndFence(t *testing.T) {
 		t.Fatalf("fence output: %s", out)
 	}
 	// The group takes the partition back with a higher epoch.
-	for {
-		out, err := run(t, ctx, "status", "--nats", s.URL(), "--json")
-		if err != nil {
-			t.Fatal(err)
+	waitStatus(t, ctx, fmt.Sprintf("partition 1 re-acquired above epoch %d", before.Epoch), func(now coordinator.Status) bool {
+		if len(now.Partitions) < 2 {
+			return false
 		}
-		var now coordinator.Status
-		json.Unmarshal([]byte(out), &now)
-		if p := now.Partitions[1]; p.Holder != "" && p.Epoch > before.Epoch && p.FencedEpoch > before.Epoch {
-			break
-		}
-		if ctx.Err() != nil {
-			t.Fatalf("partition 1 not re-acquired above epoch %d: %s", before.Epoch, out)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		p := now.Partitions[1]
+		return p.Holder != "" && p.Epoch > before.Epoch && p.FencedEpoch > before.Epoch
+	}, "--nats", s.URL())
 	out, err = run(t, ctx, "status", "--nats", s.URL())
 	if err != nil || !strings.Contains(out, "PARTITION") || !strings.Contains(out, "2 live workers") {
 		t.Fatalf("status table: %v\n%s", err, out)
