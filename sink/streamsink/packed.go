@@ -68,6 +68,11 @@ func (r *Runner) decideLog(ctx context.Context, w *work, m *logMsg, outs *[]outc
 		if err != nil {
 			return err
 		}
+		// A packed effect is never a replayed dead letter (a replay is
+		// one effect alone, and a dead letter never packed): one that
+		// says it is, refused, is not filed again as a dead letter. Filed,
+		// one message of a forger's made as many as it packs.
+		o.refile = nil
 		*outs = append(*outs, o)
 	}
 	return nil
