@@ -66,10 +66,10 @@ func TestAttackPackPastHeldBound(t *testing.T) {
 }
 
 // An effect can carry its weight in headers rather than data: here four
-// packs of jobs that never complete, each with one effect of about 400 KB
-// of headers (4000 pairs) and no data, under Config.MaxHeldBytes of 64
-// KiB. The runner must stop at the bound and say so in Ready, as it does
-// for data. (It counted only data: it held them all, about 1.6 MB of
+// packs of jobs that never complete, each with one effect of about 50 KB
+// of headers (480 pairs, within what an effect's own headers may take)
+// and no data, under Config.MaxHeldBytes of 64 KiB. The runner must stop at the bound and say so in Ready, as it does
+// for data. (It counted only data: it held them all, about 200 KB of
 // header text and many times that in header maps, and went on with
 // nothing to show it was past its bound. A single effect can carry such
 // headers too; a pack carries more per message, and reading one
@@ -83,7 +83,7 @@ func TestAttackPackHeadersPastHeldBytes(t *testing.T) {
 	r := start(t, js, cfg)
 	big := map[string][]string{}
 	value := strings.Repeat("v", 96)
-	for i := range 4000 {
+	for i := range 480 {
 		big["X-H"+strconv.Itoa(i)] = []string{value}
 	}
 	for job := uint64(1); job <= 4; job++ {
@@ -106,7 +106,7 @@ func TestAttackPackHeadersPastHeldBytes(t *testing.T) {
 		select {
 		case err := <-decided:
 			if err == nil {
-				t.Fatalf("the runner holds four effects of about 400 KB of headers each past MaxHeldBytes %d and went on to log position %d; Ready says %v", cfg.MaxHeldBytes, after, r.Ready(ctx))
+				t.Fatalf("the runner holds four effects of about 50 KB of headers each past MaxHeldBytes %d and went on to log position %d; Ready says %v", cfg.MaxHeldBytes, after, r.Ready(ctx))
 			}
 			t.Fatal(err)
 		case <-tick.C:

@@ -9,7 +9,9 @@ import (
 	"strings"
 
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/internal/jspub"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/telemetry"
@@ -31,8 +33,10 @@ const (
 	HeaderSinkTries    = "Leasehold-Sink-Tries"    // deliveries tried, all failed
 	HeaderSinkError    = "Leasehold-Sink-Error"    // the last failure, on one line
 	// HeaderSinkData is set to "omitted" when the effect's data did not
-	// fit in a dead letter beside the headers: read it at its log
-	// position.
+	// fit in a dead letter beside the headers, and to "omitted, and the
+	// effect's headers" when its own headers (trace context, leasehold's
+	// other than its stamp and job mark) did not fit either: read it at
+	// its log position.
 	HeaderSinkData = "Leasehold-Sink-Data"
 )
 
@@ -100,6 +104,7 @@ func (r *Runner) deadLetter(ctx context.Context, o *outcome, tries int, cause er
 		return nil // stored by an earlier try of this batch
 	}
 	msg := r.deadLetterMsg(o, tries, cause)
+	trimmed := false // the effect's headers dropped from msg
 	for attempt := 0; ; attempt++ {
 		pctx, cancel := context.WithTimeout(ctx, r.cfg.RequestTimeout)
 		_, err := jspub.Publish(pctx, r.js, msg)
@@ -109,6 +114,21 @@ func (r *Runner) deadLetter(ctx context.Context, o *outcome, tries int, cause er
 			// does not: the log keeps it.
 			msg.Data = nil
 			msg.Header.Set(HeaderSinkData, "omitted")
+			continue
+		}
+		if (errors.Is(err, nats.ErrMaxPayload) || headerTooLarge(err)) && !trimmed {
+			// Its own headers kept (trace context, leasehold's) fill the
+			// message even without the data, or pass what a stream takes
+			// in headers (64 KiB): no retry makes it fit. The
+			// stamp, the job mark and the sink's headers say what the
+			// effect was and where the log keeps it whole.
+			trimmed = true
+			for k := range msg.Header {
+				if !isStampHeader(k) && !leasehold.IsStampHeader(k) && !isSinkHeader(k) {
+					delete(msg.Header, k)
+				}
+			}
+			msg.Header.Set(HeaderSinkData, "omitted, and the effect's headers")
 			continue
 		}
 		if err == nil {
@@ -147,6 +167,16 @@ func (r *Runner) deadLetterMsg(o *outcome, tries int, cause error) *nats.Msg {
 	out.Data = o.m.data
 	return out
 }
+
+// headerTooLarge reports whether a stream refused a message for headers
+// larger than it takes (JetStream API error 10097: more than 64 KiB).
+func headerTooLarge(err error) bool {
+	var apiErr *jetstream.APIError
+	return errors.As(err, &apiErr) && apiErr.ErrorCode == jsHeaderTooLarge
+}
+
+// jsHeaderTooLarge is JetStream's error code for headers above 64 KiB.
+const jsHeaderTooLarge jetstream.ErrorCode = 10097
 
 // oneLine makes s fit a header value: printable, at most n bytes.
 func oneLine(s string, n int) string {

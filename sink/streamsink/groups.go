@@ -314,15 +314,7 @@ func (r *Runner) applyAlone(o *outcome, k groupKey, mark leasehold.JobMark, a ap
 // and its headers as written on the wire. The headers count: an effect can
 // carry its weight in them (up to the server's max payload, thousands of
 // pairs), and a held effect keeps them.
-func heldSize(m *logMsg) int {
-	n := len(m.data)
-	for k, vs := range m.header {
-		for _, v := range vs {
-			n += len(k) + len(v) + 4 // "k: v\r\n"
-		}
-	}
-	return n
-}
+func heldSize(m *logMsg) int { return len(m.data) + headerSize(m.header) }
 
 // resetGroups forgets the open groups: the runner reads the log again from
 // its saved position (see Runner.reload).
