@@ -116,11 +116,21 @@ func isPackName(name string) bool {
 	return len(name) == len(leasehold.HeaderPack) && strings.EqualFold(name, leasehold.HeaderPack)
 }
 
-// packableHeader refuses an effect whose header names could not be read
-// from a packed body: a name that is not a header field name (an RFC 9110
-// token) would make a sink refuse the whole message, every effect in it.
+// maxOwnHeader bounds an effect's own headers in a packed body, counted
+// as "name: value\r\n" lines: what a stream takes in a message's headers
+// (64 KiB, JetStream error 10097), less room for the stamp, job mark and
+// origin the effect takes from the message when a sink reads it, and for a
+// sink's own headers. A stream sink refuses a pack with an effect past it,
+// whole, as no stream could store that effect alone.
+const maxOwnHeader = 1<<16 - 1 - 4*leasehold.SinkHeaderRoom
+
+// packableHeader refuses an effect whose headers a packed body could not
+// carry: a name that is not a header field name (an RFC 9110 token), or
+// own headers past maxOwnHeader, would make a sink refuse the whole
+// message, every effect in it. The server checks neither in a body.
 func packableHeader(h nats.Header) error {
-	for k := range h {
+	size := 0
+	for k, vs := range h {
 		if k == "" {
 			return errors.New("a header has an empty name: a packed message (Config.PackEffects) carries header field names only")
 		}
@@ -129,6 +139,14 @@ func packableHeader(h nats.Header) error {
 				return fmt.Errorf("header name %q holds the byte %#x: a packed message (Config.PackEffects) carries header field names (RFC 9110 tokens) only", k, k[i])
 			}
 		}
+		if ownHeader(k) {
+			for _, v := range vs {
+				size += len(k) + len(": \r\n") + len(v)
+			}
+		}
+	}
+	if size > maxOwnHeader {
+		return fmt.Errorf("%w: %d bytes of headers, and a packed effect's own may take %d (a stream takes 64 KiB of headers in a message, with room for the stamp and a sink's): send large values as data", ErrEffectTooLarge, size, maxOwnHeader)
 	}
 	return nil
 }

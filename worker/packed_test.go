@@ -423,3 +423,38 @@ func TestPackedEffectsOfAMovedJob(t *testing.T) {
 		}
 	}
 }
+
+// With packing, an effect whose own headers no stream would take in a
+// message's headers is refused when it is emitted, as too large and
+// permanent: in a packed body the server does not see them, and a sink
+// would refuse the whole pack.
+func TestPackedRefusesHeadersAStreamWouldNot(t *testing.T) {
+	var emitErr error
+	m, err := worker.NewInMemory(worker.Config{
+		Prefix: "jobs", Partitions: 1, PackEffects: true, Logger: testLogger(),
+		Handler: worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
+			if err := j.Emit(ctx, []byte("fine"), worker.EmitHeader(nats.Header{"Baggage": {strings.Repeat("b", 60_000)}})); err != nil {
+				return err
+			}
+			emitErr = j.Emit(ctx, []byte("big"), worker.EmitHeader(nats.Header{"Baggage": {strings.Repeat("b", 62_000)}}))
+			return emitErr
+		}),
+	}, leasehold.Lease{Scope: "jobs", Epoch: 1, Acquisition: "a1", Holder: "w"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := ctxFor(t, time.Minute)
+	if _, err := m.Producer().Enqueue(ctx, []byte("k"), []byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	res, ok := m.Next(ctx)
+	if !ok {
+		t.Fatal("no job ran")
+	}
+	if !worker.IsPermanent(emitErr) || !errors.Is(emitErr, worker.ErrEffectTooLarge) {
+		t.Errorf("emit with 62 KB of headers: %v, want a permanent error matching ErrEffectTooLarge", emitErr)
+	}
+	if res.Done || res.DeadLetter == nil {
+		t.Errorf("the job: done %v, dead letter %v; want it dead-lettered", res.Done, res.DeadLetter != nil)
+	}
+}
