@@ -23,8 +23,11 @@ import (
 // republished, the effect was refused by the downstream stream, then by
 // the dead-letter stream, which the runner retried for ever: the job's
 // other effect and everything after it in the log waited behind it, and
-// Ready said nothing until StallAfter. Such a pack is malformed: refused
-// whole (sink.BadStamp), and the runner goes on.
+// Ready said nothing until StallAfter. The effect now goes to the
+// dead-letter stream at once, without its own headers, as an effect too
+// large to republish does; the job's other effect is republished, and the
+// runner goes on. (A Handler or BatchHandler takes such an effect as it
+// is: only what is stored in a stream meets the wall.)
 func TestAttackPackEntryHeaderPastWhatAStreamTakes(t *testing.T) {
 	js := natstest.Start(t).JetStream(t)
 	pl := newPackLog(t, js, "pksize", leasehold.StampCompact)
@@ -42,16 +45,34 @@ func TestAttackPackEntryHeaderPastWhatAStreamTakes(t *testing.T) {
 	if err := r.WaitPosition(ctx, after); err != nil {
 		t.Fatalf("the runner is held at the pack at %d: %v; Ready says %v", seq, err, r.Ready(ctx))
 	}
-	ds := pl.at(seq)
-	if len(ds) != 1 || ds[0].Outcome != sink.BadStamp || !errors.Is(ds[0].Err, leasehold.ErrBadStamp) || !strings.Contains(ds[0].Err.Error(), "bytes of headers") {
-		t.Fatalf("decisions at %d: %+v; want the pack refused whole for its effect's headers", seq, ds)
+	if got := pl.outcomes(seq); got[keys[0]] != sink.DeadLettered || got[keys[1]] != sink.Accepted {
+		t.Fatalf("decisions at %d: %v; want %s dead-lettered and %s accepted", seq, got, keys[0], keys[1])
 	}
 	out, err := downstream(ctx, js, "pksize-fenced")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(out) != 1 || out[0].Stamp.Key != "standalone" {
-		t.Fatalf("downstream holds %d effects, want the standalone one alone", len(out))
+	if len(out) != 2 || out[0].Stamp.Key != keys[1] || out[1].Stamp.Key != "standalone" {
+		t.Fatalf("downstream holds %d effects, want %s and the standalone one", len(out), keys[1])
+	}
+	wantTrimmedDeadLetter(t, js, "pksize", keys[0])
+}
+
+// wantTrimmedDeadLetter fails unless the last dead letter of the runner
+// under prefix is the effect of key, stored without its own headers.
+func wantTrimmedDeadLetter(t *testing.T, js jetstream.JetStream, prefix, key string) {
+	t.Helper()
+	ctx := ctxFor(t, 10*time.Second)
+	s, err := js.Stream(ctx, prefix+"-sink-dlq")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dl, err := s.GetLastMsgForSubject(ctx, prefix+".sinkdlq."+prefix+"-sink")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st, err := leasehold.StampFromHeader(dl.Header); err != nil || st.Key != key || dl.Header.Get(streamsink.HeaderSinkData) == "" || dl.Header.Get("Baggage") != "" {
+		t.Fatalf("dead letter: stamp %+v (%v), %s %q, baggage of %d bytes", st, err, streamsink.HeaderSinkData, dl.Header.Get(streamsink.HeaderSinkData), len(dl.Header.Get("Baggage")))
 	}
 }
 
@@ -93,15 +114,5 @@ func TestAttackEffectHeadersAtWhatAStreamTakes(t *testing.T) {
 	if got := pl.outcomes(seq); got["wall"] != sink.DeadLettered {
 		t.Fatalf("decisions at %d: %v; want it dead-lettered", seq, got)
 	}
-	s, err := js.Stream(ctx, "pkwall-sink-dlq")
-	if err != nil {
-		t.Fatal(err)
-	}
-	dl, err := s.GetLastMsgForSubject(ctx, "pkwall.sinkdlq.pkwall-sink")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if st, err := leasehold.StampFromHeader(dl.Header); err != nil || st.Key != "wall" || dl.Header.Get(streamsink.HeaderSinkData) == "" || dl.Header.Get("Baggage") != "" {
-		t.Fatalf("dead letter: stamp %+v (%v), %s %q, baggage of %d bytes", st, err, streamsink.HeaderSinkData, dl.Header.Get(streamsink.HeaderSinkData), len(dl.Header.Get("Baggage")))
-	}
+	wantTrimmedDeadLetter(t, js, "pkwall", "wall")
 }

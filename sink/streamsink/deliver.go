@@ -232,9 +232,12 @@ func (r *Runner) republish(ctx context.Context, outs []outcome) error {
 				r.delivered(o.at())
 				continue
 			}
-			if errors.Is(err, nats.ErrMaxPayload) {
+			if errors.Is(err, nats.ErrMaxPayload) || headerTooLarge(err) {
 				// The sink's headers took the effect over the server's
-				// max payload: no retry can make it fit.
+				// max payload, or its headers over what a stream takes
+				// (64 KiB; a packed effect's headers travel in the pack's
+				// body, where the server does not look): no retry can
+				// make it fit.
 				if err := r.deadLetter(ctx, o, r.failed(o.at()), err); err != nil {
 					return err
 				}

@@ -123,11 +123,6 @@ func (p *unpacked) read(m *logMsg, n int) error {
 	if err != nil {
 		return err
 	}
-	for i := range entries {
-		if size := headerSize(entries[i].Header); size > maxEntryHeader {
-			return fmt.Errorf("effect %d carries %d bytes of headers, above the %d an effect's own headers may take: alone, with its stamp, it would pass what a stream takes in a message's headers (64 KiB), and no sink could store it", i, size, maxEntryHeader)
-		}
-	}
 	if last := entries[n-1].Key; last != st.Key {
 		return fmt.Errorf("its last effect's key %q is not its stamp's %q: the stamp of a packed message is its last effect's", last, st.Key)
 	}
@@ -231,16 +226,6 @@ func compact(m *logMsg, entries []leasehold.PackedEffect, st leasehold.Stamp, ma
 	}
 	return vals, stamps, marks
 }
-
-// maxEntryHeader bounds the headers of an effect of a packed message, as
-// written on the wire: what a stream takes in a message's headers
-// (JetStream refuses more than 64 KiB, error 10097), less room for the
-// stamp, job mark and origin the effect takes from the message, the trace
-// context and message ID of a republish, and a dead letter's headers. A
-// pack carries its effects' headers in its body, where the server does not
-// look: without the bound, an effect could come out of one that no stream
-// would store, republished or dead-lettered.
-const maxEntryHeader = 1<<16 - 1 - 4*leasehold.SinkHeaderRoom
 
 // headerSize is the wire size of headers h.
 func headerSize(h map[string][]string) int {
