@@ -125,8 +125,11 @@ func TestClassificationTimeout(t *testing.T) {
 		}
 		h := dl[0].Header
 		// A try in the batch call, and MaxDeliveries alone: the runner
-		// hands a failed batch's effects over one by one.
-		if h.Get("Leasehold-Sink-Tries") != "4" || sc.count("kslowever") < 4 || sc.count("kslowever") > 5 {
+		// hands a failed batch's effects over one by one. A try whose
+		// Timeout passes before its request reaches the receiver (a busy
+		// machine) counts as a try and is not seen there, so the
+		// receiver sees at most one request a try, and at least one.
+		if n := sc.count("kslowever"); h.Get("Leasehold-Sink-Tries") != "4" || n < 1 || n > 5 {
 			t.Errorf("dead-lettered after %s tries (%d requests), want MaxDeliveries (4)", h.Get("Leasehold-Sink-Tries"), sc.count("kslowever"))
 		}
 		if msg := h.Get("Leasehold-Sink-Error"); !strings.Contains(msg, "Timeout") {
