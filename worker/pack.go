@@ -120,14 +120,15 @@ func isPackName(name string) bool {
 // as "name: value\r\n" lines: what a stream takes in a message's headers
 // (64 KiB, JetStream error 10097), less room for the stamp, job mark and
 // origin the effect takes from the message when a sink reads it, and for a
-// sink's own headers. A stream sink refuses a pack with an effect past it,
-// whole, as no stream could store that effect alone.
+// sink's own headers. No stream could store such an effect alone: a stream
+// sink would send it to the dead-letter stream without its headers, where
+// the worker can refuse it at once and say why.
 const maxOwnHeader = 1<<16 - 1 - 4*leasehold.SinkHeaderRoom
 
 // packableHeader refuses an effect whose headers a packed body could not
 // carry: a name that is not a header field name (an RFC 9110 token), or
-// own headers past maxOwnHeader, would make a sink refuse the whole
-// message, every effect in it. The server checks neither in a body.
+// own headers past maxOwnHeader, which a sink could republish nowhere.
+// The server checks neither in a body.
 func packableHeader(h nats.Header) error {
 	size := 0
 	for k, vs := range h {
