@@ -196,6 +196,7 @@ func Unpack(body []byte, n int) ([]PackedEffect, error) {
 	// The values of names seen first in an entry share it; a name given
 	// again appends to its own.
 	var vals []string
+	var counts map[string]int
 	var seen keySeen
 	off := 0
 	for i := range out {
@@ -223,8 +224,12 @@ func Unpack(body []byte, n int) ([]PackedEffect, error) {
 		if pairs > uint64(len(body)-off)/3 {
 			return bad(fmt.Errorf("%d headers cannot fit in the %d bytes left", pairs, len(body)-off))
 		}
-		if pairs > 0 {
-			e.Header = make(map[string][]string, min(pairs, 8))
+		if pairs > fewPairs {
+			if off, err = unpackMany(body, s, off, pairs, e, &vals, &counts); err != nil {
+				return bad(err)
+			}
+		} else if pairs > 0 {
+			e.Header = make(map[string][]string, pairs)
 			for p := uint64(0); p < pairs; p++ {
 				if a, b, off, err = field(body, off); err != nil {
 					return bad(fmt.Errorf("header %d name: %w", p, err))
@@ -256,6 +261,62 @@ func Unpack(body []byte, n int) ([]PackedEffect, error) {
 		return nil, &PackError{Entry: -1, Err: fmt.Errorf("%d bytes follow the last of its %d effects", len(body)-off, n)}
 	}
 	return out, nil
+}
+
+// fewPairs is how many header pairs an entry may have before Unpack
+// counts each name's values first (unpackMany).
+const fewPairs = 8
+
+// unpackMany reads the pairs of an entry that has more than fewPairs from
+// body at off into e.Header, and returns the offset after them. It reads
+// them twice: first to check them and count each name's values, then to
+// fill, so that each name's values take a slice of exactly their number,
+// cut from one chunk (*vals), where appending them one at a time would
+// cost about twice their room again in slices grown and dropped: a forged
+// pack of one name given hundreds of thousands of values allocated 38
+// times its size. counts is a scratch map kept across entries.
+func unpackMany(body []byte, s string, off int, pairs uint64, e *PackedEffect, vals *[]string, counts *map[string]int) (int, error) {
+	if *counts == nil {
+		*counts = make(map[string]int, fewPairs)
+	} else {
+		clear(*counts)
+	}
+	start := off
+	var a, b int
+	var err error
+	for p := uint64(0); p < pairs; p++ {
+		if a, b, off, err = field(body, off); err != nil {
+			return 0, fmt.Errorf("header %d name: %w", p, err)
+		}
+		name := s[a:b]
+		if err := packHeaderName(name); err != nil {
+			return 0, fmt.Errorf("header %q: %w", name, err)
+		}
+		if _, _, off, err = field(body, off); err != nil {
+			return 0, fmt.Errorf("header %s value: %w", name, err)
+		}
+		(*counts)[name]++
+	}
+	if cap(*vals)-len(*vals) < int(pairs) {
+		*vals = make([]string, 0, pairs)
+	}
+	e.Header = make(map[string][]string, len(*counts))
+	off = start
+	for p := uint64(0); p < pairs; p++ {
+		// Checked above: these cannot fail.
+		a, b, off, _ = field(body, off)
+		name := s[a:b]
+		a, b, off, _ = field(body, off)
+		vs, ok := e.Header[name]
+		if !ok {
+			n := len(*vals)
+			c := (*counts)[name]
+			*vals = (*vals)[:n+c]
+			vs = (*vals)[n : n : n+c]
+		}
+		e.Header[name] = append(vs, s[a:b])
+	}
+	return off, nil
 }
 
 // keySeen tells whether a pack's keys are distinct: by a look at each
