@@ -359,6 +359,16 @@ func (f *Fencer) decide(msg *message.Message) decision {
 		base.Outcome, base.Max = sink.Aborted, st.Epoch
 		f.rep.Report(ctx, base)
 		d.act = ack
+	case isPacked(msg.Metadata):
+		// Handed on, its body would reach the handler as one effect.
+		base.Outcome = sink.BadStamp
+		base.Err = fmt.Errorf("wmsink: message %s packs several effects (%s, from a worker with Config.PackEffects): the fencer hands on one effect a message and does not read packs; put a stream sink runner in front, or turn packing off in the workers: %w",
+			msg.UUID, leasehold.HeaderPack, leasehold.ErrBadPack)
+		f.rep.Report(ctx, base)
+		if perr := f.poison(msg, base.Err); perr != nil {
+			return f.failedDecision(d, base, perr)
+		}
+		d.act = ack
 	default:
 		f.failures.reset()
 		d.act = handle
@@ -415,6 +425,17 @@ func (s *failStreak) reset() {
 	s.mu.Lock()
 	s.n = 0
 	s.mu.Unlock()
+}
+
+// isPacked reports whether md carries leasehold.HeaderPack, in any
+// spelling: a message packing several effects (see leasehold.Unpack).
+func isPacked(md map[string]string) bool {
+	for k := range md {
+		if strings.EqualFold(k, leasehold.HeaderPack) {
+			return true
+		}
+	}
+	return false
 }
 
 // isAbort reports whether md is a job attempt's abort marker: no effect.
