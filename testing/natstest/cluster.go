@@ -58,8 +58,39 @@ func StartCluster(tb testing.TB, opts ...Option) *Cluster {
 		tb.Cleanup(n.Shutdown)
 	}
 	nc := c.Connect(tb)
-	WaitJetStream(tb, newJetStream(tb, nc), 30*time.Second)
+	js := newJetStream(tb, nc)
+	WaitJetStream(tb, js, 30*time.Second)
+	waitPlacement(tb, js, 30*time.Second)
 	return c
+}
+
+// waitPlacement waits until the cluster places a stream of three replicas.
+// The meta leader places one on a node only once it has had that node's
+// statistics, which a node sends some time after it joined: before then,
+// on a busy machine, a test's first bucket of three replicas was refused
+// with "no suitable peers for placement, peer offline". A stream in memory
+// is made and removed.
+func waitPlacement(tb testing.TB, js jetstream.JetStream, timeout time.Duration) {
+	tb.Helper()
+	const probe = "natstest_placement"
+	deadline := time.Now().Add(timeout)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		_, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: probe, Subjects: []string{"natstest.placement"}, Replicas: ClusterSize, Storage: jetstream.MemoryStorage})
+		if err == nil {
+			err = js.DeleteStream(ctx, probe)
+			cancel()
+			if err != nil {
+				fatalf(tb, "natstest: remove the placement probe: %v", err)
+			}
+			return
+		}
+		cancel()
+		if time.Now().After(deadline) {
+			fatalf(tb, "natstest: the cluster places no stream of %d replicas after %v: %v", ClusterSize, timeout, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 }
 
 // Node returns node i (0, 1 or 2).
