@@ -47,6 +47,7 @@ type jobRun struct {
 	futs  []jetstream.PubAckFuture
 	acked int // futs[:acked] are acknowledged
 	sent  time.Time
+	asked time.Time // when its unacknowledged effect was last sent again (see resend)
 	// What its finals changed in the runner's after map (see output.go),
 	// for a rewind.
 	undo []afterUndo
@@ -72,7 +73,7 @@ const (
 // complete puts j, whose finals were sent (or whose dead letter is stored),
 // in the window.
 func (r *runner) complete(j *jobRun, runs int, futs []jetstream.PubAckFuture, undo []afterUndo) {
-	j.phase, j.runs, j.futs, j.acked, j.sent, j.undo = phaseCompleted, runs, futs, 0, time.Now(), undo
+	j.phase, j.runs, j.futs, j.acked, j.sent, j.asked, j.undo = phaseCompleted, runs, futs, 0, time.Now(), time.Time{}, undo
 	r.replayed(j)
 	r.window = append(r.window, j)
 }
@@ -186,6 +187,7 @@ func (r *runner) await(ctx context.Context, j *jobRun, block bool) (error, bool)
 	}
 	left := r.w.cfg.EffectTimeout - time.Since(j.sent)
 	if left > 0 && !block {
+		r.resend(j)
 		return nil, false
 	}
 	if left > 0 {
@@ -202,6 +204,32 @@ func (r *runner) await(ctx context.Context, j *jobRun, block bool) (error, bool)
 		}
 	}
 	return effectError(fut, fmt.Errorf("no acknowledgement within %v: %w", r.w.cfg.EffectTimeout, jetstream.ErrAsyncPublishTimeout)), true
+}
+
+// resend publishes j's next unacknowledged effect again once it has gone
+// unanswered for syncTry, under the same Nats-Msg-Id (so the stream
+// stores it once), and awaits the new publish instead, within the same
+// EffectTimeout from j.sent. In a cluster, an acknowledgement lost with a
+// stream leader that stepped down never comes on a connection that stays
+// up, and waiting for it held the partition for the whole EffectTimeout
+// (10 s by default). Nothing is sent again once the lease is gone.
+func (r *runner) resend(j *jobRun) {
+	last := j.asked
+	if last.IsZero() {
+		last = j.sent
+	}
+	if time.Since(last) < syncTry(r.w.cfg.EffectTimeout) || r.sendable() != nil {
+		return
+	}
+	j.asked = time.Now()
+	msg := j.futs[j.acked].Msg()
+	fut, err := r.w.cfg.JetStream.PublishMsgAsync(msg)
+	if err != nil {
+		r.log.Debug("an effect's acknowledgement is late and sending it again failed", "seq", j.seq, "subject", msg.Subject, "err", err)
+		return
+	}
+	j.futs[j.acked] = fut
+	r.log.Info("an effect's acknowledgement is late: sent again", "seq", j.seq, "subject", msg.Subject, "waited", time.Since(j.sent).Round(time.Millisecond))
 }
 
 func effectError(fut jetstream.PubAckFuture, err error) error {

@@ -210,3 +210,43 @@ func TestAbortMarkerAnswerLostIsAskedForAgain(t *testing.T) {
 		t.Fatalf("the abort marker was sent again with Nats-Msg-Id %q, first %q: want the same", second, first)
 	}
 }
+
+// The same for an effect: its acknowledgement lost on a connection that
+// stays up is asked for again, under the same Nats-Msg-Id, rather than
+// awaited until EffectTimeout, which would hold the partition's progress
+// that long. Here the subject's subscriber answers only the effect's
+// second copy.
+func TestEffectAnswerLostIsAskedForAgain(t *testing.T) {
+	e := newEnv(t, 1)
+	copies := make(chan string, 16)
+	nc := e.srv.Connect(t)
+	n := 0
+	if _, err := nc.Subscribe("lossy", func(m *nats.Msg) {
+		copies <- m.Header.Get(jetstream.MsgIDHeader)
+		if n++; n > 1 {
+			_ = m.Respond([]byte(`{"stream":"lossy","seq":1}`))
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	rec := newRecorder()
+	cfg := e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
+		return j.Publish(ctx, "lossy", j.Data)
+	}))
+	cfg.EffectTimeout = 10 * time.Minute
+	cfg.Observer = rec
+	start(t, cfg)
+	enq := e.enqueue(t, 0, 1)
+	rec.waitFor(t, time.Minute, "the job's progress to be committed", func() bool {
+		return rec.count(func(ev worker.Event) bool {
+			return ev.Kind == worker.EventProgressCommitted && ev.Seq >= enq[0].Seq
+		}) > 0
+	})
+	first, second := <-copies, <-copies
+	if first == "" || first != second {
+		t.Fatalf("the effect was sent again with Nats-Msg-Id %q, first %q: want the same", second, first)
+	}
+}
