@@ -107,6 +107,35 @@ func tryEffectKeys(js jetstream.JetStream, prefix string) (map[[2]uint64]bool, e
 	return out, nil
 }
 
+// abortingOn is a handler whose first attempt publishes two effects on
+// subject and fails: the first effect leaves when the second is published,
+// and the failed attempt then closes it with an abort marker. Later
+// attempts emit one effect.
+func abortingOn(subject string) worker.Handler {
+	return worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
+		if j.Attempt > 1 {
+			return j.Emit(ctx, j.Data)
+		}
+		for _, d := range []string{"1", "2"} {
+			if err := j.Publish(ctx, subject, []byte(d)); err != nil {
+				return err
+			}
+		}
+		return errors.New("this attempt fails after publishing")
+	})
+}
+
+// waitSecondAttempt waits until the job at seq finishes its second
+// attempt.
+func waitSecondAttempt(t *testing.T, rec *recorder, seq uint64) {
+	t.Helper()
+	rec.waitFor(t, time.Minute, "the job's second attempt to finish", func() bool {
+		return rec.count(func(ev worker.Event) bool {
+			return ev.Kind == worker.EventJobFinished && ev.Seq == seq && ev.Attempt == 2
+		}) > 0
+	})
+}
+
 // An abort marker is published and waited for. When the server restarts
 // after it received the marker and before it answered, the answer is
 // lost: the wait must end with the connection, not at EffectTimeout, or
@@ -124,19 +153,7 @@ func TestAbortMarkerLostInARestartDoesNotHoldThePartition(t *testing.T) {
 		t.Fatal(err)
 	}
 	rec := newRecorder()
-	cfg := e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
-		if j.Attempt > 1 {
-			return j.Emit(ctx, j.Data)
-		}
-		// The first effect leaves when the second is published; the
-		// failed attempt then closes it with an abort marker.
-		for _, d := range []string{"1", "2"} {
-			if err := j.Publish(ctx, "hole", []byte(d)); err != nil {
-				return err
-			}
-		}
-		return errors.New("this attempt fails after publishing")
-	}))
+	cfg := e.config("w", abortingOn("hole"))
 	cfg.JetStream = e.srv.JetStream(t) // over TCP, reconnecting
 	cfg.EffectTimeout = 10 * time.Minute
 	cfg.Observer = rec
@@ -152,11 +169,7 @@ func TestAbortMarkerLostInARestartDoesNotHoldThePartition(t *testing.T) {
 		}
 	}
 	e.srv.Restart(t)
-	rec.waitFor(t, time.Minute, "the job's second attempt to finish", func() bool {
-		return rec.count(func(ev worker.Event) bool {
-			return ev.Kind == worker.EventJobFinished && ev.Seq == enq[0].Seq && ev.Attempt == 2
-		}) > 0
-	})
+	waitSecondAttempt(t, rec, enq[0].Seq)
 }
 
 // In a cluster, an abort marker that reaches the stream's leader as it
@@ -185,26 +198,12 @@ func TestAbortMarkerAnswerLostIsAskedForAgain(t *testing.T) {
 		t.Fatal(err)
 	}
 	rec := newRecorder()
-	cfg := e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
-		if j.Attempt > 1 {
-			return j.Emit(ctx, j.Data)
-		}
-		for _, d := range []string{"1", "2"} {
-			if err := j.Publish(ctx, "lossy", []byte(d)); err != nil {
-				return err
-			}
-		}
-		return errors.New("this attempt fails after publishing")
-	}))
+	cfg := e.config("w", abortingOn("lossy"))
 	cfg.EffectTimeout = 10 * time.Minute
 	cfg.Observer = rec
 	start(t, cfg)
 	enq := e.enqueue(t, 0, 1)
-	rec.waitFor(t, time.Minute, "the job's second attempt to finish", func() bool {
-		return rec.count(func(ev worker.Event) bool {
-			return ev.Kind == worker.EventJobFinished && ev.Seq == enq[0].Seq && ev.Attempt == 2
-		}) > 0
-	})
+	waitSecondAttempt(t, rec, enq[0].Seq)
 	first, second := <-markers, <-markers
 	if first == "" || first != second {
 		t.Fatalf("the abort marker was sent again with Nats-Msg-Id %q, first %q: want the same", second, first)
