@@ -62,6 +62,9 @@ func (r *Runner) decideLog(ctx context.Context, w *work, m *logMsg, outs *[]outc
 		*outs = append(*outs, r.badStamp(m, p.stamp, fmt.Errorf("%w: a packed message (%s): %w", leasehold.ErrBadStamp, leasehold.HeaderPack, err)))
 		return nil
 	}
+	if r.decidePacked(w, &p, outs) {
+		return nil
+	}
 	for i := range p.effects {
 		e := &p.effects[i]
 		o, err := r.decideStamped(ctx, w, &e.m, e.stamp, false, &e.mark, outs)
