@@ -79,6 +79,11 @@ type Coordinator struct {
 	// epoch, with "read" before each leader read for them, and with
 	// "idle" when a lease's reads end with no notice left to read for.
 	noticeHook atomic.Pointer[func(event string, data []byte)]
+
+	// queueHook, set by tests only, is called with each partition a
+	// reconciliation queues for this worker to take, and the number of
+	// members (this worker among them) its view held then.
+	queueHook atomic.Pointer[func(p leasehold.Partition, members int)]
 }
 
 // New returns a Coordinator for the worker cfg describes.

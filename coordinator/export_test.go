@@ -64,6 +64,12 @@ func (c *Coordinator) RegisterListingSession(ctx context.Context) (*Lease, error
 // for them, and with "idle" when a lease's reads end with none pending.
 func (c *Coordinator) SetNoticeHook(f func(event string, data []byte)) { c.noticeHook.Store(&f) }
 
+// SetQueueHook has f called with each partition a reconciliation of c
+// queues to take, and how many members (c's worker among them) c's view of
+// the group held then. The latest call for a partition before c acquires
+// it tells the view it was taken on.
+func (c *Coordinator) SetQueueHook(f func(p leasehold.Partition, members int)) { c.queueHook.Store(&f) }
+
 // RewriteUnseen publishes l's record again over its current revision, on
 // l's own connection and without waiting for the answer: a renewal whose
 // answer was never read (its request was cancelled, or timed out) and

@@ -213,6 +213,13 @@ func startMemberTTL(t *testing.T, b *coordinator.Bucket, name string, n int, ttl
 // configuration changed by edit (when not nil).
 func startMemberWith(t *testing.T, b *coordinator.Bucket, name string, n int, ttl time.Duration, edit func(*coordinator.Config)) *member {
 	t.Helper()
+	return startMemberHooked(t, b, name, n, ttl, edit, nil)
+}
+
+// startMemberHooked is startMemberWith that has hook, when not nil, set up
+// the coordinator (its test hooks) before it runs.
+func startMemberHooked(t *testing.T, b *coordinator.Bucket, name string, n int, ttl time.Duration, edit func(*coordinator.Config), hook func(*coordinator.Coordinator)) *member {
+	t.Helper()
 	m := &member{done: make(chan error, 1)}
 	cfg := coordinator.Config{
 		Worker:     name,
@@ -228,6 +235,9 @@ func startMemberWith(t *testing.T, b *coordinator.Bucket, name string, n int, tt
 	c, err := coordinator.New(b, cfg)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if hook != nil {
+		hook(c)
 	}
 	m.run(t, c)
 	return m

@@ -133,6 +133,9 @@ func (g *group) reconcile(ctx context.Context) {
 		if m == mine && mine >= 0 && g.held[p] == nil && !g.acquiring[p] && !g.strays[p] && !now.Before(g.retryAt[p]) {
 			g.queue = append(g.queue, p)
 			room--
+			if h := g.c.queueHook.Load(); h != nil {
+				(*h)(p, len(members))
+			}
 		}
 	}
 	g.startQueued(ctx, now)
