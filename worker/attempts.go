@@ -3,6 +3,7 @@ package worker
 import (
 	"context"
 	"errors"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -51,6 +52,10 @@ const (
 	reportHung                               // its handler did not return in time (sent by the watchdog)
 )
 
+// replies holds the channels a succeeded attempt's report is answered
+// on: one per job otherwise.
+var replies = sync.Pool{New: func() any { return make(chan error, 1) }}
+
 // errHalted answers a succeeded attempt the runner does not complete: it
 // is rewinding, stopping, or its lease is gone.
 var errHalted = errors.New("worker: the partition stopped taking jobs")
@@ -98,7 +103,7 @@ func (r *runner) attempts(j *jobRun, st retryState, halt <-chan struct{}) {
 		ctx = r.w.tel.Propagator.Extract(ctx, telemetry.HeaderCarrier(job.Header))
 		ctx, span := r.startProcess(ctx, job)
 		ctx, cancel := context.WithTimeoutCause(ctx, r.timeout(job), ErrHandleTimeout)
-		ctx, detach := r.cancels.attach(ctx, job) // cancel.go
+		ctx, cc := r.cancels.attach(ctx, job) // cancel.go
 		r.event(ctx, Event{Kind: EventJobStarted, Job: job, Seq: seq, Attempt: st.runs})
 		start := time.Now()
 		dog := r.watch(ctx, j, job, st, start)
@@ -113,7 +118,7 @@ func (r *runner) attempts(j *jobRun, st retryState, halt <-chan struct{}) {
 		hung := dog.done()
 		err = attemptError(ctx, err)
 		cancel()
-		detach()
+		r.cancels.detach(job, cc)
 		if hung {
 			// Given up on, and reported by the watchdog: the partition is
 			// released.
@@ -136,10 +141,13 @@ func (r *runner) attempts(j *jobRun, st retryState, halt <-chan struct{}) {
 			err = effErr
 		}
 		if err == nil {
-			rep := report{run: j, kind: reportSucceeded, st: st, job: job, ctx: ctx, span: span, took: took, reply: make(chan error, 1)}
+			rep := report{run: j, kind: reportSucceeded, st: st, job: job, ctx: ctx, span: span, took: took, reply: replies.Get().(chan error)}
 			r.tell(rep)
 			select {
 			case err = <-rep.reply:
+				// The runner answers once: the channel is empty and
+				// no longer the runner's.
+				replies.Put(rep.reply)
 			case <-r.gone:
 				return
 			}

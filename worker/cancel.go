@@ -525,10 +525,10 @@ func (c *cancels) late(job *Job) bool {
 }
 
 // attach returns ctx, cancelled with the cause ErrJobCancelled when job's
-// cancel arrives (at once if it has), and the function that detaches it.
-func (c *cancels) attach(ctx context.Context, job *Job) (context.Context, func()) {
+// cancel arrives (at once if it has), and its cancel, for detach.
+func (c *cancels) attach(ctx context.Context, job *Job) (context.Context, context.CancelCauseFunc) {
 	if c == nil {
-		return ctx, func() {}
+		return ctx, nil
 	}
 	ctx, cc := context.WithCancelCause(ctx)
 	c.mu.Lock()
@@ -537,12 +537,18 @@ func (c *cancels) attach(ctx context.Context, job *Job) (context.Context, func()
 	if c.has(job) {
 		cc(ErrJobCancelled)
 	}
-	return ctx, func() {
-		c.mu.Lock()
-		delete(c.running, job)
-		c.mu.Unlock()
-		cc(nil)
+	return ctx, cc
+}
+
+// detach ends what attach began for job, whose context's cancel is cc.
+func (c *cancels) detach(job *Job, cc context.CancelCauseFunc) {
+	if c == nil {
+		return
 	}
+	c.mu.Lock()
+	delete(c.running, job)
+	c.mu.Unlock()
+	cc(nil)
 }
 
 // cancelled settles the attempt job of j if j is cancelled: it aborts the

@@ -80,7 +80,8 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 		j.fail(err)
 		return err
 	}
-	msg := &nats.Msg{Subject: subject, Data: data, Header: make(nats.Header, len(extra)+j.r.headerRoom())}
+	e := &effectMsg{Msg: nats.Msg{Subject: subject, Data: data, Header: make(nats.Header, len(extra)+j.r.headerRoom())}}
+	msg := &e.Msg
 	for k, vs := range extra {
 		// The stamp's and the job mark's headers, in either form and any
 		// spelling, are the worker's alone: a caller's copy beside the
@@ -105,7 +106,9 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 		}
 		size = leasehold.PackedSize(leasehold.PackedEffect{Key: stamp.Key, Header: msg.Header, Data: data})
 	}
-	j.r.setStamp(msg.Header, stamp, j.nonce)
+	stamp.SetHeaderAs(msg.Header, j.r.w.cfg.StampFormat)
+	e.id[0] = MessageID(stamp, j.nonce)
+	msg.Header[jetstream.MsgIDHeader] = e.id[:]
 	leasehold.JobMark{Job: j.Seq, Attempt: j.wire}.SetHeaderAs(msg.Header, j.r.w.cfg.StampFormat)
 	if j.replayed() {
 		// A job stored again (a replay) emits its origin's keys: the
@@ -138,6 +141,13 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 	return nil
 }
 
+// effectMsg is an effect's message with the value of its message ID
+// header, in one allocation: both live as long as the message.
+type effectMsg struct {
+	nats.Msg
+	id [1]string
+}
+
 // send publishes one of j's effects without waiting for its
 // acknowledgement, which close hands to the runner.
 func (j *Job) send(ctx context.Context, msg *nats.Msg) error {
@@ -151,6 +161,9 @@ func (j *Job) send(ctx context.Context, msg *nats.Msg) error {
 		return &EffectError{Subject: msg.Subject, Key: effectKey(msg), Err: err}
 	}
 	j.mu.Lock()
+	if j.futs == nil {
+		j.futs = j.futBuf[:0]
+	}
 	j.futs = append(j.futs, fut)
 	j.output(msg.Subject).sent = true
 	j.mu.Unlock()
@@ -240,16 +253,30 @@ func MessageID(s leasehold.Stamp, nonce string) string {
 func newNonce() string {
 	var b [8]byte
 	_, _ = rand.Read(b[:])
-	return hex.EncodeToString(b[:])
+	var x [16]byte
+	hex.Encode(x[:], b[:])
+	return string(x[:])
 }
 
 // publishAsync sends msg without waiting for its acknowledgement, waiting
-// for room when too many are outstanding.
+// for room when too many are outstanding: at least EffectTimeout, then for
+// as long as ctx and the lease last.
+//
+// The publish takes no options: an option costs allocations on every
+// effect, and a stall is rare. The client's own stall wait (200 ms) is
+// shorter than EffectTimeout, so the loop counts the time itself.
 func (r *runner) publishAsync(ctx context.Context, msg *nats.Msg) (jetstream.PubAckFuture, error) {
+	var since time.Time
 	for {
-		fut, err := r.w.cfg.JetStream.PublishMsgAsync(msg, jetstream.WithStallWait(r.w.cfg.EffectTimeout))
+		fut, err := r.w.cfg.JetStream.PublishMsgAsync(msg)
 		if !errors.Is(err, jetstream.ErrTooManyStalledMsgs) {
 			return fut, err
+		}
+		if since.IsZero() {
+			since = time.Now().Add(-stallWait)
+		}
+		if time.Since(since) < r.w.cfg.EffectTimeout {
+			continue
 		}
 		if ctx.Err() != nil {
 			return nil, fmt.Errorf("%w: %w", err, context.Cause(ctx))
@@ -259,6 +286,11 @@ func (r *runner) publishAsync(ctx context.Context, msg *nats.Msg) (jetstream.Pub
 		}
 	}
 }
+
+// stallWait is how long a publish without a stall wait of its own waits
+// for room before it fails with jetstream.ErrTooManyStalledMsgs (the
+// client's default).
+const stallWait = 200 * time.Millisecond
 
 // effectTransient reports whether an effect failure is the transport's
 // (a timeout, a lost connection, a stream that is not answering): such a

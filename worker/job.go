@@ -59,6 +59,14 @@ type Job struct {
 	futs   []jetstream.PubAckFuture
 	failed error // the first effect that could not be written
 	closed bool  // the attempt is over: nothing more may be emitted
+
+	// Room for what most attempts have, one publish and one subject's
+	// undo (see finish), without an allocation of their own. The
+	// runner's jobRun shares them until the job is done.
+	futBuf  [1]jetstream.PubAckFuture
+	undoBuf [1]afterUndo
+
+	dog watchdog // the attempt's (hang.go)
 }
 
 type jobKey struct{}

@@ -152,7 +152,7 @@ func (j *Job) sendHeld(ctx context.Context, rest []heldEffect, last heldEffect, 
 // final with its watermark floor (leasehold.HeaderFloor). The runner's
 // goroutine alone calls it.
 func (j *Job) finish(ctx context.Context, after map[string]uint64, floored bool, floor uint64) ([]jetstream.PubAckFuture, []afterUndo, error) {
-	var undo []afterUndo
+	undo := j.undoBuf[:0]
 	// The attempt is closed: no subject is added while this runs.
 	for i := range j.outs {
 		o := &j.outs[i]
