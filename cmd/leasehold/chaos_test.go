@@ -2,6 +2,8 @@ package main
 
 import (
 	"encoding/json"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -9,6 +11,35 @@ import (
 	"github.com/leasehold/leasehold/internal/testskip"
 	"github.com/leasehold/leasehold/testing/chaos"
 )
+
+// chaosDir is a directory for a chaos run's history and logs, removed
+// with the test. When the test fails, the processes' logs (warnings and
+// errors: the fleet runs at --log-level warn) are printed first, their
+// last lines each: a stall or a loss the checker reports is explained
+// there, and the directory is gone once the test ends.
+func chaosDir(t *testing.T) string {
+	t.Helper()
+	dir := t.TempDir()
+	t.Cleanup(func() {
+		if !t.Failed() {
+			return
+		}
+		logs, _ := filepath.Glob(filepath.Join(dir, "logs", "*.log"))
+		for _, f := range logs {
+			b, err := os.ReadFile(f)
+			if err != nil {
+				t.Logf("%s: %v", f, err)
+				continue
+			}
+			lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+			if len(lines) > 40 {
+				lines = lines[len(lines)-40:]
+			}
+			t.Logf("the last %d lines of %s:\n%s", len(lines), filepath.Base(f), strings.Join(lines, "\n"))
+		}
+	})
+	return dir
+}
 
 // The chaos command end to end, as CI runs it but shorter: workers and a
 // sink as processes of this binary, every fault type, a history checked
@@ -18,7 +49,7 @@ import (
 // report, with a few faults.
 func TestChaosCommand(t *testing.T) {
 	ctx := fleetTest(t, "starts a fleet of processes", 8*time.Minute)
-	dir := t.TempDir()
+	dir := chaosDir(t)
 	out, err := run(t, ctx, "chaos", "--duration", "6s", "--fault-gap", "500ms", "--json", "--dir", dir)
 	var rep map[string]any
 	if jerr := json.Unmarshal([]byte(out), &rep); jerr != nil {
@@ -71,7 +102,7 @@ func TestChaosCheckerFailsWithoutFencing(t *testing.T) {
 			FaultGap: 500 * time.Millisecond,
 			WorkTime: 200 * time.Millisecond,
 			Unfenced: true,
-			Dir:      t.TempDir(),
+			Dir:      chaosDir(t),
 		}
 		res, err := chaos.Run(ctx, cfg)
 		if err != nil {
@@ -115,7 +146,7 @@ func TestChaosCheckerFailsWithoutVerifier(t *testing.T) {
 		Faults:         []string{chaos.FaultRelayPause},
 		FaultGap:       500 * time.Millisecond,
 		HTTPUnverified: true,
-		Dir:            t.TempDir(),
+		Dir:            chaosDir(t),
 	}
 	res, err := chaos.Run(ctx, cfg)
 	if err != nil {
@@ -150,7 +181,7 @@ func TestChaosServerRestartsLoseNothing(t *testing.T) {
 	// them (there a restart is one fault type among many), with the server
 	// up long enough between them for jobs to flow on a loaded machine:
 	// eight seconds of restarts a second apart once let no job in at all.
-	cfg := chaos.Config{Duration: 12 * time.Second, Faults: []string{chaos.FaultNATSRestart}, FaultGap: 2 * time.Second, Dir: t.TempDir()}
+	cfg := chaos.Config{Duration: 12 * time.Second, Faults: []string{chaos.FaultNATSRestart}, FaultGap: 2 * time.Second, Dir: chaosDir(t)}
 	res, err := chaos.Run(ctx, cfg)
 	if err != nil {
 		t.Fatal(err)
