@@ -93,6 +93,9 @@ type unpackedEffect struct {
 	m     logMsg
 	stamp leasehold.Stamp
 	mark  leasehold.JobMark
+	// vals are its compact stamp and mark, where the message carries
+	// them: its header's values, which come with it.
+	vals [2]string
 }
 
 var (
@@ -133,8 +136,8 @@ func (p *unpacked) read(m *logMsg, n int) error {
 	// full, so that an append to one effect's copy is its own.
 	origin := headerValues(m.header, leasehold.HeaderOrigin)
 	origin = origin[:len(origin):len(origin)]
-	vals, stamps, marks := compact(m, entries, st, mark)
 	p.effects = make([]unpackedEffect, n)
+	stamps, marks := compact(m, entries, st, p.effects)
 	plain := leasehold.JobMark{Job: mark.Job, Attempt: mark.Attempt}
 	for i := range entries {
 		e := &entries[i]
@@ -156,12 +159,12 @@ func (p *unpacked) read(m *logMsg, n int) error {
 		// The entry's headers hold no stamp or mark header (Unpack
 		// refuses them): the compact ones are set without a search.
 		if stamps {
-			h[leasehold.HeaderStamp] = vals[i : i+1 : i+1]
+			h[leasehold.HeaderStamp] = u.vals[0:1:1]
 		} else {
 			u.stamp.SetHeader(h)
 		}
 		if marks {
-			h[leasehold.HeaderMark] = vals[n+i : n+i+1 : n+i+1]
+			h[leasehold.HeaderMark] = u.vals[1:2:2]
 		} else {
 			u.mark.SetHeaderAs(h, leasehold.StampLegacy)
 		}
@@ -172,22 +175,21 @@ func (p *unpacked) read(m *logMsg, n int) error {
 	return nil
 }
 
-// compact returns the values of the compact stamp and mark headers of
-// the effects of packed message m, whose entries were read: vals[i] is
-// effect i's stamp, vals[n+i] its mark, each set only when m carries
-// that header in the compact form (the legacy form is written per
-// effect). The last effect's are m's own; the others' are parts of one
-// string.
-func compact(m *logMsg, entries []leasehold.PackedEffect, st leasehold.Stamp, mark leasehold.JobMark) (vals []string, stamps, marks bool) {
+// compact sets the values of the compact stamp and mark headers of the
+// effects of packed message m, whose entries were read, in their vals:
+// each only when m carries that header in the compact form (the legacy
+// form is written per effect), and reports which it set. The last
+// effect's are m's own; the others' are parts of m's and of one string.
+func compact(m *logMsg, entries []leasehold.PackedEffect, st leasehold.Stamp, effects []unpackedEffect) (stamps, marks bool) {
 	n := len(entries)
 	stampV, stamps := headerGet(m.header, leasehold.HeaderStamp)
 	markV, marks := headerGet(m.header, leasehold.HeaderMark)
 	if !stamps && !marks {
-		return nil, false, false
+		return false, false
 	}
 	// A compact value that was read is the stamp's (the mark's) one
-	// spelling: the others' differ from it only in the key.
-	var head, tail string
+	// spelling: the others' differ from it only in the key (in the
+	// fields a final adds).
 	if stamps {
 		// "1 <scope> <partition> <epoch> <acquisition> <key>[ <worker>]":
 		// the key starts after the fifth space.
@@ -195,14 +197,7 @@ func compact(m *logMsg, entries []leasehold.PackedEffect, st leasehold.Stamp, ma
 		for range 5 {
 			at += strings.IndexByte(stampV[at:], ' ') + 1
 		}
-		head, tail = stampV[:at], stampV[at+len(st.Key):]
-	}
-	var plain string
-	if marks {
-		plain = leasehold.JobMark{Job: mark.Job, Attempt: mark.Attempt}.Compact()
-	}
-	vals = make([]string, 2*n)
-	if stamps {
+		head, tail := stampV[:at], stampV[at+len(st.Key):]
 		size := 0
 		for i := range n - 1 {
 			size += len(head) + len(entries[i].Key) + len(tail)
@@ -217,17 +212,32 @@ func compact(m *logMsg, entries []leasehold.PackedEffect, st leasehold.Stamp, ma
 		all, from := b.String(), 0
 		for i := range n - 1 {
 			to := from + len(head) + len(entries[i].Key) + len(tail)
-			vals[i], from = all[from:to], to
+			effects[i].vals[0], from = all[from:to], to
 		}
-		vals[n-1] = stampV
+		effects[n-1].vals[0] = stampV
 	}
 	if marks {
-		for i := range n - 1 {
-			vals[n+i] = plain
+		// "1 <job> <attempt>[ <effects> <after>[ <floor>]]": the plain
+		// mark of the job and attempt is its first three fields.
+		plain := markV
+		at := 0
+		for range 3 {
+			sp := strings.IndexByte(markV[at:], ' ')
+			if sp < 0 {
+				at = -1
+				break
+			}
+			at += sp + 1
 		}
-		vals[2*n-1] = markV
+		if at > 0 {
+			plain = markV[:at-1]
+		}
+		for i := range n - 1 {
+			effects[i].vals[1] = plain
+		}
+		effects[n-1].vals[1] = markV
 	}
-	return vals, stamps, marks
+	return stamps, marks
 }
 
 // headerSize is the wire size of headers h.

@@ -378,3 +378,40 @@ func describeRunner(r *Runner, w *work) string {
 	return fmt.Sprintf("chains %v delta %v open %v busy %v lanes %v held %d bytes %d above %d overflow %v grouped %v raised %v soon %v",
 		chains, delta, open, busy, lanes, gs.held, gs.bytes, gs.above, gs.overflow, w.grouped, raised, soon)
 }
+
+// Each effect of a packed message carries the stamp and the mark it would
+// carry alone: in the compact form, its key in the message's stamp, and the
+// plain mark of the job and attempt, cut from the message's mark.
+func TestPackedCompactHeadersAsAlone(t *testing.T) {
+	for _, mark := range []leasehold.JobMark{
+		{Job: 7, Attempt: 1},
+		{Job: 7, Attempt: 3, Effects: 3, After: 6},
+		{Job: 1 << 62, Attempt: 1 << 52, Effects: 4096, After: 1<<62 - 1, Floored: true, Floor: 1 << 61},
+		{Job: 12, Attempt: 2, Effects: 9, After: 0, Floored: true},
+	} {
+		l := &packLog{}
+		keys := []string{leasehold.EffectKey(packScope, 3, mark.Job, 0), "other-key", leasehold.EffectKey(packScope, 3, mark.Job, 2)}
+		l.packMsg(3, "out.0", 4, "a4", keys, mark, leasehold.StampCompact, "")
+		var p unpacked
+		if err := p.read(l.msgs[0], len(keys)); err != nil {
+			t.Fatalf("mark %+v: %v", mark, err)
+		}
+		for i, e := range p.effects {
+			want := leasehold.JobMark{Job: mark.Job, Attempt: mark.Attempt}
+			if i == len(keys)-1 {
+				want = mark
+			}
+			h := nats.Header{}
+			leasehold.Stamp{Scope: packScope, Partition: 3, Epoch: 4, Acquisition: "a4", Key: keys[i], Worker: "w1"}.SetHeaderAs(h, leasehold.StampCompact)
+			want.SetHeaderAs(h, leasehold.StampCompact)
+			for _, name := range []string{leasehold.HeaderStamp, leasehold.HeaderMark} {
+				if got := e.m.header[name]; !slices.Equal(got, h[name]) || cap(got) != 1 {
+					t.Errorf("mark %+v, effect %d: %s %q (capacity %d), want %q alone", mark, i, name, got, cap(got), h[name])
+				}
+			}
+			if e.mark != want || e.stamp.Key != keys[i] {
+				t.Errorf("mark %+v, effect %d: read as %+v, key %q; want %+v, %q", mark, i, e.mark, e.stamp.Key, want, keys[i])
+			}
+		}
+	}
+}
