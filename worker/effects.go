@@ -264,16 +264,23 @@ func newNonce() string {
 //
 // The publish takes no options: an option costs allocations on every
 // effect, and a stall is rare. The client's own stall wait (200 ms) is
-// shorter than EffectTimeout, so the loop counts the time itself.
+// shorter than EffectTimeout, so the loop counts the time itself; only an
+// EffectTimeout shorter still is passed as the publish's stall wait.
 func (r *runner) publishAsync(ctx context.Context, msg *nats.Msg) (jetstream.PubAckFuture, error) {
 	var since time.Time
 	for {
-		fut, err := r.w.cfg.JetStream.PublishMsgAsync(msg)
+		var fut jetstream.PubAckFuture
+		var err error
+		if r.w.cfg.EffectTimeout < stallWait {
+			fut, err = r.w.cfg.JetStream.PublishMsgAsync(msg, jetstream.WithStallWait(r.w.cfg.EffectTimeout))
+		} else {
+			fut, err = r.w.cfg.JetStream.PublishMsgAsync(msg)
+		}
 		if !errors.Is(err, jetstream.ErrTooManyStalledMsgs) {
 			return fut, err
 		}
 		if since.IsZero() {
-			since = time.Now().Add(-stallWait)
+			since = time.Now().Add(-min(stallWait, r.w.cfg.EffectTimeout))
 		}
 		if time.Since(since) < r.w.cfg.EffectTimeout {
 			continue
