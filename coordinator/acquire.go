@@ -84,6 +84,11 @@ type Coordinator struct {
 	// reconciliation queues for this worker to take, and the number of
 	// members (this worker among them) its view held then.
 	queueHook atomic.Pointer[func(p leasehold.Partition, members int)]
+
+	// listHook, set by tests only, changes the list of holdings this
+	// worker's registration is to list: a list that lags behind what the
+	// worker holds.
+	listHook atomic.Pointer[func(held []leasehold.Partition) []leasehold.Partition]
 }
 
 // New returns a Coordinator for the worker cfg describes.
@@ -201,7 +206,15 @@ func (c *Coordinator) acquire(ctx context.Context, t target, o acquireOpts) (*Le
 	if err != nil {
 		return nil, err
 	}
-	return c.handOut(ctx, l, t, o, l.fence(ctx, o.repair))
+	l, err = c.handOut(ctx, l, t, o, l.fence(ctx, o.repair))
+	if err == nil && l.displaced.Holder != "" {
+		// The holder of the unlisted record may hold it after all (its
+		// list lagged behind, or this worker's view of it did): its
+		// session is live, and it does not watch the partition records.
+		// Tell it, as a Fence does, now that the fence step has landed.
+		c.notify(context.WithoutCancel(ctx), l.displaced.Holder, t.p, l.displaced.Epoch)
+	}
+	return l, err
 }
 
 // handOut ends an acquisition whose lease key l holds once its fence step
@@ -259,6 +272,9 @@ func (c *Coordinator) acquireKey(ctx context.Context, t target, o acquireOpts) (
 		transient bool // the last attempt failed without an answer: back off
 		// pr is what the key holds at expect: how its last holder let go.
 		pr = o.prior
+		// displaced is the lease of a live session whose record, at
+		// expect, is overwritten as unlisted (o.orphan).
+		displaced leasehold.Lease
 	)
 	if expect == 0 {
 		pr = priorFree
@@ -286,6 +302,9 @@ func (c *Coordinator) acquireKey(ctx context.Context, t target, o acquireOpts) (
 		if err == nil {
 			l := c.newLease(t, rec, rev, sent, sess)
 			l.prior = pr
+			if displaced.Holder != "" && expect == uint64(displaced.Epoch) {
+				l.displaced = displaced
+			}
 			return l, nil
 		}
 		lastErr = err
@@ -319,6 +338,7 @@ func (c *Coordinator) acquireKey(ctx context.Context, t target, o acquireOpts) (
 				// send, the earliest it can have been stored.
 				l := c.newLease(t, rec, e.rev, firstSent, sess)
 				l.prior = pr
+				l.displaced = displaced // a hint: the holder reads its record through the leader
 				if ctx.Err() != nil {
 					_ = l.Release(context.WithoutCancel(ctx))
 					return nil, fmt.Errorf("coordinator: acquire %s: %w", t, ctx.Err())
@@ -341,18 +361,24 @@ func (c *Coordinator) acquireKey(ctx context.Context, t target, o acquireOpts) (
 					continue
 				}
 				rctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), c.cfg.RequestTimeout)
-				live, lerr := c.sessionLive(rctx, r.Holder, r.Session)
+				live, reg, lerr := c.sessionRecord(rctx, r.Holder, r.Session)
 				cancel()
 				if lerr != nil {
 					lastErr = fmt.Errorf("%w (%v)", err, lerr)
 					transient = true
 					continue
 				}
-				if !live || (o.orphan != 0 && e.rev == o.orphan) {
+				// An unlisted record is overwritten only if the holder's
+				// registration, as the leader has it, does not list it
+				// either: this worker's view of that list may be behind.
+				if !live || (o.orphan != 0 && e.rev == o.orphan && t.kind == kindPartition && !c.lists(reg, t.p)) {
 					// Its session has ended for good, or its holder does
 					// not hold it: the partition is free, at exactly this
 					// revision.
 					expect, pr = e.rev, priorLost
+					if live {
+						displaced = c.b.leaseOf(t, r, e.rev)
+					}
 					continue
 				}
 			}

@@ -136,7 +136,10 @@ func (g *group) listLag() time.Duration {
 // listed it since, for longer than a list can lag (listLag):
 // the member does not hold it, and has not removed it (a release whose
 // failure it did not see). An acquisition may then overwrite exactly that
-// revision. It returns 0 otherwise.
+// revision, if the holder's registration as the stream leader has it does
+// not list the partition either (this view may be behind), and it tells
+// the holder (notice.go): a list can lag for longer still, under load, and
+// the holder may hold the partition after all. It returns 0 otherwise.
 func (g *group) unlisted(p leasehold.Partition, now time.Time) uint64 {
 	h, ok := g.heldBy[p]
 	if !ok || now.Sub(h.since) <= g.listLag() {
@@ -238,8 +241,12 @@ func (g *group) flushAdvert() {
 		return
 	}
 	g.mu.Lock()
-	holds := encodeHolds(heldList(g.held))
+	list := heldList(g.held)
 	g.mu.Unlock()
+	if h := g.c.listHook.Load(); h != nil {
+		list = (*h)(list)
+	}
+	holds := encodeHolds(list)
 	if g.advMember == g.member && g.advHolds == holds {
 		return
 	}

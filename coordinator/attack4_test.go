@@ -18,16 +18,24 @@ import (
 	"github.com/leasehold/leasehold/testing/natstest"
 )
 
-// forgeNotice publishes value as notice.<worker>, as anyone who can write
+// noticeSubject is the subject of a notice to worker carrying value: the
+// key of the partition value names (0 when it names none).
+func noticeSubject(b *coordinator.Bucket, worker string, value []byte) string {
+	var n struct{ Partition uint32 }
+	_ = json.Unmarshal(value, &n)
+	return fmt.Sprintf("$KV.%s.notice.%s.%d", b.Name(), worker, n.Partition)
+}
+
+// forgeNotice publishes value as notice.<worker>.<partition>, as anyone who can write
 // to the lease bucket can.
 func forgeNotice(t *testing.T, ctx context.Context, js jetstream.JetStream, b *coordinator.Bucket, worker string, value []byte) {
 	t.Helper()
-	if _, err := js.Publish(ctx, "$KV."+b.Name()+".notice."+worker, value, jetstream.WithMsgTTL(5*time.Second)); err != nil {
+	if _, err := js.Publish(ctx, noticeSubject(b, worker, value), value, jetstream.WithMsgTTL(5*time.Second)); err != nil {
 		t.Fatal(err)
 	}
 }
 
-// forgeNotices publishes each of values as notice.<worker>, in order, as
+// forgeNotices publishes each of values as notice.<worker>.<partition>, in order, as
 // forgeNotice does, without waiting for each acknowledgement before the
 // next: a window of them is in flight at once, and it returns when the
 // server has stored them all.
@@ -38,7 +46,7 @@ func forgeNotices(t *testing.T, ctx context.Context, js jetstream.JetStream, b *
 		n := min(window, len(values))
 		acks := make([]jetstream.PubAckFuture, 0, n)
 		for _, v := range values[:n] {
-			f, err := js.PublishAsync("$KV."+b.Name()+".notice."+worker, v, jetstream.WithMsgTTL(5*time.Second))
+			f, err := js.PublishAsync(noticeSubject(b, worker, v), v, jetstream.WithMsgTTL(5*time.Second))
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -271,7 +271,7 @@ func TestAttackFenceBeforeTheGroupTakesTheLeaseIn(t *testing.T) {
 					fencedAt.Store(int64(res.Epoch))
 					// The notice is written before the group can have taken
 					// the lease in: the acquisition is still being handed out.
-					e, err := kv.Get(ctxFor(t, 10*time.Second), "notice.a")
+					e, err := kv.Get(ctxFor(t, 10*time.Second), fmt.Sprintf("notice.a.%d", p))
 					if err != nil {
 						t.Errorf("Fence left no notice for a: %v", err)
 						return

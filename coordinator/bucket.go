@@ -288,8 +288,9 @@ const (
 	partitionKeyPrefix = "partition."
 	memberKeyPrefix    = "member."
 	lockKeyPrefix      = "lock."
-	// noticeKeyPrefix names the notices Fence leaves a worker whose
-	// session-held partition it removed (see notice.go).
+	// noticeKeyPrefix names the notices Fence, or a take-over of an
+	// unlisted record, leaves a worker whose session-held partition it
+	// removed (see notice.go): notice.<worker>.<partition>.
 	noticeKeyPrefix = "notice."
 	// progressKeyPrefix names the progress records an earlier leasehold
 	// kept in the lease bucket; Provision moves them out.
@@ -299,7 +300,22 @@ const (
 func partitionKey(p leasehold.Partition) string { return partitionKeyPrefix + p.String() }
 func progressKey(p leasehold.Partition) string  { return progressKeyPrefix + p.String() }
 func memberKey(worker string) string            { return memberKeyPrefix + worker }
-func noticeKey(worker string) string            { return noticeKeyPrefix + worker }
+
+// noticeKey is the key of worker's notices about partition p: one key a
+// partition, as a watch shows only the last of several writes to one key
+// that land together.
+func noticeKey(worker string, p leasehold.Partition) string {
+	return noticeKeyPrefix + worker + "." + p.String()
+}
+
+// noticeFilter matches every notice to worker.
+func noticeFilter(worker string) string { return noticeKeyPrefix + worker + ".>" }
+
+// isNoticeTo reports whether key is a notice to worker.
+func isNoticeTo(key, worker string) bool {
+	rest, ok := strings.CutPrefix(key, noticeKeyPrefix+worker+".")
+	return ok && rest != ""
+}
 
 // validToken reports whether s can be one token of a NATS subject and a KV
 // key: letters, digits, '-', '_' (and '.' separated tokens when dots is set).

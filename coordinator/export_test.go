@@ -70,6 +70,24 @@ func (c *Coordinator) SetNoticeHook(f func(event string, data []byte)) { c.notic
 // it tells the view it was taken on.
 func (c *Coordinator) SetQueueHook(f func(p leasehold.Partition, members int)) { c.queueHook.Store(&f) }
 
+// Advertise makes l, a listing registration, list ps and writes it.
+func (l *Lease) Advertise(ctx context.Context, ps []leasehold.Partition) error {
+	return l.advertise(ctx, encodeHolds(ps), false)
+}
+
+// AcquireUnlisted acquires partition p held by session, as Run does once
+// its view says the live session that wrote p's record at rev does not
+// list it (acquireOpts.orphan).
+func (c *Coordinator) AcquireUnlisted(ctx context.Context, p leasehold.Partition, session *Lease, rev uint64) (*Lease, error) {
+	return c.acquire(ctx, partitionTarget(p), acquireOpts{session: session, orphan: rev})
+}
+
+// SetListHook has f choose the list of holdings c's registration lists,
+// from what c holds: a list that lags behind its holdings.
+func (c *Coordinator) SetListHook(f func(held []leasehold.Partition) []leasehold.Partition) {
+	c.listHook.Store(&f)
+}
+
 // RewriteUnseen publishes l's record again over its current revision, on
 // l's own connection and without waiting for the answer: a renewal whose
 // answer was never read (its request was cancelled, or timed out) and

@@ -21,7 +21,7 @@ import (
 func (g *group) watch(ctx context.Context) error {
 	wctx, cancel := context.WithCancel(ctx)
 	var ws []jetstream.KeyWatcher
-	filters := []string{memberKeyPrefix + ">", noticeKey(g.c.cfg.Worker)}
+	filters := []string{memberKeyPrefix + ">", noticeFilter(g.c.cfg.Worker)}
 	if g.watchParts {
 		filters = append(filters, partitionKeyPrefix+">")
 	}
@@ -117,7 +117,7 @@ func (g *group) onWatch(ctx context.Context, ev watchEvent) bool {
 	if g.next != nil {
 		if ev.entry != nil {
 			g.noticeRewrite(ev.entry)
-			if ev.entry.Key() == noticeKey(g.c.cfg.Worker) && ev.entry.Operation() == jetstream.KeyValuePut {
+			if isNoticeTo(ev.entry.Key(), g.c.cfg.Worker) && ev.entry.Operation() == jetstream.KeyValuePut {
 				g.onNotice(ctx, ev.entry.Value())
 			}
 			g.next.apply(ev.entry)
@@ -136,7 +136,7 @@ func (g *group) onWatch(ctx context.Context, ev watchEvent) bool {
 	}
 	g.noticeRewrite(ev.entry)
 	key := ev.entry.Key()
-	if key == noticeKey(g.c.cfg.Worker) {
+	if isNoticeTo(key, g.c.cfg.Worker) {
 		if ev.entry.Operation() == jetstream.KeyValuePut {
 			g.onNotice(ctx, ev.entry.Value())
 		}

@@ -93,8 +93,12 @@ type Lease struct {
 	fenced   fenceRecord
 	previous fenceRecord // the record the fence step replaced: who held it before
 	prior    prior       // what the lease key held when it was written: how the last holder let go
-	progRead bool        // the fence record has been written under this lease
-	repaired []string    // what a repairing fence step rewrote
+	// displaced is the lease of a live session whose record this
+	// acquisition overwrote as unlisted (acquireOpts.orphan): its holder
+	// is told (notify), as it does not watch the partition records.
+	displaced leasehold.Lease
+	progRead  bool     // the fence record has been written under this lease
+	repaired  []string // what a repairing fence step rewrote
 
 	stopOnce sync.Once
 	stop     chan struct{} // closes to stop the keepalive

@@ -16,10 +16,14 @@ import (
 // remove one of its session-held partition records, and would hold the
 // partition in its own eyes, and in its list, until its next progress
 // commit was refused: an idle partition would stay free and unassigned.
-// So Fence leaves the holder a notice, notice.<holder>, naming the
-// partition and the epoch it removed, that expires on its own; every
-// worker watches its own. A notice is only a hint: the holder ends the
-// lease only once the stream leader shows its record gone or replaced.
+// So Fence leaves the holder a notice, notice.<holder>.<partition>, naming
+// the partition and the epoch it removed, that expires on its own; every
+// worker watches its own. So does an acquisition that overwrites a live
+// session's record as unlisted (advert.go): its holder may hold it after
+// all. One key a partition: of several notices that land together on one
+// key, the holder's watch may show only the last. A notice is only a hint:
+// the holder ends the lease only once the stream leader shows its record
+// gone or replaced.
 
 // notice is what Fence tells a holder.
 type notice struct {
@@ -41,7 +45,7 @@ func (c *Coordinator) notify(ctx context.Context, holder string, p leasehold.Par
 	ttl := max(c.cfg.TTL, c.b.markerTTL, time.Second).Round(time.Second)
 	rctx, cancel := context.WithTimeout(ctx, c.cfg.RequestTimeout)
 	defer cancel()
-	if _, err := c.b.js.PublishMsg(rctx, &nats.Msg{Subject: c.b.prefix + noticeKey(holder), Data: data}, jetstream.WithMsgTTL(ttl)); err != nil {
+	if _, err := c.b.js.PublishMsg(rctx, &nats.Msg{Subject: c.b.prefix + noticeKey(holder, p), Data: data}, jetstream.WithMsgTTL(ttl)); err != nil {
 		c.cfg.Logger.Warn("could not tell the holder its partition was fenced; it learns at its next progress commit", "partition", p, "holder", holder, "err", err)
 	}
 }

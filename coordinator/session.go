@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -108,26 +109,49 @@ func (s *endedSessions) add(k sessionKey) {
 // sessionLive reports whether session rev of holder is still its
 // registration, as the stream leader of the lease bucket says.
 func (c *Coordinator) sessionLive(ctx context.Context, holder string, rev uint64) (bool, error) {
+	live, _, err := c.sessionRecord(ctx, holder, rev)
+	return live, err
+}
+
+// sessionRecord is sessionLive that also returns the registration the
+// leader has, when it is session rev's.
+func (c *Coordinator) sessionRecord(ctx context.Context, holder string, rev uint64) (bool, record, error) {
 	k := sessionKey{holder, rev}
 	if c.ended.has(k) {
-		return false, nil
+		return false, record{}, nil
 	}
 	if !validToken(holder, false) {
-		return false, nil // no registration can have this name
+		return false, record{}, nil // no registration can have this name
 	}
 	rctx, cancel := context.WithTimeout(ctx, c.cfg.RequestTimeout)
 	e, err := c.b.last(rctx, memberKey(holder))
 	cancel()
 	if err != nil {
-		return false, fmt.Errorf("read the registration of %s through the leader: %w", holder, err)
+		return false, record{}, fmt.Errorf("read the registration of %s through the leader: %w", holder, err)
 	}
 	if e.kind == entryValue {
 		if r, foreign := foreignReason(e.data, e.header); foreign == "" && r.Holder == holder && uint64(epochOf(r, e.rev)) == rev {
-			return true, nil
+			return true, r, nil
 		}
 	}
 	c.ended.add(k)
-	return false, nil
+	return false, record{}, nil
+}
+
+// lists reports whether registration r lists partition p among its
+// member's holdings; a registration without a list, or with one that does
+// not decode, counts as listing it: nothing shows that its member does not
+// hold p.
+func (c *Coordinator) lists(r record, p leasehold.Partition) bool {
+	if r.Holds == nil || c.cfg.Partitions <= 0 {
+		return true
+	}
+	holds, err := decodeHolds(*r.Holds, c.cfg.Partitions)
+	if err != nil {
+		return true
+	}
+	_, listed := slices.BinarySearch(holds, int32(p))
+	return listed
 }
 
 // sessionEnded ends l, a session-held lease, because its session ended.
