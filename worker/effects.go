@@ -265,13 +265,15 @@ func newNonce() string {
 // The publish takes no options: an option costs allocations on every
 // effect, and a stall is rare. The client's own stall wait (200 ms) is
 // shorter than EffectTimeout, so the loop counts the time itself; only an
-// EffectTimeout shorter still is passed as the publish's stall wait.
+// EffectTimeout shorter still is passed as the stall wait of the first
+// publish: the ones after it wait the client's own, or a stall spins on
+// the publish, one try per EffectTimeout, for as long as it lasts.
 func (r *runner) publishAsync(ctx context.Context, msg *nats.Msg) (jetstream.PubAckFuture, error) {
 	var since time.Time
 	for {
 		var fut jetstream.PubAckFuture
 		var err error
-		if r.w.cfg.EffectTimeout < stallWait {
+		if r.w.cfg.EffectTimeout < stallWait && since.IsZero() {
 			fut, err = r.w.cfg.JetStream.PublishMsgAsync(msg, jetstream.WithStallWait(r.w.cfg.EffectTimeout))
 		} else {
 			fut, err = r.w.cfg.JetStream.PublishMsgAsync(msg)
