@@ -103,3 +103,70 @@ func TestAttackRoundTinyEffectTimeoutDoesNotSpinOnAStall(t *testing.T) {
 		t.Fatalf("a stall of one second took %d publishes: the wait for room spins at EffectTimeout (%v) per try", res.calls, cfg.EffectTimeout)
 	}
 }
+
+// A handler whose context ends while its effect waits for room returns
+// then: the wait looks at the context between the client's stall waits.
+// An EffectTimeout longer than HandleTimeout and HangGrace together (a
+// slow cluster's) must not keep it waiting past its context's end until
+// the worker takes it for hung, gives its partition up and counts a
+// failure against a handler that did nothing wrong, on every job that
+// waits for room when the server is slowest.
+func TestAttackRoundStalledEffectEndsWithItsContext(t *testing.T) {
+	e := newEnv(t, 1)
+	nc := e.srv.Connect(t)
+	limited, err := jetstream.New(nc, jetstream.WithPublishAsyncMaxPending(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	hold, err := nc.SubscribeSync("attack-round.hold")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := newRecorder()
+	e.enqueue(t, 0, 1)
+	first := make(chan error, 1)
+	var attempts atomic.Int64
+	cfg := e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
+		if attempts.Add(1) > 1 {
+			return j.Emit(ctx, j.Data)
+		}
+		if _, err := limited.PublishMsgAsync(&nats.Msg{Subject: "attack-round.hold", Data: []byte("x")}); err != nil {
+			first <- err
+			return err
+		}
+		// The first effect is held until the next on its subject sends it.
+		err := j.Emit(ctx, j.Data)
+		if err == nil {
+			err = j.Emit(ctx, j.Data)
+		}
+		first <- err
+		if m, nerr := hold.NextMsg(10 * time.Second); nerr == nil {
+			_ = m.Respond([]byte(`{"stream":"HOLD","seq":1}`))
+		}
+		if err == nil {
+			err = errors.New("the effect was stored during the stall")
+		}
+		return err
+	}))
+	cfg.JetStream = limited
+	cfg.Observer = rec
+	cfg.EffectTimeout = 30 * time.Second
+	cfg.HandleTimeout = 500 * time.Millisecond
+	cfg.HangGrace = 3 * time.Second
+	start(t, cfg)
+	var res error
+	select {
+	case res = <-first:
+	case <-time.After(time.Minute):
+		t.Fatal("the first attempt did not end within a minute")
+	}
+	if res == nil {
+		t.Fatal("the effect was stored while the only pending slot was held")
+	}
+	if n := rec.count(kind(worker.EventJobHung)); n > 0 {
+		t.Fatalf("the handler was found hung %d times before its stalled effect returned (%v): the wait for room outlasted its context by HangGrace", n, res)
+	}
+	if !errors.Is(res, worker.ErrHandleTimeout) {
+		t.Errorf("the stalled effect ended with %v, want the cause of its context's end, %v", res, worker.ErrHandleTimeout)
+	}
+}

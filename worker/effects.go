@@ -260,7 +260,10 @@ func newNonce() string {
 
 // publishAsync sends msg without waiting for its acknowledgement, waiting
 // for room when too many are outstanding: at least EffectTimeout, then for
-// as long as ctx and the lease last.
+// as long as ctx and the lease last. A ctx that ends during the wait ends
+// it at once: a handler whose context ended must be able to return within
+// HangGrace, whatever EffectTimeout. One that had ended before (a final,
+// sent once the attempt's handler returned) waits EffectTimeout.
 //
 // The publish takes no options: an option costs allocations on every
 // effect, and a stall is rare. The client's own stall wait (200 ms) is
@@ -270,6 +273,7 @@ func newNonce() string {
 // the publish, one try per EffectTimeout, for as long as it lasts.
 func (r *runner) publishAsync(ctx context.Context, msg *nats.Msg) (jetstream.PubAckFuture, error) {
 	var since time.Time
+	live := ctx.Err() == nil
 	for {
 		var fut jetstream.PubAckFuture
 		var err error
@@ -283,6 +287,9 @@ func (r *runner) publishAsync(ctx context.Context, msg *nats.Msg) (jetstream.Pub
 		}
 		if since.IsZero() {
 			since = time.Now().Add(-min(stallWait, r.w.cfg.EffectTimeout))
+		}
+		if live && ctx.Err() != nil {
+			return nil, fmt.Errorf("%w: %w", err, context.Cause(ctx))
 		}
 		if time.Since(since) < r.w.cfg.EffectTimeout {
 			continue
