@@ -3,7 +3,10 @@ package leasehold_test
 import (
 	"bufio"
 	"bytes"
+	"io/fs"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 )
@@ -110,5 +113,40 @@ func TestFloorOf(t *testing.T) {
 	}
 	if got := floorOf("sinkhole"); got >= 0 && floors[got].name == "sinks" {
 		t.Errorf("sinkhole counted among the sinks")
+	}
+}
+
+// maxLines bounds a Go file's length: past it, a file holds more than one
+// concept, and should be split by them.
+const maxLines = 600
+
+// No Go file of the module is longer than maxLines.
+func TestFileLengths(t *testing.T) {
+	seen := 0
+	err := filepath.WalkDir(".", func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() && path != "." && (strings.HasPrefix(d.Name(), ".") || d.Name() == "testdata" || d.Name() == "node_modules") {
+			return filepath.SkipDir
+		}
+		if d.IsDir() || !strings.HasSuffix(path, ".go") {
+			return nil
+		}
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		seen++
+		if n := bytes.Count(b, []byte("\n")); n > maxLines {
+			t.Errorf("%s has %d lines, more than %d: split it by concept", path, n, maxLines)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if seen < 100 {
+		t.Fatalf("found %d Go files", seen)
 	}
 }
