@@ -132,16 +132,15 @@ func TestAttackRoundPackedOneStepEdges(t *testing.T) {
 			l.effectMsg(p, "out.9", 1, "a1", "opening", leasehold.JobMark{}, leasehold.StampCompact)
 			sc.log(l)
 			fast, slow := packRunner(0, sc.proven), packRunner(0, sc.proven)
+			slow.packsOneByOne = true
 			if sc.held > 0 {
 				fast.cfg.MaxHeldEffects, slow.cfg.MaxHeldEffects = sc.held, sc.held
 			}
 			wf, ws := &work{}, &work{}
 			ctx := context.Background()
-			defer func() { packedFast = true }()
 			var taken []uint64
 			for _, m := range l.msgs {
 				var of, os []outcome
-				packedFast = true
 				var errF error
 				if n, err := leasehold.PackCount(m.header); err == nil && n > 0 {
 					var u unpacked
@@ -153,7 +152,6 @@ func TestAttackRoundPackedOneStepEdges(t *testing.T) {
 				} else {
 					errF = fast.decideLog(ctx, wf, m, &of)
 				}
-				packedFast = false
 				errS := slow.decideLog(ctx, ws, m, &os)
 				where := fmt.Sprintf("log position %d", m.seq)
 				if fmt.Sprint(errF) != fmt.Sprint(errS) {

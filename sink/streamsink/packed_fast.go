@@ -19,10 +19,6 @@ import (
 // step: the check that its keys are distinct compares each pair.
 const maxPackedFast = 32
 
-// packedFast is false in tests that decide the same messages both ways
-// and compare the decisions.
-var packedFast = true
-
 // decidePacked decides the effects of packed message p, read from the log
 // at w's position, in one step and appends their outcomes to outs, or
 // reports false, changing nothing, where the effects must be decided one
@@ -32,7 +28,7 @@ var packedFast = true
 // the attempt's effects handed on, at the final, in log order.
 func (r *Runner) decidePacked(w *work, p *unpacked, outs *[]outcome) bool {
 	n := len(p.effects)
-	if !packedFast || n < 2 || n > maxPackedFast {
+	if r.packsOneByOne || n < 2 || n > maxPackedFast {
 		return false
 	}
 	st := p.stamp

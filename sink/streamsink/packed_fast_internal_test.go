@@ -22,6 +22,7 @@ import (
 // and by one that never does, and every outcome, and the chains, groups
 // and fences after each message, must be the same.
 func TestDecidePackedOneStepAsOneByOne(t *testing.T) {
+	t.Parallel()
 	seeds := 400
 	if testing.Short() {
 		seeds = 60
@@ -239,14 +240,13 @@ func comparePackedWays(t *testing.T, seed uint64) (taken, packs int) {
 	}
 	proven := seed%3 == 0
 	fast, slow := packRunner(seed, proven), packRunner(seed, proven)
+	slow.packsOneByOne = true
 	wf, ws := &work{}, &work{}
 	ctx := context.Background()
-	defer func() { packedFast = true }()
 	for _, m := range l.msgs {
 		var of, os []outcome
 		// The fast runner: the one step first, where it applies, and
 		// decideLog otherwise (which tries it again, and falls back).
-		packedFast = true
 		var errF error
 		oneStep := false
 		if n, err := leasehold.PackCount(m.header); err == nil && n > 0 {
@@ -261,7 +261,6 @@ func comparePackedWays(t *testing.T, seed uint64) (taken, packs int) {
 		} else {
 			errF = fast.decideLog(ctx, wf, m, &of)
 		}
-		packedFast = false
 		errS := slow.decideLog(ctx, ws, m, &os)
 		where := fmt.Sprintf("seed %d, log position %d", seed, m.seq)
 		if fmt.Sprint(errF) != fmt.Sprint(errS) {

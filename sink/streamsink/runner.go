@@ -124,6 +124,11 @@ import (
 
 // Runner consumes an effect log and applies it under the fence.
 type Runner struct {
+	// packsOneByOne, set by tests that decide the same messages both
+	// ways and compare the decisions, keeps decidePacked from taking a
+	// packed message in one step.
+	packsOneByOne bool
+
 	js      jetstream.JetStream
 	cfg     Config
 	cons    jetstream.Consumer
