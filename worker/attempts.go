@@ -60,51 +60,12 @@ var replies = sync.Pool{New: func() any { return make(chan error, 1) }}
 // is rewinding, stopping, or its lease is gone.
 var errHalted = errors.New("worker: the partition stopped taking jobs")
 
-// startJob starts j's attempts in a goroutine of their own: one whose
-// job ended and that waits for the next, or a new one.
-//
-// A new goroutine's stack starts small and grows, copied each time, as
-// the handler and the publishes run; one that ran a job has grown
-// already. So a goroutine whose job ended waits for the runner's next one
-// until the runner is gone, instead of ending: there are never more of
-// them than the jobs that ran at once, and the few whose job was ending
-// while the next started.
+// startJob starts j's attempts in a goroutine of its own.
 func (r *runner) startJob(j *jobRun) {
 	j.phase = phaseRunning
 	r.live++
 	r.w.tel.Metrics.JobsInFlight.Add(r.ctx, 1)
-	s := jobStart{run: j, st: r.retries[j.seq], halt: r.halt}
-	select {
-	case r.starts <- s:
-	default:
-		go r.runJobs(s)
-	}
-}
-
-// jobStart is a job for runJobs: startJob's arguments of attempts.
-type jobStart struct {
-	run  *jobRun
-	st   retryState
-	halt <-chan struct{}
-}
-
-// runJobs runs the attempts of s's job, then of each job the runner
-// hands it, until the runner is gone or its lease is (a handler hung,
-// the partition is lost or released).
-func (r *runner) runJobs(s jobStart) {
-	for {
-		r.attempts(s.run, s.st, s.halt)
-		if r.ctx.Err() != nil {
-			return
-		}
-		select {
-		case s = <-r.starts:
-		case <-r.gone:
-			return
-		case <-r.ctx.Done():
-			return
-		}
-	}
+	go r.attempts(j, r.retries[j.seq], r.halt)
 }
 
 // tell hands rep to the runner's goroutine.

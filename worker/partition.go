@@ -100,7 +100,6 @@ type runner struct {
 	// Shared with the jobs' goroutines.
 	reports chan report   // their reports
 	gone    chan struct{} // closed when run returns
-	starts  chan jobStart // jobs for a goroutine whose job ended (attempts.go)
 	wake    chan struct{} // a pool slot handed over (slots.go)
 	// wire numbers the attempts run under the lease: an attempt's number
 	// on the wire.
@@ -159,7 +158,6 @@ func newRunner(w *Worker, l *coordinator.Lease, prev *runner) *runner {
 		after:    map[string]uint64{},
 		reports:  make(chan report),
 		gone:     make(chan struct{}),
-		starts:   make(chan jobStart),
 		wake:     make(chan struct{}, 1),
 	}
 	r.spans = newSpans(r)
