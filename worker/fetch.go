@@ -10,6 +10,7 @@ import (
 	"github.com/leasehold/leasehold/internal/jspub"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/nats-io/nuid"
 )
 
 // fetcher reads one partition's jobs, in order, into out. It pulls from
@@ -57,13 +58,28 @@ func (f *fetcher) run(ctx context.Context, from uint64) {
 	defer close(f.done)
 	cfg := &f.r.w.cfg
 	next := from
+	// name is the consumer being created: it stays the same until a try
+	// succeeds, so a try whose answer was lost (sent just before the
+	// connection dropped, or to a server still starting) is not left
+	// behind as a second consumer: creating it again with the same
+	// config answers with the one the lost try made.
+	name := ""
 	for failures := 0; ctx.Err() == nil; {
 		if failures > 0 {
 			if sleep(ctx, min(50*time.Millisecond<<min(failures-1, 6), 2*time.Second)) != nil {
 				return
 			}
 		}
-		cons, err := cfg.JetStream.CreateConsumer(ctx, JobsStream(cfg.Prefix), jetstream.ConsumerConfig{
+		if name == "" {
+			name = "lh-" + nuid.Next()
+		}
+		// Each try is bounded on its own, whatever the JetStream
+		// context's default timeout: a request lost with a dropped
+		// connection is never answered, and the partition would wait
+		// that long with its jobs pending.
+		tctx, cancel := context.WithTimeout(ctx, syncTry(cfg.EffectTimeout))
+		cons, err := cfg.JetStream.CreateConsumer(tctx, JobsStream(cfg.Prefix), jetstream.ConsumerConfig{
+			Name:              name,
 			Description:       fmt.Sprintf("leasehold worker %s, partition %d, epoch %d", f.r.info.Holder, f.r.p, f.r.info.Epoch),
 			DeliverPolicy:     jetstream.DeliverByStartSequencePolicy,
 			OptStartSeq:       next,
@@ -73,6 +89,7 @@ func (f *fetcher) run(ctx context.Context, from uint64) {
 			Replicas:          1,
 			InactiveThreshold: time.Minute,
 		})
+		cancel()
 		if err != nil {
 			if ctx.Err() == nil {
 				failures++
@@ -89,13 +106,14 @@ func (f *fetcher) run(ctx context.Context, from uint64) {
 		// A server whose JetStream limits cap a request's batch gives the
 		// consumer that cap, and refuses every request for more.
 		info := cons.CachedInfo()
-		name, batch := info.Name, cfg.FetchBatch
+		name = "" // the next consumer is a new one
+		batch := cfg.FetchBatch
 		if limit := info.Config.MaxRequestBatch; limit > 0 && limit < batch {
 			batch = limit
 		}
 		start := next
-		next, err = f.pull(ctx, name, batch, next)
-		f.r.deleteConsumer(name)
+		next, err = f.pull(ctx, info.Name, batch, next)
+		f.r.deleteConsumer(info.Name)
 		if ctx.Err() != nil {
 			return
 		}

@@ -1,6 +1,7 @@
 package natstest
 
 import (
+	"bytes"
 	"net"
 	"strings"
 	"sync"
@@ -20,9 +21,11 @@ type Proxy struct {
 	cond    *sync.Cond
 	frozen  bool
 	closed  bool
-	holding int // reads held by a freeze
-	sent    int // of those, reads from a client (bytes it sent the server)
-	gen     int // bumped by Cut: pipes of an earlier generation drop what they hold
+	holding int           // reads held by a freeze
+	sent    int           // of those, reads from a client (bytes it sent the server)
+	gen     int           // bumped by Cut: pipes of an earlier generation drop what they hold
+	cutAt   []byte        // CutAt's pattern, until a client sends it
+	cutDone chan struct{} // closed when it did
 	conns   []net.Conn
 	wg      sync.WaitGroup
 }
@@ -87,6 +90,19 @@ func (p *Proxy) Cut() {
 	}
 }
 
+// CutAt arms a cut at a request: the next read from a client that holds
+// pattern is dropped and every connection is cut, as a network that loses
+// the connection with that request on it. The request never reaches the
+// server, and its client, reconnected, never gets an answer. The channel
+// closes when it happened.
+func (p *Proxy) CutAt(pattern string) <-chan struct{} {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.cutAt = []byte(pattern)
+	p.cutDone = make(chan struct{})
+	return p.cutDone
+}
+
 func (p *Proxy) set(frozen bool) {
 	p.mu.Lock()
 	p.frozen = frozen
@@ -146,7 +162,16 @@ func (p *Proxy) pipe(dst, src net.Conn, fromClient bool, gen int) {
 				}
 			}
 			cut := p.gen != gen
+			at := fromClient && !cut && p.cutAt != nil && bytes.Contains(buf[:n], p.cutAt)
+			if at {
+				p.cutAt = nil
+				close(p.cutDone)
+			}
 			p.mu.Unlock()
+			if at {
+				p.Cut()
+				return
+			}
 			if cut {
 				return
 			}
