@@ -3,6 +3,7 @@ package worker
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -16,10 +17,11 @@ import (
 // cancels is what a runner knows of its partition's cancels, from a watch
 // on their keys.
 type cancels struct {
-	r   *runner
-	kv  jetstream.KeyValue
-	w   jetstream.KeyWatcher
-	end chan struct{} // closed when the watch's goroutine returns
+	r    *runner
+	kv   jetstream.KeyValue
+	w    jetstream.KeyWatcher
+	quit context.CancelFunc // ends the watch's context
+	end  chan struct{}      // closed when the watch's goroutine returns
 
 	mu   sync.Mutex
 	recs map[string]cancelEntry
@@ -41,40 +43,96 @@ type cancelEntry struct {
 // watchCancels starts the watch of the partition's cancels and waits for
 // the records stored so far, so that the first job is checked against
 // them. Without the bucket (provisioned by an older release) jobs run
-// uncancellable, which it logs.
-func (r *runner) watchCancels() *cancels {
-	ctx, cancel := context.WithTimeout(r.ctx, r.w.cfg.EffectTimeout)
-	defer cancel()
-	kv, err := r.w.cfg.JetStream.KeyValue(ctx, CancelBucket(r.w.cfg.Prefix))
-	if err != nil {
-		r.log.Warn("jobs cannot be cancelled: the bucket of cancels is missing or unreadable; run worker.ProvisionJobs (leasehold init)", "bucket", CancelBucket(r.w.cfg.Prefix), "err", err)
-		return nil
+// uncancellable, which it logs. A try that hears nothing from the server
+// for syncTry (a request lost with a dropped connection, a server still
+// starting) is given up and the watch started again, with backoff, for as
+// long as the lease lasts: a partition does not run its jobs unchecked
+// against cancels it could not read, and the tries say why in the log
+// while its jobs wait (a stall, which Worker.Stalled and /readyz show).
+// A non-zero outcome says how the runner ended first.
+func (r *runner) watchCancels() (*cancels, outcome) {
+	try := syncTry(r.w.cfg.EffectTimeout)
+	for attempt := 1; ; attempt++ {
+		c, err := r.tryWatchCancels(try)
+		if err == nil {
+			return c, 0
+		}
+		if r.ctx.Err() != nil {
+			return nil, outLost
+		}
+		if errors.Is(err, jetstream.ErrBucketNotFound) {
+			r.log.Warn("jobs cannot be cancelled: the bucket of cancels is missing; run worker.ProvisionJobs (leasehold init)", "bucket", CancelBucket(r.w.cfg.Prefix), "err", err)
+			return nil, 0
+		}
+		wait := min(50*time.Millisecond<<min(attempt-1, 6), 2*time.Second)
+		log := r.log.Debug // one failure is a blip: a restart
+		if attempt%5 == 2 {
+			log = r.log.Warn // again and again: say why the jobs wait
+		}
+		log("reading the partition's cancels failed; trying again before handling any job", "attempt", attempt, "backoff", wait, "err", err)
+		if out := r.sleep(wait, nil); out != 0 {
+			return nil, out
+		}
 	}
-	w, err := kv.Watch(r.ctx, r.p.String()+".*")
+}
+
+// tryWatchCancels is one try of watchCancels: it fails when the server
+// says nothing for try, at the bucket's lookup, the watch's start or
+// between two of the records stored so far.
+func (r *runner) tryWatchCancels(try time.Duration) (*cancels, error) {
+	bucket := CancelBucket(r.w.cfg.Prefix)
+	ctx, cancel := context.WithTimeout(r.ctx, try)
+	kv, err := r.w.cfg.JetStream.KeyValue(ctx, bucket)
+	cancel()
 	if err != nil {
-		r.log.Warn("jobs cannot be cancelled: watching the cancels failed", "err", err)
-		return nil
+		return nil, fmt.Errorf("open the bucket %s: %w", bucket, err)
 	}
-	c := &cancels{r: r, kv: kv, w: w, end: make(chan struct{}), recs: map[string]cancelEntry{}, bySeq: map[uint64]string{}, byID: map[string]string{},
+	// The watch lives as long as wctx, which ends the try when the server
+	// is quiet for too long: the watch's consumer is created inside Watch,
+	// on wctx alone, and a request lost with the connection is never
+	// answered.
+	wctx, wcancel := context.WithCancel(r.ctx)
+	quiet := time.AfterFunc(try, wcancel)
+	failed := func(err error) (*cancels, error) {
+		quiet.Stop()
+		wcancel()
+		if r.ctx.Err() == nil && errors.Is(err, context.Canceled) {
+			err = fmt.Errorf("no answer within %v: %w", try, err)
+		}
+		return nil, err
+	}
+	w, err := kv.Watch(wctx, r.p.String()+".*")
+	if err != nil {
+		return failed(fmt.Errorf("watch %s: %w", bucket, err))
+	}
+	c := &cancels{r: r, kv: kv, w: w, quit: wcancel, end: make(chan struct{}), recs: map[string]cancelEntry{}, bySeq: map[uint64]string{}, byID: map[string]string{},
 		running: map[*Job]context.CancelCauseFunc{}, stand: map[*Job]bool{}}
 	for {
 		select {
 		case e, ok := <-w.Updates():
-			if !ok {
+			switch {
+			case wctx.Err() != nil:
+				// The try ran out of time while this came.
+			case !ok:
+				quiet.Stop()
 				r.log.Warn("jobs cannot be cancelled: the watch of the cancels ended")
 				close(c.end)
-				return c
-			}
-			if e == nil {
+				return c, nil
+			case !quiet.Stop():
+				// The try ran out of time just now.
+			case e == nil:
 				go c.follow()
-				return c
+				return c, nil
+			default:
+				c.update(e)
+				quiet.Reset(try)
+				continue
 			}
-			c.update(e)
-		case <-ctx.Done():
-			r.log.Warn("jobs cannot be cancelled: the cancels were not read in time", "err", context.Cause(ctx))
 			_ = w.Stop()
-			close(c.end)
-			return c
+			return failed(context.Canceled)
+		case <-wctx.Done():
+			_ = w.Stop()
+			return failed(context.Cause(wctx))
 		}
 	}
 }
@@ -94,6 +152,7 @@ func (c *cancels) stop() {
 		return
 	}
 	_ = c.w.Stop()
+	c.quit()
 	<-c.end
 }
 

@@ -64,3 +64,66 @@ func TestLostConsumerCreateIsTriedAgain(t *testing.T) {
 	e.enqueue(t, 1, 1)
 	rec.waitFor(t, 30*time.Second, "the next job to run after the create was lost with the connection", func() bool { return runs.n.Load() >= 2 })
 }
+
+// The same for the watch of the partition's cancels, which the runner
+// reads before its first job: a lookup of the bucket or a create of the
+// watch's consumer lost with the connection is tried again, and the jobs
+// then run checked against the cancels stored before. Neither a wait
+// without end nor jobs run uncancellable.
+func TestLostCancelWatchIsTriedAgain(t *testing.T) {
+	t.Parallel()
+	for name, at := range map[string]string{
+		"lookup": "$JS.API.STREAM.INFO.KV_" + worker.CancelBucket("jobs"),
+		"watch":  "$JS.API.CONSUMER.CREATE.KV_" + worker.CancelBucket("jobs"),
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, 1, natstest.Listen())
+			proxy := natstest.NewProxy(t, e.srv.URL())
+			nc, err := nats.Connect(proxy.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(nc.Close)
+			js, err := jetstream.New(nc, jetstream.WithDefaultTimeout(time.Hour))
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx := ctxFor(t, time.Minute)
+			p := e.statusProducer(t)
+			cancelled, err := p.EnqueueTo(ctx, 0, []byte("cancelled"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := p.Cancel(ctx, cancelled); err != nil {
+				t.Fatal(err)
+			}
+			next, err := p.EnqueueTo(ctx, 0, []byte("next"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var runs runLog
+			cfg := e.config("w", worker.HandlerFunc(func(_ context.Context, j *worker.Job) error { runs.add(j); return nil }))
+			cfg.JetStream = js
+			cut := proxy.CutAt(at)
+			start(t, cfg)
+			select {
+			case <-cut:
+			case <-ctx.Done():
+				t.Fatalf("no request with %q was sent", at)
+			}
+			sts, err := p.Wait(ctx, next, cancelled)
+			if err != nil {
+				t.Fatalf("the jobs did not finish after the request was lost with the connection: %v", err)
+			}
+			if sts[0].State != worker.JobDone || sts[1].State != worker.JobCancelled {
+				t.Fatalf("Wait says %+v: want done, then cancelled", sts)
+			}
+			for _, h := range runs.all() {
+				if h.Data == "cancelled" {
+					t.Fatal("the cancelled job ran: the partition ran its jobs without reading its cancels")
+				}
+			}
+		})
+	}
+}

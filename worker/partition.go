@@ -244,7 +244,12 @@ func (r *runner) run() {
 		r.end(out)
 		return
 	}
-	r.cancels = r.watchCancels()
+	cancels, out := r.watchCancels()
+	if out != 0 {
+		r.end(out)
+		return
+	}
+	r.cancels = cancels
 	defer r.cancels.stop()
 	r.event(r.ctx, Event{Kind: EventPartitionReady, Seq: r.committed, Done: r.committedDone})
 	r.log.Debug("partition ready", "progress", r.committed, "done", len(r.committedDone))
