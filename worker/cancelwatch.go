@@ -44,16 +44,15 @@ type cancelEntry struct {
 // the records stored so far, so that the first job is checked against
 // them. Without the bucket (provisioned by an older release) jobs run
 // uncancellable, which it logs. A try that hears nothing from the server
-// for syncTry (a request lost with a dropped connection, a server still
+// for apiTry (a request lost with a dropped connection, a server still
 // starting) is given up and the watch started again, with backoff, for as
 // long as the lease lasts: a partition does not run its jobs unchecked
 // against cancels it could not read, and the tries say why in the log
 // while its jobs wait (a stall, which Worker.Stalled and /readyz show).
 // A non-zero outcome says how the runner ended first.
 func (r *runner) watchCancels() (*cancels, outcome) {
-	try := syncTry(r.w.cfg.EffectTimeout)
 	for attempt := 1; ; attempt++ {
-		c, err := r.tryWatchCancels(try)
+		c, err := r.tryWatchCancels(apiTry(attempt - 1))
 		if err == nil {
 			return c, 0
 		}

@@ -334,6 +334,17 @@ func (r *runner) publishSync(ctx context.Context, msg *nats.Msg, timeout time.Du
 	return err
 }
 
+// apiTry is how long the runner waits for the answer to try n (from 0) of
+// a JetStream API request it makes again when unanswered (a job
+// consumer's create, the cancels' lookup and watch): 2 s, doubling with
+// each try up to 16 s. A request lost with the connection costs little;
+// a server slow to answer still gets the time. It does not follow
+// EffectTimeout, which bounds effects: a tiny one must not fail every
+// request.
+func apiTry(n int) time.Duration {
+	return 2 * time.Second << min(n, 3)
+}
+
 // syncTry is how long publishSync waits for one try's answer: long
 // enough for a busy server's, short enough that a lost one costs little
 // more than the election of the stream's next leader. A copy sent again

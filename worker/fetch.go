@@ -63,7 +63,7 @@ func (f *fetcher) run(ctx context.Context, from uint64) {
 	// connection dropped, or to a server still starting) is not left
 	// behind as a second consumer: creating it again with the same
 	// config answers with the one the lost try made.
-	name := ""
+	name, tries := "", 0
 	for failures := 0; ctx.Err() == nil; {
 		if failures > 0 {
 			if sleep(ctx, min(50*time.Millisecond<<min(failures-1, 6), 2*time.Second)) != nil {
@@ -77,7 +77,7 @@ func (f *fetcher) run(ctx context.Context, from uint64) {
 		// context's default timeout: a request lost with a dropped
 		// connection is never answered, and the partition would wait
 		// that long with its jobs pending.
-		tctx, cancel := context.WithTimeout(ctx, syncTry(cfg.EffectTimeout))
+		tctx, cancel := context.WithTimeout(ctx, apiTry(tries))
 		cons, err := cfg.JetStream.CreateConsumer(tctx, JobsStream(cfg.Prefix), jetstream.ConsumerConfig{
 			Name:              name,
 			Description:       fmt.Sprintf("leasehold worker %s, partition %d, epoch %d", f.r.info.Holder, f.r.p, f.r.info.Epoch),
@@ -93,6 +93,7 @@ func (f *fetcher) run(ctx context.Context, from uint64) {
 		if err != nil {
 			if ctx.Err() == nil {
 				failures++
+				tries++
 				log := f.r.log.Debug
 				if failures%20 == 5 {
 					log = f.r.log.Warn // not a blip: say so, now and then
@@ -106,7 +107,7 @@ func (f *fetcher) run(ctx context.Context, from uint64) {
 		// A server whose JetStream limits cap a request's batch gives the
 		// consumer that cap, and refuses every request for more.
 		info := cons.CachedInfo()
-		name = "" // the next consumer is a new one
+		name, tries = "", 0 // the next consumer is a new one
 		batch := cfg.FetchBatch
 		if limit := info.Config.MaxRequestBatch; limit > 0 && limit < batch {
 			batch = limit
