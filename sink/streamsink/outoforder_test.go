@@ -204,6 +204,7 @@ func TestOutOfOrderBound(t *testing.T) {
 	cfg := wl.cfg
 	cfg.Telemetry = telemetry.Config{MeterProvider: mp}
 	cfg.Name = "bound"
+	cfg.AckWait = 4 * time.Second // the runner started again reads job 5 once it is redelivered
 	r := start(t, wl.js, cfg)
 	// Job 1 never finishes: the floor stays 0.
 	wl.floorFinal(2, 2, 0, 0, 0)
