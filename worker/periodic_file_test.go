@@ -10,6 +10,7 @@ import (
 )
 
 func TestParsePeriodics(t *testing.T) {
+	t.Parallel()
 	jobs, err := worker.ParsePeriodics([]byte(`
 periodic:
   - name: sweep

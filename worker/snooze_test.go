@@ -16,6 +16,7 @@ import (
 // A job that snoozes runs again without using up an attempt: with one
 // attempt allowed, three snoozes and a success complete it.
 func TestSnoozeRunsAgainWithoutAnAttempt(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, 30*time.Second)
 	var runs atomic.Int64
@@ -74,6 +75,7 @@ func TestSnoozeRunsAgainWithoutAnAttempt(t *testing.T) {
 // while a job of another key runs beside it (here the snoozing job waits
 // for that one to finish, and that one for the first snooze).
 func TestSnoozeKeepsItsKeysOrder(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, 30*time.Second)
 	var mu sync.Mutex
@@ -143,6 +145,7 @@ func TestSnoozeKeepsItsKeysOrder(t *testing.T) {
 // Snoozes are bounded: past MaxSnoozes a snooze is a failed attempt,
 // retried and then dead-lettered saying why.
 func TestSnoozeLimitIsAFailure(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, 30*time.Second)
 	rec := newRecorder()

@@ -15,6 +15,7 @@ import (
 // status must not say done because the partition's progress passed the
 // number, nor pending for ever because it never will.
 func TestStatusOfAJobThatIsNotThere(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, 2)
 	ctx := ctxFor(t, time.Minute)
 	p := e.statusProducer(t)
@@ -65,6 +66,7 @@ func TestStatusOfAJobThatIsNotThere(t *testing.T) {
 // out, deleted by hand) will never run: its status says so, not pending,
 // and Wait does not wait for it.
 func TestStatusOfAJobRemovedUnrun(t *testing.T) {
+	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, time.Minute)
 	p := e.statusProducer(t)

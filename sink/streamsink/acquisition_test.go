@@ -117,6 +117,7 @@ func newForgeryWorld(t *testing.T, topo string) *forgeryWorld {
 // A runner that admitted it would refuse the holder's barrier and effects
 // as a split brain while the worker commits them.
 func TestForgedBarrierBeforeHolderIsRefused(t *testing.T) {
+	t.Parallel()
 	for _, topo := range []string{"single", "cluster"} {
 		t.Run(topo, func(t *testing.T) {
 			fw := newForgeryWorld(t, topo)

@@ -136,6 +136,7 @@ func (f *recordForger) forge(l leasehold.Lease) (uint64, error) {
 // it and refuses the holder's barrier and effects as a split brain, while
 // the worker, finding its own acquisition in the record again, commits.
 func TestAttackFenceRecordRewrittenForAMoment(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	const prefix = "recforge"
 	ctx := ctxFor(t, 2*time.Minute)

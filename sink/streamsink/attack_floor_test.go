@@ -304,6 +304,7 @@ func (fw *floorWorld) wantApplied(t *testing.T, seq uint64, n int, why string) {
 // any final), nor whether the forged final carries a floor: one without
 // raises the chain's floor to its own job, the sequential runners' rule.
 func TestAttackForgedFloorPassesJobNotInLog(t *testing.T) {
+	t.Parallel()
 	// The worker's own finals carry a floor with several jobs in flight,
 	// and none with one; the forged one carries it either way.
 	for _, tc := range []struct {
@@ -344,6 +345,7 @@ func TestAttackForgedFloorPassesJobNotInLog(t *testing.T) {
 // under the key the forgery took, is the documented residual of a forged
 // copy of the holder's stamp, and is not checked here.)
 func TestAttackForgedFloorOfTheNextJob(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		concurrency int
 		floor       bool
@@ -386,6 +388,7 @@ func TestAttackForgedFloorOfTheNextJob(t *testing.T) {
 // the holder's stamp may put a value under the job's key (the documented
 // residual), but here nothing lands under it at all.
 func TestAttackForgedOriginFinalOfRunningJob(t *testing.T) {
+	t.Parallel()
 	fw := newFloorWorld(t)
 	first := fw.enqueue(t, "a", "one")
 	m := fw.stampOf(t, first, true)
@@ -414,6 +417,7 @@ func TestAttackForgedOriginFinalOfRunningJob(t *testing.T) {
 // floor reaches no further than the running job, so nothing after it is
 // at stake here.
 func TestAttackForgedFloorOverOpenJobWaits(t *testing.T) {
+	t.Parallel()
 	fw := newFloorWorld(t)
 	first := fw.enqueue(t, "a", "one")
 	m := fw.stampOf(t, first, true)
@@ -436,6 +440,7 @@ func TestAttackForgedFloorOverOpenJobWaits(t *testing.T) {
 // lease's stamp and keys of jobs still to come: none may be applied or
 // move the chain, and the jobs they name, run later by the worker, apply.
 func TestAttackMalformedFloor(t *testing.T) {
+	t.Parallel()
 	fw := newFloorWorld(t)
 	first := fw.enqueue(t, "a", "one")
 	m := fw.stampOf(t, first, true)

@@ -200,6 +200,7 @@ func (mw *stepWorld) wantApplied(t *testing.T, seq uint64, n, attempt int) {
 // flight (its first effect is in the log, its final not yet) must not
 // cost the job: the worker completes the attempt and commits it.
 func TestAttackAbortCopyOfAttemptInFlight(t *testing.T) {
+	t.Parallel()
 	mw := newStepWorld(t)
 	first := mw.enqueue(t, "one")
 	seq := mw.enqueue(t, "two")
@@ -220,6 +221,7 @@ func TestAttackAbortCopyOfAttemptInFlight(t *testing.T) {
 // partition, under the live lease's stamp, published before those jobs
 // run: every one of them must still be applied.
 func TestAttackAbortAheadOfProgress(t *testing.T) {
+	t.Parallel()
 	mw := newStepWorld(t)
 	first := mw.enqueue(t, "one")
 	seq := mw.enqueue(t, "two")
@@ -250,6 +252,7 @@ func TestAttackAbortAheadOfProgress(t *testing.T) {
 // credentials can always write), but it must not cost the job in flight,
 // which the worker completes and commits, nor the next job's own run.
 func TestAttackForgedFinalAheadSkipsJobInFlight(t *testing.T) {
+	t.Parallel()
 	mw := newStepWorld(t)
 	first := mw.enqueue(t, "one")
 	seq := mw.enqueue(t, "two")
@@ -315,6 +318,7 @@ func (s *slowProgress) release() {
 // lease that ran it: its completed attempt must be applied, not dropped
 // with the open attempts of the lease the barrier ends.
 func TestAttackHandOffWhileProofIsSlow(t *testing.T) {
+	t.Parallel()
 	slow := &slowProgress{}
 	mw := newStepWorldWith(t, func(b sink.ProgressReader) sink.ProgressReader { slow.inner = b; return slow })
 	defer slow.release()

@@ -22,6 +22,7 @@ import (
 // applies). An effect whose key names another job is no malformed pack:
 // it is set aside as it would be alone, and its job never applies.
 func TestPackedForgedRefused(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	type build func(pl *packLog, job uint64) (nats.Header, []byte)
 	// entries packs effects of job with the given keys, entry headers and
@@ -170,6 +171,7 @@ func TestPackedForgedRefused(t *testing.T) {
 // (SuspectJobKey), as it would be alone: the job's attempt never holds all
 // its effects and never applies, and the runner goes on.
 func TestPackedKeyOfAnotherJob(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	pl := newPackLog(t, js, "pkother", leasehold.StampCompact)
 	r := start(t, js, pl.cfg)

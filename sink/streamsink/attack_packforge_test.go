@@ -255,6 +255,7 @@ func (pw *packWorld) wantOnce(t *testing.T, seq uint64) {
 // forgery (a copy of its first effect made a final of the next attempt
 // counting one): the pack only carries more effects per copy.
 func TestAttackPackCopiedIntoNextAttemptsFinal(t *testing.T) {
+	t.Parallel()
 	skipOpen(t, "a forged final of the next attempt, copied from a running attempt's effects, wins over the worker's own final of that attempt, whose last effect is then lost (groups.go decideJob: a second final of an attempt is set aside)")
 	for _, packs := range []bool{true, false} {
 		name := "packed"
@@ -295,6 +296,7 @@ func nextAttemptsFinal(t *testing.T, packs bool, prefix string) {
 // so its final is set aside (SuspectFinalKey), and the worker's final,
 // when it comes, applies all three. Closed.
 func TestAttackPackCopiedIntoOwnFinal(t *testing.T) {
+	t.Parallel()
 	pw := newPackWorld(t, "atkpkown", false)
 	seq := pw.enqueue(t)
 	p1 := pw.packOf(t, seq)
@@ -320,6 +322,7 @@ func TestAttackPackCopiedIntoOwnFinal(t *testing.T) {
 // final comes after it, the attempt is disputed and waits for the fence
 // record; once the job is committed it applies whole, once. Closed.
 func TestAttackAbortForgedForPackedAttempt(t *testing.T) {
+	t.Parallel()
 	pw := newPackWorld(t, "atkpkabort", false)
 	seq := pw.enqueue(t)
 	p1 := pw.packOf(t, seq)

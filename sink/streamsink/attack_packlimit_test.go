@@ -26,6 +26,7 @@ import (
 // of the job (never a part of it), and, restarted with the bound raised,
 // applies it whole, once, in one call. Closed.
 func TestAttackPackPastHeldBound(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	for _, bound := range []string{"effects", "bytes"} {
 		t.Run(bound, func(t *testing.T) {
@@ -76,6 +77,7 @@ func TestAttackPackPastHeldBound(t *testing.T) {
 // allocates about 38 times its size in leasehold.Unpack, where decoding a
 // message's headers allocates about 17.)
 func TestAttackPackHeadersPastHeldBytes(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	pl := newPackLog(t, js, "pkhdr", leasehold.StampCompact)
 	cfg := pl.cfg

@@ -13,6 +13,7 @@ import (
 // HandlerBatch says), each effect reported accepted once; and the same
 // pack stored again is its job's duplicate, effect by effect. Closed.
 func TestAttackPackOfMaxEffects(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	pl := newPackLog(t, js, "pkmax", leasehold.StampCompact)
 	pl.cfg.HandlerBatch = 10

@@ -24,6 +24,7 @@ import (
 // duplicates, and the open job, completed after the restart, applies.
 // Every effect is applied once. Closed.
 func TestAttackPackCopiesAroundSavedPosition(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	pl := newPackLog(t, js, "pkcopy", leasehold.StampCompact)
 	r := start(t, js, pl.cfg)
@@ -78,6 +79,7 @@ func TestAttackPackCopiesAroundSavedPosition(t *testing.T) {
 // operator's alarm, as it packs effects (up to leasehold.MaxPackEffects).
 // It must make none: its effects are refused as stale, as any are.
 func TestAttackStalePackPosingAsReplays(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	pl := newPackLog(t, js, "pkrefile", leasehold.StampCompact)
 	r := start(t, js, pl.cfg)

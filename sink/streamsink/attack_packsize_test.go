@@ -29,6 +29,7 @@ import (
 // runner goes on. (A Handler or BatchHandler takes such an effect as it
 // is: only what is stored in a stream meets the wall.)
 func TestAttackPackEntryHeaderPastWhatAStreamTakes(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	pl := newPackLog(t, js, "pksize", leasehold.StampCompact)
 	pl.cfg.BatchHandler = nil // republish
@@ -84,6 +85,7 @@ func wantTrimmedDeadLetter(t *testing.T, js jetstream.JetStream, prefix, key str
 // mark and the sink's headers say what it was, and where the log keeps it
 // whole), and the runner goes on. It was retried for ever.
 func TestAttackEffectHeadersAtWhatAStreamTakes(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	pl := newPackLog(t, js, "pkwall", leasehold.StampCompact)
 	pl.cfg.BatchHandler = nil // republish

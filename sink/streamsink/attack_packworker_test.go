@@ -26,6 +26,7 @@ import (
 // refused such a pack whole, as streamsink did for a while, lost the jobs
 // of workers that packed it.) Closed.
 func TestAttackPackWorkerLargeHeaderEffect(t *testing.T) {
+	t.Parallel()
 	for _, size := range []int{62000, 70000} {
 		t.Run(strconv.Itoa(size), func(t *testing.T) { largeHeaderEffect(t, "atkpkhdr"+strconv.Itoa(size), size) })
 	}

@@ -23,6 +23,7 @@ import (
 // (64 pulls), and stops; once the pulls it ended have expired, the log
 // gets 100 effects.
 func TestForgedStatusesDoNotStall(t *testing.T) {
+	t.Parallel()
 	for _, status := range []string{"408", "404", "409", "100"} {
 		t.Run(status, func(t *testing.T) {
 			ctx := ctxFor(t, time.Minute)
@@ -77,6 +78,7 @@ func TestForgedStatusesDoNotStall(t *testing.T) {
 // the server redelivers those only after AckWait. Nothing may be lost,
 // and while deliveries are out Ready must say why the runner is behind.
 func TestForgedBurstOnTheInboxDoesNotStall(t *testing.T) {
+	t.Parallel()
 	for _, kind := range []string{"408", "404"} {
 		t.Run(kind, func(t *testing.T) {
 			ctx := ctxFor(t, 2*time.Minute)

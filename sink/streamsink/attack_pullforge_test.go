@@ -131,6 +131,7 @@ func (pw *pullWorld) forgeDelivery(t *testing.T, inbox string, seq uint64, key s
 // test keeps the pair honest: a server, or a runner, that lets the
 // forgery through fails it.
 func TestForgedDeliveryIsNotApplied(t *testing.T) {
+	t.Parallel()
 	ctx := ctxFor(t, time.Minute)
 	pw := newPullWorld(t, "atkpulldeliv", streamsink.Config{})
 	inbox := pw.pullInbox(t, ctx)
@@ -165,6 +166,7 @@ func TestForgedDeliveryIsNotApplied(t *testing.T) {
 // skips every real effect stored there later) nor take the position as
 // handled (it would ack those effects without applying them).
 func TestForgedDeliveryFarAheadMovesNothing(t *testing.T) {
+	t.Parallel()
 	ctx := ctxFor(t, time.Minute)
 	pw := newPullWorld(t, "atkpullfar", streamsink.Config{})
 	inbox := pw.pullInbox(t, ctx)

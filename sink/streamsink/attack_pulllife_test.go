@@ -22,6 +22,7 @@ import (
 // old one's pull, whose inbox nobody listens to any more and whose
 // messages would wait for the ack wait (ten minutes here).
 func TestRunnerRestartedAtOnceGetsTheNextEffects(t *testing.T) {
+	t.Parallel()
 	for _, wait := range []time.Duration{200 * time.Millisecond, 2 * time.Second, time.Hour} {
 		t.Run(wait.String(), func(t *testing.T) {
 			srv := natstest.Start(t)
@@ -59,6 +60,7 @@ func TestRunnerRestartedAtOnceGetsTheNextEffects(t *testing.T) {
 // expiry) and pull again, and handle what the log gets after the restart
 // long before the ack wait.
 func TestServerRestartMidPull(t *testing.T) {
+	t.Parallel()
 	for _, wait := range []time.Duration{200 * time.Millisecond, 2 * time.Second} {
 		t.Run(wait.String(), func(t *testing.T) {
 			srv := natstest.Start(t, natstest.Listen())
@@ -90,6 +92,7 @@ func TestServerRestartMidPull(t *testing.T) {
 // up the log again (it provisions its consumer) or say that it cannot,
 // in Ready, within its StallAfter.
 func TestConsumerDeletedUnderTheRunner(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)
@@ -130,6 +133,7 @@ func TestConsumerDeletedUnderTheRunner(t *testing.T) {
 // runner is busy with the batch before. Each effect is applied once and
 // in order, and none waits for the ack wait (ten minutes here).
 func TestSlowHandlerShortFetchWait(t *testing.T) {
+	t.Parallel()
 	for _, wait := range []time.Duration{20 * time.Millisecond, time.Second} {
 		t.Run(wait.String(), func(t *testing.T) {
 			srv := natstest.Start(t)
@@ -173,6 +177,7 @@ func TestSlowHandlerShortFetchWait(t *testing.T) {
 // Effects near the server's max payload, several batches of them: every
 // one reaches the handler, none waits for the ack wait.
 func TestHugeEffectsNearMaxPayload(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)

@@ -24,6 +24,7 @@ import (
 // HandlerBatch comes in a call of its own. The runner reads a backlog of
 // jobs of three effects and one of five, many per fetch.
 func TestBatchHandlerCallsHoldWholeJobs(t *testing.T) {
+	t.Parallel()
 	const handlerBatch = 4
 	js, last, want := handlerCallsWorld(t, "hcalls", handlerBatch)
 	ctx := ctxFor(t, time.Minute)
@@ -52,6 +53,7 @@ func TestBatchHandlerCallsHoldWholeJobs(t *testing.T) {
 // tried again whole, the calls before it are not handed over again, and
 // the job it holds is applied whole, once: never part of it.
 func TestBatchHandlerCallFailedWhileAwayIsTriedAgainWhole(t *testing.T) {
+	t.Parallel()
 	const handlerBatch = 4
 	js, last, want := handlerCallsWorld(t, "hcallsaway", handlerBatch)
 	ctx := ctxFor(t, time.Minute)

@@ -131,6 +131,7 @@ func (r *refusals) of(scope, key string) (sink.Decision, bool) {
 // earlier effects as of their own positions); after saving and before
 // acking.
 func TestCrashMidBatch(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, 2*time.Minute)
 	js := srv.JetStream(t)
@@ -219,6 +220,7 @@ func TestCrashMidBatch(t *testing.T) {
 // position: the fence as it stood before the barrier admits it. A runner
 // that judged it by the fence alone would refuse a committed effect.
 func TestRedeliveryJudgedByPosition(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)
@@ -319,6 +321,7 @@ func (rr *running) waitDone(ctx context.Context) error {
 // NATS restarts under a running runner, in the middle of the log: it
 // backs off, reconnects and finishes the log.
 func TestNATSRestart(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t, natstest.Listen())
 	ctx := ctxFor(t, 2*time.Minute)
 	js := srv.JetStream(t)
@@ -392,6 +395,7 @@ func (l *lockedBuffer) String() string {
 // log order, once each even when a call fails and is retried, and stale
 // ones never are.
 func TestHandler(t *testing.T) {
+	t.Parallel()
 	for _, mode := range []string{"handler", "batch"} {
 		t.Run(mode, func(t *testing.T) { testHandler(t, mode) })
 	}
@@ -467,6 +471,7 @@ func testHandler(t *testing.T, mode string) {
 // saved position with the saved fences: it reads them through the leader,
 // not from a replica that may not have the last save yet.
 func TestResumeOnAnotherNode(t *testing.T) {
+	t.Parallel()
 	if testing.Short() {
 		t.Skip("starts a three-node cluster")
 	}
@@ -509,6 +514,7 @@ func TestResumeOnAnotherNode(t *testing.T) {
 // reported only after the save would never be counted, logged or traced
 // (I3).
 func TestCrashAfterSaveStillReportsRefusals(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)

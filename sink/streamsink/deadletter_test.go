@@ -27,6 +27,7 @@ import (
 // BatchHandler, the batch that holds it fails as a whole, and only that
 // effect is dead-lettered.
 func TestDeadLetterAfterMaxDeliveries(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	eachAndBatch(t, func(t *testing.T, batch bool, name string) {
 		ctx := ctxFor(t, time.Minute)
@@ -165,6 +166,7 @@ func TestDeadLetterAfterMaxDeliveries(t *testing.T) {
 
 // A handler's error matching ErrPoison dead-letters the effect at once.
 func TestDeadLetterPoisonAtOnce(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)
@@ -190,6 +192,7 @@ func TestDeadLetterPoisonAtOnce(t *testing.T) {
 // well, is stored without the data, which the log keeps. The effects
 // after it are republished.
 func TestDeadLetterRepublishTooLarge(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	nc := srv.Connect(t)
@@ -272,6 +275,7 @@ func TestDeadLetterRepublishTooLarge(t *testing.T) {
 // restarting server sees) blames no effect: it is retried past
 // MaxDeliveries and applied once NATS answers.
 func TestDeadLetterNotForNATSFailures(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)

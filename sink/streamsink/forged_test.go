@@ -22,6 +22,7 @@ import (
 // runner that let the abort close the attempt reported both effects
 // aborted while the job was committed.)
 func TestForgedAbortMidRun(t *testing.T) {
+	t.Parallel()
 	for _, topo := range []string{"single", "cluster"} {
 		t.Run(topo, func(t *testing.T) {
 			h := newBlockingHandler(2)
@@ -50,6 +51,7 @@ func TestForgedAbortMidRun(t *testing.T) {
 // that took the abort as closing every attempt up to its number aborted
 // the job's real attempt.)
 func TestHugeAttemptAbortBeforeTheJob(t *testing.T) {
+	t.Parallel()
 	for _, n := range []int{1, 2} {
 		t.Run(fmt.Sprintf("%d-effects", n), func(t *testing.T) {
 			mw := newMarkerWorld(t, "single", fmt.Sprintf("ahead%d", n), 3, nil, func(ctx context.Context, j *worker.Job) error {
@@ -94,6 +96,7 @@ func TestHugeAttemptAbortBeforeTheJob(t *testing.T) {
 // an open one applied the forged data under the first key and took the
 // real final for a duplicate.)
 func TestForgedFinalOfAHigherAttempt(t *testing.T) {
+	t.Parallel()
 	h := newBlockingHandler(2)
 	mw := newMarkerWorld(t, "single", "ffinal", 3, nil, h.Handle)
 	seq := mw.enqueue("job")
@@ -119,6 +122,7 @@ func TestForgedFinalOfAHigherAttempt(t *testing.T) {
 // that first appears after a higher one of its job, and an abort of an
 // attempt above every one of its lease.
 func TestSuspiciousMarkersSetAside(t *testing.T) {
+	t.Parallel()
 	wl := newWireLog(t, "sus")
 	r := start(t, wl.js, wl.cfg)
 	wantSuspect := func(pos uint64, outcome sink.Outcome, reason string) {

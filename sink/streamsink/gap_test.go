@@ -86,6 +86,7 @@ func awaitReady(t *testing.T, ctx context.Context, r *streamsink.Runner, what st
 // lost barrier fences), Ready fails with ErrGap, and only an operator's
 // resume moves it on, recorded in its saved state.
 func TestGapAfterTrimStopsTheRunner(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, 2*time.Minute)
 	js := srv.JetStream(t)
@@ -196,6 +197,7 @@ func TestGapAfterTrimStopsTheRunner(t *testing.T) {
 // other subjects' messages between its own; a message of its own removed
 // by hand is a gap.
 func TestGapFilteredLog(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, 2*time.Minute)
 	js := srv.JetStream(t)

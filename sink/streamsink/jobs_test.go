@@ -103,6 +103,7 @@ func (wl *wireLog) outcome(seq uint64, want sink.Outcome) {
 // when the next job applies, a replay of an applied job is a duplicate, and
 // effects of no job apply on their own at once, open jobs or not.
 func TestJobEffectsAllOrNone(t *testing.T) {
+	t.Parallel()
 	wl := newWireLog(t, "aon")
 	r := start(t, wl.js, wl.cfg)
 	a1 := wl.effect(10, 1, 0)
@@ -137,6 +138,7 @@ func TestJobEffectsAllOrNone(t *testing.T) {
 // effect of any other job open on the subject: applied first, it would
 // have the earlier job taken for a duplicate and never applied.
 func TestJobEffectsWaitForTheJobBefore(t *testing.T) {
+	t.Parallel()
 	wl := newWireLog(t, "order")
 	r := start(t, wl.js, wl.cfg)
 	f1 := wl.final(1, 1, 0, 0)
@@ -163,6 +165,7 @@ func TestJobEffectsWaitForTheJobBefore(t *testing.T) {
 // the job once the rest of it comes, and takes the jobs it applied before
 // for duplicates.
 func TestJobEffectsAcrossRestart(t *testing.T) {
+	t.Parallel()
 	wl := newWireLog(t, "crash")
 	r := start(t, wl.js, wl.cfg)
 	first := wl.effect(20, 2, 0)
@@ -189,6 +192,7 @@ func TestJobEffectsAcrossRestart(t *testing.T) {
 // A crash between delivering a job's effects and saving the position makes
 // the next runner apply the job again, whole: never a part of it.
 func TestJobEffectsCrashBeforeSave(t *testing.T) {
+	t.Parallel()
 	wl := newWireLog(t, "mid")
 	r, err := streamsink.New(ctxFor(t, time.Minute), wl.js, wl.cfg)
 	if err != nil {
@@ -219,6 +223,7 @@ func TestJobEffectsCrashBeforeSave(t *testing.T) {
 // was lost completes with its re-run, the next job, complete before the
 // rewind, applies after it, and its own re-run is a duplicate.
 func TestJobEffectsRewind(t *testing.T) {
+	t.Parallel()
 	wl := newWireLog(t, "rewind")
 	r := start(t, wl.js, wl.cfg)
 	wl.effect(40, 1, 0) // its final was not stored
@@ -243,6 +248,7 @@ func TestJobEffectsRewind(t *testing.T) {
 // job is never applied, its late final is stale, and the saved position
 // moves on past it.
 func TestJobEffectsBarrierAbandons(t *testing.T) {
+	t.Parallel()
 	wl := newWireLog(t, "fence")
 	r := start(t, wl.js, wl.cfg)
 	open := wl.effect(50, 1, 0)
@@ -268,6 +274,7 @@ func TestJobEffectsBarrierAbandons(t *testing.T) {
 // Past Config.MaxHeldEffects the runner stops and says so in Ready; raised,
 // it goes on and applies what was held.
 func TestJobEffectsLimit(t *testing.T) {
+	t.Parallel()
 	wl := newWireLog(t, "limit")
 	cfg := wl.cfg
 	cfg.MaxHeldEffects = 2

@@ -109,6 +109,7 @@ func (jw *jobWorld) settle(t *testing.T) {
 // A job that emits effects and fails every attempt is dead-lettered: none
 // of its effects are applied, while the next job's are.
 func TestDeadLetteredJobAppliesNothing(t *testing.T) {
+	t.Parallel()
 	jw := newJobWorld(t, "dead", 2, func(ctx context.Context, j *worker.Job) error {
 		for i := range 2 {
 			if err := j.Emit(ctx, []byte(fmt.Sprintf("%s-%d", j.Data, i))); err != nil {
@@ -145,6 +146,7 @@ func TestDeadLetteredJobAppliesNothing(t *testing.T) {
 // An attempt that emits three effects and fails on the third applies none
 // of them; its retry, which succeeds, applies exactly its three, once.
 func TestFailedAttemptAppliesNoneRetryAppliesAll(t *testing.T) {
+	t.Parallel()
 	var mu sync.Mutex
 	attempts := map[uint64]int{}
 	jw := newJobWorld(t, "third", 3, func(ctx context.Context, j *worker.Job) error {

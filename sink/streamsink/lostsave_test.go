@@ -19,6 +19,7 @@ import (
 // runner waited out its whole RequestTimeout, here 10 minutes, holding
 // every effect behind it; the test gives it one.
 func TestSaveLostWithTheConnectionIsRetriedAtOnce(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t, natstest.Listen())
 	ctx := ctxFor(t, 2*time.Minute)
 	px := natstest.NewProxy(t, srv.URL())

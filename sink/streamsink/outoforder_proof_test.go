@@ -211,6 +211,7 @@ func (pl *proofLog) outcome(seq uint64, want sink.Outcome) {
 // until it completes or the record settles it (here: committed, so its
 // attempt never completes).
 func TestOutOfOrderFloorWaitsForProof(t *testing.T) {
+	t.Parallel()
 	pl := newProofLog(t, "oproof")
 	l := pl.acquire("w1")
 	e3 := pl.effect(l, 3, 3, 0)      // job 3 runs
@@ -247,6 +248,7 @@ func TestOutOfOrderFloorWaitsForProof(t *testing.T) {
 // yet: that job, completing later, still applies (the floor settled
 // nothing), and so does a job whose After names it.
 func TestOutOfOrderFloorPassesJobNotInLog(t *testing.T) {
+	t.Parallel()
 	pl := newProofLog(t, "opass")
 	l := pl.acquire("w1")
 	f5 := pl.final(l, 5, 1, 0, 0, 4) // claims every job up to 4 finished; job 3 runs, nothing of it in the log
@@ -268,6 +270,7 @@ func TestOutOfOrderFloorPassesJobNotInLog(t *testing.T) {
 // leave it, and an effect of a job below the floor coming again is a
 // duplicate while a job whose After names one applies.
 func TestProvenFloorRisesWithTheRecord(t *testing.T) {
+	t.Parallel()
 	reader := sdkmetric.NewManualReader()
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	defer mp.Shutdown(context.Background())
@@ -312,6 +315,7 @@ func TestProvenFloorRisesWithTheRecord(t *testing.T) {
 // dropped, and one that first appears after the runner read the record is
 // not the worker's.
 func TestOutOfOrderDoneSetSettles(t *testing.T) {
+	t.Parallel()
 	pl := newProofLog(t, "odone")
 	l := pl.acquire("w1")
 	pl.effect(l, 1, 1, 0) // job 1 runs all along
@@ -344,6 +348,7 @@ func TestOutOfOrderDoneSetSettles(t *testing.T) {
 // of order and whose After holds applies, in the order it completed, and
 // what cannot apply is dropped.
 func TestOutOfOrderSuccessorSettles(t *testing.T) {
+	t.Parallel()
 	pl := newProofLog(t, "osucc")
 	l1 := pl.acquire("w1")
 	pl.final(l1, 3, 1, 0, 0, 0)      // job 3 completes first
@@ -381,6 +386,7 @@ func TestOutOfOrderSuccessorSettles(t *testing.T) {
 // while that later job may still apply: a copy a forger made of it, with
 // After 0, ranked after it, must not apply instead.
 func TestOutOfOrderAfterALaterJobWaits(t *testing.T) {
+	t.Parallel()
 	pl := newProofLog(t, "olater")
 	l := pl.acquire("w1")
 	pl.effect(l, 5, 1, 0) // job 5's first attempt fails: it waits for the record
@@ -414,6 +420,7 @@ func TestOutOfOrderAfterALaterJobWaits(t *testing.T) {
 // exact stamp and key (the documented residual); it must not be silent:
 // the job is counted stuck, and Ready fails after StallAfter, naming it.
 func TestForgedFinalThatNeverAppliesIsVisible(t *testing.T) {
+	t.Parallel()
 	reader := sdkmetric.NewManualReader()
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	defer mp.Shutdown(context.Background())

@@ -40,6 +40,7 @@ func (wl *wireLog) order() []string {
 // that comes again, and a re-run of a job applied at or below the floor or
 // above it, are duplicates.
 func TestOutOfOrderFinalsApplyInCompletionOrder(t *testing.T) {
+	t.Parallel()
 	wl := newWireLog(t, "ooo")
 	r := start(t, wl.js, wl.cfg)
 	wl.floorFinal(2, 2, 0, 0, 0)
@@ -76,6 +77,7 @@ func TestOutOfOrderFinalsApplyInCompletionOrder(t *testing.T) {
 // applied: the later job completing first leaves it open, and its own
 // completion after applies.
 func TestOutOfOrderFloorDropsFinishedJobs(t *testing.T) {
+	t.Parallel()
 	wl := newWireLog(t, "floor")
 	r := start(t, wl.js, wl.cfg)
 	wl.effect(2, 2, 0) // job 2's first attempt; it fails, and its abort marker is lost
@@ -179,6 +181,7 @@ func TestOutOfOrderAcrossRestart(t *testing.T) {
 // to it, so an open job below it is dropped, and completing later it is a
 // duplicate.
 func TestFinalsWithoutFloorKeepTheOldRule(t *testing.T) {
+	t.Parallel()
 	wl := newWireLog(t, "seq")
 	r := start(t, wl.js, wl.cfg)
 	open := wl.effect(7, 1, 0)

@@ -21,6 +21,7 @@ import (
 // no Leasehold-Pack, the message's position; the others of the message
 // apply. Replayed (`leasehold dlq replay --sink`), it applies.
 func TestPackedEffectDeadLetteredAndReplayed(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	pl := newPackLog(t, js, "pkdl", leasehold.StampCompact)
 	pl.cfg.MaxDeliveries = 2
@@ -92,6 +93,7 @@ func TestPackedEffectDeadLetteredAndReplayed(t *testing.T) {
 // is a message of its own: its stamp, its mark, a message ID of its key,
 // and no Leasehold-Pack.
 func TestPackedRepublished(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	for _, form := range []leasehold.StampFormat{leasehold.StampCompact, leasehold.StampLegacy} {
 		t.Run(form.String(), func(t *testing.T) {

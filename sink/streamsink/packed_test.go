@@ -212,6 +212,7 @@ func keysOf(pl *packLog, job uint64, n int) []string {
 // Accepted at the message's position. A runner that starts again from the
 // saved position applies none of it again. In both stamp forms.
 func TestPackedAttemptAppliesWhole(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	for _, form := range []leasehold.StampFormat{leasehold.StampCompact, leasehold.StampLegacy} {
 		t.Run(form.String(), func(t *testing.T) {
@@ -283,6 +284,7 @@ func TestPackedAttemptAppliesWhole(t *testing.T) {
 // ID is a duplicate of the job it carries, each of its effects reported
 // Duplicate.
 func TestPackedAgainAndDuplicates(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	pl := newPackLog(t, js, "pkdup", leasehold.StampCompact)
 	keys := keysOf(pl, 9, 3)
@@ -334,6 +336,7 @@ func TestPackedAgainAndDuplicates(t *testing.T) {
 // attempt whose packed effects an abort marker closes never applies; the
 // job's next attempt, packed, does.
 func TestPackedAttemptSplitAndAborted(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	pl := newPackLog(t, js, "pksplit", leasehold.StampCompact)
 	r := start(t, js, pl.cfg)
@@ -377,6 +380,7 @@ func cloneHeader(h nats.Header) nats.Header {
 // message's leasehold.HeaderOrigin goes on each of its effects, which
 // apply as they would alone, not set aside for keys naming another job.
 func TestPackedReplayedJobCarriesOrigin(t *testing.T) {
+	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	pl := newPackLog(t, js, "pkorig", leasehold.StampCompact)
 	r := start(t, js, pl.cfg)

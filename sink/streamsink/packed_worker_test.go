@@ -19,6 +19,7 @@ import (
 // are applied once, all in one handler call; an attempt that fails after
 // emitting sends nothing, and its retry applies.
 func TestPackedFromWorker(t *testing.T) {
+	t.Parallel()
 	js, replicas := startTopo(t, "single")
 	const prefix = "pkw"
 	bucket := provisionJobs(t, js, prefix, replicas)

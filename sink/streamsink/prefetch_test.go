@@ -24,6 +24,7 @@ import (
 // after the position of a batch was saved and before its acks, while the
 // batches after it are held.
 func TestStopAndCrashHoldingFetchedMessages(t *testing.T) {
+	t.Parallel()
 	for _, mode := range []string{"stop", "crash"} {
 		t.Run(mode, func(t *testing.T) { testHoldingFetched(t, mode) })
 	}
@@ -113,6 +114,7 @@ func testHoldingFetched(t *testing.T, mode string) {
 // A runner whose log is quiet hands a message over as it arrives, with
 // no fetch to wait for after it.
 func TestQuietLogHandledAtOnce(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)
@@ -138,6 +140,7 @@ func TestQuietLogHandledAtOnce(t *testing.T) {
 // counted and retried it), the fetcher pulls again: the next message is
 // handled, not left behind a fetcher waiting for a batch nobody holds.
 func TestFetchFailureWhileABatchIsHandled(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)
@@ -198,6 +201,7 @@ func TestFetchFailureWhileABatchIsHandled(t *testing.T) {
 // Run nothing to take, which Run cannot tell from a quiet log:
 // Ready reports it, and reports the runner ready again once it pulls.
 func TestReadyReportsAFetcherHeldUp(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)

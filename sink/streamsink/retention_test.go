@@ -17,6 +17,7 @@ import (
 // Provision it creates a log that nothing trims and nobody can delete
 // from.
 func TestEffectLogProvision(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)
@@ -51,6 +52,7 @@ func TestEffectLogProvision(t *testing.T) {
 // refused unless AllowTrimming accepts it; the runner then states the
 // bound.
 func TestTrimmingLogRefused(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)

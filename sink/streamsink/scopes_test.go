@@ -21,6 +21,7 @@ import (
 // scope's barrier, a zombie of each is refused; nothing is refused because
 // of another scope.
 func TestScopesShareOneLog(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)
@@ -168,6 +169,7 @@ func TestScopesShareOneLog(t *testing.T) {
 // downstream message ID is the scope and the key; lower-case stamp headers
 // are written back in canonical form.
 func TestRepublishHeaders(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)

@@ -136,6 +136,7 @@ func testPoisonedDeliveryReplayed(t *testing.T, restart bool) {
 // run that completed. The worker runs its jobs in its default order;
 // TestRewindOfJobsDoneOutOfOrder runs them with no order at all.
 func TestRetriesDeadLettersAndRewinds(t *testing.T) {
+	t.Parallel()
 	retriesDeadLettersAndRewinds(t, worker.OrderKey)
 }
 
@@ -147,6 +148,7 @@ func TestRetriesDeadLettersAndRewinds(t *testing.T) {
 // good. The worker replays the jobs whose finals it sent in the order they
 // completed, so every final of a job names the same job.
 func TestRewindOfJobsDoneOutOfOrder(t *testing.T) {
+	t.Parallel()
 	retriesDeadLettersAndRewinds(t, worker.OrderNone)
 }
 
@@ -217,6 +219,7 @@ func retriesDeadLettersAndRewinds(t *testing.T, order worker.Order) {
 // reaches the bound, holds nothing once they are all committed, and its
 // saved position moves past them.
 func TestFailingJobsDoNotHoldTheRunner(t *testing.T) {
+	t.Parallel()
 	logs := &lockedBuffer{}
 	mw := newMarkerWorld(t, "single", "failing", 2, func(c *streamsink.Config) {
 		c.MaxHeldEffects = 120
@@ -301,6 +304,7 @@ func (f *failingReader) Committed(ctx context.Context, id leasehold.FenceID) (si
 // is held, and once that has lasted Config.StallAfter Ready says why; once
 // they can be read again, the job is applied and Ready is nil.
 func TestProgressReadFailureShowsInReady(t *testing.T) {
+	t.Parallel()
 	var reader *failingReader
 	var mu sync.Mutex
 	runs := map[uint64]int{}

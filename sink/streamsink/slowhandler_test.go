@@ -131,6 +131,7 @@ func (w *watchedProgress) watch(job uint64, settled func()) {
 // records that shows job 2 committed is ready: job 2 applies from its
 // second attempt, the first is reported aborted, and nothing is lost.
 func TestRedeliveredBatchDeliversWhatTheRecordsSettle(t *testing.T) {
+	t.Parallel()
 	const scope = "redeliv"
 	ctx := ctxFor(t, 2*time.Minute)
 	pl, observer := newProofWorld(t, scope)

@@ -34,6 +34,7 @@ type oldFence struct {
 // fence scopes can no longer read the state (it would start over without
 // fences), and the setting is not needed again.
 func TestLegacyStateConverted(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)
@@ -148,6 +149,7 @@ func TestLegacyStateConverted(t *testing.T) {
 
 // Progress saved before fence scopes that holds no fence needs no scope.
 func TestLegacyStateWithoutFences(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)
@@ -177,6 +179,7 @@ func TestLegacyStateWithoutFences(t *testing.T) {
 // An effect that would create a fence beyond Config.MaxFences is refused
 // with ErrFenceLimit and the runner goes on; fences it keeps carry on.
 func TestFenceLimit(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	ctx := ctxFor(t, time.Minute)
 	js := srv.JetStream(t)

@@ -14,13 +14,22 @@ import (
 
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/internal/testleak"
+	"github.com/leasehold/leasehold/internal/testpar"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/streamsink"
 	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/testing/sinktest"
 )
 
-func TestMain(m *testing.M) { testleak.VerifyTestMain(m) }
+// The tests wait on fetches, redeliveries and restarts far more than they
+// compute, each on its own server: run more of them at once than the two
+// a two-core machine gets by default. The tests that change a package
+// limit (SetMaxAbove, SetMaxDelta) and the allocation tests stay
+// sequential: they run before any parallel one starts.
+func TestMain(m *testing.M) {
+	testpar.Raise(4)
+	testleak.VerifyTestMain(m)
+}
 
 func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
 

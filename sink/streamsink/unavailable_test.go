@@ -17,6 +17,7 @@ import (
 // batch whole, and the effect is applied once it answers, not moved to
 // the dead-letter stream.
 func TestDeadLetterNotForAnUnavailableDestination(t *testing.T) {
+	t.Parallel()
 	srv := natstest.Start(t)
 	eachAndBatch(t, func(t *testing.T, batch bool, name string) {
 		ctx := ctxFor(t, time.Minute)
