@@ -81,7 +81,16 @@ func TestChaosCommand(t *testing.T) {
 			t.Errorf("the JSON report's http object lacks %q", k)
 		}
 	}
-	if hf["jobs_applied_once"] != rep["jobs_applied"] || hf["jobs_lost"].(float64) != 0 || hf["jobs_duplicated"].(float64) != 0 || hf["stale"].(float64) != 0 {
+	// A forged copy of a holder's exact stamp (the accepted residual) can
+	// take a job's key at one sink and not at the other (a CI run saw 85
+	// applied and 1 displaced at the KV sink, 86 applied at the receiver).
+	// Such a job counts displaced there, not applied: compare the sums.
+	done := func(f map[string]any, applied string) any {
+		a, _ := f[applied].(float64)
+		d, _ := f["jobs_displaced_by_forgery"].(float64)
+		return a + d
+	}
+	if done(hf, "jobs_applied_once") != done(rep, "jobs_applied") || hf["jobs_lost"].(float64) != 0 || hf["jobs_duplicated"].(float64) != 0 || hf["stale"].(float64) != 0 {
 		t.Fatalf("the HTTP receiver's figures differ from the KV sink's: %s", out)
 	}
 	t.Logf("%s", out)
