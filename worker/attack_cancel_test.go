@@ -36,7 +36,6 @@ func newShortDupEnv(t *testing.T, n int) *env {
 // for the later job's cancel under its sequence, found none, and said
 // done).
 func TestAttackCancelOfDelayedJobSkipsLaterJobOfItsID(t *testing.T) {
-	t.Parallel()
 	e := newShortDupEnv(t, 1)
 	ctx := ctxFor(t, 90*time.Second)
 	p := e.statusProducer(t)
@@ -102,7 +101,6 @@ func TestAttackCancelOfDelayedJobSkipsLaterJobOfItsID(t *testing.T) {
 // Status says cancelled for a job whose effect a sink applied without
 // saying that an attempt under an earlier epoch may have completed it.
 func TestAttackCancelAfterCompletionBeforeHandOff(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1, natstestListen()...)
 	ctx := ctxFor(t, 2*time.Minute)
 	p := e.statusProducer(t)
@@ -194,7 +192,6 @@ func TestAttackCancelAfterCompletionBeforeHandOff(t *testing.T) {
 // lets a worker skip it, makes the stream again, and fails unless the new
 // first job, never cancelled, runs and is done.
 func TestAttackCancelOutlivesItsJobStream(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, 90*time.Second)
 	p := e.statusProducer(t)

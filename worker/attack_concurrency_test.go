@@ -152,7 +152,6 @@ func waitSinkAt(t *testing.T, e *env, r *streamsink.Runner) {
 // eight jobs again. When the zombie comes back, every one of its late
 // finals is refused, and every job applies once, from the successor.
 func TestAttackZombieWithManyJobsInFlight(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1, natstestListen()...)
 	dest := newDedupeDest()
 	seen := newStaleSeen()
@@ -292,7 +291,6 @@ func TestAttackZombieWithManyJobsInFlight(t *testing.T) {
 // job applies once: the hung one from the run that completed, the others
 // from their first run.
 func TestAttackHungJobThenMoveWithJobsDoneOutOfOrder(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	dest := newDedupeDest()
 	seen := newStaleSeen()

@@ -38,7 +38,6 @@ func (c *stallCountingJS) PublishMsgAsync(m *nats.Msg, opts ...jetstream.Publish
 // HandleTimeout (one second); the loop may look at the context and the
 // lease a few times a second, not hundreds.
 func TestAttackRoundTinyEffectTimeoutDoesNotSpinOnAStall(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	nc := e.srv.Connect(t)
 	limited, err := jetstream.New(nc, jetstream.WithPublishAsyncMaxPending(1))
@@ -113,7 +112,6 @@ func TestAttackRoundTinyEffectTimeoutDoesNotSpinOnAStall(t *testing.T) {
 // failure against a handler that did nothing wrong, on every job that
 // waits for room when the server is slowest.
 func TestAttackRoundStalledEffectEndsWithItsContext(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	nc := e.srv.Connect(t)
 	limited, err := jetstream.New(nc, jetstream.WithPublishAsyncMaxPending(1))

@@ -21,7 +21,6 @@ import (
 // Each pull that found nothing used to count as caught up, although the
 // jobs fetched were unfinished: the partition never showed as stalled.
 func TestAttackSnoozeForEverShowsAsStalled(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, 60*time.Second)
 	const stallAfter = time.Second
@@ -63,7 +62,6 @@ func TestAttackSnoozeForEverShowsAsStalled(t *testing.T) {
 // partition is reported stalled after StallAfter, although every pull
 // finds nothing new.
 func TestAttackLongBackoffShowsAsStalled(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, 60*time.Second)
 	const stallAfter = time.Second

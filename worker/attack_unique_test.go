@@ -17,17 +17,14 @@ import (
 // and one shaped as a stored job's record (it names a sequence, here of
 // no job at all), which used to hold the key for ever.
 func TestAttackUniqueReservationWithoutTTLIsTakenOver(t *testing.T) {
-	t.Parallel()
 	uniqueForgedWithoutTTL(t, `{"id":"ghost","partition":1}`)
 }
 
 func TestAttackUniqueRecordWithoutTTLHoldsForEver(t *testing.T) {
-	t.Parallel()
 	uniqueForgedWithoutTTL(t, `{"id":"ghost","partition":1,"seq":999999}`)
 }
 
 func TestAttackUniqueGarbageWithoutTTLIsTakenOver(t *testing.T) {
-	t.Parallel()
 	uniqueForgedWithoutTTL(t, `not a record`)
 }
 
@@ -67,7 +64,6 @@ func uniqueForgedWithoutTTL(t *testing.T, forged string) {
 // same job is stored again within ten times the period (a TTL lost in the
 // restart would refuse it for ever).
 func TestAttackUniqueEndsAcrossRestart(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 2)
 	ctx := ctxFor(t, 60*time.Second)
 	p := e.producer(t)

@@ -22,7 +22,6 @@ import (
 // nonce nobody knows before the attempt runs, so every real effect is
 // stored and every job committed has its effect in the log.
 func TestPreemptedMessageIDsCannotHideEffects(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	rec := newRecorder()
 	cfg := e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
@@ -75,7 +74,6 @@ func TestPreemptedMessageIDsCannotHideEffects(t *testing.T) {
 // dead-lettered at once (retrying a deterministic handler cannot help) and
 // the partition goes on.
 func TestEffectTooLargeIsDeadLettered(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	rec := newRecorder()
 	var emitErr error
@@ -113,7 +111,6 @@ func TestEffectTooLargeIsDeadLettered(t *testing.T) {
 // failures have gone on for TransientFor they count as attempts, and the
 // job ends in the dead-letter stream instead of holding its partition.
 func TestEffectWithoutStreamIsDeadLettered(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	rec := newRecorder()
 	enq := e.enqueue(t, 0, 3)
@@ -144,7 +141,6 @@ func TestEffectWithoutStreamIsDeadLettered(t *testing.T) {
 // worker says so in Ready (the command's /readyz), and says it no more
 // once the partition moves again.
 func TestStalledPartitionFailsReady(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	rec := newRecorder()
 	release := make(chan struct{})
@@ -174,7 +170,6 @@ func TestStalledPartitionFailsReady(t *testing.T) {
 // A job stream without a default output and the default barriers cannot
 // work: the worker says so at start instead of retrying a barrier for ever.
 func TestNoEffectsWithDefaultBarriersFailsAtStart(t *testing.T) {
-	t.Parallel()
 	srv := natstestStart(t)
 	js := srv.JetStream(t)
 	ctx := ctxFor(t, 30*time.Second)

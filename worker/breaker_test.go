@@ -75,7 +75,6 @@ func gaugeValue(rm metricdata.ResourceMetrics, name string) (int64, bool) {
 // jobs of the partition go on. While the breaker is open, Ready and the
 // metrics name it. Once a stream stores the subject, its jobs succeed.
 func TestNoStreamSubjectFailsFast(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	rec := newRecorder()
 	const subject = "nowhere.x"
@@ -180,7 +179,6 @@ func mustAtoi(t testing.TB, s string) int {
 // not open, and once the server is back the job succeeds. Nothing is
 // dead-lettered.
 func TestEffectStreamDownDeadLettersNothing(t *testing.T) {
-	t.Parallel()
 	if testing.Short() {
 		t.Skip("a cluster takes seconds")
 	}

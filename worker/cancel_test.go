@@ -16,7 +16,6 @@ import (
 // its effects are aborted even though its handler returns nil. Status says
 // cancelled; a cancel of a finished job says so.
 func TestCancelJobs(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, 90*time.Second)
 	p := e.statusProducer(t)
@@ -123,7 +122,6 @@ func TestCancelJobs(t *testing.T) {
 // (another job's sequence, another partition, unknown fields) cancels
 // nothing, and its job runs.
 func TestForgedCancelIsIgnored(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 2)
 	ctx := ctxFor(t, 60*time.Second)
 	p := e.statusProducer(t)

@@ -14,7 +14,6 @@ import (
 // node leading the job stream is killed while workers run, and comes back:
 // every job still ends up with its effect.
 func TestClusterLeaderKill(t *testing.T) {
-	t.Parallel()
 	if testing.Short() {
 		t.Skip("a cluster fail-over takes seconds")
 	}

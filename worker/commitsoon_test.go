@@ -12,7 +12,6 @@ import (
 // next CommitEvery: with CommitEvery an hour, the progress past a burst's
 // last job is committed while the worker runs, and Wait sees the jobs done.
 func TestCaughtUpPartitionCommitsAtOnce(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 2)
 	rec := newRecorder()
 	cfg := e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
@@ -52,7 +51,6 @@ func TestCaughtUpPartitionCommitsAtOnce(t *testing.T) {
 // to their ends): a reference among them to another partition's message
 // still fails it.
 func TestWaitLocatesManyJobsStrictly(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 2)
 	start(t, e.config("w", worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
 		return j.Emit(ctx, j.Data)

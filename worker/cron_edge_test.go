@@ -14,7 +14,6 @@ import (
 // not know, a cron it cannot parse) must fail Schedule, not be stored as
 // a schedule the server drops when it falls due, silently.
 func TestPeriodicTheServerCannotRun(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, time.Minute)
 	p := e.producer(t)
@@ -33,7 +32,6 @@ func TestPeriodicTheServerCannotRun(t *testing.T) {
 // schedules), so a Nats-TTL header on a job would have the server delete
 // it unhandled once it expires: the producer refuses one.
 func TestEnqueueWithATTLHeader(t *testing.T) {
-	t.Parallel()
 	srv := natstest.Start(t)
 	js := srv.JetStream(t)
 	ctx := ctxFor(t, time.Minute)

@@ -20,7 +20,6 @@ import (
 // A handler that panics is recovered; the panic, with its stack, counts as
 // a failed attempt and the job runs again.
 func TestPanicCountsAsFailedAttempt(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	enq := e.enqueue(t, 0, 5)
 	target := enq[2].Seq
@@ -63,7 +62,6 @@ func TestPanicCountsAsFailedAttempt(t *testing.T) {
 // with its data, its headers and the error; the partition carries on after
 // it, and progress moves past it.
 func TestFailingJobIsRetriedThenDeadLettered(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	p := e.producer(t)
 	ctx := ctxFor(t, 30*time.Second)
@@ -156,7 +154,6 @@ type order struct {
 // A payload that does not decode is dead-lettered on its first attempt,
 // not retried: no retry can fix it.
 func TestMalformedJobIsDeadLetteredAtOnce(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	p := e.producer(t)
 	ctx := ctxFor(t, 30*time.Second)
@@ -209,7 +206,6 @@ func TestMalformedJobIsDeadLetteredAtOnce(t *testing.T) {
 // before it. Once the stream is back, the next try is stored, and the
 // event comes with it.
 func TestDeadLetterEventWaitsUntilItIsStored(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, 60*time.Second)
 	rec := newRecorder()
@@ -345,7 +341,6 @@ func equal(a, b []uint64) bool {
 // dedupe; each attempt's message IDs are its own, so the log keeps each
 // attempt's effects once), and after MaxAttempts the job is dead-lettered.
 func TestRefusedEffectFailsTheJob(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	if _, err := e.js.CreateStream(ctxFor(t, 10*time.Second), jetstream.StreamConfig{
 		Name: "small", Subjects: []string{"small.>"}, MaxMsgSize: 64,

@@ -21,7 +21,6 @@ import (
 // Middleware wraps the handler with the first one outermost, and sees the
 // job in its context.
 func TestMiddlewareOrderAndJobFromContext(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	e.enqueue(t, 0, 1)
 	var mu sync.Mutex
@@ -67,7 +66,6 @@ func TestMiddlewareOrderAndJobFromContext(t *testing.T) {
 // partition: each partition's first is its own, and every further one
 // takes a slot of the worker's pool.
 func TestMaxConcurrency(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 4)
 	e.enqueue(t, 0, 200)
 	var running, peak atomic.Int64
@@ -98,7 +96,6 @@ func TestMaxConcurrency(t *testing.T) {
 // partitions hold the pool: here partition 0's jobs hang on to the one
 // pool slot and their own, and the other partitions still run every job.
 func TestEveryPartitionRunsWhenThePoolIsTaken(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 4)
 	release := make(chan struct{})
 	var blocked atomic.Int64
@@ -138,7 +135,6 @@ func TestEveryPartitionRunsWhenThePoolIsTaken(t *testing.T) {
 // handler's context and into every effect; a lowercase traceparent written
 // by another client is read too.
 func TestTraceContextFlows(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	prop := propagation.TraceContext{}
 	tid, _ := trace.TraceIDFromHex("4bf92f3577b34da6a3ce929d0e0e4736")
@@ -191,7 +187,6 @@ func TestTraceContextFlows(t *testing.T) {
 // With TrimCommitted, a partition's jobs up to its committed progress are
 // purged from the job stream.
 func TestTrimCommitted(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 2)
 	enq := e.enqueue(t, 0, 100)
 	rec := newRecorder()
@@ -228,7 +223,6 @@ func TestTrimCommitted(t *testing.T) {
 
 // A lease bucket serves one job stream: a worker of another is refused.
 func TestBucketServesOneJobStream(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	rec := newRecorder()
 	cfg := e.config("w", worker.HandlerFunc(func(context.Context, *worker.Job) error { return nil }))
@@ -254,7 +248,6 @@ func TestBucketServesOneJobStream(t *testing.T) {
 // applied through a sink carry the lease's stamp, and once a successor has
 // fenced the sink, a write stamped by the former holder is refused.
 func TestFencesAndApply(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	enq := e.enqueue(t, 0, 3)
 	mem := sink.NewMemory(sink.MemoryConfig{Logger: testLogger()})

@@ -14,7 +14,6 @@ import (
 // for more with 409 Exceeded MaxRequestBatch. The worker asks for no more
 // than its consumer allows, so that jobs flow with the default FetchBatch.
 func TestFetchBatchAboveTheServersRequestLimit(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1, natstest.Tweak(func(o *server.Options) { o.JetStreamLimits.MaxRequestBatch = 10 }))
 	const total = 50
 	e.enqueue(t, 0, total)

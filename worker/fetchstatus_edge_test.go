@@ -15,7 +15,6 @@ import (
 // subject a stored message is delivered with) and must reach the handler,
 // in order, like any other.
 func TestJobWithAStatusHeaderIsAJob(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, time.Minute)
 	p := e.producer(t)

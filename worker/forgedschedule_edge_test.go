@@ -20,7 +20,6 @@ import (
 // it. The worker dead-letters it and, once the dead letter is stored,
 // removes it from the job stream, so that it fires no more.
 func TestScheduleForgedOnAPartitionSubject(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 2)
 	ctx := ctxFor(t, time.Minute)
 	forged := &nats.Msg{Subject: worker.JobSubject(e.prefix, 0), Data: []byte(`{}`), Header: nats.Header{

@@ -40,7 +40,6 @@ func (s *syncBuffer) String() string {
 // with a cause matching ErrHandleTimeout, whatever it returns; after
 // MaxAttempts the job is dead-lettered and the partition goes on.
 func TestHandleTimeoutFailsTheAttempt(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	enq := e.enqueue(t, 0, 2)
 	var causes sync.Map
@@ -79,7 +78,6 @@ func TestHandleTimeoutFailsTheAttempt(t *testing.T) {
 // the partition; taken again, the job counts its hangs on towards
 // MaxAttempts and is dead-lettered, and the partition goes on.
 func TestHungHandlerGivesThePartitionUp(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	enq := e.enqueue(t, 0, 2)
 	hung := enq[0].Seq

@@ -21,7 +21,6 @@ import (
 // that no job emits another job's keys through the SDK. Leasehold-Kind
 // alone may be given. Enqueue used to copy them onto the job.
 func TestProducerRefusesLeaseholdHeaders(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, 30*time.Second)
 	p := e.producer(t)
@@ -50,7 +49,6 @@ func TestProducerRefusesLeaseholdHeaders(t *testing.T) {
 // again only after it was stored first): it is dead-lettered at once too,
 // under its place, rather than take the keys of a job still to come.
 func TestJobOriginDecidesItsKeys(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, time.Minute)
 	var mu sync.Mutex

@@ -17,7 +17,6 @@ import (
 // limit-based, file-backed logs with a duplicate window and the partition
 // count in their metadata, and accepts them when run again.
 func TestProvisionJobs(t *testing.T) {
-	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	ctx := ctxFor(t, 30*time.Second)
 	cfg := worker.JobsConfig{Prefix: "orders", Partitions: 12}
@@ -67,7 +66,6 @@ func TestProvisionJobsAllowsAConsumerPerPartition(t *testing.T) {
 // A stream that exists with settings leasehold cannot work with is refused
 // with an error that says what differs.
 func TestProvisionJobsRefusesMismatches(t *testing.T) {
-	t.Parallel()
 	js := natstest.Start(t).JetStream(t)
 	ctx := ctxFor(t, 30*time.Second)
 	if err := worker.ProvisionJobs(ctx, js, worker.JobsConfig{Prefix: "orders", Partitions: 12}); err != nil {

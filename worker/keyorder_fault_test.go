@@ -49,7 +49,6 @@ func enqueueBodies(t *testing.T, e *env, bodies []string) map[string]uint64 {
 // keys' later jobs run, in order, and a dead-lettered job's next one
 // starts only once the dead letter is stored.
 func TestJobInTroubleHoldsOnlyItsKey(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	var bodies []string
 	for n := range 4 {
@@ -182,7 +181,6 @@ func (d *decisions) of(key string) []sink.Outcome {
 // them as stale, A's held effects never leave, A commits nothing, and each
 // job applies once, from B.
 func TestZombieWithManyJobsInFlight(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1, natstestListen()...)
 	const inFlight = 8
 	var bodies []string

@@ -206,7 +206,6 @@ func startSink(t *testing.T, e *env, h func(context.Context, sink.Effect) error)
 // carries on as a zombie when it comes back). A stream sink runner applies
 // the effect log.
 func TestKeyOrder(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 2, natstestListen()...)
 	ctx := ctxFor(t, 3*time.Minute)
 	dest, err := e.js.CreateStream(ctx, jetstream.StreamConfig{
@@ -295,7 +294,6 @@ func TestKeyOrder(t *testing.T) {
 // ordered by partition: it starts once every earlier job has returned, and
 // no later job starts before it returns; keyed jobs run side by side.
 func TestJobsWithoutOrderKeyRunInPartitionOrder(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	var mu sync.Mutex
 	var trail []string // "+<seq>" at start, "-<seq>" at return

@@ -16,7 +16,6 @@ type kindJob struct{ Name string }
 // options take as many attempts, wait the backoffs and time out as their
 // options say, and the kind without keeps the worker's.
 func TestKindOptionsOverrideTheWorkers(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, 60*time.Second)
 	const kindBackoff = 3 * time.Millisecond
@@ -84,7 +83,6 @@ func TestKindOptionsOverrideTheWorkers(t *testing.T) {
 // different keys side by side, for every job before it to return, and no
 // job after it starts before it returns.
 func TestKindOrderWaitsForThePartition(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, 60*time.Second)
 	var mu sync.Mutex

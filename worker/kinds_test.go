@@ -42,7 +42,6 @@ func (upperCodec) Unmarshal(data []byte, v any) error {
 // a partition's jobs of several kinds still run in their order, and the
 // kind does not change the lease or the effect keys.
 func TestMuxRoutesByKind(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 2)
 	p := e.producer(t)
 	ctx := ctxFor(t, 30*time.Second)
@@ -134,7 +133,6 @@ func TestMuxRoutesByKind(t *testing.T) {
 // header that is not a kind, and one whose payload does not decode are
 // each dead-lettered at once with the reason; the jobs around them run.
 func TestMuxDeadLettersUnknownKinds(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	p := e.producer(t)
 	ctx := ctxFor(t, 30*time.Second)
@@ -210,7 +208,6 @@ func TestMuxDeadLettersUnknownKinds(t *testing.T) {
 // before it. The producer refuses to send one, and a Mux dead-letters one
 // that arrives, saying what happened, so that it does not go unseen.
 func TestRollupOnAJobSubjectIsRefusedAndReported(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	p := e.producer(t)
 	ctx := ctxFor(t, 30*time.Second)

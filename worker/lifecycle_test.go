@@ -18,7 +18,6 @@ import (
 // job runs twice, and each successor starts exactly where its predecessor
 // committed.
 func TestGracefulHandOff(t *testing.T) {
-	t.Parallel()
 	const n = 4
 	e := newEnv(t, n)
 	var runs runLog
@@ -91,7 +90,6 @@ func distinct(runs []handled) map[[2]uint64]int {
 // Stop is safe before Run, twice, and from several goroutines; Run after
 // Stop says what to do instead.
 func TestStopIsSafe(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	w, err := worker.New(e.config("w", worker.HandlerFunc(func(context.Context, *worker.Job) error { return nil })))
 	if err != nil {
@@ -128,7 +126,6 @@ func TestStopIsSafe(t *testing.T) {
 
 // A configuration with many mistakes is refused with all of them named.
 func TestConfigErrorsSayWhatToFix(t *testing.T) {
-	t.Parallel()
 	_, err := worker.New(worker.Config{
 		Prefix:      "bad.prefix",
 		Partitions:  0,
@@ -148,7 +145,6 @@ func TestConfigErrorsSayWhatToFix(t *testing.T) {
 // A worker configured with another partition count than the stream's is
 // refused when it starts.
 func TestPartitionCountMismatchIsRefused(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 4)
 	cfg := e.config("w", worker.HandlerFunc(func(context.Context, *worker.Job) error { return nil }))
 	cfg.Partitions = 8

@@ -17,19 +17,11 @@ import (
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/coordinator"
 	"github.com/leasehold/leasehold/internal/testleak"
-	"github.com/leasehold/leasehold/internal/testpar"
 	"github.com/leasehold/leasehold/testing/natstest"
 	"github.com/leasehold/leasehold/worker"
 )
 
-// The tests wait on TTLs, hand-offs and timers far more than they
-// compute, each on its own server: run more of them at once than the two
-// a two-core machine gets by default. The allocation tests (package
-// worker) run before any parallel one starts, alone.
-func TestMain(m *testing.M) {
-	testpar.Raise(4)
-	testleak.VerifyTestMain(m)
-}
+func TestMain(m *testing.M) { testleak.VerifyTestMain(m) }
 
 // testLogger is quiet unless LEASEHOLD_TEST_LOG is set.
 func testLogger() *slog.Logger {

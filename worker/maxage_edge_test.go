@@ -56,7 +56,6 @@ func TestSchedulesOutliveMaxAge(t *testing.T) {
 // A job stream with MaxAge made before schedules were on gets them, and
 // the per-message TTL that exempts them, on the next ProvisionJobs.
 func TestMaxAgeStreamUpgradedToSchedules(t *testing.T) {
-	t.Parallel()
 	srv := natstest.Start(t)
 	js := srv.JetStream(t)
 	ctx := ctxFor(t, time.Minute)

@@ -18,7 +18,6 @@ import (
 // one message per subject and refuses a second (DiscardNewPerSubject)
 // until the test removes the one in the way.
 func TestOneInFlightKeepsJobOrderAcrossARewind(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, time.Minute)
 	dest, err := e.js.CreateStream(ctx, jetstream.StreamConfig{

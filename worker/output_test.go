@@ -18,7 +18,6 @@ import (
 // and the job before it, a job of one effect sends one message, and a
 // failed attempt that sent effects closes them with an abort marker.
 func TestJobEffectsOnTheWire(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	rec := newRecorder()
 	h := worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
@@ -90,7 +89,6 @@ func TestJobEffectsOnTheWire(t *testing.T) {
 // destination holds two messages and refuses a third until the test
 // removes the one in the way.
 func TestRewindKeepsTheChainOfFinals(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, time.Minute)
 	dest, err := e.js.CreateStream(ctx, jetstream.StreamConfig{

@@ -135,7 +135,6 @@ func emitN(n int) worker.HandlerFunc {
 // message a job, and every effect applied exactly once, a job's three in
 // one call of the handler.
 func TestPackedThroughStreamSink(t *testing.T) {
-	t.Parallel()
 	const jobs, effects = 200, 3
 	e := newEnv(t, 4)
 	applied := newBatchLog()
@@ -157,7 +156,6 @@ func TestPackedThroughStreamSink(t *testing.T) {
 // stream: each runs some of the partitions, and every effect applies
 // exactly once.
 func TestPackedMixedFleet(t *testing.T) {
-	t.Parallel()
 	const jobs, effects = 200, 3
 	e := newEnv(t, 4)
 	applied := newBatchLog()
@@ -194,7 +192,6 @@ func TestPackedMixedFleet(t *testing.T) {
 // one epoch (a destination that dedupes by key applies each once), and the
 // paused attempt's held effects never leave.
 func TestPackedFailover(t *testing.T) {
-	t.Parallel()
 	const jobs, effects = 30, 3
 	e := newEnv(t, 1, natstestListen()...)
 	enq := e.enqueue(t, 0, jobs)

@@ -77,7 +77,6 @@ func (e *env) packConfig(name string, h worker.Handler) worker.Config {
 // attempt's final counting them; each effect keeps the headers its
 // caller gave it, but for the worker's and the server's.
 func TestPackedEffectsOnTheWire(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	out, extra := worker.OutputSubject(e.prefix, 0), e.prefix+".out.extra"
 	rec := newRecorder()
@@ -154,7 +153,6 @@ func TestPackedEffectsOnTheWire(t *testing.T) {
 // A job of one effect on each subject sends each as it does without
 // packing: a plain message, marked final, with no HeaderPack.
 func TestPackedOneEffectIsPlain(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	out, extra := worker.OutputSubject(e.prefix, 0), e.prefix+".out.extra"
 	rec := newRecorder()
@@ -201,7 +199,6 @@ func bigEffect(t *testing.T, e *env, b byte) []byte {
 // marker; one that fails while it still holds everything sends nothing
 // on the subject, not even an abort marker.
 func TestPackedFailedAttempt(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	rec := newRecorder()
 	h := worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
@@ -270,7 +267,6 @@ func TestPackedFailedAttempt(t *testing.T) {
 // attempt's final counting every effect, and none above the server's max
 // payload.
 func TestPackedBudget(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	rec := newRecorder()
 	const effects = 7
@@ -326,7 +322,6 @@ func TestPackedBudget(t *testing.T) {
 
 // PackEffects with the legacy stamp is refused.
 func TestPackedNeedsCompactStamp(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	cfg := e.packConfig("w", worker.HandlerFunc(func(context.Context, *worker.Job) error { return nil }))
 	cfg.StampFormat = leasehold.StampLegacy
@@ -355,7 +350,6 @@ func headerBytes(h nats.Header) int {
 // (not an RFC 9110 token) is refused when it is emitted, as permanent:
 // packed, it would make a sink refuse every effect beside it.
 func TestPackedRefusesHeaderNamesNotTokens(t *testing.T) {
-	t.Parallel()
 	var emitErr error
 	m, err := worker.NewInMemory(worker.Config{
 		Prefix: "jobs", Partitions: 1, PackEffects: true, MaxAttempts: 3, Logger: testLogger(),
@@ -397,7 +391,6 @@ func TestPackedRefusesHeaderNamesNotTokens(t *testing.T) {
 // its origin's keys: the packed message carries the origin, as an effect
 // alone does, and its effects carry none of their own.
 func TestPackedEffectsOfAMovedJob(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	rec := newRecorder()
 	cfg := e.packConfig("w", emitN(3))
@@ -436,7 +429,6 @@ func TestPackedEffectsOfAMovedJob(t *testing.T) {
 // permanent: in a packed body the server does not see them, and a sink
 // would refuse the whole pack.
 func TestPackedRefusesHeadersAStreamWouldNot(t *testing.T) {
-	t.Parallel()
 	var emitErr error
 	m, err := worker.NewInMemory(worker.Config{
 		Prefix: "jobs", Partitions: 1, PackEffects: true, Logger: testLogger(),

@@ -23,7 +23,6 @@ import (
 // Leasehold-Stack. (The span also names the partition and the worker in
 // OpenTelemetry's messaging attributes.)
 func TestPanicIsOneLineAndItsStackKeptOnce(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	enq := e.enqueue(t, 0, 1)
 	rec := newRecorder()

@@ -10,7 +10,6 @@ import (
 )
 
 func TestParsePeriodics(t *testing.T) {
-	t.Parallel()
 	jobs, err := worker.ParsePeriodics([]byte(`
 periodic:
   - name: sweep

@@ -14,7 +14,6 @@ import (
 // Keys pick partitions the way Kafka's partitioner does; EnqueueTo names
 // the partition, and a partition that does not exist is refused.
 func TestEnqueuePicksPartitions(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 8)
 	p := e.producer(t)
 	ctx := ctxFor(t, 30*time.Second)
@@ -48,7 +47,6 @@ func TestEnqueuePicksPartitions(t *testing.T) {
 // A job ID makes an enqueue idempotent: the stream stores it once within
 // its duplicate window. Without one, each enqueue gets a fresh ID.
 func TestJobIDDeduplicates(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 2)
 	p := e.producer(t)
 	ctx := ctxFor(t, 30*time.Second)
@@ -76,7 +74,6 @@ func TestJobIDDeduplicates(t *testing.T) {
 // A batch sends without waiting and reports where every job went, in
 // order; sending the same IDs again stores nothing new.
 func TestBatchEnqueue(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 4)
 	p := e.producer(t)
 	ctx := ctxFor(t, 30*time.Second)
@@ -110,7 +107,6 @@ func TestBatchEnqueue(t *testing.T) {
 // A producer configured with another partition count than the stream's,
 // or for a stream that does not exist, is refused on its first enqueue.
 func TestProducerChecksTheStream(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 4)
 	ctx := ctxFor(t, 30*time.Second)
 	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: 8})

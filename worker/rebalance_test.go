@@ -19,7 +19,6 @@ import (
 // coordinator handed it out), no job is lost, and no job that a lease
 // committed runs again.
 func TestTenThousandJobsWhileWorkersComeAndGo(t *testing.T) {
-	t.Parallel()
 	const (
 		n     = 16
 		total = 10000

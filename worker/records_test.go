@@ -35,7 +35,6 @@ func deadLetters(t testing.TB, e *env) []jetstream.Msg {
 // progress passes it, and the status still says removed unrun, never
 // done. It used to say done once progress had passed the job.
 func TestAgedOutJobIsRemovedUnrun(t *testing.T) {
-	t.Parallel()
 	srv := natstest.Start(t)
 	e := &env{srv: srv, prefix: "aged", n: 1}
 	e.js = srv.JetStream(t)
@@ -125,7 +124,6 @@ func TestAgedOutJobIsRemovedUnrun(t *testing.T) {
 // (forged, or our own tool's that stopped before the delete), or a replay
 // that is not the dead letter's, changes nothing.
 func TestForgedRecordsDoNotDecideStatus(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, time.Minute)
 	p, err := worker.NewProducer(e.js, worker.ProducerConfig{Prefix: e.prefix, Partitions: 1, Bucket: e.bucket})

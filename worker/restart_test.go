@@ -20,7 +20,6 @@ import (
 // re-created, lost effects are published again, leases are kept or taken
 // again, and every job ends up with its effect. Nothing is lost.
 func TestNATSRestartLosesNothing(t *testing.T) {
-	t.Parallel()
 	const n = 4
 	e := newEnv(t, n, natstestListen()...)
 	var runs runLog
@@ -144,7 +143,6 @@ func waitSecondAttempt(t *testing.T, rec *recorder, seq uint64) {
 // subscriber that never answers, so the answer is lost for sure, and
 // EffectTimeout is longer than the test.
 func TestAbortMarkerLostInARestartDoesNotHoldThePartition(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1, natstestListen()...)
 	hole := make(chan *nats.Msg, 16)
 	nc := e.srv.Connect(t)
@@ -180,7 +178,6 @@ func TestAbortMarkerLostInARestartDoesNotHoldThePartition(t *testing.T) {
 // hold the partition that long. Here the subject's subscriber answers
 // only the marker's second copy.
 func TestAbortMarkerAnswerLostIsAskedForAgain(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	markers := make(chan string, 16)
 	nc := e.srv.Connect(t)
@@ -219,7 +216,6 @@ func TestAbortMarkerAnswerLostIsAskedForAgain(t *testing.T) {
 // that long. Here the subject's subscriber answers only the effect's
 // second copy.
 func TestEffectAnswerLostIsAskedForAgain(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	copies := make(chan string, 16)
 	nc := e.srv.Connect(t)

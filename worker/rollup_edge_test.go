@@ -18,7 +18,6 @@ import (
 // can say how much went: it must not say one partition's jobs went when
 // all did.
 func TestRollupAllPurgesEveryPartition(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 2)
 	p := e.producer(t)
 	ctx := ctxFor(t, time.Minute)
@@ -61,7 +60,6 @@ func TestRollupAllPurgesEveryPartition(t *testing.T) {
 // The roll-up check sat in Mux alone: a worker with a plain handler ran a
 // forged roll-up as one more job, and the jobs it purged went unseen.
 func TestRollupReachesAPlainHandler(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	p := e.producer(t)
 	ctx := ctxFor(t, time.Minute)

@@ -17,7 +17,6 @@ import (
 // 9999, before year 0) is refused at the producer, not stored as a
 // schedule that never fires.
 func TestEnqueueAtExtremes(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, time.Minute)
 	p := e.producer(t)
@@ -48,7 +47,6 @@ func TestEnqueueAtExtremes(t *testing.T) {
 // deploy does, leaves one schedule, the new one; registering it again
 // unchanged, as every restart does, stores nothing.
 func TestPeriodicRedeclared(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 2)
 	ctx := ctxFor(t, time.Minute)
 	p := e.producer(t)

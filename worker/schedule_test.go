@@ -20,7 +20,6 @@ import (
 // as does the handler's clock), and runs once, with the ID it was enqueued
 // under, while jobs enqueued meanwhile run at once.
 func TestDelayedJobRunsOnceAtItsTime(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 2)
 	p := e.producer(t)
 	ctx := ctxFor(t, 60*time.Second)
@@ -115,7 +114,6 @@ func TestDelayedJobRunsOnceAtItsTime(t *testing.T) {
 // enqueued, and why; schedules are off unless asked for, and asking for
 // them on a stream with a size limit fails at provisioning.
 func TestDelayedJobNeedsSchedules(t *testing.T) {
-	t.Parallel()
 	srv := natstest.Start(t)
 	js := srv.JetStream(t)
 	ctx := ctxFor(t, 30*time.Second)
@@ -370,7 +368,6 @@ func maxSeq(m map[uint64][]handledTick) uint64 {
 // A cron schedule fires too (nats-server 2.14+), and periodic definitions
 // the server would refuse are refused before they are sent.
 func TestPeriodicCronAndInvalidDefinitions(t *testing.T) {
-	t.Parallel()
 	for _, pj := range []worker.Periodic{
 		{Kind: "x"},
 		{Kind: "x", Every: time.Second, Cron: "@hourly"},

@@ -16,7 +16,6 @@ import (
 // A job that snoozes runs again without using up an attempt: with one
 // attempt allowed, three snoozes and a success complete it.
 func TestSnoozeRunsAgainWithoutAnAttempt(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, 30*time.Second)
 	var runs atomic.Int64
@@ -75,7 +74,6 @@ func TestSnoozeRunsAgainWithoutAnAttempt(t *testing.T) {
 // while a job of another key runs beside it (here the snoozing job waits
 // for that one to finish, and that one for the first snooze).
 func TestSnoozeKeepsItsKeysOrder(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, 30*time.Second)
 	var mu sync.Mutex
@@ -145,7 +143,6 @@ func TestSnoozeKeepsItsKeysOrder(t *testing.T) {
 // Snoozes are bounded: past MaxSnoozes a snooze is a failed attempt,
 // retried and then dead-lettered saying why.
 func TestSnoozeLimitIsAFailure(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, 30*time.Second)
 	rec := newRecorder()

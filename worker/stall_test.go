@@ -13,7 +13,6 @@ import (
 // that falls due while a pull is being sent is skipped); the worker's Fetch
 // loop must not, and counts any pull that ends early as a stall.
 func TestBacklogDrainsWithoutStalls(t *testing.T) {
-	t.Parallel()
 	const n, total = 2, 20000
 	e := newEnv(t, n)
 	e.enqueue(t, 0, total)

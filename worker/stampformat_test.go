@@ -55,7 +55,6 @@ func (s *mixedSink) waitFor(t *testing.T, within time.Duration, what string, con
 // effect is applied exactly once, whichever form it came in, and a stale
 // effect is refused in either form.
 func TestMixedFleetStampFormats(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 4, natstestListen()...)
 	ctx := ctxFor(t, 3*time.Minute)
 	s := &mixedSink{applied: map[string]int{}, stale: map[string]bool{}, changed: make(chan struct{}, 1)}

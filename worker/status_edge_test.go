@@ -15,7 +15,6 @@ import (
 // status must not say done because the partition's progress passed the
 // number, nor pending for ever because it never will.
 func TestStatusOfAJobThatIsNotThere(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 2)
 	ctx := ctxFor(t, time.Minute)
 	p := e.statusProducer(t)
@@ -66,7 +65,6 @@ func TestStatusOfAJobThatIsNotThere(t *testing.T) {
 // out, deleted by hand) will never run: its status says so, not pending,
 // and Wait does not wait for it.
 func TestStatusOfAJobRemovedUnrun(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, time.Minute)
 	p := e.statusProducer(t)

@@ -18,7 +18,6 @@ import (
 // set of jobs, a delayed one among them. A duplicate job ID is reported
 // with the sequence of the job stored first.
 func TestJobStatusThroughEveryState(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 2)
 	ctx := ctxFor(t, time.Minute)
 	p := e.statusProducer(t)
@@ -162,7 +161,6 @@ func TestJobStatusThroughEveryState(t *testing.T) {
 // Wait follows many jobs at once, on every partition, and tells the
 // dead-lettered ones apart.
 func TestWaitForManyJobs(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 4)
 	ctx := ctxFor(t, 2*time.Minute)
 	p := e.statusProducer(t)
@@ -206,7 +204,6 @@ func TestWaitForManyJobs(t *testing.T) {
 // The duplicate window is the stream's, and ProvisionJobs sets it on an
 // existing stream when asked: after it, the same job ID is a new job.
 func TestDuplicateWindowIsConfigurable(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1)
 	ctx := ctxFor(t, 30*time.Second)
 	if err := worker.ProvisionJobs(ctx, e.js, worker.JobsConfig{Prefix: e.prefix, Partitions: e.n, Duplicates: time.Second, Schedules: true}); err != nil {

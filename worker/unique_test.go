@@ -31,7 +31,6 @@ func asDuplicate(t *testing.T, err error) *worker.DuplicateJobError {
 // its period, across producers and a server restart; the refusal names
 // the job stored first.
 func TestUniqueJobIsStoredOnce(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 4)
 	ctx := ctxFor(t, 60*time.Second)
 	a, b := e.producer(t), e.producer(t)
@@ -84,7 +83,6 @@ func TestUniqueJobIsStoredOnce(t *testing.T) {
 // server's expiry marker is the event waited on), the same job is stored
 // again.
 func TestUniqueEndsWithItsPeriod(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 2)
 	ctx := ctxFor(t, 60*time.Second)
 	p := e.producer(t)
@@ -122,7 +120,6 @@ func TestUniqueEndsWithItsPeriod(t *testing.T) {
 // older than the producer's bound, so it does not hold the key for the
 // whole period. A forged value holds the key but is reported as such.
 func TestUniqueReservationOfACrashedProducer(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 2)
 	ctx := ctxFor(t, 60*time.Second)
 	// Free the key (bound: 3s) and put a crashed producer's reservation
@@ -198,7 +195,6 @@ func TestUniqueReservationOfACrashedProducer(t *testing.T) {
 // other error codes than one node does), and all the others are refused
 // with that job's reference.
 func TestUniqueRaceOnACluster(t *testing.T) {
-	t.Parallel()
 	if testing.Short() {
 		t.Skip("starts a cluster")
 	}

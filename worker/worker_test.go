@@ -11,7 +11,6 @@ import (
 // One worker, a few partitions: every job runs once, in order, and emits
 // one stamped effect.
 func TestWorkerHandlesEveryJobInOrder(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 4)
 	var runs runLog
 	rec := newRecorder()

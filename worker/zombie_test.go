@@ -23,7 +23,6 @@ import (
 // an in-order sink refuses it), and A's progress commit is refused by the
 // server. B handles every job A did not finish; nothing is lost.
 func TestZombieCannotSkipWork(t *testing.T) {
-	t.Parallel()
 	e := newEnv(t, 1, natstestListen()...)
 	const p = leasehold.Partition(0)
 	enq := e.enqueue(t, 0, 10)
