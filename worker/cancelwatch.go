@@ -113,10 +113,7 @@ func (r *runner) tryWatchCancels(try time.Duration) (*cancels, error) {
 			case wctx.Err() != nil:
 				// The try ran out of time while this came.
 			case !ok:
-				quiet.Stop()
-				r.log.Warn("jobs cannot be cancelled: the watch of the cancels ended")
-				close(c.end)
-				return c, nil
+				return failed(errors.New("the watch ended before it gave the records stored so far"))
 			case !quiet.Stop():
 				// The try ran out of time just now.
 			case e == nil:
