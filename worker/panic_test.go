@@ -38,7 +38,10 @@ func TestPanicIsOneLineAndItsStackKeptOnce(t *testing.T) {
 	cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
 	cfg.Telemetry = telemetry.Config{TracerProvider: trace.NewTracerProvider(trace.WithSpanProcessor(spans))}
 	start(t, cfg)
-	rec.waitFor(t, 30*time.Second, "the job dead-lettered", func() bool { return rec.count(kind(worker.EventJobDeadLettered)) == 1 })
+	// The runner logs the dead letter just after its event: wait for both.
+	rec.waitFor(t, 30*time.Second, "the job dead-lettered, and its log line", func() bool {
+		return rec.count(kind(worker.EventJobDeadLettered)) == 1 && strings.Contains(logs.String(), `msg="job dead-lettered"`)
+	})
 
 	const want = "panic: assignment to entry in nil map at worker/panic_test.go:"
 	var pe *worker.PanicError
