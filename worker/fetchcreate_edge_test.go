@@ -5,7 +5,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold/testing/natstest"
@@ -20,12 +19,7 @@ import (
 func TestLostConsumerCreateIsTriedAgain(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 1, natstest.Listen())
-	proxy := natstest.NewProxy(t, e.srv.URL())
-	nc, err := nats.Connect(proxy.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(nc.Close)
+	proxy, nc, _, _ := e.proxied(t)
 	js, err := jetstream.New(nc, jetstream.WithDefaultTimeout(time.Hour))
 	if err != nil {
 		t.Fatal(err)
@@ -79,12 +73,7 @@ func TestLostCancelWatchIsTriedAgain(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			e := newEnv(t, 1, natstest.Listen())
-			proxy := natstest.NewProxy(t, e.srv.URL())
-			nc, err := nats.Connect(proxy.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(nc.Close)
+			proxy, nc, _, _ := e.proxied(t)
 			js, err := jetstream.New(nc, jetstream.WithDefaultTimeout(time.Hour))
 			if err != nil {
 				t.Fatal(err)
