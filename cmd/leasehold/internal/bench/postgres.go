@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"os/user"
@@ -15,6 +14,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/leasehold/leasehold/internal/freeport"
 )
 
 // errNoPostgres says PostgreSQL is not installed here.
@@ -65,12 +66,11 @@ func startPostgres(ctx context.Context, parent string) (*postgres, error) {
 	if out, err := initdb.CombinedOutput(); err != nil {
 		return nil, fmt.Errorf("initdb: %w\n%s", err, out)
 	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
+	// Not a port the kernel hands out: it could become another
+	// connection's before postgres binds it.
+	if pg.port, err = freeport.Loopback(); err != nil {
 		return nil, err
 	}
-	pg.port = l.Addr().(*net.TCPAddr).Port
-	l.Close()
 	logf, err := os.Create(filepath.Join(dir, "postgres.log"))
 	if err != nil {
 		return nil, err

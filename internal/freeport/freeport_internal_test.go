@@ -1,4 +1,4 @@
-package pgtest
+package freeport
 
 import (
 	"net"
@@ -6,13 +6,13 @@ import (
 	"testing"
 )
 
-// The port postgres is started on lies below the kernel's ephemeral range,
+// The port Loopback returns lies below the kernel's ephemeral range,
 // where no outgoing connection and no listener on port 0 can take it
-// between the check and postgres binding it, and it is free when chosen.
-func TestFreePortIsBelowTheEphemeralRange(t *testing.T) {
+// between the check and the caller binding it, and it is free when chosen.
+func TestLoopbackIsBelowTheEphemeralRange(t *testing.T) {
 	low := ephemeralLow()
 	for range 50 {
-		port, err := freePort()
+		port, err := Loopback()
 		if err != nil {
 			t.Fatal(err)
 		}
