@@ -34,6 +34,11 @@ const (
 	pipeWorkers    = 4
 	pipePayload    = 256
 	pipeBatch      = 100
+	// rawSinkBatch is what the raw pipeline's consumer fetches at once:
+	// what leasehold's stream sink runner fetches by default
+	// (streamsink.Config.Batch), which serves a hand-written consumer
+	// as well.
+	rawSinkBatch = 400
 )
 
 // applied counts the effects a pipeline's consumer applied, and records
@@ -320,7 +325,7 @@ type rawStore struct {
 // apply each effect unless its ID was applied before, ack it.
 func rawSink(ctx context.Context, cons jetstream.Consumer, store *rawStore, ap *applied) {
 	for ctx.Err() == nil {
-		batch, err := cons.Fetch(pipeBatch, jetstream.FetchMaxWait(500*time.Millisecond))
+		batch, err := cons.Fetch(rawSinkBatch, jetstream.FetchMaxWait(500*time.Millisecond))
 		if err != nil {
 			continue
 		}
