@@ -326,13 +326,24 @@ func (r *Relay) holding(ctx context.Context) (*coordinator.Lease, error) {
 	}
 }
 
+// sinkBatch is the runner's batch a relay takes when cfg sets none:
+// smaller than a stream sink runner's default. A batch is saved and acked
+// once its last request is answered, and requests are slow beside a
+// store's writes: 100 of them, Concurrency at a time, stay well within
+// the consumer's AckWait where 400 to a slow endpoint may not.
+const sinkBatch = 100
+
 // RunSink runs a stream sink runner under the relay's lock: one runner per
-// term, built with cfg (its BatchHandler set to DeliverBatch), running
-// until the term ends. Only the lock's holder consumes the effect log, so
-// two relays never split its messages between them, and a relay that
-// takes over starts from the progress its predecessor saved.
+// term, built with cfg (its BatchHandler set to DeliverBatch, its Batch
+// 100 unless cfg sets one), running until the term ends. Only the lock's
+// holder consumes the effect log, so two relays never split its messages
+// between them, and a relay that takes over starts from the progress its
+// predecessor saved.
 func (r *Relay) RunSink(ctx context.Context, js jetstream.JetStream, cfg streamsink.Config, opts ...SinkOption) error {
 	cfg.Handler, cfg.BatchHandler = nil, r.DeliverBatch
+	if cfg.Batch == 0 {
+		cfg.Batch = sinkBatch
+	}
 	if err := cfg.Validate(); err != nil {
 		return fmt.Errorf("httpsink: invalid runner config: %w", err)
 	}
