@@ -100,6 +100,18 @@ type Config struct {
 	// Subject maps an effect's log subject to its republish subject.
 	// Default: "<prefix>.out.X" becomes "<prefix>.fenced.X".
 	Subject func(logSubject string) string
+	// AtomicJobs republishes a job's effects on a subject (up to 1000) in
+	// one JetStream atomic batch, so that a reader of the downstream
+	// stream sees all of them or none; without it they go one by one, and
+	// a reader may see part of a job until the rest arrives. It needs a
+	// downstream stream that allows atomic publish (nats-server 2.12 or
+	// later): New creates it so, and fails on one that does not. A batch
+	// costs a round trip, and on a stream of one replica nats-server
+	// stages each in a file of its own: jobs of three effects republished
+	// at 566 effects/s that way against 32,629 one by one, and on three
+	// replicas at 16,236 against 23,970 (BenchmarkRepublishJobs). For
+	// republishing only (no Handler or BatchHandler).
+	AtomicJobs bool
 
 	// HandlerBatch is the most effects one BatchHandler call holds,
 	// except for a job whose effects are more: they come in one call of
@@ -288,6 +300,9 @@ func (c Config) Validate() error {
 	}
 	if c.Handler != nil && c.BatchHandler != nil {
 		errs = append(errs, errors.New("set Handler or BatchHandler, not both"))
+	}
+	if c.AtomicJobs && (c.Handler != nil || c.BatchHandler != nil) {
+		errs = append(errs, errors.New("AtomicJobs is for republishing into the downstream stream: a Handler or BatchHandler writes each job as its destination allows"))
 	}
 	if c.Handler == nil && c.BatchHandler == nil && c.Downstream == c.Stream {
 		errs = append(errs, errors.New("the downstream stream is the effect log itself: republished effects would be consumed again"))

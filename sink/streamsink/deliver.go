@@ -5,12 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/leasehold/leasehold"
+	"github.com/leasehold/leasehold/internal/jspub"
 	"github.com/leasehold/leasehold/internal/retry"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/telemetry"
@@ -181,7 +183,9 @@ func (r *Runner) deliverEach(ctx context.Context, outs []outcome, what string, a
 }
 
 // republish publishes the accepted effects into the downstream stream, all
-// at once, and retries those that fail.
+// at once, and retries those that fail. With Config.AtomicJobs a job's
+// effects on a subject, delivered together, go in one atomic batch (see
+// republishJobs): a reader of that stream sees all of them or none.
 func (r *Runner) republish(ctx context.Context, outs []outcome) error {
 	todo := make([]int, 0, len(outs))
 	for i := range outs {
@@ -192,7 +196,11 @@ func (r *Runner) republish(ctx context.Context, outs []outcome) error {
 	for attempt := 0; len(todo) > 0; attempt++ {
 		futures := make([]jetstream.PubAckFuture, len(todo))
 		errs := make(map[int]error)
+		alone := r.republishJobs(ctx, outs, todo, errs)
 		for j, i := range todo {
+			if !alone[j] {
+				continue // in a batch: stored, or failed in errs
+			}
 			f, err := r.js.PublishMsgAsync(r.republished(outs[i].ctx, outs[i].m, outs[i].d.Stamp))
 			if err != nil {
 				errs[i] = err
@@ -262,6 +270,122 @@ func (r *Runner) republish(ctx context.Context, outs []outcome) error {
 	}
 	return nil
 }
+
+// maxAtomicBatch is the most messages a JetStream atomic batch holds
+// (nats-server's default): a job of more effects on a subject is
+// republished one effect at a time.
+const maxAtomicBatch = 1000
+
+// atomicInFlight bounds the atomic batches a runner has in flight at
+// once, well below what a server takes per stream (50 by default).
+const atomicInFlight = 16
+
+// republishJobs publishes, in one JetStream atomic batch each, the job
+// groups among the effects at todo (in outs), with Config.AtomicJobs: the
+// effects of one job on one subject that are
+// delivered together (sameJob), two or more. It reports, by position in
+// todo, the effects left to publish one by one: all of them without
+// AtomicJobs, and otherwise those of no group, of a group
+// larger than a batch, or of a group whose batch the server refused for
+// what the effects hold (a duplicate message ID, as when an earlier try
+// whose answer was lost stored it; a payload or headers too large; a
+// header batches do not take). One by one, the message IDs settle which
+// were stored already, and a failing effect is dead-lettered alone. A
+// batch that failed for NATS's reasons (no answer, the connection, a
+// batch the server did not receive whole) puts its effects' error in
+// errs: they are tried again, in a batch, with the rest of todo.
+func (r *Runner) republishJobs(ctx context.Context, outs []outcome, todo []int, errs map[int]error) []bool {
+	alone := make([]bool, len(todo))
+	for j := range alone {
+		alone[j] = true
+	}
+	if !r.atomicOut.Load() {
+		return alone
+	}
+	type batch struct{ from, to int } // a group, todo[from:to]
+	var batches []batch
+	for from := 0; from < len(todo); {
+		to := from + 1
+		for to < len(todo) && sameJob(&outs[todo[to-1]], &outs[todo[to]]) {
+			to++
+		}
+		if n := to - from; n > 1 && n <= maxAtomicBatch {
+			batches = append(batches, batch{from, to})
+		}
+		from = to
+	}
+	if len(batches) == 0 {
+		return alone
+	}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	var disabled bool
+	slots := make(chan struct{}, atomicInFlight)
+	for _, b := range batches {
+		slots <- struct{}{}
+		wg.Add(1)
+		go func() {
+			defer func() { <-slots; wg.Done() }()
+			msgs := make([]*nats.Msg, 0, b.to-b.from)
+			for _, i := range todo[b.from:b.to] {
+				msgs = append(msgs, r.republished(outs[i].ctx, outs[i].m, outs[i].d.Stamp))
+			}
+			bctx, cancel := context.WithTimeout(ctx, r.cfg.RequestTimeout)
+			_, err := jspub.Batch(bctx, r.js.Conn(), msgs)
+			cancel()
+			mu.Lock()
+			defer mu.Unlock()
+			var apiErr *jetstream.APIError
+			isAPI := errors.As(err, &apiErr)
+			switch {
+			case err == nil:
+				for j := b.from; j < b.to; j++ {
+					alone[j] = false
+				}
+			case isAPI && (apiErr.ErrorCode == jsBatchIncomplete || apiErr.ErrorCode == jsBatchInflight) || isAPI && retry.Transient(err):
+				// The server did not get the batch whole, holds too many,
+				// or is electing: nothing was stored, no effect is to
+				// blame, and the batch is tried again.
+				for j := b.from; j < b.to; j++ {
+					alone[j] = false
+					errs[todo[j]] = fmt.Errorf("atomic batch of job %d: %w: %w", outs[todo[j]].job, sink.ErrUnavailable, err)
+				}
+			case isAPI:
+				// Refused for what the effects hold, or batches are not
+				// taken after all: one by one.
+				if apiErr.ErrorCode == jsBatchDisabled {
+					disabled = true
+				}
+			case errors.Is(err, nats.ErrMaxPayload):
+				// One of them is too large for any message: one by one,
+				// it alone is dead-lettered.
+			default:
+				// No answer, or the connection failed: the batch may have
+				// been stored. Tried again, a batch that was is refused
+				// as a duplicate, and its effects go one by one, each
+				// found stored.
+				for j := b.from; j < b.to; j++ {
+					alone[j] = false
+					errs[todo[j]] = fmt.Errorf("atomic batch of job %d: %w", outs[todo[j]].job, err)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if disabled && r.atomicOut.CompareAndSwap(true, false) {
+		r.log.LogAttrs(ctx, slog.LevelError, "streamsink: AtomicJobs: the downstream stream refused an atomic batch as disabled (its atomic publish was turned off): a job's effects now reach it one by one, and a reader may see part of a job until the rest arrives; allow atomic publish on it and restart the runner",
+			slog.String("sink", r.cfg.Name), slog.String("stream", r.cfg.Downstream))
+	}
+	return alone
+}
+
+// JetStream's error codes for atomic batches that republishJobs tells
+// apart.
+const (
+	jsBatchDisabled   jetstream.ErrorCode = 10174 // the stream does not allow atomic publish
+	jsBatchIncomplete jetstream.ErrorCode = 10176 // messages of the batch were lost on the way
+	jsBatchInflight   jetstream.ErrorCode = 10210 // too many batches in flight on the stream
+)
 
 // republished builds the downstream message for an accepted effect:
 // leasehold's headers and W3C trace context (see keepHeader), the trace

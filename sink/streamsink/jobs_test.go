@@ -22,7 +22,7 @@ import (
 // wireLog publishes job effects by hand, as workers write them, into the
 // log of a runner that hands what it applies to an appliedLog.
 type wireLog struct {
-	t       *testing.T
+	t       testing.TB
 	js      jetstream.JetStream
 	scope   string
 	cfg     streamsink.Config

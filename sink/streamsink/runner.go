@@ -148,6 +148,10 @@ type Runner struct {
 	logFirst  uint64           // the log's first sequence as configured: none below it ever existed
 	logStream jetstream.Stream // the effect log, for its state
 	wholeLog  bool             // the consumer's filter covers every subject of the log
+	// atomicOut: with Config.AtomicJobs, a job's effects are republished
+	// in one atomic batch (see republishJobs), until the downstream stream
+	// refuses batches as disabled.
+	atomicOut atomic.Bool
 
 	// stepMu is held by Run for each batch and by ResumeAfterGap, which
 	// both move the saved position.
@@ -262,16 +266,27 @@ func (r *Runner) provision(ctx context.Context) error {
 		return err
 	}
 	if cfg.Handler == nil && cfg.BatchHandler == nil {
-		if _, err := retry.Value(ctx, r.lookup(cfg.Downstream)); errors.Is(err, jetstream.ErrStreamNotFound) {
-			_, err = r.create(ctx, jetstream.StreamConfig{
+		down, err := retry.Value(ctx, r.lookup(cfg.Downstream))
+		if errors.Is(err, jetstream.ErrStreamNotFound) {
+			down, err = r.create(ctx, jetstream.StreamConfig{
 				Name: cfg.Downstream, Subjects: []string{cfg.Prefix + ".fenced.>"}, Storage: jetstream.FileStorage,
 				Replicas: cfg.Replicas, Duplicates: 10 * time.Minute, Description: "leasehold fenced effects",
+				AllowAtomicPublish: cfg.AtomicJobs,
 			})
-			if err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+			if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+				down, err = retry.Value(ctx, r.lookup(cfg.Downstream))
+			}
+			if err != nil {
 				return fmt.Errorf("streamsink: create the downstream stream %s: %w", cfg.Downstream, err)
 			}
 		} else if err != nil {
 			return fmt.Errorf("streamsink: look up the downstream stream %s: %w", cfg.Downstream, err)
+		}
+		if cfg.AtomicJobs {
+			if !down.CachedInfo().Config.AllowAtomicPublish {
+				return fmt.Errorf("streamsink: AtomicJobs: the downstream stream %s does not allow atomic publish: allow it (nats stream edit %s --allow-batch, nats-server 2.12 or later), or republish without AtomicJobs", cfg.Downstream, cfg.Downstream)
+			}
+			r.atomicOut.Store(true)
 		}
 	}
 	bind := func(ctx context.Context) (jetstream.KeyValue, error) { return r.js.KeyValue(ctx, cfg.StateBucket) }
