@@ -33,6 +33,7 @@ type sinkFlags struct {
 	postgresURL  string
 	kvBucket     string
 	downstream   string
+	atomicJobs   bool
 	verifyEpochs bool
 	legacyScope  string
 	httpAddr     string
@@ -78,6 +79,7 @@ sink holds, with the stamp each value was written under.`,
 	fs.StringVar(&f.postgresURL, "postgres-url", "", "PostgreSQL connection URL for --kind postgres (env DATABASE_URL too)")
 	fs.StringVar(&f.kvBucket, "kv-bucket", "leasehold-sink", "KV bucket for --kind kv")
 	fs.StringVar(&f.downstream, "downstream", "", "stream accepted effects are republished into, for --kind stream (default <prefix>-fenced)")
+	fs.BoolVar(&f.atomicJobs, "atomic-jobs", false, "for --kind stream: republish each job's effects on a subject in one atomic batch, so that readers see all of them or none (needs a downstream stream that allows atomic publish; slower, on one replica much slower)")
 	fs.BoolVar(&f.verifyEpochs, "verify-epochs", true, "check every new epoch against the lease bucket before it may raise a fence, refusing forged epochs (needs read access to the lease bucket; --verify-epochs=false trusts every stamp)")
 	fs.StringVar(&f.legacyScope, "legacy-scope", "", "the scope (normally the job stream's prefix) that wrote progress saved before fence scopes: it is converted in place; without it such progress is refused")
 	fs.StringVar(&f.httpAddr, "http", ":8081", "address for the status page (/), /metrics, /livez and /readyz ('' to serve nothing)")
@@ -107,6 +109,9 @@ func runSink(ctx context.Context, f sinkFlags) error {
 	}
 	if f.postgresURL == "" {
 		f.postgresURL = os.Getenv("DATABASE_URL")
+	}
+	if f.atomicJobs && f.kind != "stream" {
+		return fmt.Errorf("--atomic-jobs is for --kind stream (a downstream stream); --kind %s writes each job as its destination allows", f.kind)
 	}
 	nc, js, err := f.conn.connect(ctx, "leasehold sink "+f.name)
 	if err != nil {
@@ -180,6 +185,7 @@ func runSink(ctx context.Context, f sinkFlags) error {
 		return runHTTPSink(ctx, js, f, cfg, page, log)
 	case "stream":
 		cfg.Downstream = f.downstream
+		cfg.AtomicJobs = f.atomicJobs
 	case "kv", "postgres":
 		a, err := newApplier(ctx, js, f, applied, log)
 		if err != nil {
