@@ -322,14 +322,16 @@ func (r *Runner) republishJobs(ctx context.Context, outs []outcome, todo []int, 
 	var disabled bool
 	slots := make(chan struct{}, atomicInFlight)
 	for _, b := range batches {
+		// Built here, one at a time: Config.Subject is the caller's, and
+		// need not be safe to call from several goroutines.
+		msgs := make([]*nats.Msg, 0, b.to-b.from)
+		for _, i := range todo[b.from:b.to] {
+			msgs = append(msgs, r.republished(outs[i].ctx, outs[i].m, outs[i].d.Stamp))
+		}
 		slots <- struct{}{}
 		wg.Add(1)
 		go func() {
 			defer func() { <-slots; wg.Done() }()
-			msgs := make([]*nats.Msg, 0, b.to-b.from)
-			for _, i := range todo[b.from:b.to] {
-				msgs = append(msgs, r.republished(outs[i].ctx, outs[i].m, outs[i].d.Stamp))
-			}
 			bctx, cancel := context.WithTimeout(ctx, r.cfg.RequestTimeout)
 			_, err := jspub.Batch(bctx, r.js.Conn(), msgs)
 			cancel()
