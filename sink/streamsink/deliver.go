@@ -280,20 +280,19 @@ const maxAtomicBatch = 1000
 // once, well below what a server takes per stream (50 by default).
 const atomicInFlight = 16
 
-// republishJobs publishes, in one JetStream atomic batch each, the job
-// groups among the effects at todo (in outs), with Config.AtomicJobs: the
-// effects of one job on one subject that are
-// delivered together (sameJob), two or more. It reports, by position in
-// todo, the effects left to publish one by one: all of them without
-// AtomicJobs, and otherwise those of no group, of a group
-// larger than a batch, or of a group whose batch the server refused for
-// what the effects hold (a duplicate message ID, as when an earlier try
-// whose answer was lost stored it; a payload or headers too large; a
-// header batches do not take). One by one, the message IDs settle which
-// were stored already, and a failing effect is dead-lettered alone. A
-// batch that failed for NATS's reasons (no answer, the connection, a
-// batch the server did not receive whole) puts its effects' error in
-// errs: they are tried again, in a batch, with the rest of todo.
+// republishJobs publishes, with Config.AtomicJobs, each job group among
+// the effects at todo (in outs) in one JetStream atomic batch: the effects
+// of one job on one subject that are delivered together (sameJob), two or
+// more. It reports, by position in todo, the effects left to publish one
+// by one: all of them without AtomicJobs, and otherwise those of no group,
+// of a group larger than a batch, or of a group whose batch the server
+// refused for what the effects hold (a duplicate message ID, as when an
+// earlier try whose answer was lost stored it; a payload or headers too
+// large; a header batches do not take). One by one, the message IDs
+// settle which were stored already, and a failing effect is dead-lettered
+// alone. A batch that failed for NATS's reasons (no answer, the
+// connection, a batch the server did not receive whole) puts its effects'
+// error in errs: they are tried again, in a batch, with the rest of todo.
 func (r *Runner) republishJobs(ctx context.Context, outs []outcome, todo []int, errs map[int]error) []bool {
 	alone := make([]bool, len(todo))
 	for j := range alone {
