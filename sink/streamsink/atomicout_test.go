@@ -2,6 +2,7 @@ package streamsink_test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -12,6 +13,7 @@ import (
 	"github.com/leasehold/leasehold"
 	"github.com/leasehold/leasehold/sink"
 	"github.com/leasehold/leasehold/sink/streamsink"
+	"github.com/leasehold/leasehold/testing/natstest"
 )
 
 // rawDownstream reads every message of a downstream stream, in order.
@@ -187,4 +189,72 @@ func TestRepublishedJobPartlyStoredGoesOneByOne(t *testing.T) {
 		t.Errorf("the downstream stream holds %v, want the job's three effects", count)
 	}
 	wl.outcome(e1, sink.Duplicate)
+}
+
+// A job one effect of which fits in the log but not, with the sink's
+// headers, in a republish fails its atomic batch; the job's effects then
+// go one by one: that effect is dead-lettered for the max payload, as it
+// is without AtomicJobs, and the job's other effect is stored.
+func TestAtomicJobWithAnEffectTooLarge(t *testing.T) {
+	t.Parallel()
+	srv := natstest.Start(t)
+	ctx := ctxFor(t, time.Minute)
+	nc := srv.Connect(t)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const prefix = "bigatom"
+	rec := &positions{}
+	rr := start(t, js, streamsink.Config{Prefix: prefix, Provision: true, AtomicJobs: true, Observer: rec, Logger: quiet()})
+	msg := func(key string, mark leasehold.JobMark, n int) *nats.Msg {
+		m := nats.NewMsg(prefix + ".out.p0")
+		leasehold.Stamp{Scope: prefix, Epoch: 1, Acquisition: "a1", Key: key, Worker: "w1"}.SetHeader(m.Header)
+		mark.SetHeader(m.Header)
+		m.Data = make([]byte, n)
+		return m
+	}
+	// The largest effect the server takes (see TestDeadLetterRepublishTooLarge).
+	fits := func(n int) bool {
+		m := msg(prefix+".0.1.0", leasehold.JobMark{Job: 1, Attempt: 1}, n)
+		m.Subject = "nowhere"
+		err := nc.PublishMsg(m)
+		if err != nil && !errors.Is(err, nats.ErrMaxPayload) {
+			t.Fatal(err)
+		}
+		return err == nil
+	}
+	lo, hi := int(nc.MaxPayload())-512, int(nc.MaxPayload())
+	for hi-lo > 1 {
+		if mid := (lo + hi) / 2; fits(mid) {
+			lo = mid
+		} else {
+			hi = mid
+		}
+	}
+	ack, err := js.PublishMsg(ctx, msg(prefix+".0.1.0", leasehold.JobMark{Job: 1, Attempt: 1}, lo))
+	if err != nil {
+		t.Fatal(err)
+	}
+	big := ack.Sequence
+	if ack, err = js.PublishMsg(ctx, msg(prefix+".0.1.1", leasehold.JobMark{Job: 1, Attempt: 1, Effects: 2}, 10)); err != nil {
+		t.Fatal(err)
+	}
+	final := ack.Sequence
+	if err := rr.WaitPosition(ctx, final); err != nil {
+		t.Fatal(err)
+	}
+	if d, _ := rec.at(big); d.Outcome != sink.DeadLettered || !errors.Is(d.Err, nats.ErrMaxPayload) {
+		t.Errorf("the oversized effect: %v (%v), want dead_lettered for the max payload", d.Outcome, d.Err)
+	}
+	if d, _ := rec.at(final); d.Outcome != sink.Accepted {
+		t.Errorf("the job's other effect: %v, want accepted", d.Outcome)
+	}
+	msgs := rawDownstream(t, js, prefix+"-fenced")
+	if len(msgs) != 1 {
+		t.Fatalf("the downstream stream holds %d messages, want the job's small effect", len(msgs))
+	}
+	if id := msgs[0].Header.Get("Nats-Batch-Id"); id != "" {
+		t.Errorf("the small effect came in batch %s, after the job's batch failed", id)
+	}
 }
