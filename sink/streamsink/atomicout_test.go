@@ -16,29 +16,6 @@ import (
 	"github.com/leasehold/leasehold/testing/natstest"
 )
 
-// rawDownstream reads every message of a downstream stream, in order.
-func rawDownstream(t *testing.T, js jetstream.JetStream, stream string) []*jetstream.RawStreamMsg {
-	t.Helper()
-	ctx := ctxFor(t, 30*time.Second)
-	s, err := js.Stream(ctx, stream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	info, err := s.Info(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var msgs []*jetstream.RawStreamMsg
-	for seq := info.State.FirstSeq; seq <= info.State.LastSeq && info.State.Msgs > 0; seq++ {
-		m, err := s.GetMsg(ctx, seq)
-		if err != nil {
-			t.Fatalf("read %s at %d: %v", stream, seq, err)
-		}
-		msgs = append(msgs, m)
-	}
-	return msgs
-}
-
 // republishing is a wireLog whose runner republishes into its downstream
 // stream, "<scope>-fenced", with Config.AtomicJobs as atomic says.
 func republishing(t *testing.T, scope string, atomic bool) *wireLog {
@@ -70,7 +47,7 @@ func TestRepublishedJobIsOneAtomicBatch(t *testing.T) {
 	if !s.CachedInfo().Config.AllowAtomicPublish {
 		t.Error("the runner created its downstream stream without atomic publish")
 	}
-	msgs := rawDownstream(t, wl.js, "atomout-fenced")
+	msgs := readLog(t, wl.js, "atomout-fenced")
 	batches := map[string][]string{}
 	for _, m := range msgs {
 		st, err := leasehold.StampFromHeader(m.Header)
@@ -114,7 +91,7 @@ func TestRepublishedJobWithoutAtomicJobs(t *testing.T) {
 	if s.CachedInfo().Config.AllowAtomicPublish {
 		t.Error("the runner created its downstream stream taking atomic batches, without AtomicJobs")
 	}
-	msgs := rawDownstream(t, wl.js, "noatom-fenced")
+	msgs := readLog(t, wl.js, "noatom-fenced")
 	if len(msgs) != 3 {
 		t.Fatalf("the downstream stream holds %d messages, want the job's 3", len(msgs))
 	}
@@ -173,7 +150,7 @@ func TestRepublishedJobPartlyStoredGoesOneByOne(t *testing.T) {
 	f10 := wl.final(10, 1, 2, 0)
 	wl.wait(r, f10)
 	count := map[string]int{}
-	for _, m := range rawDownstream(t, wl.js, "partatom-fenced") {
+	for _, m := range readLog(t, wl.js, "partatom-fenced") {
 		st, err := leasehold.StampFromHeader(m.Header)
 		if err != nil {
 			t.Fatalf("downstream message %d: %v", m.Sequence, err)
@@ -214,24 +191,7 @@ func TestAtomicJobWithAnEffectTooLarge(t *testing.T) {
 		m.Data = make([]byte, n)
 		return m
 	}
-	// The largest effect the server takes (see TestDeadLetterRepublishTooLarge).
-	fits := func(n int) bool {
-		m := msg(prefix+".0.1.0", leasehold.JobMark{Job: 1, Attempt: 1}, n)
-		m.Subject = "nowhere"
-		err := nc.PublishMsg(m)
-		if err != nil && !errors.Is(err, nats.ErrMaxPayload) {
-			t.Fatal(err)
-		}
-		return err == nil
-	}
-	lo, hi := int(nc.MaxPayload())-512, int(nc.MaxPayload())
-	for hi-lo > 1 {
-		if mid := (lo + hi) / 2; fits(mid) {
-			lo = mid
-		} else {
-			hi = mid
-		}
-	}
+	lo := largestFit(t, nc, func(n int) *nats.Msg { return msg(prefix+".0.1.0", leasehold.JobMark{Job: 1, Attempt: 1}, n) })
 	ack, err := js.PublishMsg(ctx, msg(prefix+".0.1.0", leasehold.JobMark{Job: 1, Attempt: 1}, lo))
 	if err != nil {
 		t.Fatal(err)
@@ -250,7 +210,7 @@ func TestAtomicJobWithAnEffectTooLarge(t *testing.T) {
 	if d, _ := rec.at(final); d.Outcome != sink.Accepted {
 		t.Errorf("the job's other effect: %v, want accepted", d.Outcome)
 	}
-	msgs := rawDownstream(t, js, prefix+"-fenced")
+	msgs := readLog(t, js, prefix+"-fenced")
 	if len(msgs) != 1 {
 		t.Fatalf("the downstream stream holds %d messages, want the job's small effect", len(msgs))
 	}

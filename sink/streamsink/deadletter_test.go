@@ -209,31 +209,7 @@ func TestDeadLetterRepublishTooLarge(t *testing.T) {
 		m.Data = make([]byte, n)
 		return m
 	}
-	// The largest effect the server takes, found by bisection with
-	// publishes nothing stores (the client refuses an oversized one
-	// before sending it). One by one, the 500 publishes of a megabyte took
-	// 13s under the race detector, and a minute on a busy machine.
-	fits := func(n int) bool {
-		m := msg("big", n)
-		m.Subject = "nowhere"
-		err := nc.PublishMsg(m)
-		if err != nil && !errors.Is(err, nats.ErrMaxPayload) {
-			t.Fatal(err)
-		}
-		return err == nil
-	}
-	lo, hi := int(nc.MaxPayload())-512, int(nc.MaxPayload()) // lo fits, hi does not
-	if !fits(lo) || fits(hi) {
-		t.Fatalf("an effect of %d bytes should fit and one of %d not", lo, hi)
-	}
-	for hi-lo > 1 {
-		if mid := (lo + hi) / 2; fits(mid) {
-			lo = mid
-		} else {
-			hi = mid
-		}
-	}
-	fit := lo
+	fit := largestFit(t, nc, func(n int) *nats.Msg { return msg("big", n) })
 	ack, err := js.PublishMsg(ctx, msg("big", fit))
 	if err != nil {
 		t.Fatal(err)
@@ -326,4 +302,34 @@ func TestDeadLetterNotForNATSFailures(t *testing.T) {
 	if !slices.Equal(written, []string{"k0", "k1"}) {
 		t.Fatalf("batch handler calls %v: written after the failures %v, want k0 and k1 once each", calls, written)
 	}
+}
+
+// largestFit returns the largest n for which the server takes msg(n),
+// found by bisection with publishes nothing stores (the client refuses an
+// oversized one before sending it). One by one, the 500 publishes of a
+// megabyte took 13s under the race detector, and a minute on a busy
+// machine.
+func largestFit(t *testing.T, nc *nats.Conn, msg func(n int) *nats.Msg) int {
+	t.Helper()
+	fits := func(n int) bool {
+		m := msg(n)
+		m.Subject = "nowhere"
+		err := nc.PublishMsg(m)
+		if err != nil && !errors.Is(err, nats.ErrMaxPayload) {
+			t.Fatal(err)
+		}
+		return err == nil
+	}
+	lo, hi := int(nc.MaxPayload())-512, int(nc.MaxPayload()) // lo fits, hi does not
+	if !fits(lo) || fits(hi) {
+		t.Fatalf("a message of %d bytes should fit and one of %d not", lo, hi)
+	}
+	for hi-lo > 1 {
+		if mid := (lo + hi) / 2; fits(mid) {
+			lo = mid
+		} else {
+			hi = mid
+		}
+	}
+	return lo
 }
