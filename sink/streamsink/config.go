@@ -157,10 +157,11 @@ type Config struct {
 	// Default "<prefix>.sinkdlq.<consumer>".
 	DeadLetterSubject string
 	// StallAfter is how long Run may go without finishing a step (a
-	// batch handled and saved, or a fetch that found nothing) before
+	// batch handled and saved, or a fetch that found nothing), or within
+	// a step that has not failed without delivering an effect, before
 	// Ready reports it stalled: its retries of the lease bucket, of the
 	// state bucket or of NATS, or a hung handler, keep it from advancing.
-	// Default 2 minutes.
+	// A slow handler that delivers effects advances. Default 2 minutes.
 	StallAfter time.Duration
 
 	// Batch is how many messages one fetch asks for, and the most one

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -69,6 +70,7 @@ func (r *Runner) failed(e effectAt) int {
 
 // delivered forgets the failures of effect e.
 func (r *Runner) delivered(e effectAt) {
+	r.deliveredAt.Store(time.Now().UnixNano())
 	if len(r.tries) > 0 {
 		delete(r.tries, e)
 	}

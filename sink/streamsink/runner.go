@@ -148,6 +148,9 @@ type Runner struct {
 	logFirst  uint64           // the log's first sequence as configured: none below it ever existed
 	logStream jetstream.Stream // the effect log, for its state
 	wholeLog  bool             // the consumer's filter covers every subject of the log
+	// deliveredAt is when the runner last delivered an effect (unix
+	// nanoseconds), for Ready: a batch that delivers advances.
+	deliveredAt atomic.Int64
 	// atomicOut: with Config.AtomicJobs, a job's effects are republished
 	// in one atomic batch (see republishJobs), until the downstream stream
 	// refuses batches as disabled.
@@ -503,8 +506,16 @@ func (r *Runner) Ready(context.Context) error {
 	if !r.running {
 		return fmt.Errorf("streamsink: sink %s is not running", r.cfg.Name)
 	}
-	if d := time.Since(r.lastOK); d > r.cfg.StallAfter {
-		why := "one batch has been in progress all that time: a handler or a request that does not return"
+	last := r.lastOK
+	if at := time.Unix(0, r.deliveredAt.Load()); r.lastErr == nil && at.After(last) {
+		// A long batch of a slow handler advances while it delivers:
+		// 400 effects of 300 ms each take two minutes. After a failed
+		// step it does not: deliveries that a failing save undoes each
+		// time are no progress.
+		last = at
+	}
+	if d := time.Since(last); d > r.cfg.StallAfter {
+		why := "one batch has been in progress all that time, delivering nothing: a handler or a request that does not return"
 		if r.lastErr != nil {
 			why = "the last error: " + r.lastErr.Error()
 		}
