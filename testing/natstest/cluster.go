@@ -41,13 +41,14 @@ func StartCluster(tb testing.TB, opts ...Option) *Cluster {
 	c := &Cluster{tb: tb}
 	for i := range ClusterSize {
 		cfg := embedded.Config{
-			Name:       "natstest-" + string(rune('a'+i)),
-			StoreDir:   tb.TempDir(),
-			Listen:     true,
-			Port:       ports[i],
-			SyncAlways: o.syncAlways,
-			Tweak:      o.tweak,
-			Cluster:    &embedded.ClusterConfig{Name: "natstest", Port: ports[ClusterSize+i], Routes: routes},
+			Name:         "natstest-" + string(rune('a'+i)),
+			StoreDir:     tb.TempDir(),
+			Listen:       true,
+			Port:         ports[i],
+			SyncAlways:   o.syncAlways,
+			Tweak:        o.tweak,
+			Cluster:      &embedded.ClusterConfig{Name: "natstest", Port: ports[ClusterSize+i], Routes: routes},
+			ReadyTimeout: readyTimeout,
 		}
 		c.nodes = append(c.nodes, &Server{tb: tb, cfg: cfg})
 	}

@@ -50,6 +50,12 @@ type Server struct {
 	down bool
 }
 
+// readyTimeout bounds a test server's start. Under the race detector, on
+// a machine the rest of a test run keeps busy, starting JetStream took
+// more than embedded's default of 10 s once (a node of a cluster, in CI);
+// a test's own waits bound the rest.
+const readyTimeout = time.Minute
+
 // Start starts a single JetStream server in a temporary directory. It stops
 // when the test ends.
 func Start(tb testing.TB, opts ...Option) *Server {
@@ -59,11 +65,12 @@ func Start(tb testing.TB, opts ...Option) *Server {
 		opt(&o)
 	}
 	cfg := embedded.Config{
-		Name:       "natstest",
-		StoreDir:   tb.TempDir(),
-		Listen:     o.listen,
-		SyncAlways: o.syncAlways,
-		Tweak:      o.tweak,
+		Name:         "natstest",
+		StoreDir:     tb.TempDir(),
+		Listen:       o.listen,
+		SyncAlways:   o.syncAlways,
+		Tweak:        o.tweak,
+		ReadyTimeout: readyTimeout,
 	}
 	if o.listen {
 		ports, err := embedded.FreePorts("127.0.0.1", 1)
