@@ -1,7 +1,6 @@
 package worker
 
 import (
-	"context"
 	"encoding/json"
 	"log/slog"
 	"testing"
@@ -32,8 +31,7 @@ func (u cancelUpdate) Operation() jetstream.KeyValueOp { return u.op }
 
 func testCancels(p leasehold.Partition) *cancels {
 	r := &runner{w: &Worker{cfg: Config{Prefix: "jobs"}}, p: p, log: slog.New(slog.DiscardHandler)}
-	return &cancels{r: r, recs: map[string]cancelEntry{}, bySeq: map[uint64]string{}, byID: map[string]string{},
-		running: map[*Job]context.CancelCauseFunc{}, stand: map[*Job]bool{}}
+	return newCancels(r, nil, nil)
 }
 
 func putCancel(t *testing.T, c *cancels, key string, rec cancelRecord, rev uint64) {
@@ -80,5 +78,38 @@ func TestCancelLookupAllocatesNothingForJobsWithout(t *testing.T) {
 	}
 	if n := testing.AllocsPerRun(100, func() { _ = c.has(byID) }); n != 0 {
 		t.Errorf("looking up a job in an empty set of cancels made %v allocations, want 0", n)
+	}
+}
+
+// A runner reads its partition's cancels when it starts while the
+// worker's watch already brings it changes: one key's changes can come
+// out of order, and the latest revision stands, a deletion's too.
+func TestCancelChangesOutOfOrder(t *testing.T) {
+	const p = leasehold.Partition(2)
+	stored := time.Unix(1700000000, 0).UTC()
+	job := &Job{Partition: p, Seq: 9, Enqueued: stored, Header: nats.Header{}}
+	rec := cancelRecord{Ref: "r", Partition: uint32(p), Seq: 9, Stored: stored}
+	key := cancelSeqKey(p, 9)
+
+	// Deleted (revision 6) before the read brought the record (5).
+	c := testCancels(p)
+	c.update(cancelUpdate{key: key, rev: 6, op: jetstream.KeyValueDelete})
+	putCancel(t, c, key, rec, 5)
+	if c.has(job) {
+		t.Fatal("a record older than its deletion cancels the job")
+	}
+	// Stored again after the deletion: it counts.
+	putCancel(t, c, key, rec, 7)
+	if !c.has(job) {
+		t.Fatal("a record stored after its deletion does not cancel the job")
+	}
+	// The same record twice, and an older one after it: nothing changes.
+	putCancel(t, c, key, rec, 7)
+	c.update(cancelUpdate{key: key, rev: 6, op: jetstream.KeyValueDelete})
+	if !c.has(job) {
+		t.Fatal("an older deletion undid a later record")
+	}
+	if _, e, _ := c.of(job); e.rev != 7 {
+		t.Fatalf("the record's revision is %d, want 7", e.rev)
 	}
 }

@@ -21,11 +21,13 @@ import (
 // "<prefix>-cancels" (CancelBucket), keyed by the job's partition and its
 // sequence ("<p>.s<seq>"), or for a delayed job its ID's digest
 // ("<p>.i<sha256>"), which the job it fires carries. A partition's runner
-// watches its partition's keys from before its first job: a job with a
-// record is not handed to its handler when its turn comes, and a running
-// job's context is cancelled with the cause ErrJobCancelled. Either way
-// the attempt's effects are aborted (its finals are never sent, so the
-// sinks apply none of them), the runner writes into the record which job
+// reads its partition's keys before its first job, and follows their
+// changes through the worker's one watch of the bucket (cancelfeed.go): a
+// job with a record is not handed to its handler when its turn comes, and
+// a running job's context is cancelled with the cause ErrJobCancelled.
+// Either way the attempt's effects are aborted (its finals are never
+// sent, so the sinks apply none of them), the runner writes into the
+// record which job
 // it cancelled under which epoch, and the job completes without effects:
 // progress passes it and Status says JobCancelled. A handler that returns
 // nil after its cancel arrived is cancelled all the same, as long as the

@@ -14,17 +14,23 @@ import (
 // The runner's side of cancels (see cancel.go): a watch on its
 // partition's cancel records, and what a job's attempts do with them.
 
-// cancels is what a runner knows of its partition's cancels, from a watch
-// on their keys.
+// cancels is what a runner knows of its partition's cancels: the records
+// stored when it started, read by a watch of its own that ends there, and
+// every change since, from the worker's one watch on the bucket (see
+// cancelFeed). A watch per runner, kept for its lease, cost each worker
+// process about 30 KiB per partition held (two goroutines and the
+// watch's buffers): 4 MiB of a worker's 17 with 128 partitions.
 type cancels struct {
 	r    *runner
 	kv   jetstream.KeyValue
-	w    jetstream.KeyWatcher
-	quit context.CancelFunc // ends the watch's context
-	end  chan struct{}      // closed when the watch's goroutine returns
+	feed *cancelFeed
 
 	mu   sync.Mutex
 	recs map[string]cancelEntry
+	// revs is the latest revision seen of each key, a deletion's too: the
+	// start's read and the worker's watch may bring one key's changes out
+	// of order, and the later one stands.
+	revs map[string]uint64
 	// The keys of recs by what they name: a job is looked up by its
 	// sequence and its ID, without formatting its keys (an ID's is a
 	// digest), since nearly every job has no cancel.
@@ -34,22 +40,27 @@ type cancels struct {
 	stand   map[*Job]bool // the empty attempts that complete cancelled jobs
 }
 
+func newCancels(r *runner, kv jetstream.KeyValue, feed *cancelFeed) *cancels {
+	return &cancels{r: r, kv: kv, feed: feed, recs: map[string]cancelEntry{}, revs: map[string]uint64{},
+		bySeq: map[uint64]string{}, byID: map[string]string{}, running: map[*Job]context.CancelCauseFunc{}, stand: map[*Job]bool{}}
+}
+
 type cancelEntry struct {
 	rec     cancelRecord
 	rev     uint64
 	created time.Time // when the bucket stored it
 }
 
-// watchCancels starts the watch of the partition's cancels and waits for
-// the records stored so far, so that the first job is checked against
-// them. Without the bucket (provisioned by an older release) jobs run
-// uncancellable, which it logs. A try that hears nothing from the server
-// for apiTry (a request lost with a dropped connection, a server still
-// starting) is given up and the watch started again, with backoff, for as
-// long as the lease lasts: a partition does not run its jobs unchecked
-// against cancels it could not read, and the tries say why in the log
-// while its jobs wait (a stall, which Worker.Stalled and /readyz show).
-// A non-zero outcome says how the runner ended first.
+// watchCancels reads the partition's cancels stored so far, so that the
+// first job is checked against them, and follows them from there through
+// the worker's watch. Without the bucket (provisioned by an older
+// release) jobs run uncancellable, which it logs. A try that hears
+// nothing from the server for apiTry (a request lost with a dropped
+// connection, a server still starting) is given up and started again,
+// with backoff, for as long as the lease lasts: a partition does not run
+// its jobs unchecked against cancels it could not read, and the tries say
+// why in the log while its jobs wait (a stall, which Worker.Stalled and
+// /readyz show). A non-zero outcome says how the runner ended first.
 func (r *runner) watchCancels() (*cancels, outcome) {
 	for attempt := 1; ; attempt++ {
 		c, err := r.tryWatchCancels(apiTry(attempt - 1))
@@ -76,99 +87,103 @@ func (r *runner) watchCancels() (*cancels, outcome) {
 }
 
 // tryWatchCancels is one try of watchCancels: it fails when the server
-// says nothing for try, at the bucket's lookup, the watch's start or
+// says nothing for try, at the bucket's lookup, a watch's start or
 // between two of the records stored so far.
+//
+// The runner joins the worker's watch first, and reads what is stored
+// after: a change stored before the read is in it, and one stored after
+// comes through the worker's watch, which had begun.
 func (r *runner) tryWatchCancels(try time.Duration) (*cancels, error) {
-	bucket := CancelBucket(r.w.cfg.Prefix)
-	ctx, cancel := context.WithTimeout(r.ctx, try)
-	kv, err := r.w.cfg.JetStream.KeyValue(ctx, bucket)
-	cancel()
+	kv, err := r.w.cancelFeed.ensure(r.ctx, try)
 	if err != nil {
-		return nil, fmt.Errorf("open the bucket %s: %w", bucket, err)
-	}
-	// The watch lives as long as wctx, which ends the try when the server
-	// is quiet for too long: the watch's consumer is created inside Watch,
-	// on wctx alone, and a request lost with the connection is never
-	// answered.
-	wctx, wcancel := context.WithCancel(r.ctx)
-	quiet := time.AfterFunc(try, wcancel)
-	failed := func(err error) (*cancels, error) {
-		quiet.Stop()
-		wcancel()
-		if r.ctx.Err() == nil && errors.Is(err, context.Canceled) {
-			err = fmt.Errorf("no answer within %v: %w", try, err)
-		}
 		return nil, err
 	}
-	w, err := kv.Watch(wctx, r.p.String()+".*")
-	if err != nil {
-		return failed(fmt.Errorf("watch %s: %w", bucket, err))
+	c := newCancels(r, kv, r.w.cancelFeed)
+	c.feed.join(r.p, c)
+	if err := readStored(r.ctx, kv, r.p.String()+".*", try, c.update); err != nil {
+		c.feed.leave(r.p, c)
+		return nil, fmt.Errorf("read %s: %w", CancelBucket(r.w.cfg.Prefix), err)
 	}
-	c := &cancels{r: r, kv: kv, w: w, quit: wcancel, end: make(chan struct{}), recs: map[string]cancelEntry{}, bySeq: map[uint64]string{}, byID: map[string]string{},
-		running: map[*Job]context.CancelCauseFunc{}, stand: map[*Job]bool{}}
+	return c, nil
+}
+
+// readStored hands each record of kv under keys to fn, up to the last one
+// stored when it began, and fails when the server says nothing for try.
+func readStored(ctx context.Context, kv jetstream.KeyValue, keys string, try time.Duration, fn func(jetstream.KeyValueEntry)) error {
+	// The watch lives as long as wctx, which ends the read when the
+	// server is quiet for too long: the watch's consumer is created
+	// inside Watch, on wctx alone, and a request lost with the connection
+	// is never answered.
+	wctx, wcancel := context.WithCancel(ctx)
+	defer wcancel()
+	quiet := time.AfterFunc(try, wcancel)
+	defer quiet.Stop()
+	timedOut := func(err error) error {
+		if ctx.Err() == nil && errors.Is(err, context.Canceled) {
+			return fmt.Errorf("no answer within %v: %w", try, err)
+		}
+		return err
+	}
+	w, err := kv.Watch(wctx, keys)
+	if err != nil {
+		return timedOut(fmt.Errorf("watch: %w", err))
+	}
+	defer func() { _ = w.Stop() }()
 	for {
 		select {
 		case e, ok := <-w.Updates():
 			switch {
 			case wctx.Err() != nil:
-				// The try ran out of time while this came.
+				// The read ran out of time while this came.
 			case !ok:
-				return failed(errors.New("the watch ended before it gave the records stored so far"))
+				return errors.New("the watch ended before it gave the records stored so far")
 			case !quiet.Stop():
-				// The try ran out of time just now.
+				// The read ran out of time just now.
 			case e == nil:
-				go c.follow()
-				return c, nil
+				return nil
 			default:
-				c.update(e)
+				fn(e)
 				quiet.Reset(try)
 				continue
 			}
-			_ = w.Stop()
-			return failed(context.Canceled)
+			return timedOut(context.Canceled)
 		case <-wctx.Done():
-			_ = w.Stop()
-			return failed(context.Cause(wctx))
+			return timedOut(context.Cause(wctx))
 		}
 	}
 }
 
-func (c *cancels) follow() {
-	defer close(c.end)
-	for e := range c.w.Updates() {
-		if e != nil {
-			c.update(e)
-		}
-	}
-}
-
-// stop ends the watch and waits for it.
+// stop stops following the partition's cancels.
 func (c *cancels) stop() {
 	if c == nil {
 		return
 	}
-	_ = c.w.Stop()
-	c.quit()
-	<-c.end
+	c.feed.leave(c.r.p, c)
 }
 
 func (c *cancels) update(e jetstream.KeyValueEntry) {
-	key := e.Key()
-	if e.Operation() != jetstream.KeyValuePut {
+	key, put := e.Key(), e.Operation() == jetstream.KeyValuePut
+	var rec cancelRecord
+	var err error
+	if put {
+		rec, err = parseCancel(c.r.p, key, e.Value())
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if e.Revision() <= c.revs[key] {
+		return // older than a change seen already
+	}
+	c.revs[key] = e.Revision()
+	if !put {
 		// Deleted or purged by an operator: the job is not cancelled
 		// (one already skipped or stopped stays so).
-		c.mu.Lock()
 		c.forget(key)
-		c.mu.Unlock()
 		return
 	}
-	rec, err := parseCancel(c.r.p, key, e.Value())
 	if err != nil {
 		c.r.log.Warn("a cancel record does not parse; ignored", "key", key, "err", err)
 		return
 	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
 	ce := cancelEntry{rec: rec, rev: e.Revision(), created: e.Created()}
 	c.forget(key)
 	c.recs[key] = ce

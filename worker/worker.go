@@ -40,6 +40,8 @@ type Worker struct {
 	subjects breakers     // effect subjects found without a stream (breaker.go)
 
 	hangs map[leasehold.Partition]hangRecord // jobs whose handler hung here; guarded by mu
+
+	cancelFeed *cancelFeed // the watch on the bucket of cancels (cancelfeed.go)
 }
 
 type runState int
@@ -70,6 +72,7 @@ func New(cfg Config) (*Worker, error) {
 		stopped: make(chan struct{}),
 	}
 	w.pool = newPool(cfg.MaxConcurrency)
+	w.cancelFeed = newCancelFeed(w)
 	return w, nil
 }
 
@@ -117,6 +120,7 @@ func (w *Worker) Run(ctx context.Context) error {
 	}()
 	err = c.Run(ctx)
 	w.tasks.Wait()
+	w.cancelFeed.close()
 	stopWatch()
 	<-watched
 	w.log.Info("worker stopped")
