@@ -8,6 +8,7 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/leasehold/leasehold"
@@ -29,6 +30,7 @@ func TestMain(m *testing.M) { testleak.VerifyTestMain(m) }
 //     from, so two holders handed one revision share the fence.
 type flawedSink struct {
 	checkThenWrite, partitionOnly, ignoreAcquisition bool
+	writes                                           atomic.Int64 // calls that wrote, for checkThenWrite's window
 
 	obs     sink.Observer
 	mu      sync.Mutex
@@ -89,11 +91,23 @@ func (b *flawedSink) Apply(ctx context.Context, effects ...sink.Effect) error {
 		}
 	}
 	if b.checkThenWrite {
+		// A round trip to a database, say, during which other calls
+		// write: it lasts until another call has written, or a bounded
+		// number of yields when none is running. One yield alone let a
+		// busy machine run the calls one after another, and the race
+		// case then saw no race.
+		seen := b.writes.Load()
 		unlock()
-		runtime.Gosched() // a round trip to a database, say
+		for range 1000 {
+			if b.writes.Load() != seen {
+				break
+			}
+			runtime.Gosched()
+		}
 		b.mu.Lock()
 		locked = true
 	}
+	defer b.writes.Add(1)
 	for _, e := range effects {
 		id := b.id(e.Stamp)
 		if _, raise := b.judge(b.fences[id], e.Stamp); raise {
