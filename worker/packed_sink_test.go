@@ -187,9 +187,9 @@ func TestPackedMixedFleet(t *testing.T) {
 
 // A worker that packs loses its lease while a job holds two of its three
 // effects (its process paused, as a frozen one would be), with jobs
-// completed and nothing committed. Its successor, packing too, runs every
-// job again: every effect applies, each job's together, never twice under
-// one epoch (a destination that dedupes by key applies each once), and the
+// completed and nothing committed past them. Its successor, packing too,
+// runs every job not committed again: every effect applies, each job's
+// together, never twice under one epoch (a destination that dedupes by key applies each once), and the
 // paused attempt's held effects never leave.
 func TestPackedFailover(t *testing.T) {
 	const jobs, effects = 30, 3
@@ -260,9 +260,14 @@ func TestPackedFailover(t *testing.T) {
 	settle(t, e, r)
 	again := applied.check(t, e.prefix, enq, effects, true)
 	t.Logf("%d effects delivered again, under B's epoch, of jobs A completed and B ran again", again)
+	// CommitEvery is an hour, but a partition that has done every job its
+	// fetcher handed over commits at once (see caughtUp): on a busy
+	// machine the fetcher can hand A its first job alone, and A commits
+	// it before the next arrives. Progress at or past the paused job
+	// would be a defect; before it, B runs fewer jobs again.
 	for _, ev := range recA.all() {
-		if ev.Kind == worker.EventProgressCommitted {
-			t.Errorf("A committed progress %d", ev.Seq)
+		if ev.Kind == worker.EventProgressCommitted && ev.Seq >= blockAt {
+			t.Errorf("A committed progress %d, at or past the job it paused in (%d)", ev.Seq, blockAt)
 		}
 	}
 	epochB := recB.all()[0].Lease.Epoch
