@@ -41,8 +41,25 @@ func TestGroupRebalancesMinimally(t *testing.T) {
 			// moment on an idle machine, and on a loaded cluster a member
 			// that settled alone took partitions it then handed off (106
 			// acquisitions for 64 partitions, no lease lapsed).
+			// Even at a second, a loaded machine delivered one member's
+			// view late (86 acquisitions for 64 partitions, no lease
+			// lapsed). The first phase's minimality is judged only if
+			// every partition was queued on a view of all three, as
+			// TestAttackUnevenColdStartTakesEachPartitionOnce judges it.
+			var early atomic.Bool // the first phase is still on
+			early.Store(true)
+			views := map[string]*queuedViews{}
 			for _, name := range []string{"w0", "w1", "w2"} {
-				ms[name] = startMemberWith(t, b, name, n, ttl, func(c *coordinator.Config) { c.RebalanceDelay = time.Second })
+				v := newQueuedViews(3)
+				views[name] = v
+				ms[name] = startMemberHooked(t, b, name, n, ttl, func(c *coordinator.Config) { c.RebalanceDelay = time.Second },
+					func(c *coordinator.Coordinator) {
+						c.SetQueueHook(func(p leasehold.Partition, members int) {
+							if early.Load() {
+								v.queued(p, members)
+							}
+						})
+					})
 			}
 			// Minimality is judged in a phase only if no lease lapsed in it:
 			// a lapse moves partitions the assignment did not move.
@@ -54,8 +71,17 @@ func TestGroupRebalancesMinimally(t *testing.T) {
 				return true
 			}
 			o3 := waitBalanced(t, ms, n, 2*time.Minute)
+			early.Store(false)
 			a3, r3 := acquisitions(ms), revocations(ms)
-			if a3 != n && judge("3 workers", 0) {
+			short := 0
+			for _, v := range views {
+				v.mu.Lock()
+				short += len(v.short)
+				v.mu.Unlock()
+			}
+			if short > 0 {
+				t.Logf("3 workers: %d partitions were queued on a view without all 3 members; the first phase is not judged", short)
+			} else if a3 != n && judge("3 workers", 0) {
 				t.Errorf("3 workers took %d acquisitions to own %d partitions", a3, n)
 			}
 			l3 := lapses(ms)
