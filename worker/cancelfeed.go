@@ -2,6 +2,7 @@ package worker
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -15,15 +16,23 @@ import (
 
 // cancelFeed is a worker's one watch on its bucket of cancels: it hands
 // each record, and each change, to the runners of the partition its key
-// names, and drops the others' (a runner reads what is stored when it
-// starts; see tryWatchCancels). It starts with the first runner that
-// needs it, and again after its watch ended.
+// names, and keeps the last record of every key, so that a runner that
+// starts reads what is stored from it (see tryWatchCancels). It starts
+// with the first runner that needs it, and again after its watch ended.
 //
-// The watch begins with the last record of each key, as a runner's read
-// does, not with the changes alone: a watch of changes only that its
-// client restarts (after missed heartbeats) before it delivered any
-// would start again from the changes after the restart, and miss those
-// between.
+// The watch begins with the last record of each key, not with the changes
+// alone: a watch of changes only that its client restarts (after missed
+// heartbeats) before it delivered any would start again from the changes
+// after the restart, and miss those between.
+//
+// What the feed keeps is only as new as the watch has come. A runner that
+// starts takes it once the watch has delivered the bucket's last sequence
+// as the server gave it after the runner asked (caughtUp): every record
+// stored before the runner started is then in it, or superseded by a
+// change the watch brings later. The runners that start together share
+// one such question (lastSeq), where a read of its own for each (a
+// consumer made and deleted) made a cold start of 128 partitions a
+// process take half again as long.
 type cancelFeed struct {
 	w *Worker
 
@@ -38,10 +47,31 @@ type cancelFeed struct {
 	end     chan struct{}      // closed when the watch's goroutine returns
 	closed  bool               // Run returned: no watch starts again
 	runners map[leasehold.Partition][]*cancels
+
+	// The running watch's view: the last record of each key, the
+	// highest revision delivered, and a channel closed (and replaced)
+	// when seen moves or the watch ends.
+	recs  map[string]jetstream.KeyValueEntry
+	seen  uint64
+	moved chan struct{}
+	// stuck is a last sequence the watch did not come to within a try
+	// (removed from the stream, it never will): the runners that get the
+	// same answer read the bucket themselves at once.
+	stuck uint64
+
+	asks   []*lastAsk // runners waiting for the next lastSeq
+	asking bool       // a goroutine answers them (ask)
+	life   context.Context
+	kill   context.CancelFunc
+	askers sync.WaitGroup
+
+	delivered func(jetstream.KeyValueEntry) // for tests: called as each change comes, before it counts
 }
 
 func newCancelFeed(w *Worker) *cancelFeed {
-	return &cancelFeed{w: w, runners: map[leasehold.Partition][]*cancels{}}
+	life, kill := context.WithCancel(context.Background())
+	return &cancelFeed{w: w, runners: map[leasehold.Partition][]*cancels{}, recs: map[string]jetstream.KeyValueEntry{},
+		moved: make(chan struct{}), life: life, kill: kill}
 }
 
 // ensure returns the bucket, once the worker's watch on it runs. A try
@@ -94,6 +124,9 @@ func (f *cancelFeed) ensure(ctx context.Context, try time.Duration) (jetstream.K
 		return nil, context.Canceled
 	}
 	f.kv, f.watch, f.quit, f.end = kv, w, quit, end
+	// A new watch delivers the last record of every key again; what the
+	// last one kept may hold records deleted since.
+	f.recs, f.seen, f.stuck = map[string]jetstream.KeyValueEntry{}, 0, 0
 	f.mu.Unlock()
 	go f.follow(w, end)
 	return kv, nil
@@ -102,22 +135,45 @@ func (f *cancelFeed) ensure(ctx context.Context, try time.Duration) (jetstream.K
 // follow hands each change the watch brings to the runners of its
 // partition.
 func (f *cancelFeed) follow(w jetstream.KeyWatcher, end chan struct{}) {
-	defer close(end)
+	defer func() {
+		f.mu.Lock()
+		f.bump()
+		f.mu.Unlock()
+		close(end)
+	}()
 	for e := range w.Updates() {
 		if e == nil {
 			continue
 		}
-		p, ok := keyPartition(e.Key())
-		if !ok {
-			continue // no runner's: a record's key names its partition
+		if f.delivered != nil {
+			f.delivered(e)
 		}
+		p, ok := keyPartition(e.Key())
 		f.mu.Lock()
-		cs := f.runners[p]
+		if e.Revision() > f.seen {
+			f.seen = e.Revision()
+			f.bump()
+		}
+		var cs []*cancels
+		if ok {
+			if e.Operation() == jetstream.KeyValuePut {
+				f.recs[e.Key()] = e
+			} else {
+				delete(f.recs, e.Key())
+			}
+			cs = f.runners[p]
+		} // else no runner's: a record's key names its partition
 		f.mu.Unlock()
 		for _, c := range cs {
 			c.update(e)
 		}
 	}
+}
+
+// bump wakes those waiting for the watch to move; f.mu is held.
+func (f *cancelFeed) bump() {
+	close(f.moved)
+	f.moved = make(chan struct{})
 }
 
 // keyPartition reads the partition a cancel's key ("<p>.s<seq>",
@@ -138,8 +194,167 @@ func keyPartition(key string) (leasehold.Partition, bool) {
 func (f *cancelFeed) join(p leasehold.Partition, c *cancels) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.joinLocked(p, c)
+}
+
+// joinLocked is join with f.mu held.
+func (f *cancelFeed) joinLocked(p leasehold.Partition, c *cancels) {
 	// A copy: follow walks the slice it read without the lock.
 	f.runners[p] = append(f.runners[p][:len(f.runners[p]):len(f.runners[p])], c)
+}
+
+// errFeedBehind says the worker's watch had not delivered the bucket's
+// last sequence within a try: the runner reads what is stored itself.
+var errFeedBehind = errors.New("the worker's watch of cancels has not come up to the bucket's last record")
+
+// caughtUp hands c the records of partition p that the worker's watch
+// keeps, once it has delivered every record stored before the call, and
+// joins c to the watch's changes from there, in one step under f.mu: a
+// change is in what c is handed, or comes after. It fails with
+// errFeedBehind when the watch has not come that far within try (the
+// bucket's last message removed by an operator's purge of its subject,
+// which a watch that starts afterwards never delivers), and when the
+// server does not say its last sequence within try.
+//
+// A record removed that way after the watch delivered it writes no
+// change to watch, and the watch keeps it: such a runner skips the job
+// its cancel named, as one that had read it before the purge would. A
+// purge of the key (KeyValue.Purge or Delete) writes a marker, which
+// the watch follows.
+func (f *cancelFeed) caughtUp(ctx context.Context, kv jetstream.KeyValue, p leasehold.Partition, c *cancels, try time.Duration) error {
+	first, last, err := f.lastSeq(ctx, kv, try)
+	if err != nil {
+		return err
+	}
+	timer := time.NewTimer(try)
+	defer timer.Stop()
+	for {
+		f.mu.Lock()
+		if f.end == nil || closedChan(f.end) {
+			// Ended: its next start comes with a runner's ensure.
+			f.mu.Unlock()
+			return errFeedBehind
+		}
+		if f.seen < last && last == f.stuck {
+			f.mu.Unlock()
+			return errFeedBehind
+		}
+		if f.seen >= last {
+			var mine []jetstream.KeyValueEntry
+			for k, e := range f.recs {
+				if e.Revision() < first {
+					// Removed from the stream without a change to
+					// watch (a purge of the stream, not of a key).
+					delete(f.recs, k)
+				} else if q, ok := keyPartition(k); ok && q == p {
+					mine = append(mine, e)
+				}
+			}
+			f.joinLocked(p, c)
+			f.mu.Unlock()
+			for _, e := range mine {
+				c.update(e)
+			}
+			return nil
+		}
+		moved := f.moved
+		f.mu.Unlock()
+		select {
+		case <-moved:
+		case <-timer.C:
+			f.mu.Lock()
+			f.stuck = last
+			f.mu.Unlock()
+			return errFeedBehind
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		}
+	}
+}
+
+func closedChan(c chan struct{}) bool {
+	select {
+	case <-c:
+		return true
+	default:
+		return false
+	}
+}
+
+// lastAsk is a runner's question for lastSeq, answered once.
+type lastAsk struct {
+	done        chan struct{}
+	first, last uint64
+	err         error
+}
+
+// lastSeq returns the first and last sequences of the bucket's stream,
+// from a request sent after the call: the runners that ask while one is
+// on its way share the next one. An empty stream's last is 0: nothing
+// stored can be missed. The request fails when the server says nothing
+// for try.
+func (f *cancelFeed) lastSeq(ctx context.Context, kv jetstream.KeyValue, try time.Duration) (first, last uint64, err error) {
+	a := &lastAsk{done: make(chan struct{})}
+	f.mu.Lock()
+	if f.closed {
+		f.mu.Unlock()
+		return 0, 0, context.Canceled
+	}
+	f.asks = append(f.asks, a)
+	if !f.asking {
+		f.asking = true
+		f.askers.Add(1)
+		go f.ask(kv, try)
+	}
+	f.mu.Unlock()
+	select {
+	case <-a.done:
+		return a.first, a.last, a.err
+	case <-ctx.Done():
+		return 0, 0, context.Cause(ctx)
+	}
+}
+
+// ask answers the runners' questions, one request for all those waiting
+// when it is sent, until none waits.
+func (f *cancelFeed) ask(kv jetstream.KeyValue, try time.Duration) {
+	defer f.askers.Done()
+	for {
+		f.mu.Lock()
+		asks := f.asks
+		f.asks = nil
+		if len(asks) == 0 {
+			f.asking = false
+			f.mu.Unlock()
+			return
+		}
+		f.mu.Unlock()
+		ctx, cancel := context.WithTimeout(f.life, try)
+		first, last, err := bucketSeqs(ctx, kv)
+		cancel()
+		for _, a := range asks {
+			a.first, a.last, a.err = first, last, err
+			close(a.done)
+		}
+	}
+}
+
+// bucketSeqs returns the first and last sequences of kv's stream; the
+// last is 0 when it holds no message.
+func bucketSeqs(ctx context.Context, kv jetstream.KeyValue) (first, last uint64, err error) {
+	st, err := kv.Status(ctx)
+	if err != nil {
+		return 0, 0, err
+	}
+	bs, ok := st.(*jetstream.KeyValueBucketStatus)
+	if !ok || bs.StreamInfo() == nil {
+		return 0, 0, fmt.Errorf("the status of %s does not say its stream's sequences", st.Bucket())
+	}
+	state := bs.StreamInfo().State
+	if state.Msgs == 0 {
+		return state.LastSeq + 1, 0, nil
+	}
+	return state.FirstSeq, state.LastSeq, nil
 }
 
 // leave ends what join began.
@@ -166,6 +381,8 @@ func (f *cancelFeed) close() {
 	f.closed = true
 	w, quit, end := f.watch, f.quit, f.end
 	f.mu.Unlock()
+	f.kill()
+	f.askers.Wait()
 	if end == nil {
 		return
 	}

@@ -15,9 +15,9 @@ import (
 // partition's cancel records, and what a job's attempts do with them.
 
 // cancels is what a runner knows of its partition's cancels: the records
-// stored when it started, read by a watch of its own that ends there, and
-// every change since, from the worker's one watch on the bucket (see
-// cancelFeed). A watch per runner, kept for its lease, cost each worker
+// stored when it started, and every change since, from the worker's one
+// watch on the bucket (see cancelFeed), or when that watch is behind, a
+// read of its own that ends at the last record stored. A watch per runner, kept for its lease, cost each worker
 // process about 30 KiB per partition held (two goroutines and the
 // watch's buffers): 4 MiB of a worker's 17 with 128 partitions.
 type cancels struct {
@@ -87,18 +87,29 @@ func (r *runner) watchCancels() (*cancels, outcome) {
 }
 
 // tryWatchCancels is one try of watchCancels: it fails when the server
-// says nothing for try, at the bucket's lookup, a watch's start or
-// between two of the records stored so far.
+// says nothing for try, at the bucket's lookup, a watch's start, the
+// question for its last sequence or between two of the records stored
+// so far.
 //
-// The runner joins the worker's watch first, and reads what is stored
-// after: a change stored before the read is in it, and one stored after
-// comes through the worker's watch, which had begun.
+// The runner takes the records stored so far from the worker's watch,
+// once that has come up to the bucket's last record (cancelFeed.caughtUp).
+// When it does not within try, the runner joins the watch and reads what
+// is stored itself: a change stored before the read is in it, and one
+// stored after comes through the worker's watch, which had begun.
 func (r *runner) tryWatchCancels(try time.Duration) (*cancels, error) {
 	kv, err := r.w.cancelFeed.ensure(r.ctx, try)
 	if err != nil {
 		return nil, err
 	}
 	c := newCancels(r, kv, r.w.cancelFeed)
+	err = c.feed.caughtUp(r.ctx, kv, r.p, c, try)
+	if err == nil {
+		return c, nil
+	}
+	if !errors.Is(err, errFeedBehind) {
+		return nil, fmt.Errorf("read %s: %w", CancelBucket(r.w.cfg.Prefix), err)
+	}
+	r.log.Debug("reading the partition's cancels from the bucket: the worker's watch is behind", "err", err)
 	c.feed.join(r.p, c)
 	if err := readStored(r.ctx, kv, r.p.String()+".*", try, c.update); err != nil {
 		c.feed.leave(r.p, c)
