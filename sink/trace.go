@@ -50,6 +50,27 @@ type spanMark struct {
 	sender trace.SpanContext // for a message: the span that sent it
 }
 
+// markedCtx is a context carrying a span mark under reporterSpan{}, as
+// context.WithValue would, in one allocation where WithValue and the mark
+// took two: a sink that reads a log starts a span per message.
+type markedCtx struct {
+	context.Context
+	mark spanMark
+}
+
+func withMark(ctx context.Context, mark spanMark) context.Context {
+	return &markedCtx{Context: ctx, mark: mark}
+}
+
+// Value returns the mark, a *spanMark, for reporterSpan{}, and the parent's
+// value for any other key.
+func (c *markedCtx) Value(key any) any {
+	if key == (reporterSpan{}) {
+		return &c.mark
+	}
+	return c.Context.Value(key)
+}
+
 // nopSpan is returned when no span is started: ending it ends nothing (a
 // non-recording span from the context could be the caller's own).
 var nopSpan trace.Span = noop.Span{}
@@ -69,7 +90,7 @@ func (r *Reporter) StartApply(ctx context.Context, effects []Effect) (context.Co
 	} else {
 		span.SetAttributes(telemetry.AttrEffects.Int(len(effects)))
 	}
-	return context.WithValue(ctx, reporterSpan{}, &spanMark{r: r, name: "apply", opts: r.applyOpts}), span
+	return withMark(ctx, spanMark{r: r, name: "apply", opts: r.applyOpts}), span
 }
 
 // StartProcess starts the consumer span of one message a sink read from a
@@ -101,7 +122,7 @@ func (r *Reporter) StartProcessWith(ctx context.Context, carrier propagation.Tex
 	if span.IsRecording() {
 		span.SetAttributes(processAttrs(template, r.name, stamp, extra)...)
 	}
-	return context.WithValue(ctx, reporterSpan{}, &spanMark{r: r, name: name, opts: r.processOpts, sender: sender}), span
+	return withMark(ctx, spanMark{r: r, name: name, opts: r.processOpts, sender: sender}), span
 }
 
 // processAttrs are the attributes of a sink's process span: the

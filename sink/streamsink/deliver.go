@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 	"time"
 
@@ -197,11 +198,14 @@ func (r *Runner) republish(ctx context.Context, outs []outcome) error {
 		futures := make([]jetstream.PubAckFuture, len(todo))
 		errs := make(map[int]error)
 		alone := r.republishJobs(ctx, outs, todo, errs)
+		made := newOutMsgs(outs, todo, alone)
 		for j, i := range todo {
 			if !alone[j] {
 				continue // in a batch: stored, or failed in errs
 			}
-			f, err := r.js.PublishMsgAsync(r.republished(outs[i].ctx, outs[i].m, outs[i].d.Stamp))
+			msg, id := made.next()
+			r.fillRepublished(outs[i].ctx, msg, outs[i].m, outs[i].d.Stamp, id)
+			f, err := r.js.PublishMsgAsync(msg)
 			if err != nil {
 				errs[i] = err
 				continue
@@ -393,7 +397,27 @@ const (
 // context of the span that decided it, and the scope and idempotency key
 // as Nats-Msg-Id so that the server drops a repeat.
 func (r *Runner) republished(ctx context.Context, m *logMsg, st leasehold.Stamp) *nats.Msg {
-	out := nats.NewMsg(r.cfg.Subject(m.subject))
+	out := &outMsg{}
+	out.id[0] = MessageID(st)
+	r.fillRepublished(ctx, &out.msg, m, st, out.id[:])
+	return &out.msg
+}
+
+// outMsg is a downstream message and its Nats-Msg-Id value, made in one
+// allocation.
+type outMsg struct {
+	msg nats.Msg
+	id  [1]string
+}
+
+// fillRepublished builds in out the downstream message for an accepted
+// effect (see republished), whose Nats-Msg-Id value is id, MessageID(st)
+// alone.
+func (r *Runner) fillRepublished(ctx context.Context, out *nats.Msg, m *logMsg, st leasehold.Stamp, id []string) {
+	out.Subject = r.cfg.Subject(m.subject)
+	// Room for the headers kept, the trace context and the message ID,
+	// made at once rather than grown.
+	out.Header = make(nats.Header, len(m.header)+2)
 	canonical := true
 	for k, vs := range m.header {
 		switch {
@@ -411,9 +435,55 @@ func (r *Runner) republished(ctx context.Context, m *logMsg, st leasehold.Stamp)
 		st.SetHeader(out.Header)
 	}
 	r.rep.Telemetry().Propagator.Inject(ctx, telemetry.HeaderCarrier(out.Header))
-	out.Header[jetstream.MsgIDHeader] = []string{MessageID(st)}
+	out.Header[jetstream.MsgIDHeader] = id
 	out.Data = m.data
-	return out
+}
+
+// outMsgs is the room for the messages a republish round publishes one
+// by one, made for the round at once: the messages with their
+// Nats-Msg-Id values, and the IDs' text, an allocation each for the
+// round where each message took three.
+type outMsgs []outMsg
+
+// newOutMsgs makes room for the messages of the effects at todo (in
+// outs) that alone marks, with their message IDs.
+func newOutMsgs(outs []outcome, todo []int, alone []bool) outMsgs {
+	n, size := 0, 0
+	for j, i := range todo {
+		if alone[j] {
+			st := &outs[i].d.Stamp
+			n, size = n+1, size+len(st.Scope)+1+len(st.Key)
+		}
+	}
+	var b strings.Builder
+	b.Grow(size)
+	for j, i := range todo {
+		if alone[j] {
+			st := &outs[i].d.Stamp
+			b.WriteString(st.Scope)
+			b.WriteByte(' ')
+			b.WriteString(st.Key)
+		}
+	}
+	all, from := b.String(), 0
+	made := make(outMsgs, n)
+	k := 0
+	for j, i := range todo {
+		if alone[j] {
+			st := &outs[i].d.Stamp
+			to := from + len(st.Scope) + 1 + len(st.Key)
+			made[k].id[0], from, k = all[from:to], to, k+1
+		}
+	}
+	return made
+}
+
+// next returns the room for the next message and its Nats-Msg-Id value,
+// in the order of newOutMsgs.
+func (b *outMsgs) next() (*nats.Msg, []string) {
+	o := &(*b)[0]
+	*b = (*b)[1:]
+	return &o.msg, o.id[:]
 }
 
 // MessageID is the Nats-Msg-Id of an effect stamped with s in the

@@ -103,8 +103,17 @@ func (gs *groups) firstOpen() uint64 {
 // heldCopy is the outcome of o held, or handed on, for delivery as an
 // effect of job: it is reported when its group is settled.
 func heldCopy(o *outcome, job uint64) outcome {
-	held := *o
+	held := sharedCopy(o, job)
 	held.m = &logMsg{seq: o.m.seq, subject: o.m.subject, header: o.m.header, data: o.m.data}
+	return held
+}
+
+// sharedCopy is heldCopy for an outcome whose message is no delivery of
+// the consumer (its msg is nil, as for a packed message's effects but
+// its last), which the copy shares: acking goes by the msg, and a copy
+// without one is acked never, as heldCopy's.
+func sharedCopy(o *outcome, job uint64) outcome {
+	held := *o
 	held.deliver, held.report, held.term, held.job = true, true, false, job
 	return held
 }

@@ -44,8 +44,12 @@ func (r *Runner) handle(ctx context.Context, msgs []*logMsg) error {
 	w := &work{seq: r.seq}
 	start := w.seq
 	// An outcome is large: the batch's are made room for at once, and
-	// walked in place.
-	outs := make([]outcome, 0, len(msgs))
+	// walked in place, in room kept from batch to batch.
+	outs := r.outs[:0]
+	if cap(outs) < len(msgs) {
+		outs = make([]outcome, 0, max(len(msgs), min(r.cfg.Batch, maxKeptOuts)))
+	}
+	defer func() { r.keepOuts(outs) }()
 	var handled []*nats.Msg // at or below the saved position: ack only
 	var stopErr error
 	rest := len(msgs)
@@ -122,6 +126,22 @@ func (r *Runner) handle(ctx context.Context, msgs []*logMsg) error {
 	}
 	return stopErr
 }
+
+// keepOuts keeps the room of a batch's outcomes for the next batch,
+// emptied: nothing of a handled batch stays reachable from it. Room for
+// more than maxKeptOuts goes.
+func (r *Runner) keepOuts(outs []outcome) {
+	clear(outs)
+	if cap(outs) > maxKeptOuts {
+		outs = nil
+	}
+	r.outs = outs[:0]
+}
+
+// maxKeptOuts bounds the outcomes keepOuts keeps room for: a batch of
+// Config.Batch messages of one effect each, handed on with their jobs,
+// takes two per message.
+const maxKeptOuts = 2048
 
 // settle delivers a decided batch, reports the decisions and saves the
 // progress.
@@ -235,8 +255,13 @@ func (r *Runner) keepReported(outs []outcome) {
 // the Handler or the republish runs under it.
 func (r *Runner) startSpans(ctx context.Context, outs []outcome, began time.Time) {
 	// One start option for the batch: built per message, it cost two
-	// allocations each, spans recorded or not.
-	start := []trace.SpanStartOption{trace.WithTimestamp(began)}
+	// allocations each, spans recorded or not. The room beyond it takes
+	// the options the Reporter appends to it (its processOpts), which
+	// cost another allocation per message where the slice was full.
+	// Written over by each call with the same options: the spans are
+	// started one at a time, and none keeps the slice.
+	start := make([]trace.SpanStartOption, 1, 4)
+	start[0] = trace.WithTimestamp(began)
 	for i := range outs {
 		o := &outs[i]
 		o.ctx = ctx

@@ -98,6 +98,12 @@ func (r *Runner) decidePacked(w *work, p *unpacked, outs *[]outcome) bool {
 	for i := range n {
 		o := base
 		o.m, o.d.Stamp = &p.effects[i].m, p.effects[i].stamp
+		if o.m.msg == nil {
+			// Not the message's delivery (read gives that to the last
+			// effect): shared, where a copy would cost an allocation.
+			*outs = append(*outs, sharedCopy(&o, mark.Job))
+			continue
+		}
 		*outs = append(*outs, heldCopy(&o, mark.Job))
 	}
 	o := base

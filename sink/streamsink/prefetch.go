@@ -45,6 +45,9 @@ type prefetcher struct {
 	stop context.CancelFunc
 	done chan struct{}
 	err  error // a fetch error met while a batch was taken, for the next take
+	// batch is the slice take returns, reused: Run's goroutine handles
+	// one batch at a time, and nothing keeps it past handle.
+	batch []*logMsg
 	// taken is signalled when take empties out: the next pull may start.
 	taken chan struct{}
 	// nak, set before stop: hand what it holds back to the server.
@@ -58,6 +61,11 @@ type prefetcher struct {
 	dropped int    // by the subscription, as last counted
 	subject string // the consumer's pull request subject
 	request []byte
+	// slab holds the logMsgs the pull hands on next: made a few at a
+	// time, one allocation where each message took one. Only the batch
+	// they are handled in points at them (heldCopy copies what a group
+	// keeps).
+	slab []logMsg
 	// quiet is how long a pull may go without word from the server:
 	// two heartbeats, or with none (a short FetchWait) its expiry and a
 	// second.
@@ -219,6 +227,9 @@ func (r *Runner) fetchInto(ctx context.Context, p *prefetcher, timer *time.Timer
 		p.sub = sub
 	}
 	defer r.countDropped(p)
+	// What is left of the slab goes with the pull: kept, it would keep
+	// the messages handed on from it, long handled, for the next pulls.
+	defer func() { p.slab = nil }()
 	// Each pull answers to a subject of its own: the status that ends
 	// it is the one sent there, not a late end of an earlier pull, nor
 	// anything else published on the inbox. Deliveries of earlier pulls
@@ -266,8 +277,14 @@ func (r *Runner) fetchInto(ctx context.Context, p *prefetcher, timer *time.Timer
 			continue
 		}
 		n++
+		if len(p.slab) == 0 {
+			p.slab = make([]logMsg, min(r.cfg.Batch-n+1, logMsgSlab))
+		}
+		lm := &p.slab[0]
+		p.slab = p.slab[1:]
+		*lm = logMsg{seq: meta.Sequence.Stream, subject: m.Subject, header: m.Header, data: m.Data, msg: m}
 		select {
-		case p.out <- fetched{m: &logMsg{seq: meta.Sequence.Stream, subject: m.Subject, header: m.Header, data: m.Data, msg: m}}:
+		case p.out <- fetched{m: lm}:
 		case <-ctx.Done():
 			if p.nak.Load() {
 				_ = m.Nak()
@@ -280,6 +297,10 @@ func (r *Runner) fetchInto(ctx context.Context, p *prefetcher, timer *time.Timer
 	}
 	return nil
 }
+
+// logMsgSlab is how many logMsgs the fetcher makes at once, at most: a
+// slab lives as long as the last batch that holds one of its messages.
+const logMsgSlab = 32
 
 // countDropped notes the messages the subscription dropped since it last
 // looked: it was full, which takes a flood of messages on its inbox (the
@@ -380,13 +401,17 @@ func (r *Runner) take(ctx context.Context, p *prefetcher) ([]*logMsg, error) {
 	if first.err != nil {
 		return nil, first.err
 	}
-	msgs := []*logMsg{first.m}
+	// The last batch is handled: its messages go, and the slice is
+	// used again.
+	clear(p.batch)
+	msgs := append(p.batch[:0], first.m)
 	for len(msgs) < r.cfg.Batch {
 		select {
 		case f := <-p.out:
 			if f.err != nil {
 				// The batch first; the next take returns it.
 				p.err = f.err
+				p.batch = msgs
 				return msgs, nil
 			}
 			msgs = append(msgs, f.m)
@@ -395,6 +420,7 @@ func (r *Runner) take(ctx context.Context, p *prefetcher) ([]*logMsg, error) {
 		}
 		break
 	}
+	p.batch = msgs
 	return msgs, nil
 }
 

@@ -170,6 +170,7 @@ type Runner struct {
 	appliedRev   map[int]uint64        // revisions of the applied shards
 	needReload   bool                  // a batch that placed effects in groups was not saved
 	unsaved      map[uint64][]reported // decisions reported in batches whose save failed, by log position
+	outs         []outcome             // room for a batch's outcomes, empty between batches (keepOuts)
 	forgotLogged time.Time             // when jobs forgotten at a chain's bound were last logged
 
 	// lastPull is when the fetcher last began a pull (unix nanoseconds),
