@@ -58,6 +58,18 @@ type cancelFeed struct {
 	// (removed from the stream, it never will): the runners that get the
 	// same answer read the bucket themselves at once.
 	stuck uint64
+	// The stream the running watch follows: when it was made (a bucket
+	// deleted and made again, or restored, numbers its records from 1
+	// again), and whether it keeps one message a key (then, caught up
+	// exactly, the watch holds as many keys as the stream messages).
+	created time.Time
+	single  bool
+	// stale says the running watch no longer matches the stream: the
+	// next ensure starts another. recount is the last sequence at which
+	// a count that did not match asked for one, so that a count that
+	// never matches does not start a watch per partition.
+	stale   bool
+	recount uint64
 
 	asks   []*lastAsk // runners waiting for the next lastSeq
 	asking bool       // a goroutine answers them (ask)
@@ -90,7 +102,15 @@ func (f *cancelFeed) ensure(ctx context.Context, try time.Duration) (jetstream.K
 		select {
 		case <-end: // ended: start it again
 		default:
-			return kv, nil
+			f.mu.Lock()
+			stale, w, quit := f.stale, f.watch, f.quit
+			f.mu.Unlock()
+			if !stale {
+				return kv, nil
+			}
+			_ = w.Stop()
+			quit()
+			<-end
 		}
 	}
 	bucket := CancelBucket(f.w.cfg.Prefix)
@@ -100,6 +120,14 @@ func (f *cancelFeed) ensure(ctx context.Context, try time.Duration) (jetstream.K
 	if err != nil {
 		return nil, fmt.Errorf("open the bucket %s: %w", bucket, err)
 	}
+	// The stream's identity before the watch starts: made again between
+	// the two, the watch follows the new one, and the next runner's
+	// question finds another time and starts the watch again.
+	st, err := kv.Status(tctx)
+	if err != nil {
+		return nil, fmt.Errorf("status of %s: %w", bucket, err)
+	}
+	created, single := streamIdentity(st)
 	// The watch's consumer is created inside Watch, on the context alone,
 	// and a request lost with the connection is never answered: the try
 	// gives up on it at try.
@@ -127,6 +155,7 @@ func (f *cancelFeed) ensure(ctx context.Context, try time.Duration) (jetstream.K
 	// A new watch delivers the last record of every key again; what the
 	// last one kept may hold records deleted since.
 	f.recs, f.seen, f.stuck = map[string]jetstream.KeyValueEntry{}, 0, 0
+	f.created, f.single, f.stale = created, single, false
 	f.mu.Unlock()
 	go f.follow(w, end)
 	return kv, nil
@@ -154,13 +183,11 @@ func (f *cancelFeed) follow(w jetstream.KeyWatcher, end chan struct{}) {
 			f.seen = e.Revision()
 			f.bump()
 		}
+		// Every key, deletions too: the count is checked against the
+		// stream's (caughtUp).
+		f.recs[e.Key()] = e
 		var cs []*cancels
 		if ok {
-			if e.Operation() == jetstream.KeyValuePut {
-				f.recs[e.Key()] = e
-			} else {
-				delete(f.recs, e.Key())
-			}
 			cs = f.runners[p]
 		} // else no runner's: a record's key names its partition
 		f.mu.Unlock()
@@ -203,6 +230,14 @@ func (f *cancelFeed) joinLocked(p leasehold.Partition, c *cancels) {
 	f.runners[p] = append(f.runners[p][:len(f.runners[p]):len(f.runners[p])], c)
 }
 
+// isStale reports whether the running watch no longer matches the
+// stream, and the next ensure starts another.
+func (f *cancelFeed) isStale() bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.stale
+}
+
 // errFeedBehind says the worker's watch had not delivered the bucket's
 // last sequence within a try: the runner reads what is stored itself.
 var errFeedBehind = errors.New("the worker's watch of cancels has not come up to the bucket's last record")
@@ -222,10 +257,11 @@ var errFeedBehind = errors.New("the worker's watch of cancels has not come up to
 // purge of the key (KeyValue.Purge or Delete) writes a marker, which
 // the watch follows.
 func (f *cancelFeed) caughtUp(ctx context.Context, kv jetstream.KeyValue, p leasehold.Partition, c *cancels, try time.Duration) error {
-	first, last, err := f.lastSeq(ctx, kv, try)
+	a, err := f.lastSeq(ctx, kv, try)
 	if err != nil {
 		return err
 	}
+	first, last := a.first, a.last
 	timer := time.NewTimer(try)
 	defer timer.Stop()
 	for {
@@ -239,6 +275,22 @@ func (f *cancelFeed) caughtUp(ctx context.Context, kv jetstream.KeyValue, p leas
 			f.mu.Unlock()
 			return errFeedBehind
 		}
+		if !a.created.Equal(f.created) {
+			// Another stream under the bucket's name (deleted and made
+			// again, or restored): what the watch delivered is not what
+			// is stored.
+			f.stale = true
+			f.mu.Unlock()
+			return errFeedBehind
+		}
+		if f.seen == last && f.single && uint64(len(f.recs)) != a.msgs && f.recount != last {
+			// Caught up exactly, and a key's message is missing or one
+			// more: removed without a change to watch (a purge of its
+			// subject).
+			f.stale, f.recount = true, last
+			f.mu.Unlock()
+			return errFeedBehind
+		}
 		if f.seen >= last {
 			var mine []jetstream.KeyValueEntry
 			for k, e := range f.recs {
@@ -246,7 +298,7 @@ func (f *cancelFeed) caughtUp(ctx context.Context, kv jetstream.KeyValue, p leas
 					// Removed from the stream without a change to
 					// watch (a purge of the stream, not of a key).
 					delete(f.recs, k)
-				} else if q, ok := keyPartition(k); ok && q == p {
+				} else if q, ok := keyPartition(k); ok && q == p && e.Operation() == jetstream.KeyValuePut {
 					mine = append(mine, e)
 				}
 			}
@@ -285,6 +337,8 @@ func closedChan(c chan struct{}) bool {
 type lastAsk struct {
 	done        chan struct{}
 	first, last uint64
+	msgs        uint64
+	created     time.Time
 	err         error
 }
 
@@ -293,12 +347,12 @@ type lastAsk struct {
 // on its way share the next one. An empty stream's last is 0: nothing
 // stored can be missed. The request fails when the server says nothing
 // for try.
-func (f *cancelFeed) lastSeq(ctx context.Context, kv jetstream.KeyValue, try time.Duration) (first, last uint64, err error) {
+func (f *cancelFeed) lastSeq(ctx context.Context, kv jetstream.KeyValue, try time.Duration) (*lastAsk, error) {
 	a := &lastAsk{done: make(chan struct{})}
 	f.mu.Lock()
 	if f.closed {
 		f.mu.Unlock()
-		return 0, 0, context.Canceled
+		return nil, context.Canceled
 	}
 	f.asks = append(f.asks, a)
 	if !f.asking {
@@ -309,9 +363,9 @@ func (f *cancelFeed) lastSeq(ctx context.Context, kv jetstream.KeyValue, try tim
 	f.mu.Unlock()
 	select {
 	case <-a.done:
-		return a.first, a.last, a.err
+		return a, a.err
 	case <-ctx.Done():
-		return 0, 0, context.Cause(ctx)
+		return nil, context.Cause(ctx)
 	}
 }
 
@@ -330,31 +384,43 @@ func (f *cancelFeed) ask(kv jetstream.KeyValue, try time.Duration) {
 		}
 		f.mu.Unlock()
 		ctx, cancel := context.WithTimeout(f.life, try)
-		first, last, err := bucketSeqs(ctx, kv)
+		ans, err := bucketSeqs(ctx, kv)
 		cancel()
 		for _, a := range asks {
-			a.first, a.last, a.err = first, last, err
+			a.first, a.last, a.msgs, a.created, a.err = ans.first, ans.last, ans.msgs, ans.created, err
 			close(a.done)
 		}
 	}
 }
 
-// bucketSeqs returns the first and last sequences of kv's stream; the
-// last is 0 when it holds no message.
-func bucketSeqs(ctx context.Context, kv jetstream.KeyValue) (first, last uint64, err error) {
+// bucketSeqs returns the first and last sequences of kv's stream (the
+// last is 0 when it holds no message), its count of messages and when it
+// was made.
+func bucketSeqs(ctx context.Context, kv jetstream.KeyValue) (lastAsk, error) {
 	st, err := kv.Status(ctx)
 	if err != nil {
-		return 0, 0, err
+		return lastAsk{}, err
 	}
 	bs, ok := st.(*jetstream.KeyValueBucketStatus)
 	if !ok || bs.StreamInfo() == nil {
-		return 0, 0, fmt.Errorf("the status of %s does not say its stream's sequences", st.Bucket())
+		return lastAsk{}, fmt.Errorf("the status of %s does not say its stream's sequences", st.Bucket())
 	}
 	state := bs.StreamInfo().State
+	a := lastAsk{first: state.FirstSeq, last: state.LastSeq, msgs: state.Msgs, created: bs.StreamInfo().Created}
 	if state.Msgs == 0 {
-		return state.LastSeq + 1, 0, nil
+		a.first, a.last = state.LastSeq+1, 0
 	}
-	return state.FirstSeq, state.LastSeq, nil
+	return a, nil
+}
+
+// streamIdentity returns when st's stream was made, and whether it keeps
+// one message a key.
+func streamIdentity(st jetstream.KeyValueStatus) (time.Time, bool) {
+	bs, ok := st.(*jetstream.KeyValueBucketStatus)
+	if !ok || bs.StreamInfo() == nil {
+		return time.Time{}, false
+	}
+	return bs.StreamInfo().Created, bs.StreamInfo().Config.MaxMsgsPerSubject == 1
 }
 
 // leave ends what join began.

@@ -102,12 +102,23 @@ func (r *runner) tryWatchCancels(try time.Duration) (*cancels, error) {
 		return nil, err
 	}
 	c := newCancels(r, kv, r.w.cancelFeed)
-	err = c.feed.caughtUp(r.ctx, kv, r.p, c, try)
-	if err == nil {
-		return c, nil
-	}
-	if !errors.Is(err, errFeedBehind) {
-		return nil, fmt.Errorf("read %s: %w", CancelBucket(r.w.cfg.Prefix), err)
+	for again := true; ; again = false {
+		err = c.feed.caughtUp(r.ctx, kv, r.p, c, try)
+		if err == nil {
+			return c, nil
+		}
+		if !errors.Is(err, errFeedBehind) {
+			return nil, fmt.Errorf("read %s: %w", CancelBucket(r.w.cfg.Prefix), err)
+		}
+		if !again || !c.feed.isStale() {
+			break
+		}
+		// The watch no longer matches the stream (made again, or a
+		// record removed without a change): start it again, for every
+		// runner it feeds, and ask once more.
+		if kv, err = c.feed.ensure(r.ctx, try); err != nil {
+			return nil, err
+		}
 	}
 	r.log.Debug("reading the partition's cancels from the bucket: the worker's watch is behind", "err", err)
 	c.feed.join(r.p, c)
