@@ -114,6 +114,26 @@ func handOff(t *testing.T, e *env, tweak1 ...func(*worker.Config)) (w1, w2 *runn
 	return w1, w2, p, h1, h2, rec1
 }
 
+// holdThenVictim enqueues "hold" and "victim" to partition p, one after
+// the other, waits until h's worker runs "hold", and returns the victim,
+// queued behind it.
+func holdThenVictim(t *testing.T, ctx context.Context, prod *worker.Producer, p leasehold.Partition, h *feedHandler) worker.Enqueued {
+	t.Helper()
+	if _, err := prod.EnqueueTo(ctx, p, []byte("hold")); err != nil {
+		t.Fatal(err)
+	}
+	victim, err := prod.EnqueueTo(ctx, p, []byte("victim"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-h.held:
+	case <-ctx.Done():
+		t.Fatal("the worker never ran the job")
+	}
+	return victim
+}
+
 // cancelHeldThenFailOver enqueues two jobs to w2's partition (one at a
 // time there): "hold", which w2 runs until it stops, and "victim" behind
 // it. It cancels the victim while w2 holds the partition and stops w2.
@@ -122,18 +142,7 @@ func handOff(t *testing.T, e *env, tweak1 ...func(*worker.Config)) (w1, w2 *runn
 func cancelHeldThenFailOver(t *testing.T, ctx context.Context, e *env, w2 *running, p leasehold.Partition, h1, h2 *feedHandler, rec1 *recorder) {
 	t.Helper()
 	prod := e.statusProducer(t)
-	if _, err := prod.EnqueueTo(ctx, p, []byte("hold")); err != nil {
-		t.Fatal(err)
-	}
-	j, err := prod.EnqueueTo(ctx, p, []byte("victim"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case <-h2.held:
-	case <-ctx.Done():
-		t.Fatal("w2 never ran the job")
-	}
+	j := holdThenVictim(t, ctx, prod, p, h2)
 	st, err := prod.Cancel(ctx, j)
 	if err != nil {
 		t.Fatal(err)
@@ -441,18 +450,7 @@ func TestAttackCancelFeedSubjectPurgedAfterDelivered(t *testing.T) {
 	_, w2, p, h1, h2, rec1 := handOff(t, e)
 	q := 1 - p
 	prod := e.statusProducer(t)
-	if _, err := prod.EnqueueTo(ctx, p, []byte("hold")); err != nil {
-		t.Fatal(err)
-	}
-	victim, err := prod.EnqueueTo(ctx, p, []byte("victim"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case <-h2.held:
-	case <-ctx.Done():
-		t.Fatal("w2 never ran the job")
-	}
+	victim := holdThenVictim(t, ctx, prod, p, h2)
 	if _, err := prod.Cancel(ctx, victim); err != nil {
 		t.Fatal(err)
 	}
