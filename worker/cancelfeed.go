@@ -252,10 +252,17 @@ var errFeedBehind = errors.New("the worker's watch of cancels has not come up to
 // server does not say its last sequence within try.
 //
 // A record removed that way after the watch delivered it writes no
-// change to watch, and the watch keeps it: such a runner skips the job
-// its cancel named, as one that had read it before the purge would. A
-// purge of the key (KeyValue.Purge or Delete) writes a marker, which
-// the watch follows.
+// change to watch. Where the bucket keeps one message a key, the count
+// of keys shows it when the watch is caught up exactly: the watch is
+// marked stale, and the runner starts it again (tryWatchCancels). When
+// more came since, the runner may take the record, and skips the job its
+// cancel named, as one that had read it before the purge would. A purge
+// of the key (KeyValue.Purge or Delete) writes a marker, which the watch
+// follows. A bucket made again under the same name (its stream made at
+// another time) marks the watch stale too.
+//
+// Each start walks every key the watch keeps: a bucket of many cancels
+// costs each start that walk, under f.mu.
 func (f *cancelFeed) caughtUp(ctx context.Context, kv jetstream.KeyValue, p leasehold.Partition, c *cancels, try time.Duration) error {
 	a, err := f.lastSeq(ctx, kv, try)
 	if err != nil {
