@@ -51,9 +51,14 @@ type cancelFeed struct {
 	// The running watch's view: the last record of each key, the
 	// highest revision delivered, and a channel closed (and replaced)
 	// when seen moves or the watch ends.
-	recs  map[string]jetstream.KeyValueEntry
-	seen  uint64
-	moved chan struct{}
+	recs  map[leasehold.Partition]map[string]jetstream.KeyValueEntry
+	loose map[string]uint64 // the revisions of keys that name no partition
+	nkeys uint64            // in recs and loose
+	// pruned is the stream's first sequence when the kept keys were last
+	// walked for those below it.
+	pruned uint64
+	seen   uint64
+	moved  chan struct{}
 	// stuck is a last sequence the watch did not come to within a try
 	// (removed from the stream, it never will): the runners that get the
 	// same answer read the bucket themselves at once.
@@ -82,7 +87,7 @@ type cancelFeed struct {
 
 func newCancelFeed(w *Worker) *cancelFeed {
 	life, kill := context.WithCancel(context.Background())
-	return &cancelFeed{w: w, runners: map[leasehold.Partition][]*cancels{}, recs: map[string]jetstream.KeyValueEntry{},
+	return &cancelFeed{w: w, runners: map[leasehold.Partition][]*cancels{}, recs: map[leasehold.Partition]map[string]jetstream.KeyValueEntry{}, loose: map[string]uint64{},
 		moved: make(chan struct{}), life: life, kill: kill}
 }
 
@@ -154,7 +159,8 @@ func (f *cancelFeed) ensure(ctx context.Context, try time.Duration) (jetstream.K
 	f.kv, f.watch, f.quit, f.end = kv, w, quit, end
 	// A new watch delivers the last record of every key again; what the
 	// last one kept may hold records deleted since.
-	f.recs, f.seen, f.stuck = map[string]jetstream.KeyValueEntry{}, 0, 0
+	f.recs, f.loose, f.nkeys, f.pruned = map[leasehold.Partition]map[string]jetstream.KeyValueEntry{}, map[string]uint64{}, 0, 0
+	f.seen, f.stuck = 0, 0
 	f.created, f.single, f.stale = created, single, false
 	f.mu.Unlock()
 	go f.follow(w, end)
@@ -185,7 +191,7 @@ func (f *cancelFeed) follow(w jetstream.KeyWatcher, end chan struct{}) {
 		}
 		// Every key, deletions too: the count is checked against the
 		// stream's (caughtUp).
-		f.recs[e.Key()] = e
+		f.keep(p, ok, e)
 		var cs []*cancels
 		if ok {
 			cs = f.runners[p]
@@ -193,6 +199,54 @@ func (f *cancelFeed) follow(w jetstream.KeyWatcher, end chan struct{}) {
 		f.mu.Unlock()
 		for _, c := range cs {
 			c.update(e)
+		}
+	}
+}
+
+// keep keeps e as its key's last record; f.mu is held. p is the
+// partition the key names, when ok.
+func (f *cancelFeed) keep(p leasehold.Partition, ok bool, e jetstream.KeyValueEntry) {
+	if !ok {
+		if _, had := f.loose[e.Key()]; !had {
+			f.nkeys++
+		}
+		f.loose[e.Key()] = e.Revision()
+		return
+	}
+	m := f.recs[p]
+	if m == nil {
+		m = map[string]jetstream.KeyValueEntry{}
+		f.recs[p] = m
+	}
+	if _, had := m[e.Key()]; !had {
+		f.nkeys++
+	}
+	m[e.Key()] = e
+}
+
+// prune drops the kept keys whose revision is below first, removed from
+// the stream without a change to watch (a purge of the stream, not of a
+// key); f.mu is held. It walks them only when first has moved.
+func (f *cancelFeed) prune(first uint64) {
+	if first <= f.pruned {
+		return
+	}
+	f.pruned = first
+	for p, m := range f.recs {
+		for k, e := range m {
+			if e.Revision() < first {
+				delete(m, k)
+				f.nkeys--
+			}
+		}
+		if len(m) == 0 {
+			delete(f.recs, p)
+		}
+	}
+	for k, rev := range f.loose {
+		if rev < first {
+			delete(f.loose, k)
+			f.nkeys--
 		}
 	}
 }
@@ -260,9 +314,7 @@ var errFeedBehind = errors.New("the worker's watch of cancels has not come up to
 // of the key (KeyValue.Purge or Delete) writes a marker, which the watch
 // follows. A bucket made again under the same name (its stream made at
 // another time) marks the watch stale too.
-//
-// Each start walks every key the watch keeps: a bucket of many cancels
-// costs each start that walk, under f.mu.
+
 func (f *cancelFeed) caughtUp(ctx context.Context, kv jetstream.KeyValue, p leasehold.Partition, c *cancels, try time.Duration) error {
 	a, err := f.lastSeq(ctx, kv, try)
 	if err != nil {
@@ -290,7 +342,8 @@ func (f *cancelFeed) caughtUp(ctx context.Context, kv jetstream.KeyValue, p leas
 			f.mu.Unlock()
 			return errFeedBehind
 		}
-		if f.seen == last && f.single && uint64(len(f.recs)) != a.msgs && f.recount != last {
+		f.prune(first)
+		if f.seen == last && f.single && f.nkeys != a.msgs && f.recount != last {
 			// Caught up exactly, and a key's message is missing or one
 			// more: removed without a change to watch (a purge of its
 			// subject).
@@ -300,12 +353,8 @@ func (f *cancelFeed) caughtUp(ctx context.Context, kv jetstream.KeyValue, p leas
 		}
 		if f.seen >= last {
 			var mine []jetstream.KeyValueEntry
-			for k, e := range f.recs {
-				if e.Revision() < first {
-					// Removed from the stream without a change to
-					// watch (a purge of the stream, not of a key).
-					delete(f.recs, k)
-				} else if q, ok := keyPartition(k); ok && q == p && e.Operation() == jetstream.KeyValuePut {
+			for _, e := range f.recs[p] {
+				if e.Operation() == jetstream.KeyValuePut {
 					mine = append(mine, e)
 				}
 			}
