@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"unsafe"
 )
 
 // The compact wire form of a stamp and a job mark: one header each, in
@@ -100,25 +101,34 @@ func ParseStampFormat(s string) (StampFormat, error) {
 // MaxWorkerLen bytes of printable ASCII without spaces is left off: it is
 // informative.
 func (s Stamp) Compact() string {
-	var b strings.Builder
-	b.Grow(len(wireVersion) + len(s.Scope) + len(s.Acquisition) + len(s.Key) + len(s.Worker) + 32)
-	var num [20]byte
-	b.WriteString(wireVersion)
-	b.WriteByte(' ')
-	b.WriteString(s.Scope)
-	b.WriteByte(' ')
-	b.Write(strconv.AppendUint(num[:0], uint64(s.Partition), 10))
-	b.WriteByte(' ')
-	b.Write(strconv.AppendUint(num[:0], uint64(s.Epoch), 10))
-	b.WriteByte(' ')
-	b.WriteString(s.Acquisition)
-	b.WriteByte(' ')
-	b.WriteString(s.Key)
+	b := s.AppendCompact(make([]byte, 0, s.compactRoom()))
+	return unsafe.String(unsafe.SliceData(b), len(b))
+}
+
+// compactRoom is at least the length of s's compact form.
+func (s Stamp) compactRoom() int {
+	return len(wireVersion) + len(s.Scope) + len(s.Acquisition) + len(s.Key) + len(s.Worker) + 48
+}
+
+// AppendCompact appends s's HeaderStamp value (Compact) to b: a writer
+// that puts several values in one buffer makes one allocation for all.
+func (s Stamp) AppendCompact(b []byte) []byte {
+	b = append(b, wireVersion...)
+	b = append(b, ' ')
+	b = append(b, s.Scope...)
+	b = append(b, ' ')
+	b = strconv.AppendUint(b, uint64(s.Partition), 10)
+	b = append(b, ' ')
+	b = strconv.AppendUint(b, uint64(s.Epoch), 10)
+	b = append(b, ' ')
+	b = append(b, s.Acquisition...)
+	b = append(b, ' ')
+	b = append(b, s.Key...)
 	if s.Worker != "" && validWorker(s.Worker) == nil {
-		b.WriteByte(' ')
-		b.WriteString(s.Worker)
+		b = append(b, ' ')
+		b = append(b, s.Worker...)
 	}
-	return b.String()
+	return b
 }
 
 // SetHeaderAs writes s into h in format f, removing the other format's
@@ -220,28 +230,38 @@ func (m JobMark) Compact() string {
 	if m.Standalone() {
 		return ""
 	}
-	var b strings.Builder
-	b.Grow(len(wireVersion) + 2 + 20 + 17 + 8 + 20 + 20)
-	var num [20]byte
-	b.WriteString(wireVersion)
-	b.WriteByte(' ')
-	b.Write(strconv.AppendUint(num[:0], m.Job, 10))
-	b.WriteByte(' ')
-	b.Write(strconv.AppendUint(num[:0], m.Attempt, 10))
+	b := m.AppendCompact(make([]byte, 0, markRoom))
+	return unsafe.String(unsafe.SliceData(b), len(b))
+}
+
+// markRoom is at least the length of a job mark's compact form.
+const markRoom = len(wireVersion) + 2 + 20 + 17 + 8 + 20 + 20 + 21
+
+// AppendCompact appends m's HeaderMark value (Compact) to b, nothing for
+// a standalone mark.
+func (m JobMark) AppendCompact(b []byte) []byte {
+	if m.Standalone() {
+		return b
+	}
+	b = append(b, wireVersion...)
+	b = append(b, ' ')
+	b = strconv.AppendUint(b, m.Job, 10)
+	b = append(b, ' ')
+	b = strconv.AppendUint(b, m.Attempt, 10)
 	switch {
 	case m.Abort:
-		b.WriteString(" abort")
+		b = append(b, " abort"...)
 	case m.Final():
-		b.WriteByte(' ')
-		b.Write(strconv.AppendUint(num[:0], uint64(m.Effects), 10))
-		b.WriteByte(' ')
-		b.Write(strconv.AppendUint(num[:0], m.After, 10))
+		b = append(b, ' ')
+		b = strconv.AppendUint(b, uint64(m.Effects), 10)
+		b = append(b, ' ')
+		b = strconv.AppendUint(b, m.After, 10)
 		if m.Floored || m.Floor != 0 {
-			b.WriteByte(' ')
-			b.Write(strconv.AppendUint(num[:0], m.Floor, 10))
+			b = append(b, ' ')
+			b = strconv.AppendUint(b, m.Floor, 10)
 		}
 	}
-	return b.String()
+	return b
 }
 
 // SetHeaderAs writes m into h in format f, removing the other format's job

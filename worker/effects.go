@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"strconv"
 	"time"
+	"unsafe"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -106,10 +107,14 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 		}
 		size = leasehold.PackedSize(leasehold.PackedEffect{Key: stamp.Key, Header: msg.Header, Data: data})
 	}
-	stamp.SetHeaderAs(msg.Header, j.r.w.cfg.StampFormat)
-	e.id[0] = MessageID(stamp, j.nonce)
-	msg.Header[jetstream.MsgIDHeader] = e.id[:]
-	leasehold.JobMark{Job: j.Seq, Attempt: j.wire}.SetHeaderAs(msg.Header, j.r.w.cfg.StampFormat)
+	if j.r.w.cfg.StampFormat == leasehold.StampCompact {
+		e.setWire(stamp, leasehold.JobMark{Job: j.Seq, Attempt: j.wire}, j.nonce)
+	} else {
+		stamp.SetHeaderAs(msg.Header, j.r.w.cfg.StampFormat)
+		e.id[0] = MessageID(stamp, j.nonce)
+		msg.Header[jetstream.MsgIDHeader] = e.id[:]
+		leasehold.JobMark{Job: j.Seq, Attempt: j.wire}.SetHeaderAs(msg.Header, j.r.w.cfg.StampFormat)
+	}
 	if j.replayed() {
 		// A job stored again (a replay) emits its origin's keys: the
 		// origin tells a sink whose keys they are.
@@ -141,11 +146,40 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 	return nil
 }
 
-// effectMsg is an effect's message with the value of its message ID
-// header, in one allocation: both live as long as the message.
+// effectMsg is an effect's message with the values of its message ID,
+// stamp and mark headers, in one allocation: they live as long as the
+// message.
 type effectMsg struct {
 	nats.Msg
-	id [1]string
+	id   [1]string
+	wire [2]string // the compact stamp and mark (setWire)
+}
+
+// setWire writes the compact stamp st, the mark m and the message ID of
+// st and nonce into e's header, which holds neither form of the stamp
+// or the mark (Publish keeps a caller's copies out): the three values
+// are cut from one string, where SetHeaderAs and MessageID made three,
+// and each value's slice is e's own.
+func (e *effectMsg) setWire(st leasehold.Stamp, m leasehold.JobMark, nonce string) {
+	var num [20]byte
+	epoch := strconv.AppendUint(num[:0], uint64(st.Epoch), 10)
+	b := make([]byte, 0, len(st.Scope)+len(st.Acquisition)+2*len(st.Key)+len(st.Worker)+len(nonce)+len(epoch)+160)
+	b = st.AppendCompact(b)
+	stampEnd := len(b)
+	b = m.AppendCompact(b)
+	markEnd := len(b)
+	b = append(b, st.Key...)
+	b = append(b, '@')
+	b = append(b, epoch...)
+	b = append(b, '~')
+	b = append(b, nonce...)
+	all := unsafe.String(unsafe.SliceData(b), len(b))
+	e.wire[0], e.wire[1], e.id[0] = all[:stampEnd], all[stampEnd:markEnd], all[markEnd:]
+	e.Header[leasehold.HeaderStamp] = e.wire[0:1:1]
+	if markEnd > stampEnd {
+		e.Header[leasehold.HeaderMark] = e.wire[1:2:2]
+	}
+	e.Header[jetstream.MsgIDHeader] = e.id[:]
 }
 
 // send publishes one of j's effects without waiting for its
