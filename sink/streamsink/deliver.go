@@ -72,8 +72,17 @@ func effectOf(o *outcome) sink.Effect {
 // effect that fails MaxDeliveries times is dead-lettered. A failure that
 // is NATS's own blames no effect: the call is tried again whole.
 func (r *Runner) deliverBatch(ctx context.Context, outs []outcome) error {
-	var effects []sink.Effect
-	var at []int // the index in outs of each of effects
+	n := 0
+	for i := range outs {
+		if outs[i].deliver {
+			n++
+		}
+	}
+	// Made to size: grown by appends, a batch's effects would be copied
+	// over and over. They are made anew for each batch, since a handler
+	// may keep what it was handed.
+	effects := make([]sink.Effect, 0, n)
+	at := make([]int, 0, n) // the index in outs of each of effects
 	for i := range outs {
 		if o := &outs[i]; o.deliver {
 			effects = append(effects, effectOf(o))

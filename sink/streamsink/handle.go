@@ -138,10 +138,12 @@ func (r *Runner) keepOuts(outs []outcome) {
 	r.outs = outs[:0]
 }
 
-// maxKeptOuts bounds the outcomes keepOuts keeps room for: a batch of
-// Config.Batch messages of one effect each, handed on with their jobs,
-// takes two per message.
-const maxKeptOuts = 2048
+// maxKeptOuts bounds the outcomes keepOuts keeps room for. An effect
+// handed on with its job takes two, so a batch of the default 400 packed
+// messages of three effects takes 2400; room dropped after each batch
+// would be grown again, copy by copy, in the next. The room kept is what
+// the largest batch took, up to about 1.1 MB (an outcome is 272 B).
+const maxKeptOuts = 4096
 
 // settle delivers a decided batch, reports the decisions and saves the
 // progress.
