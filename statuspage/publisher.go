@@ -45,7 +45,7 @@ type PublisherConfig struct {
 // the status page.
 type Publisher struct {
 	cfg     PublisherConfig
-	queue   chan Event
+	queue   chan *Event // pointers: a full queue of values would hold Queue events' room from the start
 	dropped metric.Int64Counter
 	drops   atomic.Int64
 	stop    chan struct{}
@@ -83,7 +83,7 @@ func NewPublisher(cfg PublisherConfig) *Publisher {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	p := &Publisher{cfg: cfg, queue: make(chan Event, cfg.Queue), stop: make(chan struct{}), done: make(chan struct{})}
+	p := &Publisher{cfg: cfg, queue: make(chan *Event, cfg.Queue), stop: make(chan struct{}), done: make(chan struct{})}
 	p.dropped, _ = cfg.MeterProvider.Meter(telemetry.ScopeName).Int64Counter("leasehold.status.events.dropped",
 		metric.WithDescription("Status-page events dropped unpublished: the queue was full, or the events stream did not take them."),
 		metric.WithUnit("{event}"))
@@ -111,7 +111,7 @@ func (p *Publisher) Publish(e Event) {
 		*s = truncate(*s)
 	}
 	select {
-	case p.queue <- e:
+	case p.queue <- &e:
 	default:
 		p.drop(errQueueFull)
 	}
@@ -156,7 +156,7 @@ func (p *Publisher) run() {
 	}
 }
 
-func (p *Publisher) send(e Event) {
+func (p *Publisher) send(e *Event) {
 	data, err := json.Marshal(e)
 	if err != nil || len(data) > MaxEventSize {
 		p.drop("an event too large to publish")
