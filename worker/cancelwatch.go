@@ -40,9 +40,17 @@ type cancels struct {
 	stand   map[*Job]bool // the empty attempts that complete cancelled jobs
 }
 
+// newCancels leaves the maps of records nil until a record comes: most
+// partitions never see one, and a worker holds many.
 func newCancels(r *runner, kv jetstream.KeyValue, feed *cancelFeed) *cancels {
-	return &cancels{r: r, kv: kv, feed: feed, recs: map[string]cancelEntry{}, revs: map[string]uint64{},
-		bySeq: map[uint64]string{}, byID: map[string]string{}, running: map[*Job]context.CancelCauseFunc{}, stand: map[*Job]bool{}}
+	return &cancels{r: r, kv: kv, feed: feed, running: map[*Job]context.CancelCauseFunc{}}
+}
+
+// made makes the maps of records; c.mu is held.
+func (c *cancels) made() {
+	if c.revs == nil {
+		c.recs, c.revs, c.bySeq, c.byID = map[string]cancelEntry{}, map[string]uint64{}, map[uint64]string{}, map[string]string{}
+	}
 }
 
 type cancelEntry struct {
@@ -195,6 +203,7 @@ func (c *cancels) update(e jetstream.KeyValueEntry) {
 	if e.Revision() <= c.revs[key] {
 		return // older than a change seen already
 	}
+	c.made()
 	c.revs[key] = e.Revision()
 	if !put {
 		// Deleted or purged by an operator: the job is not cancelled
@@ -339,6 +348,9 @@ func (r *runner) cancelled(j *jobRun, job *Job, st retryState, ran bool) (*Job, 
 	empty.wire = r.wire.Add(1)
 	_, _ = empty.close()
 	r.cancels.mu.Lock()
+	if r.cancels.stand == nil {
+		r.cancels.stand = map[*Job]bool{}
+	}
 	r.cancels.stand[empty] = true
 	r.cancels.mu.Unlock()
 	return empty, true, nil
