@@ -103,18 +103,19 @@ func (f *fetcher) run(ctx context.Context, from uint64) {
 			continue
 		}
 		// Keep the name and the batch only: the consumer's cached info, a
-		// few KiB a held partition, need not live while its jobs are read.
-		// A server whose JetStream limits cap a request's batch gives the
-		// consumer that cap, and refuses every request for more.
+		// few KiB a held partition, need not live while its jobs are read,
+		// so nothing reads it once pull starts. A server whose JetStream
+		// limits cap a request's batch gives the consumer that cap, and
+		// refuses every request for more.
 		info := cons.CachedInfo()
-		name, tries = "", 0 // the next consumer is a new one
-		batch := cfg.FetchBatch
+		made, batch := info.Name, cfg.FetchBatch
 		if limit := info.Config.MaxRequestBatch; limit > 0 && limit < batch {
 			batch = limit
 		}
+		name, tries = "", 0 // the next consumer is a new one
 		start := next
-		next, err = f.pull(ctx, info.Name, batch, next)
-		f.r.deleteConsumer(info.Name)
+		next, err = f.pull(ctx, made, batch, next)
+		f.r.deleteConsumer(made)
 		if ctx.Err() != nil {
 			return
 		}
