@@ -215,7 +215,7 @@ func (m *InMemory) runner(p leasehold.Partition) *runner {
 		retries: map[uint64]retryState{}, after: map[string]uint64{},
 		reports: make(chan report), gone: make(chan struct{}), wake: make(chan struct{}, 1),
 	}
-	r.spans = newSpans(r)
+	r.initSpans()
 	m.runners[p] = r
 	return r
 }

@@ -160,7 +160,7 @@ func newRunner(w *Worker, l *coordinator.Lease, prev *runner) *runner {
 		gone:     make(chan struct{}),
 		wake:     make(chan struct{}, 1),
 	}
-	r.spans = newSpans(r)
+	r.initSpans()
 	r.abandoned = make(chan struct{})
 	return r
 }

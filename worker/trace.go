@@ -52,9 +52,12 @@ import (
 // twice, and a second SetAttributes grows the span's slice again), so
 // samplers see the span's name and kind, not its attributes.
 type spans struct {
-	processName  string
+	processName string
+	outputName  string // a send to the default output
+	// The attributes are made for the first span that records: a worker
+	// holds many partitions, and with tracing off none needs them.
+	attrsOnce    sync.Once
 	processAttrs []attribute.KeyValue
-	outputName   string // a send to the default output
 	outputAttrs  []attribute.KeyValue
 }
 
@@ -63,12 +66,19 @@ var (
 	producerSpan = []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindProducer)}
 )
 
-func newSpans(r *runner) spans {
-	template := telemetry.SubjectTemplate(r.subject, r.p)
-	name, attrs := r.sendSpan(r.output)
-	return spans{
-		processName: telemetry.SpanName("process", template),
-		processAttrs: []attribute.KeyValue{
+// initSpans names r's spans.
+func (r *runner) initSpans() {
+	r.spans.processName = telemetry.SpanName("process", telemetry.SubjectTemplate(r.subject, r.p))
+	r.spans.outputName = telemetry.SpanName("send", telemetry.SubjectTemplate(r.output, r.p))
+}
+
+// spanAttrs returns the attributes r's process spans and its sends to the
+// default output share, made on the first call.
+func (r *runner) spanAttrs() (process, output []attribute.KeyValue) {
+	s := &r.spans
+	s.attrsOnce.Do(func() {
+		template := telemetry.SubjectTemplate(r.subject, r.p)
+		s.processAttrs = []attribute.KeyValue{
 			telemetry.MessagingSystem,
 			semconv.MessagingOperationTypeProcess,
 			semconv.MessagingOperationName("process"),
@@ -79,10 +89,10 @@ func newSpans(r *runner) spans {
 			// The messaging conventions' names for the same.
 			semconv.MessagingDestinationPartitionID(r.p.String()),
 			semconv.MessagingClientID(r.info.Holder),
-		},
-		outputName:  name,
-		outputAttrs: attrs,
-	}
+		}
+		_, s.outputAttrs = r.sendSpan(r.output)
+	})
+	return s.processAttrs, s.outputAttrs
 }
 
 // sendSpan returns the name and attributes of a send to subject.
@@ -122,10 +132,14 @@ var nopSpan trace.Span = noop.Span{}
 // span in ctx (the enqueue's, extracted from the job's headers).
 func (r *runner) startProcess(ctx context.Context, job *Job) (context.Context, trace.Span) {
 	ctx, span := r.w.tel.Tracer.Start(ctx, r.spans.processName, consumerSpan...)
+	if !span.IsRecording() {
+		return ctx, span
+	}
+	attrs, _ := r.spanAttrs()
 	if job.Attempt > 1 {
-		setAttributes(span, r.spans.processAttrs, telemetry.AttrSeq.Int64(int64(job.Seq)), telemetry.AttrAttempt.Int(job.Attempt))
+		setAttributes(span, attrs, telemetry.AttrSeq.Int64(int64(job.Seq)), telemetry.AttrAttempt.Int(job.Attempt))
 	} else {
-		setAttributes(span, r.spans.processAttrs, telemetry.AttrSeq.Int64(int64(job.Seq)))
+		setAttributes(span, attrs, telemetry.AttrSeq.Int64(int64(job.Seq)))
 	}
 	return ctx, span
 }
@@ -162,12 +176,17 @@ func (r *runner) startEffect(ctx context.Context, subject string, s leasehold.St
 // (an effect, a dead letter or a barrier); its message ID is the stamp's
 // key.
 func (r *runner) startSend(ctx context.Context, subject string, s leasehold.Stamp) (context.Context, trace.Span) {
-	name, attrs := r.spans.outputName, r.spans.outputAttrs
 	if subject != r.output {
-		name, attrs = r.sendSpan(subject)
+		name, attrs := r.sendSpan(subject)
+		ctx, span := r.w.tel.Tracer.Start(ctx, name, producerSpan...)
+		setAttributes(span, attrs, semconv.MessagingMessageID(s.Key))
+		return ctx, span
 	}
-	ctx, span := r.w.tel.Tracer.Start(ctx, name, producerSpan...)
-	setAttributes(span, attrs, semconv.MessagingMessageID(s.Key))
+	ctx, span := r.w.tel.Tracer.Start(ctx, r.spans.outputName, producerSpan...)
+	if span.IsRecording() {
+		_, attrs := r.spanAttrs()
+		setAttributes(span, attrs, semconv.MessagingMessageID(s.Key))
+	}
 	return ctx, span
 }
 
