@@ -70,8 +70,13 @@ func TestCancelFeedCatchesUpBeforeHandingRecords(t *testing.T) {
 		r := &runner{w: w, p: p, log: slog.New(slog.DiscardHandler)}
 		return newCancels(r, kv, f)
 	}
+	// A try bounds both the question for the last sequence and the wait
+	// for the watch: it is the worker's first (apiTry(0), 2 s), long
+	// enough for a busy server's answer, so that a try that fails here
+	// fails for the watch, not for a question left unanswered.
+	try := apiTry(0)
 	behind := newRunnerCancels()
-	if err := f.caughtUp(ctx, kv, p, behind, 200*time.Millisecond); !errors.Is(err, errFeedBehind) {
+	if err := f.caughtUp(ctx, kv, p, behind, try); !errors.Is(err, errFeedBehind) {
 		t.Fatalf("with the record held back, caughtUp returned %v, want errFeedBehind", err)
 	}
 	if behind.has(job) {
@@ -126,7 +131,7 @@ func TestCancelFeedCatchesUpBeforeHandingRecords(t *testing.T) {
 		t.Fatal(err)
 	}
 	f = f2
-	if err := f.caughtUp(ctx, kv, p, newRunnerCancels(), 200*time.Millisecond); !errors.Is(err, errFeedBehind) {
+	if err := f.caughtUp(ctx, kv, p, newRunnerCancels(), try); !errors.Is(err, errFeedBehind) {
 		t.Fatalf("with the stream's last message removed, caughtUp returned %v, want errFeedBehind", err)
 	}
 	wctx, wcancel := context.WithTimeout(ctx, 20*time.Second)
