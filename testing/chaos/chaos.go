@@ -249,6 +249,11 @@ type harness struct {
 	skipped []string
 	faults  []string
 	pending []string // faults still to inject once each; nil before the first pick
+
+	// enqueued is signalled (without blocking) each time the producer's
+	// enqueue is acknowledged: a restarted server has served one when it
+	// fires after the restart.
+	enqueued chan struct{}
 }
 
 // Run runs the workload under faults for cfg.Duration, waits for the sink
@@ -260,7 +265,7 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 	}
 	cfg.setDefaults()
 	start := time.Now()
-	h := &harness{cfg: cfg, log: cfg.Logger, rnd: rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x9e3779b97f4a7c15))}
+	h := &harness{cfg: cfg, log: cfg.Logger, rnd: rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x9e3779b97f4a7c15)), enqueued: make(chan struct{}, 1)}
 	h.bin = cfg.Binary
 	if h.bin == "" {
 		exe, err := os.Executable()
@@ -496,6 +501,10 @@ func (h *harness) produce(ctx context.Context) error {
 			continue
 		}
 		hist.Record(history.Event{Kind: history.Enqueue, Partition: uint32(e.Partition), Seq: e.Seq, JobID: id})
+		select {
+		case h.enqueued <- struct{}{}:
+		default:
+		}
 	}
 }
 

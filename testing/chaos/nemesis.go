@@ -309,6 +309,7 @@ func (h *harness) restartNode(ctx context.Context, f string) error {
 	}
 	h.record(eventFor(h.srv.name(i), markNodeRestart))
 	if h.srv.size() == 1 {
+		h.awaitEnqueue(ctx)
 		return nil
 	}
 	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
@@ -320,6 +321,29 @@ func (h *harness) restartNode(ctx context.Context, f string) error {
 		}
 	}
 	return nil
+}
+
+// awaitEnqueue waits, for up to 30 s, until the producer has an enqueue
+// acknowledged by the server that was just started again, so that the
+// next fault's gap is time the server serves. A server's JetStream takes
+// a while to come back on a loaded machine, and the producer's backoff
+// grows with every failed try: restarts that followed one another by the
+// gap alone let no job in during a whole run. A producer that gets none
+// in is logged, and the run goes on; its checks see what got in.
+func (h *harness) awaitEnqueue(ctx context.Context) {
+	// A signal left from before the restart says nothing of this server.
+	select {
+	case <-h.enqueued:
+	default:
+	}
+	t := time.NewTimer(30 * time.Second)
+	defer t.Stop()
+	select {
+	case <-h.enqueued:
+	case <-t.C:
+		h.log.Warn("chaos: no enqueue acknowledged within 30s of the server's restart")
+	case <-ctx.Done():
+	}
 }
 
 // partition cuts the worker in the network namespace off for longer than
