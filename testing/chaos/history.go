@@ -44,7 +44,8 @@ const (
 	// FaultSinkTerm stops the sink runner with SIGTERM and restarts it.
 	FaultSinkTerm = "sink_term"
 	// FaultNATSRestart stops the single NATS server and starts it again on
-	// its store: every client loses its connection.
+	// its store: every client loses its connection. The next fault waits
+	// until the server has acknowledged an enqueue (up to 30 s).
 	FaultNATSRestart = "nats_restart"
 	// FaultNodeKill stops one node of the cluster and restarts it later.
 	FaultNodeKill = "node_kill"
