@@ -65,7 +65,14 @@ func (r *runner) startJob(j *jobRun) {
 	j.phase = phaseRunning
 	r.live++
 	r.w.tel.Metrics.JobsInFlight.Add(r.ctx, 1)
-	go r.attempts(j, r.retries[j.seq], r.halt)
+	go r.grownAttempts(j, r.retries[j.seq], r.halt)
+}
+
+// grownAttempts is attempts on a stack grown first (stack.go), before
+// attempts' own frame is on it.
+func (r *runner) grownAttempts(j *jobRun, st retryState, halt <-chan struct{}) {
+	growStack()
+	r.attempts(j, st, halt)
 }
 
 // tell hands rep to the runner's goroutine.
