@@ -131,7 +131,11 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 	}
 	// What the subject held so far and may no longer hold goes now, and
 	// this one is held until the handler returns (see output.go).
-	rest, prev, err := j.hold(heldEffect{msg: msg, key: stamp.Key, size: size}, room)
+	held := heldEffect{msg: msg, key: stamp.Key, size: size}
+	if e.wire[0] != "" {
+		held.wire = e
+	}
+	rest, prev, err := j.hold(held, room)
 	if err == nil && prev.msg != nil {
 		err = j.sendHeld(ctx, rest, prev, leasehold.JobMark{Job: j.Seq, Attempt: j.wire})
 	}
@@ -153,7 +157,14 @@ type effectMsg struct {
 	nats.Msg
 	id   [1]string
 	wire [2]string // the compact stamp and mark (setWire)
+	// The room setWire left after the three values in their buffer, for
+	// the mark of the attempt's final (setFinal); nil once used.
+	spare []byte
 }
+
+// finalMarkRoom is the room setWire leaves for the final's mark: more
+// than its longest compact form.
+const finalMarkRoom = 128
 
 // setWire writes the compact stamp st, the mark m and the message ID of
 // st and nonce into e's header, which holds neither form of the stamp
@@ -163,7 +174,7 @@ type effectMsg struct {
 func (e *effectMsg) setWire(st leasehold.Stamp, m leasehold.JobMark, nonce string) {
 	var num [20]byte
 	epoch := strconv.AppendUint(num[:0], uint64(st.Epoch), 10)
-	b := make([]byte, 0, len(st.Scope)+len(st.Acquisition)+2*len(st.Key)+len(st.Worker)+len(nonce)+len(epoch)+160)
+	b := make([]byte, 0, len(st.Scope)+len(st.Acquisition)+2*len(st.Key)+len(st.Worker)+len(nonce)+len(epoch)+160+finalMarkRoom)
 	b = st.AppendCompact(b)
 	stampEnd := len(b)
 	b = m.AppendCompact(b)
@@ -175,11 +186,24 @@ func (e *effectMsg) setWire(st leasehold.Stamp, m leasehold.JobMark, nonce strin
 	b = append(b, nonce...)
 	all := unsafe.String(unsafe.SliceData(b), len(b))
 	e.wire[0], e.wire[1], e.id[0] = all[:stampEnd], all[stampEnd:markEnd], all[markEnd:]
+	e.spare = b[len(b):]
 	e.Header[leasehold.HeaderStamp] = e.wire[0:1:1]
 	if markEnd > stampEnd {
 		e.Header[leasehold.HeaderMark] = e.wire[1:2:2]
 	}
 	e.Header[jetstream.MsgIDHeader] = e.id[:]
+}
+
+// setFinal writes m, the mark of the attempt's final, over the mark
+// setWire wrote, in the room it left: SetHeader would look through the
+// header for the mark's headers in either form and make a value and its
+// slice, where the header here is known to hold e's own, in e.wire[1].
+// The bytes are the spare room's, which no string held before.
+func (e *effectMsg) setFinal(m leasehold.JobMark) {
+	b := m.AppendCompact(e.spare[:0])
+	e.spare = nil
+	e.wire[1] = unsafe.String(unsafe.SliceData(b), len(b))
+	e.Header[leasehold.HeaderMark] = e.wire[1:2:2]
 }
 
 // send publishes one of j's effects without waiting for its

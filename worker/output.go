@@ -48,6 +48,9 @@ type heldEffect struct {
 	msg  *nats.Msg // nil: none
 	key  string    // its idempotency key
 	size int       // its entry in a packed body, at the most (with Config.PackEffects)
+	// msg's effectMsg, when it carries the compact stamp and mark
+	// (setWire): its final's mark is written in place (setFinal).
+	wire *effectMsg
 }
 
 // indexOutputs is how many subjects an attempt uses before they are found
@@ -137,6 +140,8 @@ func (j *Job) sendHeld(ctx context.Context, rest []heldEffect, last heldEffect, 
 	case len(rest) > 0:
 		msg = j.pack(rest, last)
 		mark.SetHeader(msg.Header)
+	case mark.Final() && last.wire != nil && !mark.Standalone():
+		last.wire.setFinal(mark)
 	case mark.Final():
 		mark.SetHeader(msg.Header)
 	}
