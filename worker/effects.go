@@ -162,9 +162,10 @@ type effectMsg struct {
 	spare []byte
 }
 
-// finalMarkRoom is the room setWire leaves for the final's mark: more
-// than its longest compact form.
-const finalMarkRoom = 128
+// finalMarkExtra is what a final's mark adds to the attempt's mark:
+// three numbers (effects, after, floor) of at most 20 digits, each after
+// a space. setWire leaves room for the attempt's mark and that.
+const finalMarkExtra = 3 * 21
 
 // setWire writes the compact stamp st, the mark m and the message ID of
 // st and nonce into e's header, which holds neither form of the stamp
@@ -172,21 +173,24 @@ const finalMarkRoom = 128
 // are cut from one string, where SetHeaderAs and MessageID made three,
 // and each value's slice is e's own.
 func (e *effectMsg) setWire(st leasehold.Stamp, m leasehold.JobMark, nonce string) {
-	var num [20]byte
-	epoch := strconv.AppendUint(num[:0], uint64(st.Epoch), 10)
-	b := make([]byte, 0, len(st.Scope)+len(st.Acquisition)+2*len(st.Key)+len(st.Worker)+len(nonce)+len(epoch)+160+finalMarkRoom)
-	b = st.AppendCompact(b)
+	// Built on the stack, then copied to a buffer of their length and
+	// the final's mark: a bound taken from the values' lengths left the
+	// buffer twice the size the values need.
+	var tmp [384]byte
+	b := st.AppendCompact(tmp[:0])
 	stampEnd := len(b)
 	b = m.AppendCompact(b)
 	markEnd := len(b)
 	b = append(b, st.Key...)
 	b = append(b, '@')
-	b = append(b, epoch...)
+	b = strconv.AppendUint(b, uint64(st.Epoch), 10)
 	b = append(b, '~')
 	b = append(b, nonce...)
-	all := unsafe.String(unsafe.SliceData(b), len(b))
+	buf := make([]byte, len(b), len(b)+markEnd-stampEnd+finalMarkExtra)
+	copy(buf, b)
+	all := unsafe.String(unsafe.SliceData(buf), len(buf))
 	e.wire[0], e.wire[1], e.id[0] = all[:stampEnd], all[stampEnd:markEnd], all[markEnd:]
-	e.spare = b[len(b):]
+	e.spare = buf[len(buf):]
 	e.Header[leasehold.HeaderStamp] = e.wire[0:1:1]
 	if markEnd > stampEnd {
 		e.Header[leasehold.HeaderMark] = e.wire[1:2:2]

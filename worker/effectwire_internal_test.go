@@ -43,3 +43,62 @@ func TestSetWireWritesWhatSetHeaderAsWrites(t *testing.T) {
 		}
 	}
 }
+
+// setFinal writes what SetHeader writes for the final's mark, in the
+// widest marks too, and leaves every value before it as it was: the
+// attempt's mark, read before, still reads the same (the final's bytes
+// are new ones), and so do the stamp and the message ID.
+func TestSetFinalWritesWhatSetHeaderWrites(t *testing.T) {
+	st := leasehold.Stamp{Scope: "orders", Partition: 7, Epoch: 1796632667003349, Acquisition: "a1796632667003349", Key: "orders.7.42", Worker: "vm-adb4c8"}
+	// The widest numbers a mark may carry.
+	max := uint64(1 << 63)
+	for _, m := range []leasehold.JobMark{{Job: 42, Attempt: 3}, {Job: max, Attempt: 1 << 32}} {
+		finals := []leasehold.JobMark{
+			{Job: m.Job, Attempt: m.Attempt, Effects: 1},
+			{Job: m.Job, Attempt: m.Attempt, Effects: leasehold.MaxJobEffects, After: m.Job - 1},
+			{Job: m.Job, Attempt: m.Attempt, Effects: leasehold.MaxJobEffects, After: m.Job - 1, Floor: m.Job - 1, Floored: true},
+		}
+		for _, f := range finals {
+			e := &effectMsg{Msg: nats.Msg{Header: nats.Header{}}}
+			e.setWire(st, m, "0123456789abcdef")
+			before := cloneHeader(e.Header)
+			attempt := e.Header[leasehold.HeaderMark][0]
+			spare := e.spare
+			// The room setWire left holds the widest final: writing it
+			// allocates nothing.
+			if n := testing.AllocsPerRun(10, func() { e.spare = spare; e.setFinal(f) }); n != 0 {
+				t.Errorf("%+v: setFinal made %v allocations, want none", f, n)
+			}
+
+			want := cloneHeader(before)
+			f.SetHeader(want)
+			for k, vs := range want {
+				if !slices.Equal(e.Header[k], vs) {
+					t.Errorf("%+v: %s is %q, want %q", f, k, e.Header[k], vs)
+				}
+			}
+			if len(e.Header) != len(want) {
+				t.Errorf("%+v: headers %v, want %v", f, e.Header, want)
+			}
+			if got, err := leasehold.JobMarkFromHeader(e.Header); err != nil || got != f {
+				t.Errorf("%+v: the final reads back as %+v, %v", f, got, err)
+			}
+			if attempt != m.Compact() {
+				t.Errorf("%+v: the attempt's mark, read before the final, now reads %q, want %q", f, attempt, m.Compact())
+			}
+			for _, k := range []string{leasehold.HeaderStamp, jetstream.MsgIDHeader} {
+				if !slices.Equal(e.Header[k], before[k]) {
+					t.Errorf("%+v: %s changed from %q to %q", f, k, before[k], e.Header[k])
+				}
+			}
+		}
+	}
+}
+
+func cloneHeader(h nats.Header) nats.Header {
+	c := make(nats.Header, len(h))
+	for k, vs := range h {
+		c[k] = slices.Clone(vs)
+	}
+	return c
+}
