@@ -305,5 +305,15 @@ func (r *runner) ended(j *jobRun) {
 	}
 	j.slot = slotNone
 	r.live--
-	r.w.tel.Metrics.JobsInFlight.Add(context.WithoutCancel(r.ctx), -1)
+	r.w.tel.Metrics.JobsInFlight.Add(r.detachedCtx(), -1)
+}
+
+// detachedCtx is r.ctx without its cancellation, for what is recorded
+// after the lease is gone: made once, where each job's end made one. The
+// runner's goroutine alone calls it.
+func (r *runner) detachedCtx() context.Context {
+	if r.detached == nil {
+		r.detached = context.WithoutCancel(r.ctx)
+	}
+	return r.detached
 }

@@ -36,6 +36,8 @@ type runner struct {
 	// time; handlers run under it.
 	ctx    context.Context
 	cancel context.CancelCauseFunc
+	// detached is ctx without its cancellation (detachedCtx), made once.
+	detached context.Context
 
 	prev *runner       // the partition's previous runner in this worker, if any
 	done chan struct{} // closed when run returns
