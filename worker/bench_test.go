@@ -43,6 +43,36 @@ func BenchmarkEndToEnd(b *testing.B) { benchPipelines(b, false) }
 // handlers are held at a gate until every job is stored.
 func BenchmarkBacklog(b *testing.B) { benchPipelines(b, true) }
 
+// BenchmarkPipelineAlone runs each pipeline of BenchmarkEndToEnd alone:
+// a profile of one of its sub-benchmarks holds that side's samples only,
+// and two builds of one side compare by its medians of CPU and
+// allocations per job, the binaries run alternately:
+//
+//	go test -c -o worker.test ./worker/
+//	./worker.test -test.run '^$' -test.bench 'PipelineAlone/leasehold' -test.benchtime 3x -test.cpuprofile cpu.out
+func BenchmarkPipelineAlone(b *testing.B) {
+	for _, name := range []string{"raw", "leasehold"} {
+		b.Run(name, func(b *testing.B) {
+			srv := natstest.Start(b, natstest.Listen())
+			payload := make([]byte, benchPayload)
+			var cpu, allocs []float64
+			b.StopTimer()
+			for i := range b.N {
+				var p pace
+				if name == "raw" {
+					p = rawPipeline(b, srv, fmt.Sprintf("raw%d", i), payload, false)
+				} else {
+					p = leaseholdPipeline(b, srv, fmt.Sprintf("lh%d", i), payload, false, telemetry.Config{})
+				}
+				cpu, allocs = append(cpu, float64(p.cpuPerJob.Nanoseconds())/1e3), append(allocs, p.allocsPerJob)
+			}
+			b.ReportMetric(median(cpu), "cpu_us/job")
+			b.ReportMetric(median(allocs), "allocs/job")
+			b.ReportMetric(0, "ns/op")
+		})
+	}
+}
+
 func benchPipelines(b *testing.B, backlog bool) {
 	srv := natstest.Start(b, natstest.Listen())
 	payload := make([]byte, benchPayload)
