@@ -46,11 +46,19 @@ func readStream(ctx context.Context, js jetstream.JetStream, stream, filter stri
 	// then for what the last message said is pending, so that no read
 	// waits out the two seconds for messages that will not come. A count
 	// too high only costs that wait; the loop ends on a message with
-	// nothing pending after it, or a fetch that brought none.
+	// nothing pending after it.
+	//
+	// A fetch that brings nothing ends it too, but only where nothing was
+	// to come: a filter may match no message. Before the last message it
+	// is an error, for the caller to read again: on a cluster a fetch can
+	// come back empty while the stream's leader moves, and a log cut
+	// short there reads, to the checker, as writes that never happened.
 	want := info.State.Msgs
 	if lastPerSubject {
 		want = uint64(max(info.State.NumSubjects, 1))
 	}
+	whole := filter == "" && !lastPerSubject
+	var read, pending uint64 // the last message read, and what it said followed it
 	for {
 		batch, err := cons.Fetch(int(min(want, 500)), jetstream.FetchMaxWait(2*time.Second))
 		if err != nil {
@@ -67,13 +75,20 @@ func readStream(ctx context.Context, js jetstream.JetStream, stream, filter stri
 			if err := f(md.Sequence.Stream, m.Subject(), m.Headers(), m.Data()); err != nil {
 				return err
 			}
+			read, pending = md.Sequence.Stream, md.NumPending
 			last = md.NumPending == 0
 			want = max(md.NumPending, 1)
 		}
 		if err := batch.Error(); err != nil && !errors.Is(err, nats.ErrTimeout) && !errors.Is(err, jetstream.ErrNoMessages) {
 			return fmt.Errorf("chaos: read stream %s: %w", stream, err)
 		}
-		if last || n == 0 {
+		if last {
+			return nil
+		}
+		if n == 0 {
+			if read == 0 && whole || pending > 0 {
+				return fmt.Errorf("chaos: read stream %s: a fetch brought nothing after sequence %d, with %d messages to follow (the stream held %d, up to sequence %d)", stream, read, pending, info.State.Msgs, info.State.LastSeq)
+			}
 			return nil
 		}
 		if ctx.Err() != nil {
