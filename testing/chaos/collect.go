@@ -50,9 +50,10 @@ func readStream(ctx context.Context, js jetstream.JetStream, stream, filter stri
 	//
 	// A fetch that brings nothing ends it too, but only where nothing was
 	// to come: a filter may match no message. Before the last message it
-	// is an error, for the caller to read again: on a cluster a fetch can
-	// come back empty while the stream's leader moves, and a log cut
-	// short there reads, to the checker, as writes that never happened.
+	// is an error, for the caller to read again: the ordered consumer makes
+	// its consumer again on every fetch, which on a cluster can leave a
+	// fetch empty, and a log cut short there reads, to the checker, as
+	// writes that never happened.
 	want := info.State.Msgs
 	if lastPerSubject {
 		want = uint64(max(info.State.NumSubjects, 1))
