@@ -159,22 +159,20 @@ func (m *Memory) applyBatch(ctx context.Context, effects []Effect) error {
 	for id, f := range running {
 		m.fences[id] = f
 	}
-	seen := make(map[dedupeID]struct{}, len(effects))
 	for i := range effects {
 		e := &effects[i]
 		s := e.Stamp
 		outcome := Accepted
-		k := dedupeID{s.Scope, s.Key}
 		if m.dedupe {
-			_, dup := m.keys[k]
-			_, dupInBatch := seen[k]
-			if dup || dupInBatch {
+			// A key met earlier in the batch is in keys already: its
+			// repeat is a duplicate, as in separate calls.
+			k := dedupeID{s.Scope, s.Key}
+			if _, dup := m.keys[k]; dup {
 				outcome = Duplicate
 			} else {
 				m.keys[k] = struct{}{}
 			}
 		}
-		seen[k] = struct{}{}
 		if outcome == Accepted {
 			m.write(e)
 		}
