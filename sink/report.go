@@ -47,6 +47,11 @@ type Reporter struct {
 	mu       sync.Mutex
 	parts    map[leasehold.FenceID]*dropState
 	suspects map[string]*dropState
+
+	// names holds the process spans' destination templates and names,
+	// by subject and partition (see processName).
+	namesMu sync.Mutex
+	names   map[nameKey]processName
 }
 
 type dropState struct {

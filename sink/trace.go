@@ -108,21 +108,58 @@ func (r *Reporter) StartProcess(ctx context.Context, carrier propagation.TextMap
 func (r *Reporter) StartProcessWith(ctx context.Context, carrier propagation.TextMapCarrier, subject string, stamp leasehold.Stamp, extra []attribute.KeyValue, opts ...trace.SpanStartOption) (context.Context, trace.Span) {
 	ctx = r.tel.Propagator.Extract(ctx, carrier)
 	sender := trace.SpanContextFromContext(ctx)
-	template := telemetry.SubjectTemplate(subject, stamp.Partition)
-	if subject == "" {
-		template = r.name
-	}
+	pn := r.processName(subject, stamp.Partition)
 	if len(opts) > 0 {
 		opts = append(opts, r.processOpts...)
 	} else {
 		opts = r.processOpts
 	}
-	name := telemetry.SpanName("process", template)
-	ctx, span := r.tel.Tracer.Start(ctx, name, opts...)
+	ctx, span := r.tel.Tracer.Start(ctx, pn.name, opts...)
 	if span.IsRecording() {
-		span.SetAttributes(processAttrs(template, r.name, stamp, extra)...)
+		span.SetAttributes(processAttrs(pn.template, r.name, stamp, extra)...)
 	}
-	return withMark(ctx, spanMark{r: r, name: name, opts: r.processOpts, sender: sender}), span
+	return withMark(ctx, spanMark{r: r, name: pn.name, opts: r.processOpts, sender: sender}), span
+}
+
+// processName is the destination template of a process span, and the
+// span's name.
+type processName struct{ template, name string }
+
+type nameKey struct {
+	subject string
+	p       leasehold.Partition
+}
+
+// maxNames bounds the process names a Reporter keeps: the subjects of a
+// sink's partitions, and of anything else published on its log. A subject
+// beyond them has its name made again for each message.
+const maxNames = 4096
+
+// processName returns the template and the span name of a message on
+// subject of partition p: made once per subject and partition, not for
+// each of a log's messages (two strings each).
+func (r *Reporter) processName(subject string, p leasehold.Partition) processName {
+	k := nameKey{subject, p}
+	r.namesMu.Lock()
+	pn, ok := r.names[k]
+	r.namesMu.Unlock()
+	if ok {
+		return pn
+	}
+	pn.template = telemetry.SubjectTemplate(subject, p)
+	if subject == "" {
+		pn.template = r.name
+	}
+	pn.name = telemetry.SpanName("process", pn.template)
+	r.namesMu.Lock()
+	if r.names == nil {
+		r.names = make(map[nameKey]processName)
+	}
+	if len(r.names) < maxNames {
+		r.names[k] = pn
+	}
+	r.namesMu.Unlock()
+	return pn
 }
 
 // processAttrs are the attributes of a sink's process span: the

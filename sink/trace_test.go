@@ -146,3 +146,20 @@ func TestRefusalOutsideSampledTrace(t *testing.T) {
 		t.Fatalf("refusal span attributes %v", s.Attributes())
 	}
 }
+
+// BenchmarkStartProcess measures the process span a log-reading sink
+// starts for each message, with no tracer provider set (the global
+// tracer's), the message carrying its sender's trace context:
+//
+//	go test ./sink -run '^$' -bench StartProcess -benchmem
+func BenchmarkStartProcess(b *testing.B) {
+	r := sink.NewReporter(sink.ReporterConfig{Name: "orders-sink"})
+	h := telemetry.HeaderCarrier{"Traceparent": []string{"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}}
+	st := leasehold.Stamp{Scope: "orders", Partition: 3, Epoch: 5, Acquisition: "a5", Key: "k"}
+	ctx := context.Background()
+	b.ReportAllocs()
+	for b.Loop() {
+		_, span := r.StartProcess(ctx, h, "orders.out.3", st)
+		span.End()
+	}
+}
