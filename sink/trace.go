@@ -132,8 +132,13 @@ type nameKey struct {
 
 // maxNames bounds the process names a Reporter keeps: the subjects of a
 // sink's partitions, and of anything else published on its log. A subject
-// beyond them has its name made again for each message.
-const maxNames = 4096
+// beyond them, or longer than maxNameSubject, has its name made again for
+// each message: a stranger publishing long subjects on the log cannot make
+// the names kept take more than about 3 MB.
+const (
+	maxNames       = 4096
+	maxNameSubject = 256
+)
 
 // processName returns the template and the span name of a message on
 // subject of partition p: made once per subject and partition, not for
@@ -155,7 +160,7 @@ func (r *Reporter) processName(subject string, p leasehold.Partition) processNam
 	if r.names == nil {
 		r.names = make(map[nameKey]processName)
 	}
-	if len(r.names) < maxNames {
+	if len(r.names) < maxNames && len(subject) <= maxNameSubject {
 		r.names[k] = pn
 	}
 	r.namesMu.Unlock()

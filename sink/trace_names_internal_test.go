@@ -2,6 +2,7 @@ package sink
 
 import (
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/leasehold/leasehold"
@@ -10,8 +11,8 @@ import (
 
 // A process span's name, kept per subject and partition, is the one made
 // for each message before: the subject's template, or the sink's name for
-// a message without a subject. Past maxNames subjects the names are still
-// right, and the Reporter keeps no more.
+// a message without a subject. A subject longer than maxNameSubject, and
+// any past maxNames subjects, are named right and not kept.
 func TestProcessNamesKept(t *testing.T) {
 	r := NewReporter(ReporterConfig{Name: "orders-sink"})
 	check := func(subject string, p leasehold.Partition) {
@@ -36,6 +37,11 @@ func TestProcessNamesKept(t *testing.T) {
 	}
 	if n := testing.AllocsPerRun(100, func() { r.processName("orders.out.3", 3) }); n != 0 {
 		t.Fatalf("a kept name costs %v allocations, want 0", n)
+	}
+	long := strings.Repeat("x", maxNameSubject) + ".3"
+	check(long, 3)
+	if _, kept := r.names[nameKey{long, 3}]; kept {
+		t.Fatalf("a subject of %d bytes was kept", len(long))
 	}
 	for i := range maxNames + 10 {
 		check(fmt.Sprintf("orders.out.%d", i), leasehold.Partition(i))
