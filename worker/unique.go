@@ -136,7 +136,24 @@ func (p *Producer) uniqueKV(ctx context.Context) (jetstream.KeyValue, error) {
 	if p.uniq != nil {
 		return p.uniq, nil
 	}
-	kv, err := p.js.KeyValue(ctx, UniqueBucket(p.cfg.Prefix))
+	// A JetStream API request on a cluster can go unanswered (one that
+	// reaches a stream between leaders): each try is bounded, and tried
+	// again as an enqueue's publish is.
+	var kv jetstream.KeyValue
+	var err error
+	for attempt := 0; attempt <= p.cfg.Retries; attempt++ {
+		if attempt > 0 {
+			if err := sleep(ctx, p.retryWait(attempt)); err != nil {
+				break
+			}
+		}
+		actx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
+		kv, err = p.js.KeyValue(actx, UniqueBucket(p.cfg.Prefix))
+		cancel()
+		if err == nil || !transientPublish(err) || ctx.Err() != nil {
+			break
+		}
+	}
 	if errors.Is(err, jetstream.ErrBucketNotFound) {
 		return nil, fmt.Errorf("worker: unique jobs need the bucket %s: run worker.ProvisionJobs (or `leasehold init`) on nats-server 2.11 or later", UniqueBucket(p.cfg.Prefix))
 	}
@@ -210,12 +227,30 @@ func (p *Producer) reserve(ctx context.Context, kv jetstream.KeyValue, name stri
 	val, _ := json.Marshal(rec)
 	subject := "$KV." + UniqueBucket(p.cfg.Prefix) + "." + name
 	var last error
-	for range 5 {
+	start := time.Now()
+	attempt := 0
+	for ; attempt < minReserveTries || time.Since(start) < p.cfg.AckTimeout; attempt++ {
+		if attempt > 0 {
+			// On a cluster, a write of the key that the stream leader has
+			// not applied yet refuses this one (error 10164) while a read
+			// finds nothing: it is given time to apply, up to an ack's
+			// timeout in all.
+			if err := sleep(ctx, min(p.retryWait(attempt), maxReserveWait)); err != nil {
+				return 0, fmt.Errorf("worker: reserve a unique job: %w (last error: %v)", err, last)
+			}
+		}
 		cctx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
 		rev, err := kv.Create(cctx, name, val, jetstream.KeyTTL(ttlSeconds(period)))
 		cancel()
 		if err == nil {
 			return rev, nil
+		}
+		if retryable(ctx, err) {
+			// Stored or not: tried again, a create it stored is this
+			// job's own reservation, taken over below (so is a take-over
+			// whose answer was lost).
+			last = err
+			continue
 		}
 		if !casConflict(err) {
 			return 0, fmt.Errorf("worker: reserve a unique job: %w", err)
@@ -226,10 +261,14 @@ func (p *Producer) reserve(ctx context.Context, kv jetstream.KeyValue, name stri
 		entry, err := leader.NewReader(p.js, "KV_"+UniqueBucket(p.cfg.Prefix)).Last(gctx, subject)
 		cancel()
 		if err != nil {
+			if retryable(ctx, err) {
+				last = fmt.Errorf("read a unique job's reservation: %w", err)
+				continue
+			}
 			return 0, fmt.Errorf("worker: read a unique job's reservation: %w", err)
 		}
 		if entry == nil || leader.IsMarker(entry.Header) {
-			last = errors.New("the key was freed or expired in between")
+			last = errors.New("the key was freed or expired in between, or a write of it is not applied yet")
 			continue
 		}
 		if ttl := entry.Header.Get(jetstream.MsgTTLHeader); ttl == "" || ttl == "never" {
@@ -245,7 +284,7 @@ func (p *Producer) reserve(ctx context.Context, kv jetstream.KeyValue, name stri
 				p.untimedTaken(ctx, name, entry)
 				return rev, nil
 			}
-			if !casConflict(err) {
+			if !casConflict(err) && !retryable(ctx, err) {
 				return 0, fmt.Errorf("worker: take over a unique job's entry without a TTL: %w", err)
 			}
 			last = err
@@ -269,13 +308,26 @@ func (p *Producer) reserve(ctx context.Context, kv jetstream.KeyValue, name stri
 		if err == nil {
 			return rev, nil
 		}
-		if !casConflict(err) {
+		if !casConflict(err) && !retryable(ctx, err) {
 			return 0, fmt.Errorf("worker: take over a unique job's reservation: %w", err)
 		}
 		last = err
 	}
-	return 0, fmt.Errorf("worker: reserve a unique job: its key kept changing: %w", last)
+	return 0, fmt.Errorf("worker: reserve a unique job: its key kept changing, %d tries in %v: %w", attempt, time.Since(start).Round(time.Millisecond), last)
 }
+
+// retryable reports whether a reservation's request that failed with err
+// is tried again: its answer was lost or late, and ctx has not ended.
+func retryable(ctx context.Context, err error) bool {
+	return transientPublish(err) && ctx.Err() == nil
+}
+
+// A reservation is tried at least minReserveTries times, and for at least
+// an ack's timeout, waiting up to maxReserveWait between tries.
+const (
+	minReserveTries = 5
+	maxReserveWait  = 500 * time.Millisecond
+)
 
 // takeOver replaces the unique key's entry at seq with val, if it is still
 // the last, and returns the new revision.
