@@ -140,20 +140,10 @@ func (p *Producer) uniqueKV(ctx context.Context) (jetstream.KeyValue, error) {
 	// reaches a stream between leaders): each try is bounded, and tried
 	// again as an enqueue's publish is.
 	var kv jetstream.KeyValue
-	var err error
-	for attempt := 0; attempt <= p.cfg.Retries; attempt++ {
-		if attempt > 0 {
-			if err := sleep(ctx, p.retryWait(attempt)); err != nil {
-				break
-			}
-		}
-		actx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
-		kv, err = p.js.KeyValue(actx, UniqueBucket(p.cfg.Prefix))
-		cancel()
-		if err == nil || !transientPublish(err) || ctx.Err() != nil {
-			break
-		}
-	}
+	err := p.tried(ctx, func(ctx context.Context) (err error) {
+		kv, err = p.js.KeyValue(ctx, UniqueBucket(p.cfg.Prefix))
+		return err
+	})
 	if errors.Is(err, jetstream.ErrBucketNotFound) {
 		return nil, fmt.Errorf("worker: unique jobs need the bucket %s: run worker.ProvisionJobs (or `leasehold init`) on nats-server 2.11 or later", UniqueBucket(p.cfg.Prefix))
 	}
@@ -199,21 +189,11 @@ func (p *Producer) enqueueUnique(ctx context.Context, part leasehold.Partition, 
 		rec.Due = e.Due.Unix()
 	}
 	val, _ := json.Marshal(rec)
-	var last error
-	for attempt := 0; attempt <= p.cfg.Retries; attempt++ {
-		if attempt > 0 {
-			if err := sleep(ctx, p.retryWait(attempt)); err != nil {
-				break
-			}
-		}
-		actx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
-		_, last = p.js.PublishMsg(actx, &nats.Msg{Subject: "$KV." + UniqueBucket(p.cfg.Prefix) + "." + name, Data: val},
+	last := p.tried(ctx, func(ctx context.Context) error {
+		_, err := p.js.PublishMsg(ctx, &nats.Msg{Subject: "$KV." + UniqueBucket(p.cfg.Prefix) + "." + name, Data: val},
 			jetstream.WithExpectLastSequencePerSubject(rev), jetstream.WithMsgTTL(ttlSeconds(u.period)))
-		cancel()
-		if last == nil || casConflict(last) || !transientPublish(last) {
-			break
-		}
-	}
+		return err
+	})
 	if last != nil {
 		return e, fmt.Errorf("worker: job %s is stored, but recording it as its uniqueness's job failed, so a copy may be enqueued once the reservation is %v old: %w", e.Ref(), p.uniqueReserveFor(), last)
 	}
@@ -314,6 +294,27 @@ func (p *Producer) reserve(ctx context.Context, kv jetstream.KeyValue, name stri
 		last = err
 	}
 	return 0, fmt.Errorf("worker: reserve a unique job: its key kept changing, %d tries in %v: %w", attempt, time.Since(start).Round(time.Millisecond), last)
+}
+
+// tried runs f under a timeout of AckTimeout, and again after an answer
+// lost or late (see transientPublish), up to Retries more times, waiting
+// RetryWait, doubling, between tries. It returns f's last error.
+func (p *Producer) tried(ctx context.Context, f func(context.Context) error) error {
+	var err error
+	for attempt := 0; attempt <= p.cfg.Retries; attempt++ {
+		if attempt > 0 {
+			if sleep(ctx, p.retryWait(attempt)) != nil {
+				break
+			}
+		}
+		actx, cancel := context.WithTimeout(ctx, p.cfg.AckTimeout)
+		err = f(actx)
+		cancel()
+		if !retryable(ctx, err) {
+			break
+		}
+	}
+	return err
 }
 
 // retryable reports whether a reservation's request that failed with err
