@@ -317,8 +317,8 @@ func (p *Producer) tried(ctx context.Context, f func(context.Context) error) err
 	return err
 }
 
-// retryable reports whether a reservation's request that failed with err
-// is tried again: its answer was lost or late, and ctx has not ended.
+// retryable reports whether a request of a unique enqueue that failed with
+// err is tried again: its answer was lost or late, and ctx has not ended.
 func retryable(ctx context.Context, err error) bool {
 	return transientPublish(err) && ctx.Err() == nil
 }
