@@ -271,6 +271,11 @@ func TestReceiverDownLosesNothing(t *testing.T) {
 	// each try counted toward MaxDeliveries.
 	var ready error
 	tries := regexp.MustCompile(`\((\d+) tries\)`)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("the relay's last Ready: %v", ready)
+		}
+	})
 	eventually(t, "Ready reports the receiver down after 50 tries", func() bool {
 		ready = r.Ready(context.Background())
 		if ready == nil || !strings.Contains(ready.Error(), "connection refused") {
@@ -343,29 +348,23 @@ func manualRenew() []coordinator.AcquireOption {
 // connections are refused until start.
 type downReceiver struct {
 	addr, url string
+	listen    func() (net.Listener, error)
 }
 
 func newDownReceiver(t *testing.T) *downReceiver {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := ln.Addr().String()
-	ln.Close()
-	return &downReceiver{addr: addr, url: "http://" + addr + "/hooks"}
+	addr, listen := boundPort(t)
+	return &downReceiver{addr: addr, url: "http://" + addr + "/hooks", listen: listen}
 }
 
 // start serves a receiver on the address.
 func (d *downReceiver) start(t *testing.T, vc httpsink.VerifierConfig) *receiver {
 	t.Helper()
 	rc := newReceiver(t, vc) // its own server is not used
-	var ln net.Listener
-	var err error
-	eventually(t, "listen on "+d.addr, func() bool {
-		ln, err = net.Listen("tcp", d.addr)
-		return err == nil
-	})
+	ln, err := d.listen()
+	if err != nil {
+		t.Fatalf("listen on %s: %v", d.addr, err)
+	}
 	srv := &http.Server{Handler: rc.handler(), ReadHeaderTimeout: 5 * time.Second}
 	go func() { _ = srv.Serve(ln) }()
 	t.Cleanup(func() { _ = srv.Close() })
