@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"net"
 	"net/http"
 	"net/url"
 	"os"
@@ -17,6 +16,7 @@ import (
 
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
+	"github.com/leasehold/leasehold/internal/freeport"
 	"github.com/leasehold/leasehold/internal/testbuf"
 	"github.com/leasehold/leasehold/telemetry"
 )
@@ -263,14 +263,16 @@ func (s jaegerSpan) hasLog(event string) bool {
 	return false
 }
 
+// freePort is a loopback port for Jaeger to listen on, below the kernel's
+// ephemeral ports, so that no outgoing connection takes it before Jaeger
+// starts.
 func freePort(t *testing.T) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	port, err := freeport.Loopback()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	return strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
+	return strconv.Itoa(port)
 }
 
 // lockedBuffer collects a child process's output.
