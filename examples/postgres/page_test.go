@@ -7,9 +7,11 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strconv"
 	"testing"
 	"time"
 
+	"github.com/leasehold/leasehold/internal/freeport"
 	"github.com/leasehold/leasehold/internal/headless"
 	"github.com/leasehold/leasehold/testing/pgtest"
 )
@@ -76,12 +78,14 @@ func TestRefusalOnThePage(t *testing.T) {
 	}
 }
 
+// freeAddr is a loopback address for the example to listen on, below the
+// kernel's ephemeral ports, so that no outgoing connection takes it
+// before the example starts.
 func freeAddr(t *testing.T) string {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	port, err := freeport.Loopback()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer l.Close()
-	return l.Addr().String()
+	return net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
 }
