@@ -107,9 +107,15 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 		}
 		size = leasehold.PackedSize(leasehold.PackedEffect{Key: stamp.Key, Header: msg.Header, Data: data})
 	}
-	if j.r.w.cfg.StampFormat == leasehold.StampCompact {
+	switch {
+	case j.r.w.cfg.StampFormat == leasehold.StampCompact && j.r.w.cfg.PackEffects:
+		// Held, and packed unless it is the last: its stamp, mark and
+		// message ID are written when it leaves (see flushWire), and
+		// meanwhile counted in its size.
+		e.holdWire(stamp, leasehold.JobMark{Job: j.Seq, Attempt: j.wire}, j.nonce)
+	case j.r.w.cfg.StampFormat == leasehold.StampCompact:
 		e.setWire(stamp, leasehold.JobMark{Job: j.Seq, Attempt: j.wire}, j.nonce)
-	} else {
+	default:
 		stamp.SetHeaderAs(msg.Header, j.r.w.cfg.StampFormat)
 		e.id[0] = MessageID(stamp, j.nonce)
 		msg.Header[jetstream.MsgIDHeader] = e.id[:]
@@ -123,7 +129,7 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 	// Sized as the final it may become: the final's headers are the
 	// largest.
 	room := j.r.finalRoom(j.Seq)
-	if err := j.r.checkEffect(msg, room); err != nil {
+	if err := j.r.checkEffect(msg, room+e.unwritten()); err != nil {
 		err = &EffectError{Subject: subject, Key: stamp.Key, Err: err}
 		endSpan(span, err)
 		j.fail(err)
@@ -132,7 +138,7 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 	// What the subject held so far and may no longer hold goes now, and
 	// this one is held until the handler returns (see output.go).
 	held := heldEffect{msg: msg, key: stamp.Key, size: size}
-	if e.wire[0] != "" {
+	if j.r.w.cfg.StampFormat == leasehold.StampCompact {
 		held.wire = e
 	}
 	rest, prev, err := j.hold(held, room)
@@ -160,6 +166,10 @@ type effectMsg struct {
 	// The room setWire left after the three values in their buffer, for
 	// the mark of the attempt's final (setFinal); nil once used.
 	spare []byte
+	// Set by holdWire until flushWire: the stamp to write, and the bytes
+	// its three header lines will take.
+	stamp   leasehold.Stamp
+	pending int
 }
 
 // finalMarkExtra is what a final's mark adds to the attempt's mark:
@@ -176,16 +186,8 @@ func (e *effectMsg) setWire(st leasehold.Stamp, m leasehold.JobMark, nonce strin
 	// Built on the stack, then copied to a buffer of their length and
 	// the final's mark: a bound taken from the values' lengths left the
 	// buffer twice the size the values need.
-	var tmp [384]byte
-	b := st.AppendCompact(tmp[:0])
-	stampEnd := len(b)
-	b = m.AppendCompact(b)
-	markEnd := len(b)
-	b = append(b, st.Key...)
-	b = append(b, '@')
-	b = strconv.AppendUint(b, uint64(st.Epoch), 10)
-	b = append(b, '~')
-	b = append(b, nonce...)
+	var tmp [wireTmp]byte
+	b, stampEnd, markEnd := appendWire(tmp[:0], st, m, nonce)
 	buf := make([]byte, len(b), len(b)+markEnd-stampEnd+finalMarkExtra)
 	copy(buf, b)
 	all := unsafe.String(unsafe.SliceData(buf), len(buf))
@@ -196,6 +198,64 @@ func (e *effectMsg) setWire(st leasehold.Stamp, m leasehold.JobMark, nonce strin
 		e.Header[leasehold.HeaderMark] = e.wire[1:2:2]
 	}
 	e.Header[jetstream.MsgIDHeader] = e.id[:]
+}
+
+// wireTmp is the room on the stack for the three values of setWire.
+const wireTmp = 384
+
+// appendWire appends the compact stamp st, the mark m and the message ID
+// of st and nonce to b, and returns where the stamp and the mark end.
+func appendWire(b []byte, st leasehold.Stamp, m leasehold.JobMark, nonce string) ([]byte, int, int) {
+	b = st.AppendCompact(b)
+	stampEnd := len(b)
+	b = m.AppendCompact(b)
+	markEnd := len(b)
+	b = append(b, st.Key...)
+	b = append(b, '@')
+	b = strconv.AppendUint(b, uint64(st.Epoch), 10)
+	b = append(b, '~')
+	b = append(b, nonce...)
+	return b, stampEnd, markEnd
+}
+
+// holdWire is setWire put off until e leaves (flushWire): with
+// Config.PackEffects an effect that is packed, and not the pack's last,
+// never carries its stamp, mark and message ID as headers, and building
+// them only to drop them took about two fifths of the CPU of such an
+// effect's Publish. It keeps st and the size of the header lines setWire
+// would write, for unwritten.
+func (e *effectMsg) holdWire(st leasehold.Stamp, m leasehold.JobMark, nonce string) {
+	var tmp [wireTmp]byte
+	b, stampEnd, markEnd := appendWire(tmp[:0], st, m, nonce)
+	const line = len(": \r\n")
+	n := len(leasehold.HeaderStamp) + line + stampEnd + len(jetstream.MsgIDHeader) + line + len(b) - markEnd
+	if markEnd > stampEnd {
+		n += len(leasehold.HeaderMark) + line + markEnd - stampEnd
+	}
+	e.stamp, e.pending = st, n
+}
+
+// unwritten is what the header lines holdWire put off add to e's
+// headers on the wire (headerSize): the lines, and the header's framing
+// when e carries no header yet.
+func (e *effectMsg) unwritten() int {
+	if e.pending == 0 {
+		return 0
+	}
+	if len(e.Header) == 0 {
+		return e.pending + len("NATS/1.0\r\n") + len("\r\n")
+	}
+	return e.pending
+}
+
+// flushWire writes what holdWire put off, with the attempt's mark m and
+// nonce, the ones it was given: e is about to leave.
+func (e *effectMsg) flushWire(m leasehold.JobMark, nonce string) {
+	if e.pending == 0 {
+		return
+	}
+	e.setWire(e.stamp, m, nonce)
+	e.stamp, e.pending = leasehold.Stamp{}, 0
 }
 
 // setFinal writes m, the mark of the attempt's final, over the mark

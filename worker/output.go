@@ -136,6 +136,11 @@ func (j *Job) hold(e heldEffect, room int) ([]heldEffect, heldEffect, error) {
 // mark of last, when it is the attempt's final.
 func (j *Job) sendHeld(ctx context.Context, rest []heldEffect, last heldEffect, mark leasehold.JobMark) error {
 	msg := last.msg
+	if last.wire != nil {
+		// Its stamp, mark and message ID, put off while it was held;
+		// a pack takes the stamp and the message ID from it.
+		last.wire.flushWire(leasehold.JobMark{Job: j.Seq, Attempt: j.wire}, j.nonce)
+	}
 	switch {
 	case len(rest) > 0:
 		msg = j.pack(rest, last)

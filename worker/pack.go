@@ -48,6 +48,9 @@ func (r *runner) packFits(o *subjectOutput, e heldEffect, room int) bool {
 		return true // not connected yet: checkSize let the effect by too
 	}
 	size := int64(o.bytes + e.size + headerSize(e.msg.Header) + packRoom + room)
+	if e.wire != nil {
+		size += int64(e.wire.unwritten())
+	}
 	return size+leasehold.SinkHeaderRoom <= limit
 }
 
