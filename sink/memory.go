@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 
 	"github.com/leasehold/leasehold"
@@ -108,15 +109,7 @@ func (m *Memory) applyOne(ctx context.Context, e *Effect) error {
 	if raise || (s.Worker != "" && s.Worker != f.Holder) {
 		m.fences[id] = leasehold.FenceState{Epoch: s.Epoch, Acquisition: s.Acquisition, Holder: s.Worker}
 	}
-	outcome := Accepted
-	if m.dedupe {
-		k := dedupeID{s.Scope, s.Key}
-		if _, dup := m.keys[k]; dup {
-			outcome = Duplicate
-		} else {
-			m.keys[k] = struct{}{}
-		}
-	}
+	outcome := m.dedupeOne(s)
 	if outcome == Accepted {
 		m.write(e)
 	}
@@ -136,15 +129,20 @@ func (m *Memory) applyBatch(ctx context.Context, effects []Effect) error {
 	decisions := make([]Decision, len(effects))
 	m.mu.Lock()
 	// First pass: judge every effect against the fences as the batch would
-	// leave them, without changing anything.
-	running := make(map[leasehold.FenceID]leasehold.FenceState, 1)
+	// leave them, without changing anything. A batch's fences are few: a
+	// look at each, in room on the stack, where a map cost two
+	// allocations a batch.
+	var room [8]runningFence
+	running := room[:0]
 	for i := range effects {
 		s := effects[i].Stamp
 		id := s.Fence()
-		f, ok := running[id]
-		if !ok {
-			f = m.fences[id]
+		at := slices.IndexFunc(running, func(r runningFence) bool { return r.id == id })
+		if at < 0 {
+			running = append(running, runningFence{id, m.fences[id]})
+			at = len(running) - 1
 		}
+		f := running[at].f
 		v, raise := leasehold.Judge(f, s)
 		if v != leasehold.Admit {
 			m.mu.Unlock()
@@ -154,25 +152,17 @@ func (m *Memory) applyBatch(ctx context.Context, effects []Effect) error {
 		if raise || (s.Worker != "" && s.Worker != f.Holder) {
 			f = leasehold.FenceState{Epoch: s.Epoch, Acquisition: s.Acquisition, Holder: s.Worker}
 		}
-		running[id] = f
+		running[at].f = f
 	}
-	for id, f := range running {
-		m.fences[id] = f
+	for _, r := range running {
+		m.fences[r.id] = r.f
 	}
 	for i := range effects {
 		e := &effects[i]
 		s := e.Stamp
-		outcome := Accepted
-		if m.dedupe {
-			// A key met earlier in the batch is in keys already: its
-			// repeat is a duplicate, as in separate calls.
-			k := dedupeID{s.Scope, s.Key}
-			if _, dup := m.keys[k]; dup {
-				outcome = Duplicate
-			} else {
-				m.keys[k] = struct{}{}
-			}
-		}
+		// A key met earlier in the batch is in keys already: its repeat
+		// is a duplicate, as in separate calls.
+		outcome := m.dedupeOne(s)
 		if outcome == Accepted {
 			m.write(e)
 		}
@@ -183,6 +173,27 @@ func (m *Memory) applyBatch(ctx context.Context, effects []Effect) error {
 		m.rep.Report(ctx, d)
 	}
 	return nil
+}
+
+// runningFence is a fence as the batch being judged leaves it.
+type runningFence struct {
+	id leasehold.FenceID
+	f  leasehold.FenceState
+}
+
+// dedupeOne records s's key as applied and returns Accepted, or
+// Duplicate when it was already; m.mu is held. One map write does both:
+// a look-up before the write hashed each key twice.
+func (m *Memory) dedupeOne(s leasehold.Stamp) Outcome {
+	if !m.dedupe {
+		return Accepted
+	}
+	n := len(m.keys)
+	m.keys[dedupeID{s.Scope, s.Key}] = struct{}{}
+	if len(m.keys) == n {
+		return Duplicate
+	}
+	return Accepted
 }
 
 func (m *Memory) write(e *Effect) {
