@@ -133,14 +133,16 @@ func TestInProcessScenarios(t *testing.T) {
 	for _, r := range rows {
 		names[r.Name] = r
 	}
-	for _, n := range []string{"e2e_throughput", "e2e_cpu", "e2e_throughput_all_or_none", "e2e_throughput_all_or_none_unpacked", "tracing_default", "tracing_always", "tracing_default_cpu", "tracing_always_cpu", "tracing_always_floor_cpu",
+	for _, n := range []string{"e2e_throughput", "e2e_cpu", "e2e_throughput_all_or_none", "e2e_throughput_all_or_none_unpacked", "e2e_cpu_all_or_none", "tracing_default", "tracing_always", "tracing_default_cpu", "tracing_always_cpu", "tracing_always_floor_cpu",
 		"fence_memory", "fence_kv", "fence_kv_batch", "fence_kv_batch_vs_idempotent", "kv_atomic_floor", "fence_postgres"} {
 		if _, ok := names[n]; !ok {
 			t.Errorf("no row %s in %+v", n, rows)
 		}
 	}
-	if r := names["e2e_throughput"]; r.Value <= 0 || r.Baseline == nil || *r.Baseline <= 0 || r.Ratio == nil {
-		t.Errorf("e2e_throughput = %+v", r)
+	for _, n := range []string{"e2e_throughput", "e2e_cpu_all_or_none"} {
+		if r := names[n]; r.Value <= 0 || r.Baseline == nil || *r.Baseline <= 0 || r.Ratio == nil {
+			t.Errorf("%s = %+v", n, r)
+		}
 	}
 }
 
