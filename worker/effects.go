@@ -107,12 +107,13 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 		}
 		size = leasehold.PackedSize(leasehold.PackedEffect{Key: stamp.Key, Header: msg.Header, Data: data})
 	}
+	var lines int // of the stamp, mark and message ID, not written yet
 	switch {
 	case j.r.w.cfg.StampFormat == leasehold.StampCompact && j.r.w.cfg.PackEffects:
 		// Held, and packed unless it is the last: its stamp, mark and
-		// message ID are written when it leaves (see flushWire), and
+		// message ID are written when it leaves (sendHeld), and
 		// meanwhile counted in its size.
-		e.holdWire(stamp, leasehold.JobMark{Job: j.Seq, Attempt: j.wire}, j.nonce)
+		lines = wireLines(stamp, leasehold.JobMark{Job: j.Seq, Attempt: j.wire}, j.nonce)
 	case j.r.w.cfg.StampFormat == leasehold.StampCompact:
 		e.setWire(stamp, leasehold.JobMark{Job: j.Seq, Attempt: j.wire}, j.nonce)
 	default:
@@ -129,7 +130,7 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 	// Sized as the final it may become: the final's headers are the
 	// largest.
 	room := j.r.finalRoom(j.Seq)
-	if err := j.r.checkEffect(msg, room+e.unwritten()); err != nil {
+	if err := j.r.checkEffect(msg, room+unwrittenSize(msg.Header, lines)); err != nil {
 		err = &EffectError{Subject: subject, Key: stamp.Key, Err: err}
 		endSpan(span, err)
 		j.fail(err)
@@ -137,7 +138,7 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 	}
 	// What the subject held so far and may no longer hold goes now, and
 	// this one is held until the handler returns (see output.go).
-	held := heldEffect{msg: msg, key: stamp.Key, size: size}
+	held := heldEffect{msg: msg, key: stamp.Key, size: size, unwritten: lines}
 	if j.r.w.cfg.StampFormat == leasehold.StampCompact {
 		held.wire = e
 	}
@@ -166,10 +167,6 @@ type effectMsg struct {
 	// The room setWire left after the three values in their buffer, for
 	// the mark of the attempt's final (setFinal); nil once used.
 	spare []byte
-	// Set by holdWire until flushWire: the stamp to write, and the bytes
-	// its three header lines will take.
-	stamp   leasehold.Stamp
-	pending int
 }
 
 // finalMarkExtra is what a final's mark adds to the attempt's mark:
@@ -218,13 +215,13 @@ func appendWire(b []byte, st leasehold.Stamp, m leasehold.JobMark, nonce string)
 	return b, stampEnd, markEnd
 }
 
-// holdWire is setWire put off until e leaves (flushWire): with
-// Config.PackEffects an effect that is packed, and not the pack's last,
-// never carries its stamp, mark and message ID as headers, and building
-// them only to drop them took about two fifths of the CPU of such an
-// effect's Publish. It keeps st and the size of the header lines setWire
-// would write, for unwritten.
-func (e *effectMsg) holdWire(st leasehold.Stamp, m leasehold.JobMark, nonce string) {
+// wireLines is the size of the header lines setWire writes for st, m
+// and nonce. With Config.PackEffects an effect that is packed, and not the
+// pack's last, never carries its stamp, mark and message ID as headers,
+// and building them only to drop them took about two fifths of the CPU of
+// such an effect's Publish: Publish counts them instead, and sendHeld
+// writes them when the effect leaves.
+func wireLines(st leasehold.Stamp, m leasehold.JobMark, nonce string) int {
 	var tmp [wireTmp]byte
 	b, stampEnd, markEnd := appendWire(tmp[:0], st, m, nonce)
 	const line = len(": \r\n")
@@ -232,30 +229,16 @@ func (e *effectMsg) holdWire(st leasehold.Stamp, m leasehold.JobMark, nonce stri
 	if markEnd > stampEnd {
 		n += len(leasehold.HeaderMark) + line + markEnd - stampEnd
 	}
-	e.stamp, e.pending = st, n
+	return n
 }
 
-// unwritten is what the header lines holdWire put off add to e's
-// headers on the wire (headerSize): the lines, and the header's framing
-// when e carries no header yet.
-func (e *effectMsg) unwritten() int {
-	if e.pending == 0 {
-		return 0
+// unwrittenSize is what lines of header not written yet add to h on the
+// wire (headerSize): the lines, and the header's framing when h is empty.
+func unwrittenSize(h nats.Header, lines int) int {
+	if lines == 0 || len(h) > 0 {
+		return lines
 	}
-	if len(e.Header) == 0 {
-		return e.pending + len("NATS/1.0\r\n") + len("\r\n")
-	}
-	return e.pending
-}
-
-// flushWire writes what holdWire put off, with the attempt's mark m and
-// nonce, the ones it was given: e is about to leave.
-func (e *effectMsg) flushWire(m leasehold.JobMark, nonce string) {
-	if e.pending == 0 {
-		return
-	}
-	e.setWire(e.stamp, m, nonce)
-	e.stamp, e.pending = leasehold.Stamp{}, 0
+	return lines + len("NATS/1.0\r\n") + len("\r\n")
 }
 
 // setFinal writes m, the mark of the attempt's final, over the mark

@@ -104,39 +104,29 @@ func cloneHeader(h nats.Header) nats.Header {
 	return c
 }
 
-// holdWire counts, before anything is written, exactly the bytes
-// flushWire's headers then add on the wire: an effect held with
+// wireLines and unwrittenSize count, before anything is written, exactly
+// the bytes setWire's headers then add on the wire: an effect held with
 // Config.PackEffects is sized against the max payload by that count, and
 // a count short of it would let through an effect no sink can store. With
 // no header yet, the count takes the header's framing too.
-func TestHoldWireCountsWhatFlushWriteAdds(t *testing.T) {
+func TestWireLinesCountWhatSetWireAdds(t *testing.T) {
 	st := leasehold.Stamp{Scope: "orders", Partition: 7, Epoch: 1796632667003349, Acquisition: "a1796632667003349", Key: "orders.7.42", Worker: "vm-adb4c8"}
 	long := st
 	long.Key = strings.Repeat("k", 300) // past the stack buffer
 	for _, s := range []leasehold.Stamp{st, long} {
 		for _, m := range []leasehold.JobMark{{Job: 42, Attempt: 3}, {Job: 1<<64 - 1, Attempt: 1<<64 - 1}, {}} {
 			for _, h := range []nats.Header{{}, {"Traceparent": {"00-x"}}} {
+				counted := unwrittenSize(h, wireLines(s, m, "0123456789abcdef"))
+				before, headers := headerSize(h), len(h)
 				e := &effectMsg{Msg: nats.Msg{Header: h}}
-				e.holdWire(s, m, "0123456789abcdef")
-				before, counted := headerSize(e.Header), e.unwritten()
-				if len(e.Header) != len(h) {
-					t.Fatalf("holdWire wrote headers: %v", e.Header)
-				}
-				e.flushWire(m, "0123456789abcdef")
+				e.setWire(s, m, "0123456789abcdef")
 				if got := headerSize(e.Header) - before; got != counted {
-					t.Errorf("key of %d bytes, mark %+v, %d headers before: flushWire added %d bytes, holdWire counted %d", len(s.Key), m, len(h), got, counted)
-				}
-				if e.unwritten() != 0 {
-					t.Errorf("after flushWire, %d bytes still unwritten", e.unwritten())
-				}
-				want := &effectMsg{Msg: nats.Msg{Header: nats.Header{}}}
-				want.setWire(s, m, "0123456789abcdef")
-				for k, vs := range want.Header {
-					if !slices.Equal(e.Header[k], vs) {
-						t.Errorf("flushWire wrote %s %q, setWire %q", k, e.Header[k], vs)
-					}
+					t.Errorf("key of %d bytes, mark %+v, %d headers before: setWire added %d bytes, the count is %d", len(s.Key), m, headers, got, counted)
 				}
 			}
 		}
+	}
+	if n := unwrittenSize(nats.Header{}, 0); n != 0 {
+		t.Errorf("nothing unwritten counts %d bytes", n)
 	}
 }

@@ -48,6 +48,9 @@ type heldEffect struct {
 	msg  *nats.Msg // nil: none
 	key  string    // its idempotency key
 	size int       // its entry in a packed body, at the most (with Config.PackEffects)
+	// The size of the stamp, mark and message ID header lines Publish
+	// put off (wireLines), until sendHeld writes them; 0 when written.
+	unwritten int
 	// msg's effectMsg, when it carries the compact stamp and mark
 	// (setWire): its final's mark is written in place (setFinal).
 	wire *effectMsg
@@ -136,10 +139,11 @@ func (j *Job) hold(e heldEffect, room int) ([]heldEffect, heldEffect, error) {
 // mark of last, when it is the attempt's final.
 func (j *Job) sendHeld(ctx context.Context, rest []heldEffect, last heldEffect, mark leasehold.JobMark) error {
 	msg := last.msg
-	if last.wire != nil {
-		// Its stamp, mark and message ID, put off while it was held;
-		// a pack takes the stamp and the message ID from it.
-		last.wire.flushWire(leasehold.JobMark{Job: j.Seq, Attempt: j.wire}, j.nonce)
+	if last.wire != nil && last.unwritten > 0 {
+		// Its stamp, mark and message ID, put off while it was held
+		// (wireLines); a pack takes the stamp and the message ID from
+		// it.
+		last.wire.setWire(j.Lease.Stamp(last.key), leasehold.JobMark{Job: j.Seq, Attempt: j.wire}, j.nonce)
 	}
 	switch {
 	case len(rest) > 0:

@@ -47,10 +47,7 @@ func (r *runner) packFits(o *subjectOutput, e heldEffect, room int) bool {
 	if limit <= 0 {
 		return true // not connected yet: checkSize let the effect by too
 	}
-	size := int64(o.bytes + e.size + headerSize(e.msg.Header) + packRoom + room)
-	if e.wire != nil {
-		size += int64(e.wire.unwritten())
-	}
+	size := int64(o.bytes + e.size + headerSize(e.msg.Header) + unwrittenSize(e.msg.Header, e.unwritten) + packRoom + room)
 	return size+leasehold.SinkHeaderRoom <= limit
 }
 
