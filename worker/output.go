@@ -51,8 +51,9 @@ type heldEffect struct {
 	// The size of the stamp, mark and message ID header lines Publish
 	// put off (wireLines), until sendHeld writes them; 0 when written.
 	unwritten int
-	// msg's effectMsg, when it carries the compact stamp and mark
-	// (setWire): its final's mark is written in place (setFinal).
+	// msg's effectMsg, when the worker writes the compact stamp and mark
+	// (setWire, in Publish or, put off, in sendHeld): its final's mark
+	// is written in place (setFinal).
 	wire *effectMsg
 }
 
