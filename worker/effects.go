@@ -112,7 +112,10 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 	case j.r.w.cfg.StampFormat == leasehold.StampCompact && j.r.w.cfg.PackEffects:
 		// Held, and packed unless it is the last: its stamp, mark and
 		// message ID are written when it leaves (sendHeld), and
-		// meanwhile counted in its size.
+		// meanwhile counted in its size. A caller's Nats-Msg-Id goes
+		// now, as setWire's would replace it: counted beside the
+		// worker's, it made an effect that fits too large.
+		delete(msg.Header, jetstream.MsgIDHeader)
 		lines = wireLines(stamp, leasehold.JobMark{Job: j.Seq, Attempt: j.wire}, j.nonce)
 	case j.r.w.cfg.StampFormat == leasehold.StampCompact:
 		e.setWire(stamp, leasehold.JobMark{Job: j.Seq, Attempt: j.wire}, j.nonce)
