@@ -32,8 +32,11 @@ type Job struct {
 	// when this worker takes the partition again. A job re-run after a
 	// fail-over starts at 1 again.
 	Attempt int
-	Lease   leasehold.Lease // the lease the job is handled under
-	ID      string          // the job's Nats-Msg-Id
+	// Lease is the lease the job is handled under: a copy, to read. The
+	// worker stamps the job's effects from its own, which a handler
+	// cannot change.
+	Lease leasehold.Lease
+	ID    string // the job's Nats-Msg-Id
 	// Enqueued is when the job stream stored the job.
 	Enqueued time.Time
 
@@ -103,7 +106,7 @@ func (j *Job) reserve() (leasehold.Stamp, error) {
 	}
 	idx := j.next
 	j.next++
-	return j.Lease.Stamp(o.EffectKey(idx)), nil
+	return j.r.info.Stamp(o.EffectKey(idx)), nil
 }
 
 // usable reports why nothing more may be emitted for j; j.mu is held.

@@ -82,3 +82,35 @@ func TestPackedCallerMsgIDDoesNotSplitPack(t *testing.T) {
 		t.Fatalf("%d messages in the effect log, packing %v effects (0: one alone), want one pack of 2", len(msgs), packs)
 	}
 }
+
+// A handler that changes its Job.Lease, before an effect or after, does
+// not change what the worker stamps the effect with: packed, its stamp is
+// written when it leaves, after the handler returned.
+func TestHandlerCannotChangeItsStamp(t *testing.T) {
+	for _, pack := range []bool{false, true} {
+		e := newEnv(t, 1)
+		var want leasehold.Lease
+		h := worker.HandlerFunc(func(ctx context.Context, j *worker.Job) error {
+			want = j.Lease
+			j.Lease.Epoch++
+			if err := j.Emit(ctx, []byte("a")); err != nil {
+				return err
+			}
+			j.Lease.Epoch++
+			j.Lease.Holder = "someone-else"
+			return j.Emit(ctx, []byte("b"))
+		})
+		cfg := e.config("w", h)
+		cfg.PackEffects = pack
+		rec := newRecorder()
+		cfg.Observer = rec
+		start(t, cfg)
+		enq := e.enqueue(t, 0, 1)
+		rec.waitCommitted(t, time.Minute, enq[0].Seq)
+		for _, m := range effectLog(t, e) {
+			if m.stamp.Epoch != want.Epoch || m.stamp.Worker != want.Holder || m.stamp.Acquisition != want.Acquisition {
+				t.Errorf("PackEffects %v: an effect stamped epoch %d by %q, want the lease's: epoch %d by %q", pack, m.stamp.Epoch, m.stamp.Worker, want.Epoch, want.Holder)
+			}
+		}
+	}
+}
