@@ -45,7 +45,7 @@ func (j *Job) Origin() leasehold.Origin {
 // origin. Its origin is then its place, for the dead letter.
 func (j *Job) identity() (leasehold.Origin, error) {
 	j.originOnce.Do(func() {
-		j.origin = leasehold.OriginOf(j.Lease.Scope, j.Partition, j.Seq)
+		j.origin = leasehold.OriginOf(j.r.info.Scope, j.Partition, j.Seq)
 		o, ok, err := leasehold.OriginFromHeader(j.Header)
 		switch {
 		case err != nil:

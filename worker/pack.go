@@ -163,5 +163,5 @@ func isTokenByte(c byte) bool {
 // replayed reports whether j is a job stored again (a replay or a move),
 // whose effects carry its origin.
 func (j *Job) replayed() bool {
-	return j.Origin() != leasehold.OriginOf(j.Lease.Scope, j.Partition, j.Seq)
+	return j.Origin() != leasehold.OriginOf(j.r.info.Scope, j.Partition, j.Seq)
 }
