@@ -241,7 +241,7 @@ func unwrittenSize(h nats.Header, lines int) int {
 	if lines == 0 || len(h) > 0 {
 		return lines
 	}
-	return lines + len("NATS/1.0\r\n") + len("\r\n")
+	return lines + headerFrame
 }
 
 // setFinal writes m, the mark of the attempt's final, over the mark

@@ -32,13 +32,17 @@ func (r *runner) checkSize(msg *nats.Msg, room int) error {
 	return nil
 }
 
+// headerFrame is what a message's headers take on the wire beside their
+// lines: "NATS/1.0\r\n" before them and "\r\n" after.
+const headerFrame = len("NATS/1.0\r\n") + len("\r\n")
+
 // headerSize is the size of h on the wire: "NATS/1.0\r\n", one
 // "Name: value\r\n" line per value, and the closing "\r\n".
 func headerSize(h nats.Header) int {
 	if len(h) == 0 {
 		return 0
 	}
-	n := len("NATS/1.0\r\n") + 2
+	n := headerFrame
 	for k, vs := range h {
 		for _, v := range vs {
 			n += len(k) + 2 + len(v) + 2

@@ -45,7 +45,7 @@ func (e *env) allOrNone(ctx context.Context) ([]Row, error) {
 	n := e.pipeJobs()
 	variants := []aonVariant{{aonEffects, true}, {1, false}, {aonEffects, false}}
 	got := make([][]float64, len(variants))
-	cpu := make([][]float64, len(variants)) // µs a effect
+	cpu := make([][]float64, len(variants)) // µs an effect
 	for i := range e.cfg.Runs {
 		// Each run measures all three, starting from another each time, so
 		// that the machine's drift weighs on each alike.
