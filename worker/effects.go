@@ -116,12 +116,12 @@ func (j *Job) Publish(ctx context.Context, subject string, data []byte, opts ...
 		// now, as setWire's would replace it: counted beside the
 		// worker's, it made an effect that fits too large.
 		delete(msg.Header, jetstream.MsgIDHeader)
-		lines = wireLines(stamp, leasehold.JobMark{Job: j.Seq, Attempt: j.wire}, j.nonce)
+		lines = wireLines(stamp, leasehold.JobMark{Job: j.Seq, Attempt: j.wire}, j.nonce[:])
 	case j.r.w.cfg.StampFormat == leasehold.StampCompact:
-		e.setWire(stamp, leasehold.JobMark{Job: j.Seq, Attempt: j.wire}, j.nonce)
+		e.setWire(stamp, leasehold.JobMark{Job: j.Seq, Attempt: j.wire}, j.nonce[:])
 	default:
 		stamp.SetHeaderAs(msg.Header, j.r.w.cfg.StampFormat)
-		e.id[0] = MessageID(stamp, j.nonce)
+		e.id[0] = MessageID(stamp, string(j.nonce[:]))
 		msg.Header[jetstream.MsgIDHeader] = e.id[:]
 		leasehold.JobMark{Job: j.Seq, Attempt: j.wire}.SetHeaderAs(msg.Header, j.r.w.cfg.StampFormat)
 	}
@@ -182,7 +182,7 @@ const finalMarkExtra = 3 * 21
 // or the mark (Publish keeps a caller's copies out): the three values
 // are cut from one string, where SetHeaderAs and MessageID made three,
 // and each value's slice is e's own.
-func (e *effectMsg) setWire(st leasehold.Stamp, m leasehold.JobMark, nonce string) {
+func (e *effectMsg) setWire(st leasehold.Stamp, m leasehold.JobMark, nonce []byte) {
 	// Built on the stack, then copied to a buffer of their length and
 	// the final's mark: a bound taken from the values' lengths left the
 	// buffer twice the size the values need.
@@ -205,7 +205,7 @@ const wireTmp = 384
 
 // appendWire appends the compact stamp st, the mark m and the message ID
 // of st and nonce to b, and returns where the stamp and the mark end.
-func appendWire(b []byte, st leasehold.Stamp, m leasehold.JobMark, nonce string) ([]byte, int, int) {
+func appendWire(b []byte, st leasehold.Stamp, m leasehold.JobMark, nonce []byte) ([]byte, int, int) {
 	b = st.AppendCompact(b)
 	stampEnd := len(b)
 	b = m.AppendCompact(b)
@@ -224,7 +224,7 @@ func appendWire(b []byte, st leasehold.Stamp, m leasehold.JobMark, nonce string)
 // and building them only to drop them took about two fifths of the CPU of
 // such an effect's Publish: Publish counts them instead, and sendHeld
 // writes them when the effect leaves.
-func wireLines(st leasehold.Stamp, m leasehold.JobMark, nonce string) int {
+func wireLines(st leasehold.Stamp, m leasehold.JobMark, nonce []byte) int {
 	var tmp [wireTmp]byte
 	b, stampEnd, markEnd := appendWire(tmp[:0], st, m, nonce)
 	const line = len(": \r\n")
@@ -359,11 +359,18 @@ func MessageID(s leasehold.Stamp, nonce string) string {
 
 // newNonce returns 8 random bytes, hex-encoded.
 func newNonce() string {
+	x := newNonceBytes()
+	return string(x[:])
+}
+
+// newNonceBytes is newNonce's value in an array: a Job keeps its attempt's
+// nonce in one, which costs the job no allocation of its own.
+func newNonceBytes() [16]byte {
 	var b [8]byte
 	_, _ = rand.Read(b[:])
 	var x [16]byte
 	hex.Encode(x[:], b[:])
-	return string(x[:])
+	return x
 }
 
 // publishAsync sends msg without waiting for its acknowledgement, waiting

@@ -28,7 +28,7 @@ func TestSetWireWritesWhatSetHeaderAsWrites(t *testing.T) {
 			want[jetstream.MsgIDHeader] = []string{MessageID(st, "0123456789abcdef")}
 
 			e := &effectMsg{Msg: nats.Msg{Header: nats.Header{"Traceparent": {"00-x"}}}}
-			e.setWire(st, m, "0123456789abcdef")
+			e.setWire(st, m, []byte("0123456789abcdef"))
 			if len(e.Header) != len(want) {
 				t.Fatalf("%+v %+v: headers %v, want %v", st, m, e.Header, want)
 			}
@@ -61,7 +61,7 @@ func TestSetFinalWritesWhatSetHeaderWrites(t *testing.T) {
 		}
 		for _, f := range finals {
 			e := &effectMsg{Msg: nats.Msg{Header: nats.Header{}}}
-			e.setWire(st, m, "0123456789abcdef")
+			e.setWire(st, m, []byte("0123456789abcdef"))
 			before := cloneHeader(e.Header)
 			attempt := e.Header[leasehold.HeaderMark][0]
 			spare := e.spare
@@ -116,10 +116,10 @@ func TestWireLinesCountWhatSetWireAdds(t *testing.T) {
 	for _, s := range []leasehold.Stamp{st, long} {
 		for _, m := range []leasehold.JobMark{{Job: 42, Attempt: 3}, {Job: 1<<64 - 1, Attempt: 1<<64 - 1}, {}} {
 			for _, h := range []nats.Header{{}, {"Traceparent": {"00-x"}}} {
-				counted := unwrittenSize(h, wireLines(s, m, "0123456789abcdef"))
+				counted := unwrittenSize(h, wireLines(s, m, []byte("0123456789abcdef")))
 				before, headers := headerSize(h), len(h)
 				e := &effectMsg{Msg: nats.Msg{Header: h}}
-				e.setWire(s, m, "0123456789abcdef")
+				e.setWire(s, m, []byte("0123456789abcdef"))
 				if got := headerSize(e.Header) - before; got != counted {
 					t.Errorf("key of %d bytes, mark %+v, %d headers before: setWire added %d bytes, the count is %d", len(s.Key), m, headers, got, counted)
 				}

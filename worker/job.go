@@ -46,8 +46,8 @@ type Job struct {
 	originErr  error
 
 	r     *runner
-	nonce string // unique to this attempt: its effects' message IDs carry it
-	wire  uint64 // the attempt's number on the wire: rises with every attempt of the lease
+	nonce [16]byte // unique to this attempt, hex: its effects' message IDs carry it
+	wire  uint64   // the attempt's number on the wire: rises with every attempt of the lease
 
 	// outs are the effects published per subject, in the order the
 	// subjects were first used (see output.go). Most attempts publish on

@@ -144,7 +144,7 @@ func (j *Job) sendHeld(ctx context.Context, rest []heldEffect, last heldEffect, 
 		// Its stamp, mark and message ID, put off while it was held
 		// (wireLines); a pack takes the stamp and the message ID from
 		// it.
-		last.wire.setWire(j.r.info.Stamp(last.key), leasehold.JobMark{Job: j.Seq, Attempt: j.wire}, j.nonce)
+		last.wire.setWire(j.r.info.Stamp(last.key), leasehold.JobMark{Job: j.Seq, Attempt: j.wire}, j.nonce[:])
 	}
 	switch {
 	case len(rest) > 0:

@@ -326,7 +326,7 @@ func (r *runner) newJob(m jetstream.Msg, md *jetstream.MsgMetadata, attempt int)
 		ID:        jobIDOf(h),
 		Enqueued:  md.Timestamp,
 		r:         r,
-		nonce:     newNonce(),
+		nonce:     newNonceBytes(),
 	}
 }
 
