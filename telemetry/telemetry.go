@@ -97,7 +97,7 @@ func New(cfg Config) *Telemetry {
 		cfg.Propagator = otel.GetTextMapPropagator()
 	}
 	return &Telemetry{
-		Tracer:     cfg.TracerProvider.Tracer(ScopeName),
+		Tracer:     newIdleGlobal(cfg.TracerProvider, cfg.TracerProvider.Tracer(ScopeName)), // idleglobal.go
 		Propagator: cfg.Propagator,
 		Metrics:    newMetrics(cfg.MeterProvider.Meter(ScopeName), cfg.PartitionLabels),
 		cfg:        cfg,
