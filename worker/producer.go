@@ -10,7 +10,6 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-	"github.com/nats-io/nuid"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/propagation"
@@ -95,6 +94,7 @@ type Producer struct {
 	tel       *telemetry.Telemetry
 	sendName  string // the enqueue span's name
 	sendAttrs []attribute.KeyValue
+	subjects  []string // each partition's job subject, up to subjectsKept partitions
 
 	mu           sync.Mutex
 	checked      bool // the stream's partition count matched
@@ -123,7 +123,33 @@ func NewProducer(js jetstream.JetStream, cfg ProducerConfig) (*Producer, error) 
 		sendName: telemetry.SpanName("send", template),
 		sendAttrs: []attribute.KeyValue{telemetry.MessagingSystem, semconv.MessagingOperationTypeSend,
 			semconv.MessagingOperationName("send"), semconv.MessagingDestinationTemplate(template)},
+		subjects: keptSubjects(cfg.Prefix, cfg.Partitions),
 	}, nil
+}
+
+// keptSubjects is the job subjects of n partitions under prefix, or nil
+// past subjectsKept partitions.
+func keptSubjects(prefix string, n int) []string {
+	if n > subjectsKept {
+		return nil
+	}
+	subjects := make([]string, n)
+	for i := range subjects {
+		subjects[i] = JobSubject(prefix, leasehold.Partition(i))
+	}
+	return subjects
+}
+
+// subjectsKept is the most partitions whose job subjects a Producer makes
+// once, rather than on every enqueue: about 200 KB of strings at most.
+const subjectsKept = 4096
+
+// subject is partition part's job subject, which part < Partitions has.
+func (p *Producer) subject(part leasehold.Partition) string {
+	if int(part) < len(p.subjects) {
+		return p.subjects[part]
+	}
+	return JobSubject(p.cfg.Prefix, part)
 }
 
 // Enqueued describes a stored job.
@@ -142,66 +168,18 @@ type Enqueued struct {
 	Due time.Time
 }
 
-// EnqueueOption adjusts one enqueue.
-type EnqueueOption func(*enqueueOpts)
-
-type enqueueOpts struct {
-	id     string
-	header nats.Header
-	kind   string
-	key    []byte    // the typed Enqueue's partition key
-	codec  Codec     // the typed Enqueue's codec
-	at     time.Time // a delayed job's due time (EnqueueAt, EnqueueIn)
-	// order is the job's leasehold.HeaderOrderKey: the digest of the key
-	// Enqueue partitioned it by; "" for EnqueueTo's jobs.
-	order string
-	// unique is the job's uniqueness (Unique, UniqueKey), nil for none.
-	unique *uniqueness
-}
-
-// WithOrderKey gives the job the order key of key (see
-// leasehold.HeaderOrderKey): where a partition runs several jobs at once,
-// the jobs of one order key run one after another, in the order they were
-// stored. Enqueue gives every job the order key of its partition key; this
-// is for EnqueueTo, whose jobs otherwise have none, and for an Enqueue
-// that orders its jobs by another key than the one that picks their
-// partition (jobs of one order key on different partitions are not kept
-// in order with each other).
-func WithOrderKey(key []byte) EnqueueOption {
-	return func(o *enqueueOpts) { o.order = leasehold.OrderKey(key) }
-}
-
-// enqueueOptions applies opts, giving the job a random ID unless one is
-// set.
-func enqueueOptions(opts []EnqueueOption) enqueueOpts {
-	var o enqueueOpts
-	for _, opt := range opts {
-		opt(&o)
-	}
-	if o.id == "" {
-		o.id = nuid.Next()
-	}
-	return o
-}
-
-// JobID sets the job's ID, its Nats-Msg-Id: a job enqueued twice with the
-// same ID within the stream's duplicate window is stored once. Without it,
-// each enqueue gets a random ID that its own retries reuse.
-func JobID(id string) EnqueueOption { return func(o *enqueueOpts) { o.id = id } }
-
-// WithHeader adds headers to the job. Handlers see them in Job.Header.
-// Leasehold-* headers are leasehold's to write, and an enqueue that gives
-// one (but Leasehold-Kind) fails; so do Nats-* directives that would purge,
-// schedule or expire jobs.
-func WithHeader(h nats.Header) EnqueueOption { return func(o *enqueueOpts) { o.header = h } }
-
 // Enqueue stores a job on the partition its key hashes to (Kafka's key
 // partitioner: leasehold.PartitionFor) and waits for the stream's ack. The
 // job carries the key's digest (leasehold.HeaderOrderKey): the jobs of one
 // key run one after another, in the order they were stored, even where a
 // partition runs several jobs at once.
 func (p *Producer) Enqueue(ctx context.Context, key, data []byte, opts ...EnqueueOption) (Enqueued, error) {
-	return p.EnqueueTo(ctx, leasehold.PartitionFor(key, p.cfg.Partitions), data, append([]EnqueueOption{WithOrderKey(key)}, opts...)...)
+	part := leasehold.PartitionFor(key, p.cfg.Partitions)
+	o := enqueueOptionsKeyed(key, opts)
+	if o.unique != nil {
+		return p.enqueueUnique(ctx, part, data, o)
+	}
+	return p.enqueueTo(ctx, part, data, o)
 }
 
 // EnqueueTo stores a job on partition part and waits for the stream's ack.
@@ -250,7 +228,7 @@ func (p *Producer) startSend(ctx context.Context, part leasehold.Partition, id s
 	ctx, span := p.tel.Tracer.Start(ctx, p.sendName, producerSpan...)
 	if span.IsRecording() {
 		setAttributes(span, p.sendAttrs,
-			semconv.MessagingDestinationName(JobSubject(p.cfg.Prefix, part)),
+			semconv.MessagingDestinationName(p.subject(part)),
 			telemetry.AttrPartition.Int64(int64(part)),
 			semconv.MessagingMessageID(id),
 		)
@@ -283,7 +261,7 @@ func (p *Producer) message(ctx context.Context, part leasehold.Partition, data [
 			return nil, err
 		}
 	}
-	msg := &nats.Msg{Subject: JobSubject(p.cfg.Prefix, part), Data: data, Header: make(nats.Header, len(o.header)+4)}
+	msg := &nats.Msg{Subject: p.subject(part), Data: data, Header: make(nats.Header, len(o.header)+4)}
 	for k, vs := range o.header {
 		if hasPrefixFold(k, "Nats-Rollup") || hasPrefixFold(k, "Nats-Schedule") || hasPrefixFold(k, "Nats-Scheduler") {
 			return nil, fmt.Errorf("worker: enqueue: header %s is a server directive that would purge or schedule jobs; use EnqueueAt or Producer.Schedule", k)
@@ -301,9 +279,11 @@ func (p *Producer) message(ctx context.Context, part leasehold.Partition, data [
 		msg.Header[k] = vs
 	}
 	p.tel.Propagator.Inject(ctx, telemetry.HeaderCarrier(msg.Header))
-	msg.Header[jetstream.MsgIDHeader] = []string{o.id}
+	// The ID's and the order key's values share one array.
+	vals := []string{o.id, o.order}
+	msg.Header[jetstream.MsgIDHeader] = vals[0:1:1]
 	if o.order != "" {
-		msg.Header[leasehold.HeaderOrderKey] = []string{o.order}
+		msg.Header[leasehold.HeaderOrderKey] = vals[1:2:2]
 	}
 	if o.kind != "" {
 		for k := range msg.Header {
@@ -421,15 +401,18 @@ func (p *Producer) Batch() *Batch { return &Batch{p: p} }
 // Enqueue sends a job to the partition its key hashes to, carrying the
 // key's order key, as Producer.Enqueue does.
 func (b *Batch) Enqueue(ctx context.Context, key, data []byte, opts ...EnqueueOption) error {
-	return b.EnqueueTo(ctx, leasehold.PartitionFor(key, b.p.cfg.Partitions), data, append([]EnqueueOption{WithOrderKey(key)}, opts...)...)
+	return b.enqueueTo(ctx, leasehold.PartitionFor(key, b.p.cfg.Partitions), data, enqueueOptionsKeyed(key, opts))
 }
 
 // EnqueueTo sends a job to partition part, with no order key unless
 // WithOrderKey gives it one (see Producer.EnqueueTo). An error means the
 // job could not be sent and is not part of the batch.
 func (b *Batch) EnqueueTo(ctx context.Context, part leasehold.Partition, data []byte, opts ...EnqueueOption) error {
+	return b.enqueueTo(ctx, part, data, enqueueOptions(opts))
+}
+
+func (b *Batch) enqueueTo(ctx context.Context, part leasehold.Partition, data []byte, o enqueueOpts) error {
 	// The span covers the send; Wait collects the ack.
-	o := enqueueOptions(opts)
 	if o.unique != nil {
 		return errors.New("worker: a Batch does not enqueue unique jobs: use Producer.Enqueue")
 	}
