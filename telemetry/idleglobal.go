@@ -24,31 +24,45 @@ import (
 // context at all.
 //
 // What is recorded is the same:
-//   - once a provider is installed, every span is the global tracer's,
-//     which forwards to it;
 //   - under a parent with trace context (a job enqueued in a trace), every
 //     span is the global tracer's, which carries that context on;
-//   - a process whose global tracer records without a provider (the
-//     eBPF auto-instrumentation switches it on) is found by a span of
-//     the global tracer's every probeEvery starts; from the first that
-//     records, every span is the global tracer's.
+//   - once a provider is installed, every span is the global tracer's,
+//     which forwards to it: from the first start that finds
+//     otel.GetTracerProvider changed, or, for a provider installed and
+//     then replaced by the global again between two starts (the global
+//     forwards to the first provider installed, whatever is installed
+//     after it), from the first probe;
+//   - a global tracer that makes spans without a provider (the eBPF
+//     auto-instrumentation switches it on) is found by the probe as well.
+//
+// The probe is a span of the global tracer's, every probeEvery starts
+// under a parent without trace context: a span that records, or has a
+// trace context of its own (sampled or not), shows the global tracer is
+// live, and every span is its from then on. Until then, at most
+// probeEvery-1 such spans are missed.
 type idleGlobal struct {
 	embedded.Tracer
-	tr       trace.Tracer         // the global provider's
-	tp       trace.TracerProvider // the global provider, as New found it
-	span     trace.Span           // an *idleSpan: compared by pointer
-	starts   atomic.Uint64
-	recorded atomic.Bool // a span of the global tracer's recorded
+	tr     trace.Tracer         // the global provider's
+	tp     trace.TracerProvider // the global provider, as New found it
+	span   trace.Span           // an *idleSpan: compared by pointer
+	starts atomic.Uint64
+	live   atomic.Bool // the global tracer makes spans: pass every start to it
 }
 
 // probeEvery is how often idleGlobal starts a span of the global tracer's
-// all the same, to see whether it records.
+// all the same, to see whether it makes spans.
 const probeEvery = 256
 
 // newIdleGlobal returns tr, the tracer of tp, or an idleGlobal over it
 // when tp is the global provider with nothing installed yet.
 func newIdleGlobal(tp trace.TracerProvider, tr trace.Tracer) trace.Tracer {
-	if tp != otel.GetTracerProvider() || !isGlobalDelegate(tp) {
+	// The type checks come first: comparing two providers of a type that
+	// is not comparable (a struct holding a slice) panics.
+	if !isGlobal(tp) || !isGlobal(tr) || tp != otel.GetTracerProvider() {
+		// Not the global provider; or its tracer is an installed
+		// provider's already (the global forwards to the first one
+		// installed, whatever is installed after it); or a provider is
+		// installed now.
 		return tr
 	}
 	t := &idleGlobal{tr: tr, tp: tp}
@@ -56,27 +70,37 @@ func newIdleGlobal(tp trace.TracerProvider, tr trace.Tracer) trace.Tracer {
 	return t
 }
 
-// isGlobalDelegate reports whether tp is OpenTelemetry's global provider
-// before one is installed: otel.GetTracerProvider returns it until then,
-// and the provider installed from then on.
-func isGlobalDelegate(tp trace.TracerProvider) bool {
-	t := reflect.TypeOf(tp)
-	return t.Kind() == reflect.Pointer && t.Elem().PkgPath() == "go.opentelemetry.io/otel/internal/global"
+// isGlobal reports whether v (a provider or a tracer) is one of
+// OpenTelemetry's global delegating ones, which otel.GetTracerProvider
+// hands out until a provider is installed.
+func isGlobal(v any) bool {
+	t := reflect.TypeOf(v)
+	return t != nil && t.Kind() == reflect.Pointer && t.Elem().PkgPath() == "go.opentelemetry.io/otel/internal/global"
 }
 
 func (t *idleGlobal) Start(ctx context.Context, name string, opts ...trace.SpanStartOption) (context.Context, trace.Span) {
-	if ctx != nil && !t.recorded.Load() && otel.GetTracerProvider() == t.tp && t.starts.Add(1)%probeEvery != 0 {
-		parent := trace.SpanFromContext(ctx)
-		if !parent.SpanContext().IsValid() {
-			if parent == t.span {
-				return ctx, parent
-			}
-			return trace.ContextWithSpan(ctx, t.span), t.span
+	if ctx == nil || t.live.Load() {
+		return t.tr.Start(ctx, name, opts...)
+	}
+	if otel.GetTracerProvider() != t.tp { // t.tp is a pointer: this cannot panic
+		t.live.Store(true)
+		return t.tr.Start(ctx, name, opts...)
+	}
+	parent := trace.SpanFromContext(ctx)
+	if parent.SpanContext().IsValid() {
+		return t.tr.Start(ctx, name, opts...)
+	}
+	if t.starts.Add(1)%probeEvery != 0 {
+		if parent == t.span {
+			return ctx, parent
 		}
+		return trace.ContextWithSpan(ctx, t.span), t.span
 	}
 	ctx, s := t.tr.Start(ctx, name, opts...)
-	if s.IsRecording() && !t.recorded.Load() {
-		t.recorded.Store(true)
+	if s.IsRecording() || s.SpanContext().IsValid() {
+		// Under a parent without trace context, the idle global tracer's
+		// span has none either.
+		t.live.Store(true)
 	}
 	return ctx, s
 }
