@@ -146,7 +146,7 @@ const subjectsKept = 4096
 
 // subject is partition part's job subject, which part < Partitions has.
 func (p *Producer) subject(part leasehold.Partition) string {
-	if int(part) < len(p.subjects) {
+	if uint64(part) < uint64(len(p.subjects)) { // int(part) is negative past 2^31 on 32 bits
 		return p.subjects[part]
 	}
 	return JobSubject(p.cfg.Prefix, part)
@@ -247,7 +247,7 @@ func (p *Producer) retryWait(attempt int) time.Duration {
 // message builds the job message, checking the partition and, the first
 // time, the stream's partition count.
 func (p *Producer) message(ctx context.Context, part leasehold.Partition, data []byte, o enqueueOpts) (*nats.Msg, error) {
-	if int(part) >= p.cfg.Partitions {
+	if uint64(part) >= uint64(p.cfg.Partitions) {
 		return nil, fmt.Errorf("worker: enqueue: partition %d does not exist: the job stream has %d partitions (0 to %d)", part, p.cfg.Partitions, p.cfg.Partitions-1)
 	}
 	if err := p.check(ctx); err != nil {
